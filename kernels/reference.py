@@ -1,0 +1,91 @@
+"""Torch references for every kernel: the CPU path, and the oracle the Triton kernels are tested
+against. Each function states its exact semantics; shapes are in the comments.
+
+Paged KV layout (one layer's view of the unified pool): kv[page, 0|1, slot, kv_head, dim], K at
+0 and V at 1; a sequence's token at position p lives in page block_table[p // block] at slot
+p % block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence contributing `num_tokens` (> 1) query rows, starting at flat row `row` and at
+    position `start_pos`; its keys span positions [0, start_pos + num_tokens)."""
+
+    row: int
+    num_tokens: int
+    start_pos: int
+    block_table: torch.Tensor  # [blocks] long
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner, shared by every layer.
+
+    Rows [0, num_decode) are single-token queries (decode, or a one-token chunk), attending to
+    `decode_context_lens[i]` keys through `decode_block_tables[i]`; the remaining rows belong to
+    the `prefills`, in order.
+    """
+
+    slot_pages: torch.Tensor            # [T] long: page receiving each token's K/V
+    slot_offsets: torch.Tensor          # [T] long: slot inside that page
+    num_decode: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [Bd, maxb] long (padding: any valid page)
+    decode_mask: torch.Tensor | None = None          # [Bd, 1, 1, maxb*block] bool, True = attend
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """kv[slot_pages[t], 0, slot_offsets[t]] = k[t]; same for v at 1.  kv: [P, 2, B, KVH, D]."""
+    idx = (meta.slot_pages, meta.slot_offsets)
+    kv[:, 0].index_put_(idx, k)
+    kv[:, 1].index_put_(idx, v)
+
+
+def gather_kv(kv: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_tables [N, nb] -> keys, values [N, KVH, nb*B, D] in position order."""
+    n, nb = block_tables.shape
+    _, _, block, kvh, d = kv.shape
+    pages = kv[block_tables]                               # [N, nb, 2, B, KVH, D]
+    k = pages[:, :, 0].reshape(n, nb * block, kvh, d).transpose(1, 2)
+    v = pages[:, :, 1].reshape(n, nb * block, kvh, d).transpose(1, 2)
+    return k, v
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of every query row over its own sequence's keys, with this step's K/V
+    first written into the pages.  q: [T, H, D]; k, v: [T, KVH, D]; kv: [P, 2, B, KVH, D].
+    Returns [T, H*D]."""
+    write_kv(kv, k, v, meta)
+    t, h, d = q.shape
+    out = q.new_empty(t, h, d)
+    nd = meta.num_decode
+    if nd:
+        keys, values = gather_kv(kv, meta.decode_block_tables)       # [Bd, KVH, S, D]
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values,
+                                           attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        out[:nd] = o.squeeze(2)                                      # [Bd, H, D]
+    for seq in meta.prefills:
+        rows = slice(seq.row, seq.row + seq.num_tokens)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
+        if seq.start_pos == 0:  # nothing cached before: attend to this step's own keys
+            ks = k[rows].transpose(0, 1).unsqueeze(0)
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ctx = seq.start_pos + seq.num_tokens
+            ks, vs = gather_kv(kv, seq.block_table.unsqueeze(0))
+            ks, vs = ks[:, :, :ctx], vs[:, :, :ctx]
+            qpos = torch.arange(seq.start_pos, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos      # [n, ctx]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    return out.view(t, h * d)

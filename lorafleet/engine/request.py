@@ -1,0 +1,125 @@
+"""A request's parameters, its state while the engine works on it, and what it hands back."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lorafleet.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate. temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those
+    filters; `logprobs` = N returns the N most likely tokens (plus the chosen one) per step."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        # lists are welcome at the boundary; stored as tuples so params stay hashable/frozen
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise InvalidRequestError(f"SamplingParams: {msg}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity, not field equality: requests are tracked by object
+class Request:
+    """One sequence. `token_ids` = prompt + generated so far; the engine has computed KV for the
+    first `num_computed` of them. Preemption resets `num_computed` to 0 (recompute)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed: int = 0
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    text: str = ""
+    detokenizer: object = None
+    emitted: int = 0  # characters of text already streamed out
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:  # decode: no copy of the whole sequence
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far. `new_token_ids`/`new_text` hold this step's delta
+    (for streaming); `token_ids`/`text`/`logprobs` hold everything."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    adapter: str | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""

@@ -1,0 +1,68 @@
+"""ModelRunner: turns a scheduled step into flat batch tensors, runs the model, returns logits.
+
+Row order of the flat batch: single-token chunks first (decode), then multi-token chunks
+(prefill), so one batched attention call covers every decode row (see kernels/reference.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lorafleet.engine.scheduler import Chunk
+from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
+from lorafleet.memory.kv import KVCacheManager
+from lorafleet.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCacheManager):
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+
+    @staticmethod
+    def order(chunks: list[Chunk]) -> list[Chunk]:
+        return [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False) -> torch.Tensor:
+        """`chunks` must already be in `order()`. Returns logits [S, V] for the chunks that
+        sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
+        dev, bs = self.device, self.kv.block_size
+        ids, pos, rows = [], [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        row = 0
+        for c in chunks:
+            r, start = c.request, c.request.num_computed
+            ids.extend(r.token_at(start, start + c.num_tokens))
+            pos.append(np.arange(start, start + c.num_tokens))
+            table = self.kv.table(r.request_id)
+            if c.num_tokens == 1:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSeq(row, c.num_tokens, start,
+                                           torch.tensor(table, dtype=torch.long, device=dev)))
+            row += c.num_tokens
+            if c.samples:
+                rows.append(row - 1)
+        positions = np.concatenate(pos)
+        tables_np = [np.asarray(self.kv.table(c.request.request_id)) for c in chunks]
+        pages = np.concatenate([t[p // bs] for t, p in zip(tables_np, pos)])
+        meta = AttentionMetadata(
+            slot_pages=torch.from_numpy(pages).to(dev),
+            slot_offsets=torch.from_numpy(positions % bs).to(dev),
+            num_decode=len(decode_tables), prefills=prefills)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for i, t in enumerate(decode_tables):
+                padded[i, :len(t)] = t
+            lens = torch.tensor(decode_lens, device=dev)
+            meta.decode_block_tables = torch.from_numpy(padded).to(dev)
+            meta.decode_mask = (torch.arange(width * bs, device=dev) < lens[:, None])[:, None, None, :]
+        return self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.from_numpy(positions).to(dev), meta, self.kv.cache,
+                          torch.arange(row, device=dev) if all_logits else
+                          torch.tensor(rows, dtype=torch.long, device=dev), lora)

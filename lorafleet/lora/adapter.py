@@ -1,0 +1,570 @@
+"""Parse and validate a Hugging Face PEFT LoRA adapter folder against a base model's shapes.
+
+An adapter folder holds `adapter_config.json` and `adapter_model.safetensors`. `load_adapter`
+checks both against a `BaseShapes` and returns plain per-(layer, module) tensors plus the scale
+PEFT would apply, ready for the engine to copy into its page pool. Everything an adapter author
+can get wrong is refused with an `AdapterError` whose message names the file, tensor or field.
+
+PEFT semantics mirrored here (peft 0.21, `tuners/tuners_utils.py::check_target_module_exists`,
+`utils/other.py::get_pattern_key`, `tuners/lora/model.py::_create_and_replace`,
+`tuners/lora/layer.py::update_layer`):
+
+* `target_modules` as a list: a module is targeted when its full name equals an item or ends with
+  "." + item; `layers_to_transform` (with `layers_pattern`) then filters by layer index, but only
+  for the "ends with" case. As a string: a regex full-matched against the full name
+  (`layers_to_transform` is ignored, as in PEFT), or "all-linear" (any case): every projection.
+* `exclude_modules`: a regex string (full match) or a list (equal, or ends with "." + item).
+* `rank_pattern` / `alpha_pattern`: the first key, in file order, for which
+  `re.match(rf"(.*\\.)?({key})$", full_name)` succeeds gives that module's r / lora_alpha.
+* scale = lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`.
+* `fan_in_fan_out`: PEFT stores lora_A / lora_B as `nn.Linear` weights ([r, in] and [out, r])
+  whatever this flag says; the flag describes the *base* layer (GPT-2 style Conv1D). For a Llama
+  base (nn.Linear) PEFT resets it to False, so it changes nothing here either.
+
+A pickled `adapter_model.bin` is never opened: unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorafleet.errors import AdapterError
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Llama modules that exist but cannot carry a LoRA here (named so refusals can say so).
+_OTHER_BASE_MODULES = ("model.embed_tokens", "lm_head")
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_NAME = "adapter_model.bin"
+
+_MAX_CONFIG_BYTES = 16 << 20
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+_KEY_PREFIX = "base_model.model."
+_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.weight$")
+_MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>[^.]+)\.(?P<proj>[^.]+)$")
+_ST_DTYPES = {  # safetensors dtype -> bytes per element (floating types only are accepted)
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1,
+}
+_FLOAT_ST_DTYPES = {"F64", "F32", "F16", "BF16"}
+# init_lora_weights values whose adapters expect a base model rewritten at init time.
+_BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq", "mica")
+# Config fields naming LoRA variants / features whose forward pass is not plain `scale * B @ A @ x`
+# or which need more than the LoRA tensors; refused when set to anything truthy.
+_UNSUPPORTED_FIELDS = (
+    "use_dora", "lora_bias", "use_qalora", "layer_replication", "target_parameters",
+    "trainable_token_indices", "alora_invocation_tokens", "use_bdlora", "arrow_config",
+    "kasa_config", "monteclora_config",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data classes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseShapes:
+    """What an adapter is checked against: layer count and each projection's (in, out) features.
+    Module full names follow the HF Llama layout: `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
+    `model.layers.{i}.mlp.{gate,up,down}_proj`."""
+
+    num_layers: int
+    features: dict[str, tuple[int, int]]
+
+    @classmethod
+    def from_model_config(cls, cfg: Any) -> BaseShapes:
+        """From anything with `num_layers` and `linear_features()` (lorafleet's ModelConfig)."""
+        return cls(num_layers=int(cfg.num_layers), features=dict(cfg.linear_features()))
+
+    def module_names(self) -> dict[str, tuple[int, str]]:
+        """Full module name -> (layer, module) for every projection the base has."""
+        out: dict[str, tuple[int, str]] = {}
+        for i in range(self.num_layers):
+            for m in MODULES:
+                if m in self.features:
+                    out[f"model.layers.{i}.{_BLOCK[m]}.{m}"] = (i, m)
+        return out
+
+
+@dataclass
+class LoraWeights:
+    a: torch.Tensor  # [r, in_features]  (lora_A)
+    b: torch.Tensor  # [out_features, r] (lora_B)
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass
+class LoraAdapter:
+    path: Path
+    digest: str
+    config: dict
+    weights: dict[tuple[int, str], LoraWeights]
+
+    @property
+    def max_rank(self) -> int:
+        return max((w.rank for w in self.weights.values()), default=0)
+
+    @property
+    def num_params(self) -> int:
+        return sum(w.a.numel() + w.b.numel() for w in self.weights.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weights take at the dtype they were loaded as."""
+        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
+                   for w in self.weights.values())
+
+    def modules(self) -> set[str]:
+        return {m for _, m in self.weights}
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _no_duplicate_keys(source: Path):
+    def hook(pairs: list[tuple[str, Any]]) -> dict:
+        out: dict = {}
+        for k, v in pairs:
+            if k in out:
+                raise AdapterError(f"{source}: duplicate key {k!r} in JSON object")
+            out[k] = v
+        return out
+    return hook
+
+
+def _folder(path: str | Path) -> Path:
+    folder = Path(path)
+    if not folder.exists():
+        raise AdapterError(f"adapter folder {folder} does not exist")
+    if not folder.is_dir():
+        raise AdapterError(f"adapter path {folder} is not a folder (expected a folder holding "
+                           f"{CONFIG_NAME} and {WEIGHTS_NAME})")
+    return folder
+
+
+def _weights_file(folder: Path) -> Path:
+    st = folder / WEIGHTS_NAME
+    if st.is_file():
+        return st
+    if (folder / PICKLE_NAME).exists():
+        raise AdapterError(
+            f"{folder / PICKLE_NAME}: pickled adapter weights are refused (loading a pickle can run "
+            f"arbitrary code); convert the adapter to {WEIGHTS_NAME}")
+    raise AdapterError(f"{st}: file missing")
+
+
+def _regex(pattern: str, where: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise AdapterError(f"{where}: invalid regular expression {pattern!r}: {e}") from None
+
+
+def _validate_config(cfg: dict, source: Path) -> None:
+    def bad(field: str, why: str) -> AdapterError:
+        return AdapterError(f"{source}: {field}: {why}")
+
+    peft_type = cfg.get("peft_type")
+    if peft_type is None:
+        raise bad("peft_type", "missing (expected \"LORA\")")
+    if peft_type != "LORA":
+        raise bad("peft_type", f"{peft_type!r} is not supported (only \"LORA\")")
+
+    for field in _UNSUPPORTED_FIELDS:
+        if cfg.get(field):
+            extra = " (DoRA)" if field == "use_dora" else ""
+            raise bad(field, f"{cfg[field]!r}: not supported{extra}")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_MUTATING_INITS):
+        raise bad("init_lora_weights", f"{init!r} adapters need a base model modified at init "
+                  "time; convert the adapter to plain LoRA (save_pretrained with "
+                  "path_initial_model_for_weight_conversion)")
+
+    bias = cfg.get("bias", "none")
+    if bias != "none":
+        raise bad("bias", f"{bias!r} is not supported (only \"none\": trained biases are not served)")
+    if cfg.get("modules_to_save"):
+        raise bad("modules_to_save", f"{cfg['modules_to_save']!r}: fully trained modules are not "
+                  "supported (only LoRA deltas)")
+
+    r = cfg.get("r")
+    if not _is_int(r) or r <= 0:
+        raise bad("r", f"{r!r} must be a positive integer")
+    alpha = cfg.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise bad("lora_alpha", f"{alpha!r} must be a finite number")
+    for field in ("use_rslora", "fan_in_fan_out"):
+        if not isinstance(cfg.get(field, False), bool):
+            raise bad(field, f"{cfg[field]!r} must be true or false")
+
+    for field, check, what in (("rank_pattern", lambda v: _is_int(v) and v > 0, "a positive integer"),
+                               ("alpha_pattern", _is_number, "a finite number")):
+        pat = cfg.get(field) or {}
+        if not isinstance(pat, dict):
+            raise bad(field, f"{pat!r} must be an object")
+        for key, value in pat.items():
+            _regex(rf"(.*\.)?({key})$", f"{source}: {field}[{key!r}]")
+            if not check(value):
+                raise bad(f"{field}[{key!r}]", f"{value!r} must be {what}")
+
+    tm = cfg.get("target_modules")
+    if tm is None:
+        raise bad("target_modules", "missing")
+    if isinstance(tm, str):
+        if tm.lower() != "all-linear":
+            _regex(tm, f"{source}: target_modules")
+    elif not (isinstance(tm, list) and tm and all(isinstance(t, str) and t for t in tm)):
+        raise bad("target_modules", f"{tm!r} must be a non-empty list of names, a regex string "
+                  "or \"all-linear\"")
+
+    ex = cfg.get("exclude_modules")
+    if isinstance(ex, str):
+        _regex(ex, f"{source}: exclude_modules")
+    elif ex is not None and not (isinstance(ex, list) and all(isinstance(t, str) for t in ex)):
+        raise bad("exclude_modules", f"{ex!r} must be a list of names or a regex string")
+
+    lt = cfg.get("layers_to_transform")
+    if lt is not None:
+        items = [lt] if not isinstance(lt, list) else lt
+        if not all(_is_int(i) and i >= 0 for i in items):
+            raise bad("layers_to_transform", f"{lt!r} must be a non-negative integer or a list of them")
+    lp = cfg.get("layers_pattern")
+    if lp is not None:
+        items = [lp] if isinstance(lp, str) else lp
+        if not (isinstance(items, list) and all(isinstance(p, str) for p in items)):
+            raise bad("layers_pattern", f"{lp!r} must be a string or a list of strings")
+        for p in items:
+            _regex(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", f"{source}: layers_pattern")
+
+
+def _read_config(folder: Path) -> dict:
+    cfg_path = folder / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise AdapterError(f"{cfg_path}: file missing")
+    if cfg_path.stat().st_size > _MAX_CONFIG_BYTES:
+        raise AdapterError(f"{cfg_path}: file too large for an adapter config")
+    try:
+        text = cfg_path.read_text(encoding="utf-8")
+        cfg = json.loads(text, object_pairs_hook=_no_duplicate_keys(cfg_path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{cfg_path}: not valid JSON: {e}") from None
+    except OSError as e:
+        raise AdapterError(f"{cfg_path}: unreadable: {e}") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    _validate_config(cfg, cfg_path)
+    return cfg
+
+
+def read_adapter_config(path: str | Path, base: BaseShapes | None = None) -> dict:
+    """The validated `adapter_config.json` of the adapter folder `path`, without reading tensors.
+
+    Also checks that the weights file is present (and refuses a pickle-only folder). With `base`,
+    also checks that the target modules select projections the base has."""
+    folder = _folder(path)
+    cfg = _read_config(folder)
+    _weights_file(folder)
+    if base is not None:
+        _targeted(cfg, base, folder / CONFIG_NAME)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Target matching (PEFT semantics)
+# ---------------------------------------------------------------------------------------------
+
+
+def _pattern_key(patterns: dict, name: str) -> str | None:
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return key
+    return None
+
+
+def _layer_index(cfg: dict, name: str) -> int | None:
+    lp = cfg.get("layers_pattern")
+    match = None
+    if not lp:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+    else:
+        for p in [lp] if isinstance(lp, str) else lp:
+            match = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name)
+            if match is not None:
+                break
+    return int(match.group("idx")) if match else None
+
+
+def _excluded(cfg: dict, name: str) -> bool:
+    ex = cfg.get("exclude_modules")
+    if not ex:
+        return False
+    if isinstance(ex, str):
+        return re.fullmatch(ex, name) is not None
+    return name in ex or any(name.endswith(f".{e}") for e in ex)
+
+
+def _is_target(cfg: dict, name: str) -> bool:
+    if _excluded(cfg, name):
+        return False
+    tm = cfg["target_modules"]
+    if isinstance(tm, str):
+        if tm.lower() == "all-linear":
+            return True  # only called on projection names; lm_head is never one
+        return re.fullmatch(tm, name) is not None
+    if not any(name.endswith(f".{t}") for t in tm):
+        return False
+    lt = cfg.get("layers_to_transform")
+    if lt is None or (isinstance(lt, list) and not lt):
+        return True
+    idx = _layer_index(cfg, name)
+    if idx is None:
+        return False
+    return idx == lt if _is_int(lt) else idx in lt
+
+
+def _targeted(cfg: dict, base: BaseShapes, source: Path) -> dict[str, tuple[int, str]]:
+    """Full name -> (layer, module) of every base projection the config targets; refuses target
+    entries that cannot select a supported projection of this base."""
+    names = base.module_names()
+    tm = cfg["target_modules"]
+    supported = ", ".join(MODULES)
+    if isinstance(tm, list):
+        for item in tm:
+            if not any(n == item or n.endswith(f".{item}") for n in names):
+                raise AdapterError(
+                    f"{source}: target_modules entry {item!r} matches no supported module of the "
+                    f"base model (LoRA is served on {supported} of model.layers.0-{base.num_layers - 1})")
+    elif tm.lower() != "all-linear":
+        for other in _OTHER_BASE_MODULES:
+            if re.fullmatch(tm, other) and not _excluded(cfg, other):
+                raise AdapterError(f"{source}: target_modules {tm!r} matches {other!r}, which is not "
+                                   f"a supported LoRA target (only {supported})")
+    targeted = {n: lm for n, lm in names.items() if _is_target(cfg, n)}
+    if not targeted:
+        raise AdapterError(f"{source}: target_modules {tm!r} (with exclude_modules / "
+                           f"layers_to_transform) matches no module of the base model")
+    return targeted
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_safetensors_header(path: Path) -> dict:
+    """Checks that `path` is a complete safetensors file; returns its header (without metadata)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise AdapterError(f"{path}: not a safetensors file (truncated: {size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n < 2 or n > _MAX_HEADER_BYTES or 8 + n > size:
+                raise AdapterError(f"{path}: not a safetensors file or truncated (header length "
+                                   f"{n}, file size {size})")
+            raw = f.read(n)
+    except OSError as e:
+        raise AdapterError(f"{path}: unreadable: {e}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{path}: malformed safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise AdapterError(f"{path}: malformed safetensors header (not a JSON object)")
+    data_len = size - 8 - n
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise AdapterError(f"{path}: malformed safetensors header entry for tensor {name!r}") from e
+        if dtype not in _ST_DTYPES:
+            raise AdapterError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+                and _is_int(begin) and _is_int(end) and 0 <= begin <= end):
+            raise AdapterError(f"{path}: malformed safetensors header entry for tensor {name!r}")
+        if end > data_len:
+            raise AdapterError(f"{path}: truncated: tensor {name!r} ends at byte {end} of a "
+                               f"{data_len}-byte data section")
+        if end - begin != math.prod(shape) * _ST_DTYPES[dtype]:
+            raise AdapterError(f"{path}: tensor {name!r}: byte range does not match its dtype/shape")
+        tensors[name] = info
+    return tensors
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    header = _check_safetensors_header(path)
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+            if set(keys) != set(header):
+                raise AdapterError(f"{path}: malformed safetensors file (tensor list disagrees with header)")
+            for k in keys:
+                out[k] = f.get_tensor(k)
+    except AdapterError:
+        raise
+    except Exception as e:  # safetensors raises SafetensorError and friends on a bad file
+        raise AdapterError(f"{path}: malformed safetensors file: {e}") from None
+    return out
+
+
+def _digest(cfg: dict, tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+
+    def put(b: bytes) -> None:
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+
+    put(b"lorafleet-lora-adapter-v1")
+    put(json.dumps(cfg, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        put(name.encode())
+        put(str(t.dtype).encode())
+        put(json.dumps(list(t.shape)).encode())
+        put(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _key_slot(key: str, base: BaseShapes, path: Path) -> tuple[int, str, str, str | None]:
+    """Tensor key -> (layer, module, "A"|"B", adapter name or None); refuses anything else."""
+    if "lora_magnitude_vector" in key:
+        raise AdapterError(f"{path}: tensor {key!r} is a DoRA magnitude vector; DoRA is not supported")
+    m = _KEY_RE.match(key)
+    if m is None:
+        raise AdapterError(
+            f"{path}: tensor {key!r} is not a LoRA weight of a supported module (expected "
+            f"'{_KEY_PREFIX}model.layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight' / lora_B)")
+    module = m.group("module")
+    mm = _MODULE_RE.match(module)
+    if mm is None or mm.group("proj") not in MODULES or _BLOCK[mm.group("proj")] != mm.group("block") \
+            or str(int(mm.group("layer"))) != mm.group("layer"):
+        raise AdapterError(f"{path}: tensor {key!r} targets module {module!r}, which is not a "
+                           f"supported LoRA target of the base model (only {', '.join(MODULES)})")
+    layer, proj = int(mm.group("layer")), mm.group("proj")
+    if proj not in base.features:
+        raise AdapterError(f"{path}: tensor {key!r} targets {proj!r}, which the base model lacks")
+    if layer >= base.num_layers:
+        raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
+                           f"{base.num_layers} layers")
+    return layer, proj, m.group("ab"), m.group("name")
+
+
+def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.float32) -> LoraAdapter:
+    """Load and validate the PEFT LoRA adapter folder `path` against `base`; tensors come back
+    contiguous, at `dtype`."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    folder = _folder(path)
+    cfg = _read_config(folder)
+    cfg_path = folder / CONFIG_NAME
+    st_path = _weights_file(folder)
+    targeted = _targeted(cfg, base, cfg_path)
+    tensors = _read_tensors(st_path)
+
+    if not tensors:
+        raise AdapterError(f"{st_path}: holds no LoRA tensors")
+
+    slots: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    adapter_names: set[str | None] = set()
+    for key in sorted(tensors):
+        layer, proj, ab, name = _key_slot(key, base, st_path)
+        adapter_names.add(name)
+        if len(adapter_names) > 1:
+            raise AdapterError(f"{st_path}: tensor {key!r}: tensors of several adapter names "
+                               f"({sorted(map(str, adapter_names))}) in one file")
+        full = f"model.layers.{layer}.{_BLOCK[proj]}.{proj}"
+        if full not in targeted:
+            raise AdapterError(f"{st_path}: tensor {key!r} is for module {full!r}, which "
+                               f"{CONFIG_NAME} does not target (target_modules "
+                               f"{cfg['target_modules']!r})")
+        t = tensors[key]
+        if t.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+            raise AdapterError(f"{st_path}: tensor {key!r} has dtype {t.dtype}; LoRA weights must "
+                               "be floating point")
+        if t.dim() != 2:
+            raise AdapterError(f"{st_path}: tensor {key!r} has shape {list(t.shape)}; expected 2 dims")
+        if not bool(torch.isfinite(t).all()):
+            raise AdapterError(f"{st_path}: tensor {key!r} holds non-finite values (NaN or Inf)")
+        slot = slots.setdefault((layer, proj), {})
+        slot[ab] = (key, t)
+
+    digest = _digest(cfg, tensors)
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    weights: dict[tuple[int, str], LoraWeights] = {}
+    for full, (layer, proj) in sorted(targeted.items(), key=lambda kv: (kv[1][0], MODULES.index(kv[1][1]))):
+        slot = slots.get((layer, proj))
+        if slot is None:
+            raise AdapterError(f"{st_path}: no lora_A/lora_B tensors for {full!r}, which "
+                               f"{CONFIG_NAME} targets")
+        for have, miss in (("A", "B"), ("B", "A")):
+            if have in slot and miss not in slot:
+                raise AdapterError(f"{st_path}: tensor {slot[have][0]!r} has no matching lora_{miss}")
+        (a_key, a), (b_key, b) = slot["A"], slot["B"]
+        fin, fout = base.features[proj]
+        if a.shape[1] != fin:
+            raise AdapterError(f"{st_path}: tensor {a_key!r} has shape {list(a.shape)}: in_features "
+                               f"{a.shape[1]} != {fin} of the base {proj}")
+        if b.shape[0] != fout:
+            raise AdapterError(f"{st_path}: tensor {b_key!r} has shape {list(b.shape)}: "
+                               f"out_features {b.shape[0]} != {fout} of the base {proj}")
+        rank = int(a.shape[0])
+        if b.shape[1] != rank:
+            raise AdapterError(f"{st_path}: rank mismatch: {a_key!r} has rank {rank} but {b_key!r} "
+                               f"has rank {b.shape[1]}")
+        r_key = _pattern_key(rank_pattern, full)
+        r = rank_pattern[r_key] if r_key is not None else cfg["r"]
+        if rank != r:
+            where = f"rank_pattern[{r_key!r}]" if r_key is not None else "r"
+            raise AdapterError(f"{st_path}: tensor {a_key!r} has rank {rank} but {CONFIG_NAME} "
+                               f"{where} says {r}")
+        a_key_alpha = _pattern_key(alpha_pattern, full)
+        alpha = alpha_pattern[a_key_alpha] if a_key_alpha is not None else cfg.get("lora_alpha", 8)
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora", False) else alpha / r
+        a_out = a.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        b_out = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+        for key, t in ((a_key, a_out), (b_key, b_out)):
+            if not bool(torch.isfinite(t).all()):
+                raise AdapterError(f"{st_path}: tensor {key!r} overflows {dtype}")
+        weights[(layer, proj)] = LoraWeights(a=a_out, b=b_out, scale=float(scale))
+
+    return LoraAdapter(path=folder, digest=digest, config=cfg, weights=weights)

@@ -1,0 +1,123 @@
+"""THE unified page pool: one tensor, allocated once at start-up, cut into equal pages that hold
+either KV blocks or adapter weights.
+
+Invariants (checked by `check_integrity()`, which tests run after every engine step):
+- every page has exactly one owner: free, KV, or one adapter;
+- free + KV + adapter pages == total pages, and the counters agree with the owner table;
+- the tensor is never reallocated: its address is fixed for the life of the pool, so CUDA graphs
+  captured over it stay valid whatever moves in or out of its pages.
+
+Allocation is a predicate/action pair: `can_allocate(n)` then `allocate(n, owner)`; `allocate`
+raises when the predicate was false. KV pages are taken from the low end (one at a time, as
+sequences grow) and adapter pages from the high end as one contiguous run when one exists, so the
+two kinds rarely interleave and an adapter's weights are usually one zero-copy slice of the
+tensor. When no run is free an adapter still gets its pages (scattered): pages never fragment
+capacity, only contiguity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lorafleet.errors import PoolExhaustedError
+
+FREE = -1
+KV = 0  # owner ids >= 1 are adapters (see `owner_id`)
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_elems: int, dtype: torch.dtype, device: torch.device | str):
+        if num_pages < 1 or page_elems < 1:
+            raise ValueError("a pool needs at least one page of at least one element")
+        self.num_pages = num_pages
+        self.page_elems = page_elems
+        self.tensor = torch.empty(num_pages, page_elems, dtype=dtype, device=device)  # [P, E]
+        self._owner = np.full(num_pages, FREE, dtype=np.int64)  # page -> owner id
+        self._owner_names: dict[int, str] = {KV: "kv"}
+        self._owner_ids: dict[str, int] = {}
+        self._pages_by_owner: dict[int, int] = {KV: 0}
+        self.num_free = num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_elems * self.tensor.element_size()
+
+    @property
+    def num_kv(self) -> int:
+        return self._pages_by_owner[KV]
+
+    def owner_id(self, name: str) -> int:
+        """A stable small integer for an adapter owner name."""
+        if name not in self._owner_ids:
+            oid = len(self._owner_names)
+            self._owner_ids[name], self._owner_names[oid] = oid, name
+            self._pages_by_owner[oid] = 0
+        return self._owner_ids[name]
+
+    # -- predicate / action -------------------------------------------------------------
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= self.num_free
+
+    def allocate(self, n: int, owner: int = KV) -> list[int]:
+        """Take n free pages for `owner` (KV, or an id from `owner_id`)."""
+        if not self.can_allocate(n):
+            raise PoolExhaustedError(f"page pool: {n} pages requested, {self.num_free} free "
+                                     f"of {self.num_pages}")
+        if n == 0:
+            return []
+        free = np.flatnonzero(self._owner == FREE)
+        if owner == KV:
+            pages = free[:n]
+        else:
+            pages = self._contiguous_run(free, n)
+        self._owner[pages] = owner
+        self._pages_by_owner[owner] += n
+        self.num_free -= n
+        return pages.tolist()
+
+    def free(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        idx = np.asarray(pages, dtype=np.int64)
+        owners = self._owner[idx]
+        assert (owners != FREE).all(), f"double free of pages {idx[owners == FREE].tolist()}"
+        assert len(np.unique(idx)) == len(idx), "page freed twice in one call"
+        for oid, count in zip(*np.unique(owners, return_counts=True)):
+            self._pages_by_owner[int(oid)] -= int(count)
+        self._owner[idx] = FREE
+        self.num_free += len(idx)
+
+    def _contiguous_run(self, free: np.ndarray, n: int) -> np.ndarray:
+        """The highest run of n consecutive free pages within the smallest free run that fits
+        (best fit), else the n highest free pages."""
+        breaks = np.flatnonzero(np.diff(free) != 1) + 1
+        starts = np.concatenate([[0], breaks])
+        lengths = np.diff(np.concatenate([starts, [len(free)]]))
+        fits = np.flatnonzero(lengths >= n)
+        if len(fits) == 0:
+            return free[-n:]
+        best = fits[np.lexsort((-starts[fits], lengths[fits]))[0]]  # smallest run, highest first
+        end = starts[best] + lengths[best]
+        return free[end - n:end]
+
+    # -- views & checks -----------------------------------------------------------------
+    def pages_of(self, owner: int) -> np.ndarray:
+        return np.flatnonzero(self._owner == owner)
+
+    def check_integrity(self) -> None:
+        counts = dict(zip(*np.unique(self._owner, return_counts=True)))
+        free = int(counts.pop(FREE, 0))
+        assert free == self.num_free, f"free counter {self.num_free} != {free} free pages"
+        for oid, n in self._pages_by_owner.items():
+            assert int(counts.pop(oid, 0)) == n, f"owner {self._owner_names[oid]}: counter {n} wrong"
+        assert not counts, f"pages owned by unknown owners {counts}"
+        assert free + sum(self._pages_by_owner.values()) == self.num_pages
+
+    def stats(self) -> dict:
+        adapters = {self._owner_names[o]: n for o, n in self._pages_by_owner.items() if o != KV and n}
+        return {
+            "total_pages": self.num_pages, "page_bytes": self.page_bytes,
+            "free_pages": self.num_free, "kv_pages": self.num_kv,
+            "adapter_pages": sum(adapters.values()), "pages_by_adapter": adapters,
+        }

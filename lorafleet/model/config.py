@@ -1,0 +1,160 @@
+"""ModelConfig: the few numbers of a Hugging Face `config.json` that a Llama-family decoder needs.
+
+One parser for every supported family; anything we cannot serve exactly is refused here, with
+the name of the field, so a model never runs with silently different maths.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorafleet.errors import ModelLoadError, UnsupportedModelError
+
+# architecture name in config.json -> family, and what each family adds to plain Llama
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...}; None = default
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence served: the position limit, or the sliding window when one is active
+        (we serve full attention only, which equals sliding attention up to the window)."""
+        window = _active_sliding_window(self.raw)
+        return min(self.max_position_embeddings, window) if window else self.max_position_embeddings
+
+    def linear_features(self) -> dict[str, tuple[int, int]]:
+        """Projection name -> (in_features, out_features), the shapes adapters are checked against."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            model_type = cfg.get("model_type")
+            family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(model_type) if not archs else None
+        if family is None:
+            named = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
+            raise UnsupportedModelError(
+                f"{source}: architecture {named} is not supported; lorafleet serves "
+                + ", ".join(SUPPORTED_ARCHITECTURES))
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            conf = dict(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{source}: missing or invalid field {e}") from None
+        rope_theta, rope_scaling = _parse_rope(cfg, source)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        if family == "qwen2":
+            conf.update(qkv_bias=True, o_bias=False)
+        else:
+            conf.update(qkv_bias=attention_bias, o_bias=attention_bias)
+        conf.update(qk_norm=family == "qwen3", rope_theta=rope_theta, rope_scaling=rope_scaling)
+        eos = cfg.get("eos_token_id")
+        conf["eos_token_ids"] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        conf["bos_token_id"] = cfg.get("bos_token_id")
+        conf["torch_dtype"] = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+        if conf["num_heads"] % conf["num_kv_heads"]:
+            raise ModelLoadError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
+        return cls(raw=cfg, **conf)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: not found; a model folder needs a Hugging Face config.json")
+        try:
+            cfg = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{path}: expected a JSON object")
+        return cls.from_dict(cfg, source=str(path))
+
+
+def _parse_rope(cfg: dict, source: str) -> tuple[float, dict | None]:
+    """RoPE settings from either layout: transformers 4 (`rope_theta` + `rope_scaling`) or
+    transformers 5 (`rope_parameters` holding both)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or None
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"{source}: rope scaling type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        if rope_type == "default":
+            return theta, None
+        return theta, {**scaling, "rope_type": rope_type}
+    return theta, None
+
+
+def _active_sliding_window(cfg: dict) -> int | None:
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        return None
+    return int(window)

@@ -1,0 +1,120 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as plain torch, read top-down.
+
+The model sees a *flat* batch: every token of the step, from every sequence, in one row of
+`input_ids` ([T]); attention is the only place where sequences are told apart, through the
+`AttentionMetadata` the runner builds and the KV pages of the unified pool. Base projections are
+fused (qkv, gate_up) for fewer calls; each LoRA target still gets its own slice of the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lorafleet.kernels.reference import AttentionMetadata, paged_attention
+from lorafleet.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # computed in fp32 whatever the dtype, as the reference implementation does
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend between
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cache(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rope_inv_freq(cfg)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [P, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                                    # [P, D]
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos/sin: [T, 1, D]  (rotate-half layout, as Hugging Face checkpoints use)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel(torch.nn.Module):
+    """Weights live in plain tensors (see `loader.py`), named as below:
+
+    embed [V, H]; per layer: in_norm [H], qkv [Q+2K, H] (+qkv_b), q_norm/k_norm [D] (Qwen3),
+    o [H, Q] (+o_b), post_norm [H], gate_up [2I, H] (+gate_up_b), down [H, I] (+down_b);
+    norm [H]; lm_head [V, H] (the embedding itself when tied).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.w = weights
+        t = weights["embed"]
+        self.dtype, self.device = t.dtype, t.device
+        self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [pages, L, 2, block, KVH, D] (a view of the pool);
+        logits_rows: [S] token rows whose next-token logits are wanted. Returns logits [S, V].
+        `lora` (optional) has `apply(layer, module, x, out)` adding each token's adapter delta."""
+        cfg, w = self.cfg, self.w
+        x = w["embed"][input_ids]                                   # [T, H]
+        cos = self.cos[positions].unsqueeze(1)                      # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        inter = cfg.intermediate_size
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            h = rms_norm(x, w[p + "in_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_b"))       # [T, Q+2K]
+            if lora is not None:
+                lora.apply(i, "q_proj", h, qkv[:, :q_end])
+                lora.apply(i, "k_proj", h, qkv[:, q_end:k_end])
+                lora.apply(i, "v_proj", h, qkv[:, k_end:])
+            q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = paged_attention(q, k, v, kv_cache[:, i], attn, self.scale)   # [T, Q]
+            out = F.linear(o, w[p + "o"], w.get(p + "o_b"))
+            if lora is not None:
+                lora.apply(i, "o_proj", o, out)
+            x = x + out
+            h = rms_norm(x, w[p + "post_norm"], cfg.rms_norm_eps)
+            gu = F.linear(h, w[p + "gate_up"], w.get(p + "gate_up_b"))  # [T, 2I]
+            if lora is not None:
+                lora.apply(i, "gate_proj", h, gu[:, :inter])
+                lora.apply(i, "up_proj", h, gu[:, inter:])
+            a = F.silu(gu[:, :inter]) * gu[:, inter:]
+            out = F.linear(a, w[p + "down"], w.get(p + "down_b"))
+            if lora is not None:
+                lora.apply(i, "down_proj", a, out)
+            x = x + out
+        x = rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)    # only rows that sample
+        return F.linear(x, w["lm_head"]).float()                    # [S, V]

@@ -1,0 +1,61 @@
+"""Sampling as pure functions of (logits, params, generators).
+
+Each row is processed on its own: a request with a seed draws only from its own generator, so
+its tokens do not depend on what else shares the batch. Logprobs are those of the model's raw
+distribution (before temperature and filters), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: [V] (already divided by temperature). Tokens outside the top-k, or outside the
+    smallest set whose probability reaches top_p, get -inf. The most likely token always stays."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = (cum - sorted_logits.softmax(-1)) >= top_p  # mass before this token already enough
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), NEG_INF)
+    return logits
+
+
+def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+               generator: torch.Generator | None) -> int:
+    """One token from one row of logits [V]."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = filter_top_k_top_p(logits / temperature, top_k, top_p).softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """The chosen token's logprob plus the n most likely: {token_id: logprob}. logprobs: [V]."""
+    out = {token: float(logprobs[token])}
+    if n:
+        values, ids = torch.topk(logprobs, n)
+        out.update({int(i): float(v) for i, v in zip(ids.tolist(), values.tolist())})
+    return out
+
+
+def sample(logits: torch.Tensor, params: list, generators: list) -> tuple[list[int], list[dict | None]]:
+    """logits: [S, V] float32; params[i]: SamplingParams; generators[i]: torch.Generator or None.
+    Returns the chosen token ids and, for rows that asked, their logprob dicts."""
+    greedy_tokens = torch.argmax(logits, dim=-1).tolist()  # one batched call covers greedy rows
+    want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs = logits[want_lp].log_softmax(-1) if want_lp else None
+    tokens, lps = [], [None] * len(params)
+    for i, p in enumerate(params):
+        tok = greedy_tokens[i] if p.greedy else sample_row(logits[i], p.temperature, p.top_k,
+                                                            p.top_p, generators[i])
+        tokens.append(tok)
+    for j, i in enumerate(want_lp):
+        lps[i] = top_logprobs(logprobs[j], tokens[i], params[i].logprobs)
+    return tokens, lps

@@ -1,0 +1,408 @@
+"""Tokenizer: text <-> ids and chat templates for a Hugging Face model folder, without transformers.
+
+`tokenizer.json` (the `tokenizers` serialization) is the source of truth for encoding, so
+`encode(text)` gives the ids `transformers.AutoTokenizer.from_pretrained(folder)(text)` gives:
+its post-processor adds the BOS where the model wants one. The side files add what tokenizer.json
+does not hold: the chat template, the named special tokens and the ids that end generation.
+
+Chat templates are rendered the way transformers renders them (same Jinja settings, filters and
+globals), so a prompt built here is byte-for-byte the prompt the model was tuned on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+from lorafleet.errors import InvalidRequestError, ModelLoadError
+
+# The named special tokens transformers passes to every chat template (when set).
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Decoded text ending in this is an unfinished UTF-8 sequence (or, rarely, a real U+FFFD).
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """A loaded tokenizer. Immutable after construction, so one instance serves every request."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        eos_token_ids: Iterable[int] = (),
+        source: str = "<memory>",
+    ):
+        """`backend` is used as is (callers add any missing special tokens first); `special_tokens`
+        maps names from `_NAMED_TOKENS` to token strings; `eos_token_ids` adds to the id of
+        `eos_token`; `source` names where the template came from in error messages."""
+        self._backend = backend
+        self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._bos_id = self.token_to_id(self._special["bos_token"]) if "bos_token" in self._special else None
+        self._pad_id = self.token_to_id(self._special["pad_token"]) if "pad_token" in self._special else None
+        eos = set(eos_token_ids)
+        if "eos_token" in self._special and (eos_id := self.token_to_id(self._special["eos_token"])) is not None:
+            eos.add(eos_id)
+        self._eos_ids = frozenset(eos)
+        # Highest id + 1, not the count: added tokens may leave gaps, and callers size logits by it.
+        self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template, source) if chat_template is not None else None
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> Tokenizer:
+        """Load `folder/tokenizer.json` plus the optional tokenizer_config.json, chat_template.jinja,
+        chat_template.json, config.json and generation_config.json. Raises `ModelLoadError`, naming
+        the file, when tokenizer.json is missing or any of these files is malformed."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: tokenizer.json not found in the model folder")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception for any parse error
+            raise ModelLoadError(f"{path}: malformed tokenizer.json: {e}") from e
+        # Encoding one prompt never pads or truncates; the engine enforces lengths itself.
+        json_pad = (backend.padding or {}).get("pad_token")
+        backend.no_padding()
+        backend.no_truncation()
+
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = _read_json(cfg_path)
+        special = {name: _token_str(cfg.get(name)) for name in _NAMED_TOKENS}
+        special["pad_token"] = special["pad_token"] or json_pad
+        _add_missing_tokens(backend, cfg, special, cfg_path)
+        _add_bos_eos_if_no_post_processor(backend, cfg, special)
+
+        eos_ids: set[int] = set()
+        for name in ("config.json", "generation_config.json"):
+            eos_ids |= _eos_ids(folder / name)
+
+        template, source = _find_chat_template(folder, cfg)
+        return cls(backend, chat_template=template, special_tokens=special, eos_token_ids=eos_ids, source=source)
+
+    # -- properties ------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """One past the highest id the tokenizer knows, added tokens included."""
+        return self._vocab_size
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special.get("eos_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation: `eos_token` and the model/generation configs' ids."""
+        return self._eos_ids
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad_id
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    # -- text <-> ids ----------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids for `text`; with `add_special_tokens` the post-processor adds what the model expects
+        around a sequence (usually the BOS), exactly once."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text for `ids`. No "clean up tokenization spaces" pass: it is wrong for BPE, and it
+        would make streamed text differ from the final text."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(
+        self, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
+    ) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens, context_ids=context_ids)
+
+    # -- chat ------------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the model's chat template; the text, or its ids when `tokenize`.
+
+        `extra` becomes template variables (`tools=[...]`, `enable_thinking=False`...). Raises
+        `InvalidRequestError` when the model has no template, the messages are malformed or the
+        template refuses them (its `raise_exception`, or any failure while rendering)."""
+        if self._template is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        variables = {
+            **self._special,
+            "tools": None,  # defined, as transformers does, so `tools is none` tests work
+            "documents": None,
+            **extra,
+            "messages": _check_messages(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            text = self._template.render(**variables)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # the template is foreign code: any failure is "these messages don't fit"
+            raise InvalidRequestError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+        # The template already wrote every special token the model needs; adding them again would
+        # double the BOS.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class IncrementalDecoder:
+    """Streams text as ids arrive: `step(id)` returns the new text, `flush()` whatever is held back.
+
+    Concatenating every `step` result and then `flush()` gives the text the ids add after
+    `context_ids` (with no context: exactly `tokenizer.decode(ids)`). Text is held back while the
+    decoded tail ends in U+FFFD, i.e. a multi-byte character split across tokens, so characters
+    come out whole. Each step decodes only a short window: the tokens since the last point where
+    the text was complete, plus the chunk before it as context, since decoders like SentencePiece's
+    render a token differently at the start of a sequence (they drop its leading space).
+    """
+
+    # Past this many tokens without a complete tail, slide the window anyway (garbage bytes).
+    _MAX_WINDOW = 32
+    # Prompt tokens kept as context, so the first generated token renders as it does mid-text.
+    _CONTEXT = 4
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        # Window invariant: text of `_ids` = context text + new text; `_emitted` characters of it
+        # are accounted for (the context, plus what was returned); `_read` is where the last
+        # complete chunk ended.
+        self._ids = list(context_ids[-self._CONTEXT :]) if context_ids else []
+        self._read = len(self._ids)
+        self._emitted = len(self._decode(self._ids))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def step(self, token_id: int) -> str:
+        """Feed one id; return the text it completes (often "", never a split character)."""
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        final = len(text.rstrip(_REPLACEMENT))
+        delta = text[self._emitted : final] if final > self._emitted else ""
+        self._emitted = max(self._emitted, final)
+        if final == len(text):
+            # Complete: the chunk since `_read` becomes the context of the next window.
+            self._ids = self._ids[self._read :]
+            self._read = len(self._ids)
+            self._emitted = len(self._decode(self._ids))
+        elif len(self._ids) > self._MAX_WINDOW:
+            # Never completes (invalid bytes): keep only the last tokens, which cover any character
+            # still unfinished (<= 3 bytes), and emit the head as it is, replacement characters
+            # included. Only when dropping the head shortens the text from the front, so that
+            # `_emitted` can be carried over.
+            keep = self._ids[-self._CONTEXT :]
+            head = len(text) - len(kept := self._decode(keep))
+            if text.endswith(kept):
+                if head > self._emitted:
+                    delta += text[self._emitted : head]
+                    self._emitted = head
+                self._emitted -= head
+                self._ids, self._read = keep, 0
+        return delta
+
+    def flush(self) -> str:
+        """The held-back tail (a character the ids left unfinished, as U+FFFD); call once at the end."""
+        text = self._decode(self._ids)
+        delta = text[self._emitted :]
+        self._emitted = len(text)
+        return delta
+
+
+# -- loading helpers -----------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in `path`, or {} when the file does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: malformed JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_str(value: Any) -> str | None:
+    """A token as tokenizer_config.json writes it: a string, or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _added_token(value: Any) -> tokenizers.AddedToken | None:
+    """An AddedToken from an `added_tokens_decoder` entry, keeping its flags."""
+    if not (isinstance(value, dict) and isinstance(value.get("content"), str)):
+        return None
+    flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+    return tokenizers.AddedToken(value["content"], **{k: bool(value[k]) for k in flags if k in value})
+
+
+def _add_missing_tokens(
+    backend: tokenizers.Tokenizer, cfg: dict, special: dict[str, str | None], path: Path
+) -> None:
+    """Register the config's tokens that tokenizer.json lacks as added tokens, as transformers does,
+    so a `<|im_end|>` in the text encodes to its one id rather than to its pieces."""
+    decoder = cfg.get("added_tokens_decoder") or {}
+    try:  # lowest id first: a token missing from the vocab takes the next free id
+        entries = [v for _, v in sorted(decoder.items(), key=lambda kv: int(kv[0]))]
+    except (AttributeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: added_tokens_decoder must map ids to tokens: {e}") from e
+    extras = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []
+    named = [special.get(name) for name in _NAMED_TOKENS]
+    named += [_token_str(t) for t in extras] if isinstance(extras, list) else []
+    wanted = [_added_token(v) for v in entries]
+    wanted += [tokenizers.AddedToken(t, special=True, normalized=False) for t in named if t]
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    for token in wanted:
+        if token is not None and token.content not in present:
+            present.add(token.content)
+            (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+
+
+def _add_bos_eos_if_no_post_processor(backend: tokenizers.Tokenizer, cfg: dict, special: dict) -> None:
+    """A tokenizer.json without a post-processor cannot add the BOS that `add_bos_token: true`
+    asks for; give it one that does, as the Llama tokenizer classes do. When tokenizer.json has a
+    post-processor, it is authoritative and these flags are ignored, as transformers ignores them."""
+    if backend.post_processor is not None:
+        return
+    wanted = [(special.get("bos_token") if cfg.get("add_bos_token") else None),
+              (special.get("eos_token") if cfg.get("add_eos_token") else None)]
+    bos, eos = (t if t is not None and backend.token_to_id(t) is not None else None for t in wanted)
+    if bos is None and eos is None:
+        return
+    single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
+    pair = single + " " + single.replace("$A:0", "$B:1").replace(":0", ":1")
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[(t, backend.token_to_id(t)) for t in (bos, eos) if t]
+    )
+
+
+def _eos_ids(path: Path) -> set[int]:
+    """`eos_token_id` of a config file (an int, a list of ints, or absent)."""
+    value = _read_json(path).get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelLoadError(f"{path}: eos_token_id must be an id or a list of ids, got {value!r}")
+    return set(values)
+
+
+def _pick_template(value: Any) -> str | None:
+    """A template as configs store it: a string, or a list of {name, template} (we use "default")."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for entry in value:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                return entry.get("template")
+    return None
+
+
+def _find_chat_template(folder: Path, cfg: dict) -> tuple[str | None, str]:
+    """The chat template and the file it came from. Same priority as transformers: the separate
+    .jinja file wins over tokenizer_config.json; chat_template.json (a processor file) comes last."""
+    jinja_path = folder / "chat_template.jinja"
+    if jinja_path.is_file():
+        try:
+            return jinja_path.read_text(encoding="utf-8"), str(jinja_path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{jinja_path}: unreadable chat template: {e}") from e
+    if (template := _pick_template(cfg.get("chat_template"))) is not None:
+        return template, str(folder / "tokenizer_config.json")
+    json_path = folder / "chat_template.json"
+    if (template := _pick_template(_read_json(json_path).get("chat_template"))) is not None:
+        return template, str(json_path)
+    return None, ""
+
+
+# -- chat templates ------------------------------------------------------------------------------
+
+
+def _raise_exception(message: str) -> None:
+    """Templates call this to refuse a conversation (e.g. roles that don't alternate)."""
+    raise InvalidRequestError(f"chat template: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML, which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=1)
+def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    # Sandboxed and immutable: templates come from downloaded model folders.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _compile_template(source_text: str, source: str) -> jinja2.Template:
+    try:
+        return _jinja_env().from_string(source_text)
+    except jinja2.TemplateError as e:
+        raise ModelLoadError(f"{source}: chat template does not compile: {e}") from e
+
+
+def _check_messages(messages: Any) -> list[dict]:
+    """Validated copies of `messages`: each a dict with a string `role` and a `content` that is a
+    string, a list of content-part dicts, or absent/null on an assistant message with tool_calls.
+    Keys holding None are dropped, as transformers drops them (templates test for presence)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{i}] must be an object with role and content")
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}].role must be a string")
+        content = message.get("content")
+        parts_ok = isinstance(content, list) and all(isinstance(p, dict) for p in content)
+        if not (isinstance(content, str) or parts_ok or (content is None and message.get("tool_calls"))):
+            raise InvalidRequestError(f"messages[{i}].content must be a string")
+        checked.append({k: v for k, v in message.items() if v is not None})
+    return checked

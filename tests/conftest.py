@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny random models in real Hugging Face formats, built per test session.
+
+Every engine built in the tests checks the pool's integrity after each step
+(LORAFLEET_DEBUG_CHECKS=1).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("LORAFLEET_DEBUG_CHECKS", "1")
+
+import pytest  # noqa: E402
+
+from tests.fixtures import build_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("llama"), "llama")
