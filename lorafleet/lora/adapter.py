@@ -338,6 +338,8 @@ def _is_target(cfg: dict, name: str) -> bool:
         if tm.lower() == "all-linear":
             return True  # only called on projection names; lm_head is never one
         return re.fullmatch(tm, name) is not None
+    if name in tm:
+        return True
     if not any(name.endswith(f".{t}") for t in tm):
         return False
     lt = cfg.get("layers_to_transform")
@@ -360,7 +362,7 @@ def _targeted(cfg: dict, base: BaseShapes, source: Path) -> dict[str, tuple[int,
             if not any(n == item or n.endswith(f".{item}") for n in names):
                 raise AdapterError(
                     f"{source}: target_modules entry {item!r} matches no supported module of the "
-                    f"base model (LoRA is served on {supported} of model.layers.0-{base.num_layers - 1})")
+                    f"base model (LoRA is served on {supported} of its {base.num_layers} layers)")
     elif tm.lower() != "all-linear":
         for other in _OTHER_BASE_MODULES:
             if re.fullmatch(tm, other) and not _excluded(cfg, other):

@@ -48,16 +48,18 @@ class Tokenizer:
         `eos_token`; `source` names where the template came from in error messages."""
         self._backend = backend
         self._special = {k: v for k, v in (special_tokens or {}).items() if v is not None}
-        self._bos_id = self.token_to_id(self._special["bos_token"]) if "bos_token" in self._special else None
-        self._pad_id = self.token_to_id(self._special["pad_token"]) if "pad_token" in self._special else None
-        eos = set(eos_token_ids)
-        if "eos_token" in self._special and (eos_id := self.token_to_id(self._special["eos_token"])) is not None:
-            eos.add(eos_id)
-        self._eos_ids = frozenset(eos)
+        self._bos_id = self._named_id("bos_token")
+        self._pad_id = self._named_id("pad_token")
+        eos_id = self._named_id("eos_token")
+        self._eos_ids = frozenset(eos_token_ids) | ({eos_id} if eos_id is not None else set())
         # Highest id + 1, not the count: added tokens may leave gaps, and callers size logits by it.
         self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        self.chat_template = chat_template
+        self._template_text = chat_template
         self._template = _compile_template(chat_template, source) if chat_template is not None else None
+
+    def _named_id(self, name: str) -> int | None:
+        token = self._special.get(name)
+        return self.token_to_id(token) if token is not None else None
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -91,7 +93,9 @@ class Tokenizer:
             eos_ids |= _eos_ids(folder / name)
 
         template, source = _find_chat_template(folder, cfg)
-        return cls(backend, chat_template=template, special_tokens=special, eos_token_ids=eos_ids, source=source)
+        return cls(
+            backend, chat_template=template, special_tokens=special, eos_token_ids=eos_ids, source=source
+        )
 
     # -- properties ------------------------------------------------------------------------------
 
@@ -120,6 +124,11 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self._pad_id
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja source of the chat template, or None when the model has none."""
+        return self._template_text
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -172,8 +181,9 @@ class Tokenizer:
             text = self._template.render(**variables)
         except InvalidRequestError:
             raise
-        except Exception as e:  # the template is foreign code: any failure is "these messages don't fit"
-            raise InvalidRequestError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+        except Exception as e:  # the template is foreign code: any failure means "these messages don't fit"
+            message = f"chat template failed on these messages: {type(e).__name__}: {e}"
+            raise InvalidRequestError(message) from e
         # The template already wrote every special token the model needs; adding them again would
         # double the BOS.
         return self.encode(text, add_special_tokens=False) if tokenize else text
@@ -185,24 +195,26 @@ class IncrementalDecoder:
     Concatenating every `step` result and then `flush()` gives the text the ids add after
     `context_ids` (with no context: exactly `tokenizer.decode(ids)`). Text is held back while the
     decoded tail ends in U+FFFD, i.e. a multi-byte character split across tokens, so characters
-    come out whole. Each step decodes only a short window: the tokens since the last point where
-    the text was complete, plus the chunk before it as context, since decoders like SentencePiece's
-    render a token differently at the start of a sequence (they drop its leading space).
+    come out whole.
+
+    Each step decodes a short window, never the whole sequence: a few tokens already emitted
+    (the prefix) plus the tokens not yet complete, and returns what the window's text gained past
+    the prefix's. The prefix is there because decoders render a token differently at the start of
+    a sequence (SentencePiece's drop its leading space); it is several tokens long so that a
+    skipped special token alone cannot be the whole of it.
     """
 
-    # Past this many tokens without a complete tail, slide the window anyway (garbage bytes).
-    _MAX_WINDOW = 32
-    # Prompt tokens kept as context, so the first generated token renders as it does mid-text.
-    _CONTEXT = 4
+    _PREFIX = 4  # tokens of context kept in the window
+    _MAX_WINDOW = 32  # past this, the tail is garbage bytes that will never complete
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()):
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
+    ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        # Window invariant: text of `_ids` = context text + new text; `_emitted` characters of it
-        # are accounted for (the context, plus what was returned); `_read` is where the last
-        # complete chunk ended.
-        self._ids = list(context_ids[-self._CONTEXT :]) if context_ids else []
-        self._read = len(self._ids)
+        # Invariant: the first `_emitted` characters of the window's text are accounted for
+        # (the prefix's text, plus every delta returned since).
+        self._ids = list(context_ids[-self._PREFIX :]) if context_ids else []
         self._emitted = len(self._decode(self._ids))
 
     def _decode(self, ids: list[int]) -> str:
@@ -212,27 +224,24 @@ class IncrementalDecoder:
         """Feed one id; return the text it completes (often "", never a split character)."""
         self._ids.append(token_id)
         text = self._decode(self._ids)
+        # A trailing U+FFFD may still become a character, everything before it is final.
         final = len(text.rstrip(_REPLACEMENT))
-        delta = text[self._emitted : final] if final > self._emitted else ""
+        delta = text[self._emitted : final]
         self._emitted = max(self._emitted, final)
         if final == len(text):
-            # Complete: the chunk since `_read` becomes the context of the next window.
-            self._ids = self._ids[self._read :]
-            self._read = len(self._ids)
-            self._emitted = len(self._decode(self._ids))
+            if len(self._ids) > self._PREFIX:  # all emitted: the last tokens become the prefix
+                self._ids = self._ids[-self._PREFIX :]
+                self._emitted = len(self._decode(self._ids))
         elif len(self._ids) > self._MAX_WINDOW:
-            # Never completes (invalid bytes): keep only the last tokens, which cover any character
-            # still unfinished (<= 3 bytes), and emit the head as it is, replacement characters
-            # included. Only when dropping the head shortens the text from the front, so that
-            # `_emitted` can be carried over.
-            keep = self._ids[-self._CONTEXT :]
+            # Invalid bytes that never complete: emit the head as it is (U+FFFD included) and
+            # keep the last tokens, which hold any character still unfinished (<= 3 bytes). Only
+            # when dropping the head shortens the text from the front, or `_emitted` is lost.
+            keep = self._ids[-self._PREFIX :]
             head = len(text) - len(kept := self._decode(keep))
             if text.endswith(kept):
-                if head > self._emitted:
-                    delta += text[self._emitted : head]
-                    self._emitted = head
-                self._emitted -= head
-                self._ids, self._read = keep, 0
+                delta += text[self._emitted : head]
+                self._emitted = max(self._emitted, head) - head
+                self._ids = keep
         return delta
 
     def flush(self) -> str:
@@ -307,10 +316,14 @@ def _add_bos_eos_if_no_post_processor(backend: tokenizers.Tokenizer, cfg: dict, 
     bos, eos = (t if t is not None and backend.token_to_id(t) is not None else None for t in wanted)
     if bos is None and eos is None:
         return
-    single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
-    pair = single + " " + single.replace("$A:0", "$B:1").replace(":0", ":1")
+
+    def pieces(sequence: str, type_id: int) -> list[str]:
+        return [f"{t}:{type_id}" for t in (bos, sequence, eos) if t is not None]
+
     backend.post_processor = tokenizers.processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=[(t, backend.token_to_id(t)) for t in (bos, eos) if t]
+        single=" ".join(pieces("$A", 0)),
+        pair=" ".join(pieces("$A", 0) + pieces("$B", 1)),
+        special_tokens=[(t, backend.token_to_id(t)) for t in (bos, eos) if t is not None],
     )
 
 
@@ -330,7 +343,7 @@ def _pick_template(value: Any) -> str | None:
     if isinstance(value, list):
         for entry in value:
             if isinstance(entry, dict) and entry.get("name") == "default":
-                return entry.get("template")
+                return entry.get("template") if isinstance(entry.get("template"), str) else None
     return None
 
 
@@ -362,7 +375,9 @@ def _raise_exception(message: str) -> None:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # Jinja's own tojson escapes <, >, & and ' for HTML, which would change the prompt.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:

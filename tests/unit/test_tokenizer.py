@@ -4,7 +4,6 @@ decode, chat templates and load errors. No hub downloads: every tokenizer is tra
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
@@ -59,7 +58,11 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "Bonjour! ça va?"},
         {"role": "user", "content": "And then?"},
     ],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "x"}],
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": ""},  # skipped by the template's {% continue %}
+        {"role": "user", "content": "x"},
+    ],
 ]
 
 TOOLS = [{"type": "function", "function": {"name": "météo", "description": "<b>weather</b> & more"}}]
@@ -91,13 +94,16 @@ def _write_folder(folder, raw: RawTokenizer, **config_overrides):
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>",
-        "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "lstrip": False, "rstrip": False, "normalized": False,
-                      "single_word": False, "special": True},
+        "eos_token": {  # AddedToken serialization, as transformers 4 wrote it
+            "__type": "AddedToken", "content": "<|im_end|>", "lstrip": False, "rstrip": False,
+            "normalized": False, "single_word": False, "special": True,
+        },
         "chat_template": CHATML,
         **config_overrides,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    (folder / "config.json").write_text(json.dumps({"eos_token_id": raw.token_to_id("</s>")}), encoding="utf-8")
+    model_config = {"eos_token_id": raw.token_to_id("</s>")}
+    (folder / "config.json").write_text(json.dumps(model_config), encoding="utf-8")
     return folder
 
 
@@ -118,7 +124,6 @@ def tok(folder) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf(folder):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(folder))
 
@@ -160,11 +165,12 @@ def test_properties(tok, hf, raw):
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(tok, hf, conversation, add_generation_prompt):
-    text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-    assert text == hf.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
-    ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+    gen = add_generation_prompt
+    text = tok.apply_chat_template(conversation, add_generation_prompt=gen)
+    assert text == hf.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=False)
+    ids = tok.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=True)
     expected = hf.apply_chat_template(
-        conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        conversation, add_generation_prompt=gen, tokenize=True, return_dict=False
     )
     assert ids == list(expected)
     assert ids.count(tok.bos_token_id) == 1  # the template's BOS, not a second one from encode
@@ -173,7 +179,8 @@ def test_chat_template_matches_transformers(tok, hf, conversation, add_generatio
 def test_chat_template_extra_variables_and_tojson(tok, hf):
     conversation = CONVERSATIONS[0]
     text = tok.apply_chat_template(conversation, tools=TOOLS)
-    assert text == hf.apply_chat_template(conversation, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    expected = hf.apply_chat_template(conversation, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert text == expected
     assert '"météo"' in text and "<b>weather</b> & more" in text  # no ASCII or HTML escaping
 
 
@@ -209,30 +216,43 @@ def test_incremental_decode_of_a_chat_stays_in_a_small_window(tok):
 def test_incremental_decode_of_invalid_bytes(tok):
     # A lone UTF-8 continuation byte never completes: the text still comes out, and the window
     # is bounded.
-    continuation = next(i for i in tok.encode("日", add_special_tokens=False)[::-1] if tok.decode([i]) == "\ufffd")
+    pieces = tok.encode("日", add_special_tokens=False)
+    continuation = next(i for i in reversed(pieces) if tok.decode([i]) == "\ufffd")
     ids = [continuation] * 100 + tok.encode(" ok", add_special_tokens=False)
     decoder = IncrementalDecoder(tok)
     deltas = _stream(decoder, ids)
     assert "".join(deltas) == tok.decode(ids)
-    assert len(decoder._ids) <= IncrementalDecoder._MAX_WINDOW + 1
+    assert len(decoder._ids) <= IncrementalDecoder._MAX_WINDOW
 
 
-def test_incremental_decode_keeps_leading_spaces_with_metaspace(tmp_path):
-    # SentencePiece-style decoders drop the leading space of the first token they decode; the
-    # window's context must keep every later token's space.
+def _spm_folder(folder, tokenizer_config: dict | None = None):
+    """A Llama-2-style folder: Metaspace BPE with byte fallback and no post-processor."""
     raw = RawTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     raw.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
-                                  show_progress=False)
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False)
     raw.train_from_iterator(CORPUS, trainer)
-    folder = tmp_path / "spm"
     folder.mkdir()
     raw.save(str(folder / "tokenizer.json"))
-    tok = Tokenizer.from_pretrained(folder)
+    if tokenizer_config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
+    return folder
+
+
+def test_add_bos_token_without_post_processor(tmp_path):
+    tok = Tokenizer.from_pretrained(_spm_folder(tmp_path / "m", {"bos_token": "<s>", "add_bos_token": True}))
+    ids = tok.encode("hello world")
+    assert ids[0] == tok.bos_token_id == tok.token_to_id("<s>") and tok.bos_token_id not in ids[1:]
+    assert tok.encode("hello world", add_special_tokens=False) == ids[1:]
+
+
+def test_incremental_decode_keeps_leading_spaces_with_metaspace(tmp_path):
+    # SentencePiece-style decoders drop the leading space of the first token they decode; the
+    # window's context must keep every later token's space.
+    tok = Tokenizer.from_pretrained(_spm_folder(tmp_path / "spm"))
 
     text = "the quick brown fox jumps ça va 日本語"
     ids = tok.encode(text)
@@ -240,7 +260,8 @@ def test_incremental_decode_keeps_leading_spaces_with_metaspace(tmp_path):
 
     # A skipped special token between words must not eat the next word's space.
     eos = tok.token_to_id("</s>")
-    ids_with_eos = tok.encode("the quick", add_special_tokens=False) + [eos] + tok.encode(" brown fox")[1:]
+    ids_with_eos = tok.encode("the quick") + [eos] + tok.encode("the brown fox")[1:]  # no "the"
+    assert tok.decode(ids_with_eos) == "the quick brown fox"
     for skip in (True, False):
         streamed = "".join(_stream(tok.incremental_decoder(skip_special_tokens=skip), ids_with_eos))
         assert streamed == tok.decode(ids_with_eos, skip_special_tokens=skip)
@@ -273,7 +294,8 @@ def test_chat_template_jinja_file_wins_and_matches_transformers(tmp_path, raw):
     assert tok.apply_chat_template(conv) == "[system] You are helpful.\n[user] hello world\n[assistant] "
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
-    assert tok.apply_chat_template(conv) == hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    expected = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(conv) == expected
 
 
 def test_named_template_list_and_chat_template_json(tmp_path, raw):
@@ -311,7 +333,8 @@ def test_invalid_messages(tok, messages):
 def test_eos_ids_are_the_union_of_the_configs(tmp_path, raw):
     folder = _write_folder(tmp_path / "m", raw)
     (folder / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [raw.token_to_id("</s>"), raw.token_to_id("<|im_start|>")]}), encoding="utf-8"
+        json.dumps({"eos_token_id": [raw.token_to_id("</s>"), raw.token_to_id("<|im_start|>")]}),
+        encoding="utf-8",
     )
     tok = Tokenizer.from_pretrained(folder)
     assert tok.eos_token_ids == {raw.token_to_id(t) for t in ("</s>", "<|im_end|>", "<|im_start|>")}

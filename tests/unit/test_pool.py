@@ -1,0 +1,83 @@
+"""The unified page pool: ownership, predicate/action allocation, integrity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafleet.errors import PoolExhaustedError
+from lorafleet.memory.pool import KV, PagePool
+
+
+def make_pool(n=32):
+    return PagePool(n, 8, torch.float32, "cpu")
+
+
+def test_kv_pages_come_from_the_low_end_and_adapters_as_a_high_run():
+    pool = make_pool()
+    kv = pool.allocate(4, KV)
+    assert kv == [0, 1, 2, 3]
+    a = pool.allocate(5, pool.owner_id("a"))
+    assert a == list(range(27, 32))
+    pool.check_integrity()
+    assert pool.stats()["pages_by_adapter"] == {"a": 5}
+    assert pool.stats()["kv_pages"] == 4 and pool.stats()["free_pages"] == 23
+
+
+def test_adapter_runs_use_best_fit_holes():
+    pool = make_pool(20)
+    owners = [pool.owner_id(n) for n in "abcd"]
+    a = pool.allocate(3, owners[0])     # 17..19
+    b = pool.allocate(6, owners[1])     # 11..16
+    c = pool.allocate(2, owners[2])     # 9..10
+    pool.free(b)                        # hole of 6 at 11..16, big free run 0..8
+    d = pool.allocate(5, owners[3])
+    assert d == list(range(12, 17))     # the smaller hole that fits, not the big run
+    pool.check_integrity()
+    assert a == [17, 18, 19] and c == [9, 10]
+
+
+def test_scattered_allocation_when_no_run_fits():
+    pool = make_pool(10)
+    kv = pool.allocate(10, KV)
+    pool.free(kv[::2])                  # 5 free pages, none adjacent
+    pages = pool.allocate(4, pool.owner_id("x"))
+    assert len(pages) == 4 and len(set(pages)) == 4
+    pool.check_integrity()
+
+
+def test_allocate_beyond_free_pages_raises_and_changes_nothing():
+    pool = make_pool(8)
+    pool.allocate(6, KV)
+    assert not pool.can_allocate(3)
+    with pytest.raises(PoolExhaustedError, match="3 pages requested, 2 free"):
+        pool.allocate(3, KV)
+    pool.check_integrity()
+    assert pool.num_free == 2
+
+
+def test_double_free_is_caught():
+    pool = make_pool(8)
+    pages = pool.allocate(2, KV)
+    pool.free(pages)
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free(pages)
+
+
+def test_integrity_check_detects_corrupt_counters():
+    pool = make_pool(8)
+    pool.allocate(2, KV)
+    pool.num_free += 1
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
+
+
+def test_the_tensor_is_never_reallocated():
+    pool = make_pool(16)
+    ptr = pool.tensor.data_ptr()
+    for _ in range(5):
+        pages = pool.allocate(7, pool.owner_id("a"))
+        kv = pool.allocate(9, KV)
+        pool.free(pages)
+        pool.free(kv)
+    assert pool.tensor.data_ptr() == ptr
