@@ -89,3 +89,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out.view(t, h * d)
+
+
+# -- LoRA ------------------------------------------------------------------------------------
+
+@dataclass
+class LoraSegment:
+    """Rows [start, end) of the flat batch use one adapter. For one projection group (modules
+    sharing an input, e.g. q/k/v), `a` stacks the A matrices of the modules the adapter targets,
+    [sum r_m, in]; `bs[j]` = (output index m, row offset of r_m in `a`, B_m scaled, [out_m, r_m])."""
+
+    start: int
+    end: int
+    a: torch.Tensor
+    bs: list[tuple[int, int, torch.Tensor]]
+
+
+def lora_shrink_expand(x: torch.Tensor, outs: list[torch.Tensor], segments: list[LoraSegment]) -> None:
+    """Semantics: for every segment s and every row i in it, for every module m s targets:
+        outs[m][i] += B_m(s) @ (A_m(s) @ x[i])          (B pre-multiplied by the adapter scale)
+    x: [T, in]; outs[m]: [T, out_m] (views into the projection outputs, updated in place).
+    Rows in no segment are untouched: a request without an adapter pays nothing.
+    The shrink of all modules of a group is one matmul (`a` stacks them); each expand is one
+    matmul accumulated into its output slice."""
+    for seg in segments:
+        t = x[seg.start:seg.end] @ seg.a.t()                          # [n, sum r_m]
+        for m, off, b in seg.bs:
+            o = outs[m][seg.start:seg.end]
+            o.addmm_(t[:, off:off + b.shape[1]], b.t())               # [n, out_m] += [n, r] @ [r, out_m]

@@ -50,3 +50,46 @@ def load_hf(folder: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+# -- adapters ----------------------------------------------------------------------------------
+
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# Eight adapters that differ in every way PEFT lets them: rank (odd ones too), targets,
+# rsLoRA, per-module rank/alpha patterns, regex targets, layer subsets.
+ADAPTER_VARIANTS = {
+    "attn-r3": dict(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"]),
+    "mlp-r24": dict(r=24, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "all-r8": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+    "rslora-r16": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=ALL7),
+    "patterns-r8": dict(r=8, lora_alpha=8, target_modules=ALL7, rank_pattern={"q_proj": 5},
+                        alpha_pattern={"down_proj": 32}),
+    "regex-r5": dict(r=5, lora_alpha=10, target_modules=r".*\.(k_proj|o_proj)$"),
+    "layer1-r12": dict(r=12, lora_alpha=12, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                       layers_to_transform=[1]),
+    "down-r1": dict(r=1, lora_alpha=4, target_modules=["down_proj"]),
+}
+
+
+def build_adapter(base_dir: Path, folder: Path, seed: int = 0, b_std: float = 0.1, **lora_kwargs) -> Path:
+    """Save a PEFT LoRA adapter for the model in `base_dir`, with random non-zero B (PEFT
+    starts B at zero, which would make every adapter the identity)."""
+    import peft
+
+    torch.manual_seed(seed)
+    model = load_hf(base_dir)
+    config = peft.LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **lora_kwargs)
+    peft_model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, b_std)
+    peft_model.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)
+
+
+def load_peft(base_dir: Path, adapter_dir: Path):
+    import peft
+
+    return peft.PeftModel.from_pretrained(load_hf(base_dir), adapter_dir).eval()

@@ -21,7 +21,9 @@ from lorafleet.engine.scheduler import Scheduler
 from lorafleet.engine.stats import EngineStats
 from lorafleet.errors import ConfigError, InvalidRequestError, RequestNotFoundError
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
+from lorafleet.lora.adapter import BaseShapes
 from lorafleet.memory.pool import PagePool
+from lorafleet.memory.residency import AdapterResidency
 from lorafleet.model.loader import load_model
 from lorafleet.model.sampler import sample
 from lorafleet.model.tokenizer import Tokenizer
@@ -57,6 +59,7 @@ class Engine:
             raise ConfigError(f"pool_bytes={cfg.pool_bytes} holds no page ({page_bytes} bytes each)")
         self.pool = PagePool(num_pages, page_elems, self.model.dtype, self.device)
         self.kv = KVCacheManager(self.pool, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        self.adapters = AdapterResidency(self.pool, BaseShapes.from_model_config(mc))
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv)
         self.requests: dict[str, Request] = {}
@@ -79,8 +82,6 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        if adapter is not None:
-            raise InvalidRequestError(f"adapter {adapter!r}: this engine serves no adapters yet")
         ids = self._prompt_ids(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context holds "
@@ -92,6 +93,9 @@ class Engine:
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, params, adapter)
+        if adapter is not None:
+            self.adapters.acquire(adapter)  # raises AdapterNotFoundError; released at finish/abort
+            req.holds_adapter = True
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -124,6 +128,7 @@ class Engine:
         if req is None:
             raise RequestNotFoundError(f"no unfinished request {request_id!r}")
         self.scheduler.finish(req)
+        self._release(req)
         req.finish_reason = "abort"
         self.counters.num_requests_aborted += 1
 
@@ -140,7 +145,7 @@ class Engine:
         if plan.chunks:
             chunks = self.runner.order(plan.chunks)
             sampling = [c for c in chunks if c.samples]
-            logits = self.runner.execute(chunks)
+            logits = self.runner.execute(chunks, self.runner.lora_batch(chunks, self.adapters))
             reqs = [c.request for c in sampling]
             tokens, lps = sample(logits, [r.params for r in reqs],
                                  [r.generator or self._generator for r in reqs])
@@ -197,10 +202,16 @@ class Engine:
         req.finish_time = time.monotonic()
         if req.status is not Status.FINISHED:
             self.scheduler.finish(req)
+        self._release(req)
         self.requests.pop(req.request_id, None)
         self.counters.record_finished(req)
         start = req.emitted if emitted is None else emitted
         return self._output(req, new_tokens or [], req.text[start:])
+
+    def _release(self, req: Request) -> None:
+        if req.holds_adapter:
+            self.adapters.release(req.adapter)
+            req.holds_adapter = False
 
     @staticmethod
     def _output(req: Request, new_tokens: list[int], new_text: str) -> RequestOutput:
@@ -210,6 +221,19 @@ class Engine:
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             finished=req.finish_reason is not None, finish_reason=req.finish_reason,
             adapter=req.adapter, new_token_ids=new_tokens, new_text=new_text)
+
+    # -- adapters --------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str | Path) -> dict:
+        """Validate a PEFT adapter folder and copy it into pool pages now. A refused adapter
+        (AdapterError naming the problem) changes nothing."""
+        return self.adapters.load(name, path).info()
+
+    def unload_adapter(self, name: str) -> None:
+        """Free the adapter's pages; AdapterInUseError while requests still use it."""
+        self.adapters.unload(name)
+
+    def list_adapters(self) -> list[dict]:
+        return [r.info() for r in self.adapters.adapters.values()]
 
     # -- conveniences ------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -240,6 +264,13 @@ class Engine:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.kv.check_integrity()
+        self.adapters.check_integrity()
+        users: dict[str, int] = {}
+        for r in self.requests.values():
+            if r.adapter is not None:
+                users[r.adapter] = users.get(r.adapter, 0) + 1
+        for name, resident in self.adapters.adapters.items():
+            assert resident.refcount == users.get(name, 0), f"adapter {name!r}: refcount is off"
         live = {r.request_id for r in self.scheduler.running}
         assert live <= set(self.kv.tables), "a running request has no block table"
         assert set(self.kv.tables) <= live, "pages held by a request that is not running"
@@ -251,6 +282,7 @@ class Engine:
             "device": str(self.device),
             "max_model_len": self.max_model_len,
             "pool": pool,
+            "adapters": self.adapters.stats(),
             "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -87,6 +87,7 @@ class Request:
     generator: torch.Generator | None = None
     text: str = ""
     detokenizer: object = None
+    holds_adapter: bool = False  # a reference on `adapter` is held until finish or abort
     emitted: int = 0  # characters of text already streamed out
     first_token_time: float | None = None
     finish_time: float | None = None

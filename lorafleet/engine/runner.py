@@ -11,6 +11,7 @@ import torch
 
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
+from lorafleet.lora.batch import LoraBatch
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
 
@@ -23,7 +24,29 @@ class ModelRunner:
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:
-        return [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+        """Decode rows first, then prefill chunks; within each, grouped by adapter so that each
+        adapter's rows form one segment for the LoRA op."""
+        def key(c: Chunk):
+            return c.request.adapter or ""
+        return (sorted((c for c in chunks if c.num_tokens == 1), key=key)
+                + sorted((c for c in chunks if c.num_tokens > 1), key=key))
+
+    def lora_batch(self, chunks: list[Chunk], residency) -> LoraBatch | None:
+        """Segments of consecutive rows sharing an adapter; None when no row has one (then the
+        model runs without any LoRA work)."""
+        if all(c.request.adapter is None for c in chunks):
+            return None
+        batch = LoraBatch(self.model.cfg.num_layers)
+        row, start, current = 0, 0, None
+        for c in chunks + [None]:
+            name = c.request.adapter if c is not None else None
+            if c is None or name != current:
+                if current is not None and row > start:
+                    batch.add_rows(start, row, residency.step_views(residency.get(current)))
+                start, current = row, name
+            if c is not None:
+                row += c.num_tokens
+        return batch
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""One system's run in a process of its own: `python -m lorafleet.bench.worker JOB.json OUT.json`.
+
+A fresh process per (model, system) keeps the runs from sharing memory, caches or threads, and
+makes the peak RSS it reports that system's alone. The job file holds `system`, `model_dir`,
+`requests`, `device`, `dtype` and `threads`; the result file gets `Result`'s fields plus
+`peak_rss_bytes`. The same command runs under `python -m cProfile` for profiling.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def run_job(job: dict) -> dict:
+    from lorafleet.bench.systems import SYSTEMS, Result
+
+    system = SYSTEMS[job["system"]](device=job["device"], dtype=job["dtype"], threads=job["threads"])
+    requests = [(list(p), int(n)) for p, n in job["requests"]]
+    try:
+        result = system.run(Path(job["model_dir"]), requests)
+    except Exception as e:  # reported as this system's result; the other runs go on
+        traceback.print_exc()
+        result = Result(system.name, status="error", reason=f"{type(e).__name__}: {e}")
+    return {**asdict(result), "peak_rss_bytes": peak_rss_bytes()}
+
+
+def main(argv: list[str]) -> int:
+    job_path, out_path = argv
+    result = run_job(json.loads(Path(job_path).read_text()))
+    Path(out_path).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
