@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from lorafleet.bench.fixtures import Shape
@@ -80,7 +81,7 @@ def render_table(report: dict) -> Table:
     for row in report["results"]:
         if row["status"] != "ok":
             table.add_row(row["model"], row["system"], "", "", f"[yellow]{row['status']}[/]", "", "",
-                          row["reason"])
+                          escape(row["reason"]))
             continue
         versus = ", ".join(f"{ratio:.2f}x {base}" for (model, base), ratio in ratios.items()
                            if model == row["model"] and row["system"] == SUBJECT)

@@ -1,0 +1,189 @@
+"""Adapters in the unified pool: pages in proportion to rank, refcounts, refusals that change
+nothing, and a pool that returns to its starting state."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from lorafleet import Engine, SamplingParams
+from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, PoolExhaustedError
+from tests.engine.test_batching import random_prompts
+from tests.fixtures import ALL7, build_adapter
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapter_bank(llama_dir, tmp_path_factory):
+    """A few adapters of different ranks to copy from."""
+    root = tmp_path_factory.mktemp("bank")
+    return {r: build_adapter(llama_dir, root / f"r{r}", seed=r, r=r, lora_alpha=2 * r, target_modules=ALL7)
+            for r in (2, 8, 32)}
+
+
+def test_pages_grow_with_rank_without_padding(llama_dir, adapter_bank):
+    engine = Engine(llama_dir, pool_bytes=4 << 20)
+    pages = {r: engine.load_adapter(f"a{r}", path)["pages"] for r, path in adapter_bank.items()}
+    page = engine.pool.page_elems
+    for r, n in pages.items():
+        numel = engine.adapters.get(f"a{r}").layout.numel
+        assert n == -(-numel // page)  # exactly what the weights need, rounded up to one page
+    assert pages[2] < pages[8] < pages[32]
+    assert engine.stats()["pool"]["pages_by_adapter"] == {f"a{r}": n for r, n in pages.items()}
+
+
+def test_two_hundred_adapters_mixed_then_unloaded_return_the_pool_to_its_start(llama_dir, adapter_bank):
+    engine = Engine(llama_dir, pool_bytes=48 << 20)
+    start = engine.stats()["pool"]
+    ranks = list(adapter_bank)
+    names = [f"ad-{i:03d}" for i in range(200)]
+    for i, name in enumerate(names):
+        engine.load_adapter(name, adapter_bank[ranks[i % 3]])
+    assert len(engine.list_adapters()) == 200
+    rng = random.Random(0)
+    prompts = random_prompts(40)
+    for batch in range(3):
+        chosen = [rng.choice(names + [None]) for _ in prompts]
+        outs = engine.generate(prompts, GREEDY, adapters=chosen)  # integrity checked every step
+        assert all(len(o.token_ids) == 6 for o in outs)
+    for name in names:
+        engine.unload_adapter(name)
+    engine.check_integrity()
+    assert engine.stats()["pool"] == start
+
+
+def test_same_weights_under_two_names_give_the_same_tokens(llama_dir, adapter_bank):
+    engine = Engine(llama_dir, pool_bytes=4 << 20)
+    engine.load_adapter("x", adapter_bank[8])
+    engine.load_adapter("y", adapter_bank[8])
+    engine.load_adapter("z", adapter_bank[32])
+    prompt = random_prompts(1)[0]
+    x, y, z, none = engine.generate([prompt] * 4, GREEDY, adapters=["x", "y", "z", None])
+    assert x.token_ids == y.token_ids
+    assert engine.adapters.get("x").digest == engine.adapters.get("y").digest
+    assert engine.adapters.get("z").digest != engine.adapters.get("x").digest
+
+
+def test_an_adapter_in_use_cannot_be_unloaded(llama_dir, adapter_bank):
+    engine = Engine(llama_dir, pool_bytes=4 << 20)
+    engine.load_adapter("busy", adapter_bank[8])
+    rid = engine.add_request(random_prompts(1)[0], GREEDY, adapter="busy")
+    engine.step()
+    with pytest.raises(AdapterInUseError, match="busy"):
+        engine.unload_adapter("busy")
+    with pytest.raises(AdapterInUseError, match="busy"):
+        engine.load_adapter("busy", adapter_bank[32])  # replacing weights in use
+    engine.abort(rid)
+    engine.unload_adapter("busy")
+    assert engine.pool.stats()["adapter_pages"] == 0
+
+
+def test_unknown_adapter_and_bad_names_are_refused(llama_dir, adapter_bank):
+    engine = Engine(llama_dir, pool_bytes=4 << 20)
+    with pytest.raises(AdapterNotFoundError, match="nope"):
+        engine.add_request([5, 6], GREEDY, adapter="nope")
+    with pytest.raises(AdapterNotFoundError, match="nope"):
+        engine.unload_adapter("nope")
+    for bad in ["", "../etc", "a b", "-x", "x" * 200]:
+        with pytest.raises(AdapterError, match="name"):
+            engine.load_adapter(bad, adapter_bank[2])
+    assert not engine.requests and engine.pool.num_free == engine.pool.num_pages
+
+
+def test_scattered_pages_compute_the_same_as_contiguous(llama_dir, adapter_bank):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = random_prompts(1)[0]
+    roomy = Engine(llama_dir, pool_bytes=4 << 20)
+    roomy.load_adapter("a", adapter_bank[32])
+    expected = roomy.generate([prompt], params, adapters=["a"])[0].token_ids
+    need = len(roomy.adapters.get("a").pages)
+    small = roomy.load_adapter("small", adapter_bank[2])["pages"]
+    assert small < need
+    k = -(-need // small)
+    engine = Engine(llama_dir, pool_bytes=small * (2 * k + 2) * roomy.pool.page_bytes)
+    fillers = [f"f{i}" for i in range(2 * k + 2)]
+    for name in fillers:
+        engine.load_adapter(name, adapter_bank[2])
+    for name in fillers[::2]:  # free every other filler: no free run longer than one filler
+        engine.unload_adapter(name)
+    resident = engine.adapters.load("a", adapter_bank[32])
+    assert not resident.contiguous
+    for name in fillers[1::2]:  # room for the KV cache; "a" stays scattered
+        engine.unload_adapter(name)
+    assert engine.generate([prompt], params, adapters=["a"])[0].token_ids == expected
+
+
+def test_an_adapter_that_does_not_fit_is_refused_and_changes_nothing(llama_dir, adapter_bank):
+    probe = Engine(llama_dir, pool_bytes=4 << 20)
+    need = probe.load_adapter("big", adapter_bank[32])["pages"]
+    engine = Engine(llama_dir, pool_bytes=(need - 1) * probe.pool.page_bytes)
+    with pytest.raises(PoolExhaustedError, match="big.*needs"):
+        engine.load_adapter("big", adapter_bank[32])
+    assert engine.pool.num_free == engine.pool.num_pages and not engine.list_adapters()
+
+
+def _broken(kind, src, dst):
+    """Copy of a good adapter broken one way."""
+    import shutil
+    shutil.copytree(src, dst)
+    cfg_path, w_path = dst / "adapter_config.json", dst / "adapter_model.safetensors"
+    cfg = json.loads(cfg_path.read_text())
+    if kind == "dora":
+        cfg["use_dora"] = True
+    elif kind == "bias":
+        cfg["bias"] = "all"
+    elif kind == "modules_to_save":
+        cfg["modules_to_save"] = ["lm_head"]
+    elif kind == "unknown_target":
+        cfg["target_modules"] = ["embed_tokens"]
+    elif kind == "rank0":
+        cfg["r"] = 0
+    elif kind == "not_json":
+        cfg_path.write_text("{not json")
+        return dst
+    elif kind in ("wrong_shape", "missing_pair", "non_finite"):
+        t = load_file(w_path)
+        key = next(k for k in sorted(t) if "lora_A" in k)
+        if kind == "wrong_shape":
+            t[key] = t[key][:, :-1].contiguous()
+        elif kind == "missing_pair":
+            del t[key.replace("lora_A", "lora_B")]
+        else:
+            t[key][0, 0] = float("nan")
+        save_file(t, w_path)
+    elif kind == "truncated":
+        w_path.write_bytes(w_path.read_bytes()[:100])
+    elif kind == "pickle":
+        w_path.unlink()
+        (dst / "adapter_model.bin").write_bytes(b"\x80\x04K\x01.")
+    cfg_path.write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("kind, named", [
+    ("dora", "use_dora"), ("bias", "bias"), ("modules_to_save", "modules_to_save"),
+    ("unknown_target", "embed_tokens"), ("rank0", "r"), ("not_json", "adapter_config.json"),
+    ("wrong_shape", "lora_A"), ("missing_pair", "lora_B"), ("non_finite", "lora_A"),
+    ("truncated", "adapter_model.safetensors"), ("pickle", "adapter_model.bin"),
+])
+def test_a_refused_adapter_changes_nothing_and_serving_goes_on(llama_dir, adapter_bank, tmp_path, kind, named):
+    engine = Engine(llama_dir, pool_bytes=4 << 20)
+    engine.load_adapter("good", adapter_bank[8])
+    prompt = random_prompts(1)[0]
+    before = engine.generate([prompt], GREEDY, adapters=["good"])[0].token_ids
+    pool_before = engine.stats()["pool"]
+    rid = engine.add_request(prompt, GREEDY, adapter="good")  # in flight during the refusal
+    with pytest.raises(AdapterError, match=named):
+        engine.load_adapter("broken", _broken(kind, adapter_bank[8], tmp_path / kind))
+    with pytest.raises(AdapterError, match=named):
+        engine.load_adapter("good", _broken(kind, adapter_bank[8], tmp_path / f"{kind}-2"))
+    assert engine.stats()["pool"]["pages_by_adapter"] == pool_before["pages_by_adapter"]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[rid].token_ids == before
+    assert engine.generate([prompt], GREEDY, adapters=["good"])[0].token_ids == before
