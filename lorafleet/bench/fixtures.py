@@ -96,6 +96,7 @@ def _save_random_llama(spec: Shape, seed: int, folder: Path) -> None:
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     rope = ({"rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta}}
             if int(transformers.__version__.split(".")[0]) >= 5 else {"rope_theta": spec.rope_theta})
     config = transformers.LlamaConfig(

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -73,21 +74,30 @@ def write_json(report: dict, out: Path) -> Path:
 
 
 def render_table(report: dict) -> Table:
-    table = Table(title=f"lorafleet bench · workload {report['workload']['name']} "
-                        f"({report['workload']['num_requests']} requests)")
-    for name in ("model", "system", "tokens", "seconds", "tokens/s", "requests/s", "peak RSS", "vs baseline"):
-        table.add_column(name, justify="left" if name in ("model", "system", "vs baseline") else "right")
+    """One row per run; a lorafleet row holds its tokens/s over each baseline's (`vs NAME`);
+    runs that did not complete are explained under the table."""
+    load = report["workload"]
+    baselines = list(dict.fromkeys(r["baseline"] for r in report["ratios"]))
+    notes = [f"{r['model']} {r['system']}: {r['status']}, {escape(r['reason'])}"
+             for r in report["results"] if r["status"] != "ok"]
+    if baselines:
+        notes.insert(0, "vs: lorafleet tokens/s ÷ the baseline's, same model and requests")
+    table = Table(title=f"workload {load['name']}: {load['num_requests']} requests", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True, caption="\n".join(notes) or None, caption_justify="left")
+    for name in ("model", "system", "tokens", "seconds", "tokens/s", "req/s", "peak RSS"):
+        table.add_column(name, justify="left" if name in ("model", "system") else "right", no_wrap=True)
+    for base in baselines:
+        table.add_column(f"vs\n{base}", justify="right", no_wrap=True)
     ratios = {(r["model"], r["baseline"]): r["tokens_per_s_ratio"] for r in report["ratios"]}
     for row in report["results"]:
         if row["status"] != "ok":
-            table.add_row(row["model"], row["system"], "", "", f"[yellow]{row['status']}[/]", "", "",
-                          escape(row["reason"]))
+            table.add_row(row["model"], row["system"], f"[yellow]{row['status']}[/]")
             continue
-        versus = ", ".join(f"{ratio:.2f}x {base}" for (model, base), ratio in ratios.items()
-                           if model == row["model"] and row["system"] == SUBJECT)
+        versus = [f"{ratios[row['model'], base]:.2f}x" if (row["model"], base) in ratios
+                  and row["system"] == SUBJECT else "" for base in baselines]
         table.add_row(row["model"], row["system"], str(row["generated_tokens"]), f"{row['seconds']:.2f}",
                       f"{row['tokens_per_s']:.1f}", f"{row['requests_per_s']:.2f}",
-                      _mib(row["peak_rss_bytes"]), versus)
+                      _mib(row["peak_rss_bytes"]), *versus)
     return table
 
 

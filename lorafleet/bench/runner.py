@@ -36,6 +36,7 @@ def run_bench(shapes: list[str], workload: str, systems: list[str], out: Path, *
     threads = threads or default_threads()
     console = console or Console(stderr=True)
 
+    load_before = _load_average()
     runs = []
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
@@ -55,7 +56,9 @@ def run_bench(shapes: list[str], workload: str, systems: list[str], out: Path, *
                 progress.advance(task)
         progress.update(task, description="done")
 
-    report = make_report(runs, load, models, _environment(device, dtype, threads))
+    environment = {**_environment(device, dtype, threads), "load_average_before": load_before,
+                   "load_average_after": _load_average()}
+    report = make_report(runs, load, models, environment)
     write_json(report, out)
     return report
 
@@ -79,6 +82,14 @@ def _summary(run: dict) -> str:
         return f"{label}: [yellow]{run['status']}[/] {escape(run['reason'])}"
     return (f"{label}: {run['generated_tokens']} tokens in {run['seconds']:.2f} s = "
             f"[bold]{run['generated_tokens'] / run['seconds']:.1f} tokens/s[/]")
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average: other work on the machine skews every figure."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _environment(device: str, dtype: str, threads: int) -> dict:

@@ -1,0 +1,67 @@
+"""Random LoRA adapters in the standard PEFT format (adapter_config.json +
+adapter_model.safetensors), written directly so that hundreds of them take seconds, not a PEFT
+model build each. Same seed, same files; built once and cached next to their base."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from lorafleet.model.config import ModelConfig
+
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_BLOCK = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in ALL_MODULES}
+
+
+def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, seed: int = 0,
+                  alpha: float | None = None, dtype=torch.float32) -> Path:
+    """One random adapter with non-zero B (so it really changes the model)."""
+    cfg = ModelConfig.from_folder(base_dir)
+    feats = cfg.linear_features()
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for m in targets:
+            fin, fout = feats[m]
+            key = f"base_model.model.model.layers.{layer}.{_BLOCK[m]}.{m}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fin, generator=g) / fin ** 0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=g) * 0.02).to(dtype)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir),
+        "r": rank, "lora_alpha": alpha if alpha is not None else 2 * rank, "lora_dropout": 0.0,
+        "target_modules": list(targets), "bias": "none", "use_rslora": False, "use_dora": False,
+        "fan_in_fan_out": False, "modules_to_save": None, "layers_to_transform": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        save_file(tensors, tmp / "adapter_model.safetensors")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)  # atomic: a crash never leaves half an adapter
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MODULES,
+                   seed: int = 0) -> list[tuple[str, Path]]:
+    """n adapters, rank i-th = ranks[i % len(ranks)], cached under base_dir/../adapters-<key>."""
+    key = f"{'-'.join(map(str, ranks))}_{'-'.join(m[0] + m.split('_')[0][-1] for m in targets)}_{seed}"
+    root = Path(base_dir).parent / f"{Path(base_dir).name}-adapters-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(n):
+        name = f"lora-{i:04d}"
+        folder = root / name
+        if not (folder / "adapter_model.safetensors").is_file():
+            write_adapter(base_dir, folder, ranks[i % len(ranks)], targets, seed=seed * 100003 + i)
+        out.append((name, folder))
+    return out

@@ -1,0 +1,134 @@
+"""The multi-LoRA decode benchmark (issue 3): what a decode step costs with adapters.
+
+Same run, same requests, three configurations interleaved round by round (this machine is
+noisy; only ratios measured side by side count):
+  none      - 32 requests without adapters
+  one       - all 32 on one adapter
+  distinct  - 32 requests on 32 distinct adapters (ranks cycling through the rank set)
+Figures:
+  one / none throughput ratio                       (target >= 0.9)
+  LoRA step time added by `distinct`, divided by the time to read those adapters' weights once
+  at the memory bandwidth measured in the same run  (target <= 1.5)
+  tokens/s against PEFT's mixed-adapter batch (`generate(..., adapter_names=...)`), optional.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lorafleet.bench.adapters import build_adapters
+from lorafleet.bench.fixtures import build_base
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes/s of a streaming read: the best of `repeats` sums over an nbytes float32 tensor."""
+    x = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return nbytes / best
+
+
+def decode_step_time(engine, prompts, adapters, steps: int) -> tuple[float, float]:
+    """(median seconds of a pure decode step, wall seconds of the whole run)."""
+    from lorafleet import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    t_start = time.perf_counter()
+    for p, a in zip(prompts, adapters):
+        engine.add_request(p, params, adapter=a)
+    times, first = [], True
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        if not first:  # the first step is the prefill of every prompt
+            times.append(time.perf_counter() - t0)
+        first = False
+    return statistics.median(times), time.perf_counter() - t_start
+
+
+def peft_mixed_tokens_per_s(base: Path, adapters: list[tuple[str, Path]], prompts, steps: int) -> float:
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    name0, path0 = adapters[0]
+    model = peft.PeftModel.from_pretrained(model, path0, adapter_name=name0)
+    for name, path in adapters[1:]:
+        model.load_adapter(path, adapter_name=name)
+    model.eval()
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
+                             min_new_tokens=steps + 1, do_sample=False,
+                             adapter_names=[n for n, _ in adapters[:len(prompts)]])
+    seconds = time.perf_counter() - t0
+    return (out.shape[1] - ids.shape[1]) * len(prompts) / seconds
+
+
+def run_lora_decode(shape: str = "smol", batch: int = 32, ranks=(8, 16, 32, 64), steps: int = 16,
+                    prompt_len: int = 16, rounds: int = 3, peft: bool = True, progress=None) -> dict:
+    from lorafleet import Engine
+
+    base = build_base(shape)
+    adapters = build_adapters(base, batch, ranks)
+    engine = Engine(base, device="cpu", pool_bytes=4 << 30)
+    for name, path in adapters:
+        engine.load_adapter(name, path)
+    vocab = engine.model.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    configs = {
+        "none": [None] * batch,
+        "one": [adapters[0][0]] * batch,
+        "distinct": [n for n, _ in adapters],
+    }
+    decode_step_time(engine, prompts[:4], [None] * 4, 2)  # warm-up
+    samples = {k: [] for k in configs}
+    walls = {k: [] for k in configs}
+    for r in range(rounds):
+        for k, ads in configs.items():
+            step, wall = decode_step_time(engine, prompts, ads, steps)
+            samples[k].append(step)
+            walls[k].append(wall)
+            if progress:
+                progress(f"round {r + 1}/{rounds} {k}: decode step {step * 1e3:.1f} ms")
+    step = {k: statistics.median(v) for k, v in samples.items()}
+    bandwidth = measure_bandwidth()
+    elem = engine.pool.tensor.element_size()
+    distinct_bytes = sum(engine.adapters.get(n).layout.numel * elem for n, _ in adapters)
+    read_time = distinct_bytes / bandwidth
+    added = step["distinct"] - step["none"]
+    result = {
+        "benchmark": "lora-decode", "shape": shape, "batch": batch, "ranks": list(ranks),
+        "targets": "all 7 projections", "decode_steps": steps, "rounds": rounds,
+        "threads": torch.get_num_threads(),
+        "decode_step_ms": {k: v * 1e3 for k, v in step.items()},
+        "tokens_per_s": {k: batch / v for k, v in step.items()},
+        "one_vs_none_throughput": step["none"] / step["one"],
+        "distinct_adapter_bytes": distinct_bytes,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "adapter_read_ms": read_time * 1e3,
+        "lora_added_ms": added * 1e3,
+        "lora_efficiency": added / read_time,  # 1.0 = LoRA costs exactly one read of its weights
+        "targets_met": {"one_vs_none>=0.9": step["none"] / step["one"] >= 0.9,
+                        "efficiency<=1.5": added / read_time <= 1.5},
+    }
+    distinct_tps = batch * (steps + 1) / statistics.median(walls["distinct"])
+    result["distinct_end_to_end_tokens_per_s"] = distinct_tps
+    if peft:
+        try:
+            peft_tps = peft_mixed_tokens_per_s(base, adapters, prompts, steps)
+            result["peft_mixed_tokens_per_s"] = peft_tps
+            result["lorafleet_vs_peft_mixed"] = distinct_tps / peft_tps
+        except ImportError as e:
+            result["peft_mixed_skipped"] = f"peft/transformers not installed ({e.name})"
+    return result

@@ -1,0 +1,136 @@
+"""`lorafleet bench`: deterministic workloads, cached random models, an end-to-end quick run,
+and a CLI that answers without importing torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from lorafleet.bench import fixtures
+from lorafleet.bench.fixtures import SHAPES, build_base
+from lorafleet.bench.workloads import WORKLOADS, Workload, get_workload, make_requests
+from lorafleet.cli.main import app
+from lorafleet.errors import ConfigError
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A LORAFLEET_HOME whose bench cache already holds the micro model."""
+    path = tmp_path_factory.mktemp("home")
+    build_base("micro", root=path / "bench")
+    return path
+
+
+def test_requests_are_the_same_for_the_same_seed_and_differ_for_another():
+    load = get_workload("base-only")
+    assert make_requests(load, 8192) == make_requests(load, 8192)
+    other = Workload("other", load.num_requests, load.prompt_len, load.output_len, seed=load.seed + 1)
+    assert make_requests(other, 8192) != make_requests(load, 8192)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_requests_respect_the_workload_ranges_and_the_vocabulary(name):
+    load = WORKLOADS[name]
+    requests = make_requests(load, vocab_size=100)
+    assert len(requests) == load.num_requests
+    for prompt, max_tokens in requests:
+        assert load.prompt_len[0] <= len(prompt) <= load.prompt_len[1]
+        assert load.output_len[0] <= max_tokens <= load.output_len[1]
+        assert all(3 <= t < 100 for t in prompt)
+
+
+def test_a_workload_with_an_empty_range_is_refused():
+    with pytest.raises(ConfigError, match="prompt_len"):
+        Workload("bad", 4, (10, 5), (1, 2))
+
+
+def test_build_base_makes_a_folder_transformers_loads_and_reuses_it(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    folder = build_base("micro", root=tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.hidden_size == SHAPES["micro"].hidden_size
+    assert model.config.vocab_size == SHAPES["micro"].vocab_size
+    assert (folder / "model.safetensors").is_file()
+
+    def no_rebuild(*args):
+        raise AssertionError("the cached model was rebuilt")
+    monkeypatch.setattr(fixtures, "_save_random_llama", no_rebuild)
+    assert build_base("micro", root=tmp_path) == folder
+
+
+def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    def crash(spec, seed, folder):
+        (folder / "config.json").write_text("{}")
+        raise RuntimeError("killed halfway")
+    monkeypatch.setattr(fixtures, "_save_random_llama", crash)
+    with pytest.raises(RuntimeError):
+        build_base("micro", root=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_quick_runs_both_systems_and_writes_the_json_report(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_HOME", str(home))
+    out = tmp_path / "report.json"
+    result = runner.invoke(app, ["bench", "--quick", "--model", "micro", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert json.loads(result.stdout) == report
+    assert report["workload"]["name"] == "quick"
+    rows = {r["system"]: r for r in report["results"]}
+    assert set(rows) == {"lorafleet", "transformers"}
+    for row in rows.values():
+        assert row["status"] == "ok", row["reason"]
+        assert row["model"] == "micro"
+        assert row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 0
+    wanted = sum(n for _, n in make_requests(WORKLOADS["quick"], SHAPES["micro"].vocab_size))
+    assert rows["lorafleet"]["generated_tokens"] == rows["transformers"]["generated_tokens"] == wanted
+    [ratio] = report["ratios"]
+    assert ratio["baseline"] == "transformers" and ratio["tokens_per_s_ratio"] > 0
+
+
+def test_importing_the_cli_does_not_import_torch_or_the_engine():
+    code = ("import sys, lorafleet.cli.main; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'transformers') "
+            "or m.startswith(('lorafleet.engine', 'lorafleet.bench'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_version_prints_the_package_version():
+    from lorafleet import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"lorafleet {__version__}"
+
+
+def test_bench_help_names_every_shape_and_workload():
+    result = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for name in [*SHAPES, *WORKLOADS]:
+        assert name in result.stdout
+
+
+@pytest.mark.parametrize("args", [["--model", "huge"], ["--workload", "nope"], ["--systems", "vllm"],
+                                  ["--quick", "--workload", "base-only"]])
+def test_bad_choices_are_usage_errors(args):
+    result = runner.invoke(app, ["bench", *args])
+    assert result.exit_code == 2
+
+
+def test_a_lorafleet_error_prints_one_line_and_exits_with_its_code(tmp_path, monkeypatch):
+    import lorafleet.bench.runner
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("pool_bytes=1 holds no page")
+    monkeypatch.setattr(lorafleet.bench.runner, "run_bench", refuse)
+    result = runner.invoke(app, ["bench", "--quick", "--out", str(tmp_path / "r.json")])
+    assert result.exit_code == ConfigError.exit_code
+    assert result.stderr.strip() == "error: pool_bytes=1 holds no page"
+    assert "Traceback" not in result.output
