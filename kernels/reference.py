@@ -97,7 +97,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
 class LoraSegment:
     """Rows [start, end) of the flat batch use one adapter. For one projection group (modules
     sharing an input, e.g. q/k/v), `a` stacks the A matrices of the modules the adapter targets,
-    [sum r_m, in]; `bs[j]` = (output index m, row offset of r_m in `a`, B_m scaled, [out_m, r_m])."""
+    [sum r_m, in]; `bs[j]` = (output column of module m, row offset of r_m in `a`, Bt_m), where
+    Bt_m = (scale * B_m)^T, [r_m, out_m]."""
 
     start: int
     end: int
@@ -105,15 +106,16 @@ class LoraSegment:
     bs: list[tuple[int, int, torch.Tensor]]
 
 
-def lora_shrink_expand(x: torch.Tensor, outs: list[torch.Tensor], segments: list[LoraSegment]) -> None:
-    """Semantics: for every segment s and every row i in it, for every module m s targets:
-        outs[m][i] += B_m(s) @ (A_m(s) @ x[i])          (B pre-multiplied by the adapter scale)
-    x: [T, in]; outs[m]: [T, out_m] (views into the projection outputs, updated in place).
+def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, segments: list[LoraSegment]) -> None:
+    """Semantics: for every segment s, every row i in it, every module m that s targets:
+        out[i, col_m : col_m + out_m] += (A_m(s) @ x[i]) @ Bt_m(s)
+    x: [T, in]; out: [T, sum out_m], the group's fused projection output, updated in place.
     Rows in no segment are untouched: a request without an adapter pays nothing.
     The shrink of all modules of a group is one matmul (`a` stacks them); each expand is one
-    matmul accumulated into its output slice."""
+    matmul accumulated into its output columns."""
     for seg in segments:
         t = x[seg.start:seg.end] @ seg.a.t()                          # [n, sum r_m]
-        for m, off, b in seg.bs:
-            o = outs[m][seg.start:seg.end]
-            o.addmm_(t[:, off:off + b.shape[1]], b.t())               # [n, out_m] += [n, r] @ [r, out_m]
+        for col, off, bt in seg.bs:
+            r, n_out = bt.shape
+            o = out[seg.start:seg.end, col:col + n_out]
+            o.addmm_(t[:, off:off + r], bt)                           # [n, out_m] += [n, r] @ [r, out_m]

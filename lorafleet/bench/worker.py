@@ -17,8 +17,16 @@ from pathlib import Path
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory. On Linux, VmHWM: `getrusage`'s ru_maxrss carries
+    the parent's peak over fork and exec, so it would charge the runner's memory to the worker."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB elsewhere
 
 
 def run_job(job: dict) -> dict:

@@ -55,14 +55,12 @@ def get_workload(name: str) -> Workload:
 
 def make_requests(workload: Workload, vocab_size: int) -> list[tuple[list[int], int]]:
     """[(prompt token ids, max_tokens)] in arrival order; the same for the same workload and
-    vocabulary size."""
+    vocabulary size, and the same lengths for any vocabulary size."""
     if vocab_size <= FIRST_ORDINARY_ID:
         raise ConfigError(f"vocab_size must be > {FIRST_ORDINARY_ID}, got {vocab_size}")
     rng = random.Random(workload.seed)
-    requests = []
-    for _ in range(workload.num_requests):
-        prompt_len = rng.randint(*workload.prompt_len)
-        output_len = rng.randint(*workload.output_len)
-        prompt = [rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(prompt_len)]
-        requests.append((prompt, output_len))
-    return requests
+    # lengths first, so that they do not depend on the vocabulary: every shape gets the same
+    lengths = [(rng.randint(*workload.prompt_len), rng.randint(*workload.output_len))
+               for _ in range(workload.num_requests)]
+    return [([rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(prompt_len)], output_len)
+            for prompt_len, output_len in lengths]

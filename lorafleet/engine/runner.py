@@ -11,7 +11,7 @@ import torch
 
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
-from lorafleet.lora.batch import LoraBatch
+from lorafleet.lora.batch import LoraBatch, kernel_weights
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
 
@@ -21,6 +21,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = model.device
+        self.kernel_weights = kernel_weights(kv.pool.tensor)  # None: torch reference only
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:
@@ -36,17 +37,18 @@ class ModelRunner:
         model runs without any LoRA work)."""
         if all(c.request.adapter is None for c in chunks):
             return None
-        batch = LoraBatch(self.model.cfg.num_layers)
+        batch = LoraBatch(self.kernel_weights)
         row, start, current = 0, 0, None
         for c in chunks + [None]:
             name = c.request.adapter if c is not None else None
             if c is None or name != current:
                 if current is not None and row > start:
-                    batch.add_rows(start, row, residency.step_views(residency.get(current)))
+                    resident = residency.get(current)
+                    batch.add_rows(start, row, residency.step_views(resident), resident.kernel_meta)
                 start, current = row, name
             if c is not None:
                 row += c.num_tokens
-        return batch
+        return batch.finish()
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False) -> torch.Tensor:

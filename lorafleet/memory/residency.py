@@ -19,16 +19,18 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, PoolExhaustedError
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter, load_adapter
-from lorafleet.lora.batch import GROUPS
+from lorafleet.kernels.lora_cpu import META_FIELDS
+from lorafleet.lora.batch import GROUP_INDEX, GROUPS
 from lorafleet.memory.pool import PagePool
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 
-# views[layer][group] = (A stacked [sum r, in], [(module index in group, row offset, B [out, r])])
+# views[layer][group] = (A stacked [sum r, in], [(output column, row offset in A, Bt [r, out])])
 GroupView = tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]
 
 
@@ -42,16 +44,20 @@ def check_name(name: str) -> str:
 @dataclass
 class Layout:
     """Where each tensor sits in the flat buffer: (layer, group) -> (a_offset, a_rows, in,
-    [(module index, row offset, b_offset, out, r)])."""
+    [(module slot j, output column, row offset in A, bt_offset, out, r)]). A is [rows, in]
+    row-major; each Bt = (scale * B)^T is [r, out] row-major."""
 
-    entries: dict[tuple[int, str], tuple[int, int, int, list[tuple[int, int, int, int, int]]]]
+    entries: dict[tuple[int, str], tuple[int, int, int, list[tuple[int, int, int, int, int, int]]]]
     numel: int
 
     @classmethod
-    def of(cls, adapter: LoraAdapter, num_layers: int) -> Layout:
+    def of(cls, adapter: LoraAdapter, base: BaseShapes) -> Layout:
         entries, off = {}, 0
-        for layer in range(num_layers):
+        for layer in range(base.num_layers):
             for group, modules in GROUPS.items():
+                cols = [0]
+                for m in modules:
+                    cols.append(cols[-1] + base.features[m][1])
                 present = [(j, adapter.weights[(layer, m)]) for j, m in enumerate(modules)
                            if (layer, m) in adapter.weights]
                 if not present:
@@ -61,28 +67,38 @@ class Layout:
                 off += rows * fan_in
                 bs, row = [], 0
                 for j, w in present:
-                    bs.append((j, row, off, w.b.shape[0], w.rank))
+                    bs.append((j, cols[j], row, off, w.b.shape[0], w.rank))
                     off += w.b.numel()
                     row += w.rank
                 entries[(layer, group)] = (a_off, rows, fan_in, bs)
         return cls(entries, off)
 
     def fill(self, buf: torch.Tensor, adapter: LoraAdapter) -> None:
-        """Write the adapter's tensors into `buf` (flat) at their offsets, B scaled."""
+        """Write the adapter's tensors into `buf` (flat) at their offsets, B scaled, transposed."""
         for (layer, group), (a_off, rows, fan_in, bs) in self.entries.items():
             modules = GROUPS[group]
-            for j, row, b_off, out, r in bs:
+            for j, _, row, b_off, out, r in bs:
                 w = adapter.weights[(layer, modules[j])]
                 buf[a_off + row * fan_in: a_off + (row + r) * fan_in].copy_(w.a.reshape(-1))
-                buf[b_off: b_off + out * r].copy_((w.b * w.scale).reshape(-1))
+                buf[b_off: b_off + out * r].view(r, out).copy_((w.b * w.scale).t())
 
     def views(self, buf: torch.Tensor, num_layers: int) -> list[dict[str, GroupView]]:
         out: list[dict[str, GroupView]] = [{} for _ in range(num_layers)]
         for (layer, group), (a_off, rows, fan_in, bs) in self.entries.items():
             a = buf[a_off: a_off + rows * fan_in].view(rows, fan_in)
-            out[layer][group] = (a, [(j, row, buf[b_off: b_off + o * r].view(o, r))
-                                     for j, row, b_off, o, r in bs])
+            out[layer][group] = (a, [(col, row, buf[b_off: b_off + r * o].view(r, o))
+                                     for _, col, row, b_off, o, r in bs])
         return out
+
+    def kernel_meta(self, base_offset: int, num_layers: int) -> np.ndarray:
+        """[layers, groups, 3 slots, META_FIELDS] int64 for the CPU kernel, offsets absolute in
+        the pool's flat tensor; rank 0 marks a module the adapter does not target."""
+        meta = np.zeros((num_layers, len(GROUPS), 3, META_FIELDS), dtype=np.int64)
+        for (layer, group), (a_off, _, fan_in, bs) in self.entries.items():
+            g = GROUP_INDEX[group]
+            for j, col, row, b_off, o, r in bs:
+                meta[layer, g, j] = (base_offset + a_off + row * fan_in, r, base_offset + b_off, o, col)
+        return meta
 
 
 @dataclass(eq=False)
@@ -96,6 +112,7 @@ class ResidentAdapter:
     pages: list[int]
     layout: Layout
     views: list[dict[str, GroupView]] | None  # None when pages are scattered
+    kernel_meta: np.ndarray | None  # CPU kernel offsets; None when scattered
     refcount: int = 0
     hits: int = 0
     meta: dict = field(default_factory=dict)
@@ -138,7 +155,7 @@ class AdapterResidency:
             if old.refcount:
                 raise AdapterInUseError(f"adapter {name!r} is used by {old.refcount} request(s); "
                                         "it cannot be replaced now")
-        layout = Layout.of(adapter, self.base.num_layers)
+        layout = Layout.of(adapter, self.base)
         n = -(-layout.numel // self.pool.page_elems)
         if not self.pool.can_allocate(n):
             raise PoolExhaustedError(f"adapter {name!r} needs {n} pages, the pool has "
@@ -160,7 +177,9 @@ class AdapterResidency:
         resident = ResidentAdapter(
             name=name, path=Path(path), digest=adapter.digest, ranks=ranks,
             modules=tuple(sorted(ranks)), num_params=adapter.num_params, pages=pages, layout=layout,
-            views=layout.views(buf, self.base.num_layers) if contiguous else None)
+            views=layout.views(buf, self.base.num_layers) if contiguous else None,
+            kernel_meta=layout.kernel_meta(pages[0] * self.pool.page_elems, self.base.num_layers)
+            if contiguous else None)
         self.adapters[name] = resident
         return resident
 

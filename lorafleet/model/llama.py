@@ -79,8 +79,8 @@ class LlamaModel(torch.nn.Module):
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [pages, L, 2, block, KVH, D] (a view of the pool);
         logits_rows: [S] token rows whose next-token logits are wanted. Returns logits [S, V].
-        `lora` (optional, a `lora.batch.LoraBatch`) has `apply(layer, group, x, outs)` adding each
-        row's adapter delta to the output slices of a projection group (qkv, o, gate_up, down)."""
+        `lora` (optional, a `lora.batch.LoraBatch`) has `apply(layer, group, x, out)` adding each
+        row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down)."""
         cfg, w = self.cfg, self.w
         x = w["embed"][input_ids]                                   # [T, H]
         cos = self.cos[positions].unsqueeze(1)                      # [T, 1, D]
@@ -92,7 +92,7 @@ class LlamaModel(torch.nn.Module):
             h = rms_norm(x, w[p + "in_norm"], cfg.rms_norm_eps)
             qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_b"))       # [T, Q+2K]
             if lora is not None:
-                lora.apply(i, "qkv", h, (qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]))
+                lora.apply(i, "qkv", h, qkv)
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -103,16 +103,16 @@ class LlamaModel(torch.nn.Module):
             o = paged_attention(q, k, v, kv_cache[:, i], attn, self.scale)   # [T, Q]
             out = F.linear(o, w[p + "o"], w.get(p + "o_b"))
             if lora is not None:
-                lora.apply(i, "o", o, (out,))
+                lora.apply(i, "o", o, out)
             x = x + out
             h = rms_norm(x, w[p + "post_norm"], cfg.rms_norm_eps)
             gu = F.linear(h, w[p + "gate_up"], w.get(p + "gate_up_b"))  # [T, 2I]
             if lora is not None:
-                lora.apply(i, "gate_up", h, (gu[:, :inter], gu[:, inter:]))
+                lora.apply(i, "gate_up", h, gu)
             a = F.silu(gu[:, :inter]) * gu[:, inter:]
             out = F.linear(a, w[p + "down"], w.get(p + "down_b"))
             if lora is not None:
-                lora.apply(i, "down", a, (out,))
+                lora.apply(i, "down", a, out)
             x = x + out
         x = rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)    # only rows that sample
         return F.linear(x, w["lm_head"]).float()                    # [S, V]

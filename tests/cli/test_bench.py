@@ -45,6 +45,13 @@ def test_requests_respect_the_workload_ranges_and_the_vocabulary(name):
         assert all(3 <= t < 100 for t in prompt)
 
 
+def test_request_lengths_do_not_depend_on_the_vocabulary():
+    load = get_workload("base-only")
+    def lengths(vocab):
+        return [(len(p), n) for p, n in make_requests(load, vocab)]
+    assert lengths(512) == lengths(49152)
+
+
 def test_a_workload_with_an_empty_range_is_refused():
     with pytest.raises(ConfigError, match="prompt_len"):
         Workload("bad", 4, (10, 5), (1, 2))

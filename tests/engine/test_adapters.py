@@ -187,3 +187,19 @@ def test_a_refused_adapter_changes_nothing_and_serving_goes_on(llama_dir, adapte
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[rid].token_ids == before
     assert engine.generate([prompt], GREEDY, adapters=["good"])[0].token_ids == before
+
+
+def test_decode_rows_use_the_cpu_kernel_and_prefill_chunks_the_matmul_path(llama_dir, adapter_bank):
+    from lorafleet.engine.request import Request
+    from lorafleet.engine.scheduler import Chunk
+    from lorafleet.kernels import lora_cpu
+    if lora_cpu.load() is None:
+        pytest.skip("no C++ toolchain for the CPU kernel")
+    engine = Engine(llama_dir, pool_bytes=4 << 20)
+    engine.load_adapter("a", adapter_bank[8])
+    engine.load_adapter("b", adapter_bank[2])
+    decode = [Chunk(Request(f"d{i}", [5] * 3, GREEDY, n), 1) for i, n in enumerate(["a", "b", None])]
+    prefill = [Chunk(Request("p", [5] * 20, GREEDY, "a"), 20)]
+    batch = engine.runner.lora_batch(engine.runner.order(decode + prefill), engine.adapters)
+    assert batch.seg.tolist() == [[1, 2], [2, 3]]      # rows of a and b (row 0: no adapter)
+    assert [(s, e) for s, e, _ in batch.rows] == [(3, 23)]
