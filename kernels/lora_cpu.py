@@ -101,8 +101,9 @@ def load():
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="lorafleet_lora_cpu_v1", cpp_sources=[_SOURCE], functions=["lora_segments"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+                    name="lorafleet_lora_cpu_v2", cpp_sources=[_SOURCE], functions=["lora_segments"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
             except Exception as e:  # no compiler, no headers, no ninja: the reference still works
                 _failed = True
                 log.warning("CPU LoRA kernel unavailable (%s); using the torch reference", e)
