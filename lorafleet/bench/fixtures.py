@@ -46,10 +46,10 @@ class Shape:
 
 SHAPES: dict[str, Shape] = {
     "micro": Shape(64, 2, 4, 2, 128, 512, note="for tests"),
-    "tiny": Shape(512, 8, 8, 4, 1536, 8192, note="~40M parameters"),
+    "tiny": Shape(512, 8, 8, 4, 1536, 8192, note="~34M parameters"),
     "smol": Shape(576, 30, 9, 3, 1536, 49152, tie_word_embeddings=True, rope_theta=100000.0,
                   note="SmolLM2-135M's shapes"),
-    "1b": Shape(2048, 16, 32, 8, 8192, 32000, note="~1B Llama, for GPUs"),
+    "1b": Shape(2048, 16, 32, 8, 8192, 32000, note="~1.1B parameters, Llama-style, for GPUs"),
 }
 
 
@@ -65,8 +65,10 @@ def cache_root() -> Path:
 
 
 def cache_key(name: str, seed: int = 0) -> str:
-    """Shape name + seed, plus a digest of the shape so an edited table never reuses old files."""
-    digest = hashlib.sha256(json.dumps(asdict(get_shape(name)), sort_keys=True).encode()).hexdigest()[:8]
+    """Shape name + seed, plus a digest of the shape's sizes so an edited table never reuses
+    old files (the free-text `note` is left out: rewording it rebuilds nothing)."""
+    sizes = {k: v for k, v in asdict(get_shape(name)).items() if k != "note"}
+    digest = hashlib.sha256(json.dumps(sizes, sort_keys=True).encode()).hexdigest()[:8]
     return f"{name}-{digest}-seed{seed}"
 
 

@@ -3,6 +3,7 @@ and a CLI that answers without importing torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -69,6 +70,15 @@ def test_build_base_makes_a_folder_transformers_loads_and_reuses_it(tmp_path, mo
         raise AssertionError("the cached model was rebuilt")
     monkeypatch.setattr(fixtures, "_save_random_llama", no_rebuild)
     assert build_base("micro", root=tmp_path) == folder
+
+
+def test_the_cache_key_follows_the_sizes_not_the_note(monkeypatch):
+    key = fixtures.cache_key("micro")
+    micro = SHAPES["micro"]
+    monkeypatch.setitem(SHAPES, "micro", dataclasses.replace(micro, note="reworded"))
+    assert fixtures.cache_key("micro") == key
+    monkeypatch.setitem(SHAPES, "micro", dataclasses.replace(micro, num_layers=3))
+    assert fixtures.cache_key("micro") != key
 
 
 def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
@@ -141,3 +151,17 @@ def test_a_lorafleet_error_prints_one_line_and_exits_with_its_code(tmp_path, mon
     assert result.exit_code == ConfigError.exit_code
     assert result.stderr.strip() == "error: pool_bytes=1 holds no page"
     assert "Traceback" not in result.output
+
+
+def test_lora_decode_suite_quick_reports_the_ratios_issue_3_asks_for(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_HOME", str(home))
+    out = tmp_path / "lora.json"
+    result = runner.invoke(app, ["bench", "--suite", "lora-decode", "--quick", "--batch", "8",
+                                 "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.stderr
+    [row] = json.loads(out.read_text())["results"]
+    assert row["shape"] == "micro" and row["batch"] == 8
+    assert set(row["decode_step_ms"]) == {"none", "one", "distinct"}
+    assert row["distinct_adapter_bytes"] > 0 and row["bandwidth_gb_s"] > 0
+    assert row["lora_op_ms"] > 0 and row["lora_efficiency"] > 0
+    assert row["one_vs_none_throughput"] > 0
