@@ -93,3 +93,32 @@ def load_peft(base_dir: Path, adapter_dir: Path):
     import peft
 
     return peft.PeftModel.from_pretrained(load_hf(base_dir), adapter_dir).eval()
+
+
+# -- a model with a real tokenizer -------------------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_chat_model(folder: Path, family: str = "llama", seed: int = 0) -> Path:
+    """A random model whose vocabulary is a small byte-level BPE trained here, saved with
+    tokenizer.json, tokenizer_config.json (ChatML template) like any Hub model."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog.",
+                             "héllo wörld 日本語 ça va? naïve café", "user assistant system"] * 4, trainer)
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    build_model(folder, family, seed=seed, vocab_size=raw.get_vocab_size(), bos_token_id=1, eos_token_id=2)
+    raw.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}))
+    return folder

@@ -72,3 +72,20 @@ def test_chunked_prefill_gives_the_same_tokens(family_model):
     whole = Engine(folder, pool_bytes=4 << 20).generate(prompts, params)
     chunked = Engine(folder, pool_bytes=4 << 20, max_num_batched_tokens=16).generate(prompts, params)
     assert [o.token_ids for o in whole] == [o.token_ids for o in chunked]
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints_load_and_match_transformers(tmp_path, stored):
+    folder = build_model(tmp_path / "half", "llama", dtype=stored)
+    hf = load_hf(folder)  # upcast to fp32, as lorafleet does on the CPU by default
+    engine = Engine(folder, pool_bytes=4 << 20)
+    assert engine.model.dtype == torch.float32
+    ids = prompts_of_lengths([20])[0]
+    assert engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids \
+        == hf_greedy(hf, ids, 16)
+    half = Engine(folder, pool_bytes=4 << 20, dtype="bf16")
+    assert half.pool.tensor.dtype == torch.bfloat16
+    ours = engine_prefill_logits(half, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 0.1  # bf16 activations: close, not exact
