@@ -23,11 +23,19 @@ class EngineConfig:
     max_num_seqs: int = 256             # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (the chunked-prefill budget)
     max_model_len: int | None = None    # None: the model's limit
+    host_cache_bytes: int = 1 << 30     # the host tier: adapters read and laid out, LRU
+    policy: str = "vtc"                 # admission order: vtc (fair across adapters) or fcfs
+    prefetch_workers: int = 2           # threads moving adapters disk -> host -> device
+    min_resident_steps: int = 4         # an adapter just loaded is not evicted for another one
     seed: int = 0                       # the generator of requests that bring no seed
     debug_checks: bool = False          # check_integrity() after every step (tests turn it on)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.policy not in ("vtc", "fcfs"):
+            raise ConfigError(f"policy must be vtc or fcfs, got {self.policy!r}")
+        if not isinstance(self.host_cache_bytes, int) or self.host_cache_bytes < 0:
+            raise ConfigError(f"host_cache_bytes must be an integer >= 0, got {self.host_cache_bytes!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefetch_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -46,3 +54,33 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the daemon listens and admits requests (the engine's settings are EngineConfig).
+
+    The Unix socket is always served; TCP (`host` and `port`) only with an API key, which then
+    guards every /v1 route on TCP (as vLLM does, /health and /metrics stay open for probes and
+    scrapers)."""
+
+    socket: str
+    host: str | None = None
+    port: int | None = None
+    api_key: str | None = None
+    served_model_name: str | None = None  # the base's name in `model`; None: the model folder's name
+    max_pending: int = 1024               # requests admitted (running + waiting); more get 429
+    drain_timeout: float = 30.0           # seconds SIGTERM waits for in-flight requests
+    access_log: bool = False
+
+    def __post_init__(self):
+        if (self.host is None) != (self.port is None):
+            raise ConfigError("--host and --port go together")
+        if self.port is not None and not (isinstance(self.port, int) and 0 < self.port < 65536):
+            raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
+        if self.host is not None and not self.api_key:
+            raise ConfigError("a TCP listener needs an API key: pass --api-key or set LORAFLEET_API_KEY")
+        if not isinstance(self.max_pending, int) or self.max_pending < 1:
+            raise ConfigError(f"max_pending must be a positive integer, got {self.max_pending!r}")
+        if not self.drain_timeout >= 0:
+            raise ConfigError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout!r}")

@@ -16,6 +16,7 @@ import torch
 
 from lorafleet.config import DEFAULT_CPU_POOL_BYTES, EngineConfig
 from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status
+from lorafleet.engine.policy import POLICIES
 from lorafleet.engine.runner import ModelRunner
 from lorafleet.engine.scheduler import Scheduler
 from lorafleet.engine.stats import EngineStats
@@ -23,6 +24,7 @@ from lorafleet.errors import ConfigError, InvalidRequestError, RequestNotFoundEr
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
 from lorafleet.lora.adapter import BaseShapes
 from lorafleet.memory.pool import PagePool
+from lorafleet.memory.prefetch import Prefetcher, load_now
 from lorafleet.memory.residency import AdapterResidency
 from lorafleet.model.loader import load_model
 from lorafleet.model.sampler import sample
@@ -59,8 +61,11 @@ class Engine:
             raise ConfigError(f"pool_bytes={cfg.pool_bytes} holds no page ({page_bytes} bytes each)")
         self.pool = PagePool(num_pages, page_elems, self.model.dtype, self.device)
         self.kv = KVCacheManager(self.pool, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim)
-        self.adapters = AdapterResidency(self.pool, BaseShapes.from_model_config(mc))
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.adapters = AdapterResidency(self.pool, BaseShapes.from_model_config(mc), cfg.host_cache_bytes,
+                                         cfg.min_resident_steps)
+        self.prefetcher = Prefetcher(self.adapters, cfg.prefetch_workers)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   residency=self.adapters, policy=POLICIES[cfg.policy]())
         self.runner = ModelRunner(self.model, self.kv)
         self.requests: dict[str, Request] = {}
         self.counters = EngineStats()
@@ -77,8 +82,12 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None) -> str:
-        """Queue one request; returns its id. Raises InvalidRequestError on bad input."""
+                    adapter: str | None = None, request_id: str | None = None,
+                    deadline_s: float | None = None) -> str:
+        """Queue one request; returns its id. Raises InvalidRequestError on bad input,
+        AdapterNotFoundError for an unregistered adapter. A request for an adapter that is not
+        on the device starts its load at once. `deadline_s`: abort it (finish_reason
+        "deadline") if it has not finished that many seconds after arrival."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -92,10 +101,22 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        if deadline_s is not None and not (isinstance(deadline_s, (int, float)) and deadline_s > 0):
+            raise InvalidRequestError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
         req = Request(rid, ids, params, adapter)
+        if deadline_s is not None:
+            req.deadline = req.arrival_time + deadline_s
         if adapter is not None:
-            self.adapters.acquire(adapter)  # raises AdapterNotFoundError; released at finish/abort
+            entry = self.adapters.get(adapter)  # AdapterNotFoundError
+            entry.users += 1                    # released at finish/abort
             req.holds_adapter = True
+            if entry.ready:
+                entry.hits += 1
+            else:
+                entry.misses += 1
+                entry.error = None  # a new request retries a load that failed before
+                if entry.host is None and entry.loading is None:
+                    self.prefetcher.start_load(entry)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -140,8 +161,14 @@ class Engine:
         """Run one scheduled batch; return an output for every request that produced a token
         or finished in this step."""
         t0 = time.perf_counter()
+        tick = self.prefetcher.tick(self.scheduler.wanted_adapters(), self.scheduler.watermark_pages)
+        outputs = self._fail_adapter_requests(tick.failed) if tick.failed else []
+        outputs += self._expire_deadlines()
+        self.adapters.step += 1
         plan = self.scheduler.schedule()
-        outputs = [self._finish(req) for req in plan.finished]
+        outputs += [self._finish(req) for req in plan.finished]
+        if not plan.chunks and self.prefetcher.busy:
+            self.prefetcher.wait_any(0.005)  # nothing runnable until a load lands: don't spin
         if plan.chunks:
             chunks = self.runner.order(plan.chunks)
             sampling = [c for c in chunks if c.samples]
@@ -153,11 +180,29 @@ class Engine:
             for c in chunks:
                 c.request.num_computed += c.num_tokens
             outputs += [self._append(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
-            self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, len(reqs))
+            self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, len(reqs),
+                                      distinct_adapters=len({c.request.adapter for c in chunks}),
+                                      adapters_loaded=len(tick.loaded))
         self.counters.num_preemptions += len(plan.preempted)
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
+
+    def _fail_adapter_requests(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """A load failed: only the waiting requests for that adapter end, with its message."""
+        outputs = []
+        for req in [r for r in self.scheduler.waiting if r.adapter in failed]:
+            req.finish_reason = "error"
+            req.error = f"adapter {req.adapter!r} could not be loaded: {failed[req.adapter]}"
+            outputs.append(self._finish(req))
+        return outputs
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        expired = [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]
+        for req in expired:
+            req.finish_reason = "deadline"
+        return [self._finish(req) for req in expired]
 
     def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
         now = time.monotonic()
@@ -210,30 +255,53 @@ class Engine:
 
     def _release(self, req: Request) -> None:
         if req.holds_adapter:
-            self.adapters.release(req.adapter)
+            self.adapters.entries[req.adapter].users -= 1
             req.holds_adapter = False
 
     @staticmethod
     def _output(req: Request, new_tokens: list[int], new_text: str) -> RequestOutput:
+        metrics = None
+        if req.finish_reason is not None:
+            metrics = {"arrival_s": req.arrival_time, "adapter_wait_s": req.adapter_wait,
+                       "queue_s": (req.first_scheduled_time or req.finish_time) - req.arrival_time,
+                       "ttft_s": req.first_token_time - req.arrival_time if req.first_token_time else None,
+                       "e2e_s": req.finish_time - req.arrival_time,
+                       "num_preemptions": req.num_preemptions}
+            n = len(req.output_token_ids)
+            metrics["tpot_s"] = (req.finish_time - req.first_token_time) / (n - 1) if n > 1 else None
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids), text=req.text,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             finished=req.finish_reason is not None, finish_reason=req.finish_reason,
-            adapter=req.adapter, new_token_ids=new_tokens, new_text=new_text)
+            adapter=req.adapter, new_token_ids=new_tokens, new_text=new_text,
+            error=req.error, metrics=metrics)
 
     # -- adapters --------------------------------------------------------------------
+    def register_adapter(self, name: str, path: str | Path) -> dict:
+        """Record a PEFT adapter folder under `name` (disk tier): its config is checked now, its
+        weights are read when a request first needs it. Costs no device memory."""
+        return self.adapters.register(name, path).info()
+
     def load_adapter(self, name: str, path: str | Path) -> dict:
-        """Validate a PEFT adapter folder and copy it into pool pages now. A refused adapter
-        (AdapterError naming the problem) changes nothing."""
-        return self.adapters.load(name, path).info()
+        """Validate a PEFT adapter folder and copy it into pool pages now (the eager form). A
+        refused adapter (AdapterError naming the problem) changes nothing."""
+        return load_now(self.prefetcher, name, path).info()
 
     def unload_adapter(self, name: str) -> None:
-        """Free the adapter's pages; AdapterInUseError while requests still use it."""
-        self.adapters.unload(name)
+        """Forget the adapter and free its pages; AdapterInUseError while requests use it."""
+        self.adapters.unregister(name)
 
     def list_adapters(self) -> list[dict]:
-        return [r.info() for r in self.adapters.adapters.values()]
+        return [e.info() for e in self.adapters.entries.values()]
+
+    def step_records(self) -> list[dict]:
+        """One dict per recent step: time_s, num_seqs, num_tokens, distinct_adapters,
+        adapters_loaded (switches: adapters that landed on the device for this step)."""
+        return list(self.counters.steps)
+
+    def close(self) -> None:
+        self.prefetcher.shutdown()
 
     # -- conveniences ------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -266,11 +334,16 @@ class Engine:
         self.kv.check_integrity()
         self.adapters.check_integrity()
         users: dict[str, int] = {}
+        pins: dict[str, int] = {}
         for r in self.requests.values():
             if r.adapter is not None:
                 users[r.adapter] = users.get(r.adapter, 0) + 1
-        for name, resident in self.adapters.adapters.items():
-            assert resident.refcount == users.get(name, 0), f"adapter {name!r}: refcount is off"
+        for r in self.scheduler.running:
+            if r.adapter is not None:
+                pins[r.adapter] = pins.get(r.adapter, 0) + 1
+        for name, entry in self.adapters.entries.items():
+            assert entry.users == users.get(name, 0), f"adapter {name!r}: users count is off"
+            assert entry.pins == pins.get(name, 0), f"adapter {name!r}: pin count is off"
         live = {r.request_id for r in self.scheduler.running}
         assert live <= set(self.kv.tables), "a running request has no block table"
         assert set(self.kv.tables) <= live, "pages held by a request that is not running"
@@ -283,6 +356,8 @@ class Engine:
             "max_model_len": self.max_model_len,
             "pool": pool,
             "adapters": self.adapters.stats(),
+            "adapter_details": {e.name: e.info() for e in self.adapters.entries.values()},
+            "scheduler": self.scheduler.policy.snapshot(),
             "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

@@ -89,6 +89,11 @@ class Request:
     detokenizer: object = None
     holds_adapter: bool = False  # a reference on `adapter` is held until finish or abort
     emitted: int = 0  # characters of text already streamed out
+    first_scheduled_time: float | None = None
+    adapter_blocked_since: float | None = None  # skipped only because its adapter was not ready
+    adapter_wait: float = 0.0                    # exposed adapter-load time, seconds
+    deadline: float | None = None                # monotonic time after which it is aborted
+    error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -124,3 +129,5 @@ class RequestOutput:
     adapter: str | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    error: str | None = None          # why it ended, when finish_reason is "error"
+    metrics: dict | None = None       # when finished: queue_s, adapter_wait_s, ttft_s, tpot_s...

@@ -3,18 +3,26 @@
 Each `schedule()` call picks, under a token budget, a chunk of work for as many sequences as fit:
 a decode step is a chunk of one token, a prompt a chunk of up to the remaining budget (chunked
 prefill), and a preempted sequence simply recomputes its prompt and output as one long prompt.
-Running sequences are served oldest first and are never starved by new arrivals; new arrivals
-are admitted FCFS while the budget, `max_num_seqs` and free pages (minus a small watermark that
-keeps room for running sequences to grow) allow. When a running sequence needs a KV page and
-none is free, the newest running sequence is preempted (its pages freed, its work recomputed
-later), so the oldest always make progress.
+
+- Running sequences are served oldest first; new arrivals never starve them.
+- Waiting ones are admitted in the policy's order (fair across adapters by default, see
+  `policy.py`; preempted sequences first) while the budget, `max_num_seqs` and free pages
+  (minus a small watermark kept for running sequences to grow) allow. Admission is by pages
+  from the one pool, not by adapter slots.
+- A waiting request whose adapter is not on the device yet is skipped, never blocking those
+  behind it (no head-of-line blocking); the prefetcher is bringing its adapter in.
+- A running sequence that needs a KV page first takes it from idle adapters (least recently
+  used); only then is the newest running sequence preempted (pages freed, work recomputed).
+- Admission pins a request's adapter; preemption and finishing unpin it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from lorafleet.engine.policy import FCFS, key
 from lorafleet.engine.request import Request, Status
 from lorafleet.memory.kv import KVCacheManager
 
@@ -45,8 +53,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01):
+                 residency=None, policy=None, watermark: float = 0.01):
         self.kv = kv
+        self.residency = residency  # None: no adapters (every adapter is "ready")
+        self.policy = policy or FCFS()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_pages = int(kv.pool.num_pages * watermark)
@@ -55,10 +65,24 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        active = {key(r) for r in self.waiting} | {key(r) for r in self.running}
+        self.policy.on_arrival(request, active)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def wanted_adapters(self) -> list[str]:
+        """Adapters of waiting requests, in queue order, without repeats (for the prefetcher)."""
+        return list(dict.fromkeys(r.adapter for r in self.waiting if r.adapter is not None))
+
+    def _ready(self, req: Request) -> bool:
+        return self.residency is None or self.residency.is_ready(req.adapter)
+
+    def _room(self, pages: int, for_kv: bool = True) -> bool:
+        if self.kv.pool.can_allocate(pages):
+            return True
+        return self.residency is not None and self.residency.make_room(pages, for_kv=for_kv)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -74,24 +98,55 @@ class Scheduler:
             self.kv.grow(req.request_id, req.num_computed + n)
             out.chunks.append(Chunk(req, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        now = time.monotonic()
+        queues: dict[str, deque[Request]] = {}
+        for req in self.waiting:
+            queues.setdefault(key(req), deque()).append(req)
+        preempted = [r for r in self.waiting if r.num_preemptions and self._ready(r)]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            heads = {k: q[0] for k, q in queues.items() if q and self._ready(q[0])}
+            if not heads:
+                break
+            req = preempted[0] if preempted else heads[self.policy.pick(heads)]
             n = min(req.num_tokens - req.num_computed, budget)
-            if not self.kv.can_grow(req.request_id, req.num_computed + n, reserve=self.watermark_pages):
-                if self.running or not self.kv.can_grow(req.request_id, req.num_computed + n):
-                    break  # admitted when pages come back; alone, it may dip into the watermark
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
+            need = self.kv.extra_pages(req.request_id, req.num_computed + n)
+            reserve = self.watermark_pages if self.running else 0  # alone, it may use the watermark
+            if not self._room(need + reserve):
+                break  # admitted when pages come back
+            queues[key(req)].popleft()
+            if preempted and preempted[0] is req:
+                preempted.pop(0)
+            self.waiting.remove(req)
+            self._start(req, now)
             self.kv.grow(req.request_id, req.num_computed + n)
             out.chunks.append(Chunk(req, n))
             budget -= n
-        return out
+        if budget > 0 and len(self.running) < self.max_num_seqs:
+            for q in queues.values():  # heads that only lack their adapter: the exposed wait starts
+                if q and not self._ready(q[0]) and q[0].adapter_blocked_since is None:
+                    q[0].adapter_blocked_since = now
+
+    def _start(self, req: Request, now: float) -> None:
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        if req.adapter_blocked_since is not None:
+            req.adapter_wait += now - req.adapter_blocked_since
+            req.adapter_blocked_since = None
+        self.policy.on_admit(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        if req.adapter is not None and self.residency is not None:
+            self.residency.pin(req.adapter)
 
     def _make_room(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until `req` can hold `num_tokens` positions.
-        False when `req` itself had to go."""
-        while not self.kv.can_grow(req.request_id, num_tokens):
+        """Idle adapters first, then the newest running sequences, until `req` can hold
+        `num_tokens` positions. False when `req` itself had to go."""
+        while not self._room(self.kv.extra_pages(req.request_id, num_tokens)):
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
                 # alone and still no room: the pool cannot hold this sequence any longer
@@ -106,19 +161,25 @@ class Scheduler:
         return True
 
     def preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self.kv.free(req.request_id)
+        self._stop(req)
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _stop(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        if req.adapter is not None and self.residency is not None:
+            self.residency.unpin(req.adapter)
+
     def finish(self, req: Request) -> None:
         """Take `req` out of the queues and free its pages (finished or aborted)."""
         if req in self.running:
-            self.running.remove(req)
+            self._stop(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        self.policy.on_finish(req)
         req.status = Status.FINISHED

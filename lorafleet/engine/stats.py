@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 WINDOW = 1024
+STEP_LOG = 100_000  # per-step records kept for the switch regression (~100 bytes each)
 
 
 def _percentile(values, q: float) -> float | None:
@@ -32,8 +33,16 @@ class EngineStats:
     ttfts: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     tpots: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     queue_times: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    adapter_waits: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    steps: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
+    num_adapter_loads: int = 0
 
-    def record_step(self, seconds: float, num_seqs: int, prompt_tokens: int, generated: int) -> None:
+    def record_step(self, seconds: float, num_seqs: int, prompt_tokens: int, generated: int,
+                    distinct_adapters: int = 0, adapters_loaded: int = 0) -> None:
+        self.steps.append({"time_s": seconds, "num_seqs": num_seqs, "num_tokens": prompt_tokens + generated,
+                           "num_generated": generated, "distinct_adapters": distinct_adapters,
+                           "adapters_loaded": adapters_loaded})
+        self.num_adapter_loads += adapters_loaded
         self.num_steps += 1
         self.step_times.append(seconds)
         self.step_batch_sizes.append(num_seqs)
@@ -42,6 +51,9 @@ class EngineStats:
 
     def record_finished(self, req) -> None:
         self.num_requests_finished += 1
+        if req.first_scheduled_time is not None:
+            self.queue_times.append(req.first_scheduled_time - req.arrival_time)
+            self.adapter_waits.append(req.adapter_wait)
         if req.first_token_time is not None:
             self.ttfts.append(req.first_token_time - req.arrival_time)
             n = len(req.output_token_ids)
@@ -58,6 +70,9 @@ class EngineStats:
             "num_requests_finished": self.num_requests_finished,
             "num_requests_aborted": self.num_requests_aborted,
             "num_preemptions": self.num_preemptions,
+            "num_adapter_loads": self.num_adapter_loads,
+            "queue_time_s": summary(self.queue_times),
+            "adapter_wait_s": summary(self.adapter_waits),
             "step_time_s": summary(self.step_times),
             "ttft_s": summary(self.ttfts),
             "tpot_s": summary(self.tpots),

@@ -1,21 +1,27 @@
-"""Adapters resident in the unified pool: their pages, reference counts, and the views the
-LoRA op reads.
+"""Every registered adapter and where it lives: disk (registered only) -> host cache -> device
+pages of the unified pool. This module owns the registry and the device tier; the host tier is
+`host_cache.py`, and moving data between tiers ahead of need is `prefetch.py`.
 
-An adapter is serialised into one flat buffer laid over its pages, per layer and projection
-group (see `lora/batch.py`): the A matrices of a group's targeted modules back to back (so the
-group's shrink is one matmul over one [sum r, in] view), then each module's B, pre-multiplied by
-the adapter's scale. Pages are in proportion to the adapter's size (so to its rank): no padding
-to a maximum rank. When the pool gives a contiguous run (the usual case), every view is a
-zero-copy slice of the pool tensor, fixed for the adapter's life; scattered pages are gathered
-into one buffer per step instead (correct, slower; counted in stats).
-
-Invariants (`check_integrity`): an adapter's pages are exactly the pool pages its owner id
-holds; an adapter with references (unfinished requests) is never unloaded.
+Contracts:
+- Registering costs no device memory: only the config is read and checked.
+- An adapter is `ready` when its pages hold its weights; only then may a request that uses it
+  be scheduled. Pages are in proportion to its size (so to its rank): no max-rank padding.
+- `pins` counts running requests using the adapter: a pinned adapter is never evicted.
+  `users` counts unfinished requests (running or waiting): unloading is refused while > 0.
+- Eviction frees device pages of unpinned adapters, least recently used first, and only when
+  pages are needed (for KV or another adapter). An adapter made ready less than
+  `min_resident_steps` steps ago is spared when another adapter wants its pages (hysteresis,
+  so two hot sets do not thrash the pool); KV pressure may still take it.
+- Contiguous pages give zero-copy views fixed for the adapter's stay; scattered pages are
+  gathered once per step instead (correct, slower).
+Checked by `check_integrity()`: every adapter's pages are exactly the pool pages its owner id
+holds, and pinned adapters are ready.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,15 +29,12 @@ import numpy as np
 import torch
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, PoolExhaustedError
-from lorafleet.lora.adapter import BaseShapes, LoraAdapter, load_adapter
-from lorafleet.kernels.lora_cpu import META_FIELDS
-from lorafleet.lora.batch import GROUP_INDEX, GROUPS
+from lorafleet.lora.adapter import BaseShapes, read_adapter_config
+from lorafleet.memory.host_cache import HostAdapter, HostCache
+from lorafleet.memory.layout import GroupView
 from lorafleet.memory.pool import PagePool
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
-
-# views[layer][group] = (A stacked [sum r, in], [(output column, row offset in A, Bt [r, out])])
-GroupView = tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]
 
 
 def check_name(name: str) -> str:
@@ -41,178 +44,204 @@ def check_name(name: str) -> str:
     return name
 
 
-@dataclass
-class Layout:
-    """Where each tensor sits in the flat buffer: (layer, group) -> (a_offset, a_rows, in,
-    [(module slot j, output column, row offset in A, bt_offset, out, r)]). A is [rows, in]
-    row-major; each Bt = (scale * B)^T is [r, out] row-major."""
-
-    entries: dict[tuple[int, str], tuple[int, int, int, list[tuple[int, int, int, int, int, int]]]]
-    numel: int
-
-    @classmethod
-    def of(cls, adapter: LoraAdapter, base: BaseShapes) -> Layout:
-        entries, off = {}, 0
-        for layer in range(base.num_layers):
-            for group, modules in GROUPS.items():
-                cols = [0]
-                for m in modules:
-                    cols.append(cols[-1] + base.features[m][1])
-                present = [(j, adapter.weights[(layer, m)]) for j, m in enumerate(modules)
-                           if (layer, m) in adapter.weights]
-                if not present:
-                    continue
-                fan_in = present[0][1].a.shape[1]
-                a_off, rows = off, sum(w.rank for _, w in present)
-                off += rows * fan_in
-                bs, row = [], 0
-                for j, w in present:
-                    bs.append((j, cols[j], row, off, w.b.shape[0], w.rank))
-                    off += w.b.numel()
-                    row += w.rank
-                entries[(layer, group)] = (a_off, rows, fan_in, bs)
-        return cls(entries, off)
-
-    def fill(self, buf: torch.Tensor, adapter: LoraAdapter) -> None:
-        """Write the adapter's tensors into `buf` (flat) at their offsets, B scaled, transposed."""
-        for (layer, group), (a_off, rows, fan_in, bs) in self.entries.items():
-            modules = GROUPS[group]
-            for j, _, row, b_off, out, r in bs:
-                w = adapter.weights[(layer, modules[j])]
-                buf[a_off + row * fan_in: a_off + (row + r) * fan_in].copy_(w.a.reshape(-1))
-                buf[b_off: b_off + out * r].view(r, out).copy_((w.b * w.scale).t())
-
-    def views(self, buf: torch.Tensor, num_layers: int) -> list[dict[str, GroupView]]:
-        out: list[dict[str, GroupView]] = [{} for _ in range(num_layers)]
-        for (layer, group), (a_off, rows, fan_in, bs) in self.entries.items():
-            a = buf[a_off: a_off + rows * fan_in].view(rows, fan_in)
-            out[layer][group] = (a, [(col, row, buf[b_off: b_off + r * o].view(r, o))
-                                     for _, col, row, b_off, o, r in bs])
-        return out
-
-    def kernel_meta(self, base_offset: int, num_layers: int) -> np.ndarray:
-        """[layers, groups, 3 slots, META_FIELDS] int64 for the CPU kernel, offsets absolute in
-        the pool's flat tensor; rank 0 marks a module the adapter does not target."""
-        meta = np.zeros((num_layers, len(GROUPS), 3, META_FIELDS), dtype=np.int64)
-        for (layer, group), (a_off, _, fan_in, bs) in self.entries.items():
-            g = GROUP_INDEX[group]
-            for j, col, row, b_off, o, r in bs:
-                meta[layer, g, j] = (base_offset + a_off + row * fan_in, r, base_offset + b_off, o, col)
-        return meta
-
-
 @dataclass(eq=False)
-class ResidentAdapter:
+class AdapterEntry:
     name: str
     path: Path
-    digest: str
-    ranks: dict[str, int]          # module -> max rank over layers
-    modules: tuple[str, ...]
-    num_params: int
-    pages: list[int]
-    layout: Layout
-    views: list[dict[str, GroupView]] | None  # None when pages are scattered
-    kernel_meta: np.ndarray | None  # CPU kernel offsets; None when scattered
-    refcount: int = 0
+    digest: str | None = None            # known once the weights have been read
+    host: HostAdapter | None = None      # set while in the host cache (or being copied)
+    pages: list[int] | None = None       # device pages, allocated
+    ready: bool = False                  # pages hold the weights; views valid
+    views: list[dict[str, GroupView]] | None = None
+    kernel_meta: np.ndarray | None = None
+    layout: object = None                # memory.layout.Layout, kept while on the device
+    loading: object = None               # Future of the disk -> host load
+    copying: object = None               # Future of the host -> device copy
+    error: str | None = None             # the last load failed with this message
+    users: int = 0
+    pins: int = 0
+    last_used: float = 0.0
+    ready_step: int = 0
+    ranks: dict[str, int] = field(default_factory=dict)
+    num_params: int = 0
     hits: int = 0
-    meta: dict = field(default_factory=dict)
+    misses: int = 0
+    disk_loads: int = 0
+    device_loads: int = 0
+    evictions: int = 0
+    load_time_s: float = 0.0
+
+    @property
+    def tier(self) -> str:
+        return "device" if self.ready else "host" if self.host is not None else "disk"
 
     @property
     def contiguous(self) -> bool:
         return self.views is not None
 
     def info(self) -> dict:
-        return {"name": self.name, "path": str(self.path), "digest": self.digest,
-                "ranks": self.ranks, "modules": list(self.modules), "params": self.num_params,
-                "pages": len(self.pages), "contiguous": self.contiguous, "refcount": self.refcount}
+        return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
+                "ranks": self.ranks, "modules": sorted(self.ranks), "params": self.num_params,
+                "pages": len(self.pages or ()), "contiguous": self.contiguous, "users": self.users,
+                "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
+                "loads": self.disk_loads, "device_loads": self.device_loads,
+                "evictions": self.evictions, "load_time_s": self.load_time_s, "error": self.error}
 
 
 class AdapterResidency:
-    def __init__(self, pool: PagePool, base: BaseShapes):
+    def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int,
+                 min_resident_steps: int = 4):
         self.pool = pool
         self.base = base
-        self.adapters: dict[str, ResidentAdapter] = {}
+        self.host = HostCache(host_cache_bytes)
+        self.entries: dict[str, AdapterEntry] = {}
+        self.min_resident_steps = min_resident_steps
+        self.step = 0
+        self.pin_host = pool.tensor.device.type == "cuda"
 
+    # -- registry ----------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
-        return name in self.adapters
+        return name in self.entries
 
-    def get(self, name: str) -> ResidentAdapter:
+    def get(self, name: str) -> AdapterEntry:
         try:
-            return self.adapters[name]
+            return self.entries[name]
         except KeyError:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded") from None
+            raise AdapterNotFoundError(f"adapter {name!r} is not registered") from None
 
-    def load(self, name: str, path: str | Path) -> ResidentAdapter:
-        """Parse, validate and copy an adapter into pool pages. A refused adapter changes
-        nothing; loading a name again with the same content is a no-op, with new content it
-        replaces the old one (only while no request uses it)."""
+    def register(self, name: str, path: str | Path) -> AdapterEntry:
+        """Check the config against the base (cheap) and record the adapter; no weights read.
+        Registering a name again with another path replaces it while nothing uses it."""
         check_name(name)
-        adapter = load_adapter(path, self.base, dtype=self.pool.tensor.dtype)
-        old = self.adapters.get(name)
+        path = Path(path)
+        read_adapter_config(path, self.base)
+        old = self.entries.get(name)
         if old is not None:
-            if old.digest == adapter.digest:
+            if old.path == path and old.error is None:
                 return old
-            if old.refcount:
-                raise AdapterInUseError(f"adapter {name!r} is used by {old.refcount} request(s); "
-                                        "it cannot be replaced now")
-        layout = Layout.of(adapter, self.base)
-        n = -(-layout.numel // self.pool.page_elems)
-        if not self.pool.can_allocate(n):
-            raise PoolExhaustedError(f"adapter {name!r} needs {n} pages, the pool has "
-                                     f"{self.pool.num_free} free of {self.pool.num_pages}")
-        if old is not None:
-            self.unload(name)
-        pages = self.pool.allocate(n, self.pool.owner_id(name))
-        contiguous = pages == list(range(pages[0], pages[0] + n))
-        if contiguous:
-            buf = self.pool.tensor[pages[0]:pages[0] + n].view(-1)
-            layout.fill(buf, adapter)
-        else:
-            buf = self.pool.tensor.new_empty(n * self.pool.page_elems)
-            layout.fill(buf, adapter)
-            self.pool.tensor[pages] = buf.view(n, -1)
-        ranks: dict[str, int] = {}
-        for (_, m), w in adapter.weights.items():
-            ranks[m] = max(ranks.get(m, 0), w.rank)
-        resident = ResidentAdapter(
-            name=name, path=Path(path), digest=adapter.digest, ranks=ranks,
-            modules=tuple(sorted(ranks)), num_params=adapter.num_params, pages=pages, layout=layout,
-            views=layout.views(buf, self.base.num_layers) if contiguous else None,
-            kernel_meta=layout.kernel_meta(pages[0] * self.pool.page_elems, self.base.num_layers)
-            if contiguous else None)
-        self.adapters[name] = resident
-        return resident
+            self.unregister(name)
+        entry = AdapterEntry(name, path)
+        self.entries[name] = entry
+        return entry
 
-    def unload(self, name: str) -> None:
-        resident = self.get(name)
-        if resident.refcount:
-            raise AdapterInUseError(f"adapter {name!r} is used by {resident.refcount} request(s); "
+    def unregister(self, name: str) -> None:
+        entry = self.get(name)
+        if entry.users:
+            raise AdapterInUseError(f"adapter {name!r} is used by {entry.users} request(s); "
                                     "unload it when they finish")
-        del self.adapters[name]
-        self.pool.free(resident.pages)
+        if entry.copying is not None:
+            raise AdapterInUseError(f"adapter {name!r} is being copied to the device; retry")
+        if entry.pages is not None:
+            self._free_device(entry)
+        self.host.drop(name)
+        del self.entries[name]
 
-    def acquire(self, name: str) -> ResidentAdapter:
-        resident = self.get(name)
-        resident.refcount += 1
-        return resident
+    # -- device tier -------------------------------------------------------------------
+    def pages_needed(self, entry: AdapterEntry) -> int:
+        return -(-entry.host.layout.numel // self.pool.page_elems)
 
-    def release(self, name: str) -> None:
-        resident = self.adapters[name]
-        assert resident.refcount > 0, f"adapter {name!r} released more often than acquired"
-        resident.refcount -= 1
+    def allocate(self, entry: AdapterEntry, reserve: int = 0, protect: set[str] = frozenset(),
+                 for_kv: bool = False) -> bool:
+        """Give `entry` (with a host copy) its device pages, evicting idle adapters if that
+        makes room; False (nothing evicted) when it cannot fit now."""
+        need = self.pages_needed(entry)
+        if need > self.pool.num_pages:
+            raise PoolExhaustedError(f"adapter {entry.name!r} needs {need} pages; the pool has "
+                                     f"{self.pool.num_pages} in all (raise pool_bytes)")
+        if not self.make_room(need + reserve, protect | {entry.name}, for_kv=for_kv):
+            return False
+        entry.pages = self.pool.allocate(need, self.pool.owner_id(entry.name))
+        return True
 
-    def step_views(self, resident: ResidentAdapter) -> list[dict[str, GroupView]]:
+    def copy_in(self, entry: AdapterEntry, stream=None) -> None:
+        """Host -> device pages (runs on a prefetch worker; the pages are already allocated)."""
+        buf, pages, n = entry.host.buffer, entry.pages, entry.host.layout.numel
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            dst = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)[:n]
+            dst.copy_(buf, non_blocking=stream is not None)
+        else:
+            per = self.pool.page_elems
+            for i, p in enumerate(pages):
+                part = buf[i * per:(i + 1) * per]
+                self.pool.tensor[p, :part.numel()].copy_(part, non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()
+
+    def mark_ready(self, entry: AdapterEntry) -> None:
+        """After the copy: build the views the LoRA op reads (engine thread)."""
+        host, pages = entry.host, entry.pages
+        entry.digest, entry.ranks, entry.num_params = host.digest, host.ranks, host.num_params
+        entry.layout = host.layout
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            buf = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)
+            entry.views = host.layout.views(buf, self.base.num_layers)
+            entry.kernel_meta = host.layout.kernel_meta(pages[0] * self.pool.page_elems, self.base.num_layers)
+        else:
+            entry.views, entry.kernel_meta = None, None
+        entry.ready = True
+        entry.ready_step = self.step
+        entry.device_loads += 1
+        entry.last_used = time.monotonic()
+
+    def make_room(self, pages: int, protect: set[str] = frozenset(), for_kv: bool = False) -> bool:
+        """Evict idle adapters (unpinned, not in `protect`, least recently used first; young ones
+        only for KV) until `pages` are free. Evicts nothing when that would not suffice."""
+        if self.pool.can_allocate(pages):
+            return True
+        young = self.step - self.min_resident_steps
+        idle = sorted((e for e in self.entries.values()
+                       if e.ready and e.pins == 0 and e.copying is None and e.name not in protect
+                       and (for_kv or e.ready_step <= young)),
+                      key=lambda e: e.last_used)
+        short = pages - self.pool.num_free
+        if sum(len(e.pages) for e in idle) < short:
+            return False
+        for e in idle:
+            if self.pool.can_allocate(pages):
+                break
+            self._free_device(e)
+            e.evictions += 1
+        return True
+
+    def _free_device(self, entry: AdapterEntry) -> None:
+        self.pool.free(entry.pages)
+        entry.pages, entry.ready, entry.views, entry.kernel_meta, entry.layout = None, False, None, None, None
+
+    def pin(self, name: str) -> None:
+        entry = self.entries[name]
+        assert entry.ready, f"adapter {name!r} pinned while not on the device"
+        entry.pins += 1
+        entry.last_used = time.monotonic()
+
+    def unpin(self, name: str) -> None:
+        entry = self.entries[name]
+        assert entry.pins > 0, f"adapter {name!r} unpinned more often than pinned"
+        entry.pins -= 1
+        entry.last_used = time.monotonic()
+
+    def is_ready(self, name: str | None) -> bool:
+        return name is None or self.entries[name].ready
+
+    def step_views(self, entry: AdapterEntry) -> list[dict[str, GroupView]]:
         """The views for this step: the cached zero-copy ones, or a gather of scattered pages."""
-        if resident.views is not None:
-            return resident.views
-        buf = self.pool.tensor[resident.pages].view(-1)
-        return resident.layout.views(buf, self.base.num_layers)
+        if entry.views is not None:
+            return entry.views
+        buf = self.pool.tensor[entry.pages].view(-1)
+        return entry.layout.views(buf, self.base.num_layers)
 
+    # -- checks & stats ----------------------------------------------------------------
     def check_integrity(self) -> None:
-        for name, r in self.adapters.items():
+        for name, e in self.entries.items():
             owned = self.pool.pages_of(self.pool.owner_id(name)).tolist()
-            assert sorted(r.pages) == owned, f"adapter {name!r}: pages disagree with the pool"
-            assert r.refcount >= 0
+            assert sorted(e.pages or []) == owned, f"adapter {name!r}: pages disagree with the pool"
+            assert e.pins == 0 or e.ready, f"adapter {name!r} is pinned but not on the device"
+            assert 0 <= e.pins <= e.users, f"adapter {name!r}: pins {e.pins} > users {e.users}"
+            assert not e.ready or e.pages is not None
+            assert e.ready or e.pages is None or e.copying is not None, f"adapter {name!r}: stray pages"
 
     def stats(self) -> dict:
-        return {name: r.info() for name, r in self.adapters.items()}
+        tiers = {"device": 0, "host": 0, "disk": 0}
+        for e in self.entries.values():
+            tiers[e.tier] += 1
+        return {"registered": len(self.entries), "tiers": tiers, "host_cache_bytes": self.host.nbytes,
+                "host_cache_capacity": self.host.capacity}

@@ -110,8 +110,8 @@ def test_scattered_pages_compute_the_same_as_contiguous(llama_dir, adapter_bank)
         engine.load_adapter(name, adapter_bank[2])
     for name in fillers[::2]:  # free every other filler: no free run longer than one filler
         engine.unload_adapter(name)
-    resident = engine.adapters.load("a", adapter_bank[32])
-    assert not resident.contiguous
+    engine.load_adapter("a", adapter_bank[32])
+    assert not engine.adapters.get("a").contiguous
     for name in fillers[1::2]:  # room for the KV cache; "a" stays scattered
         engine.unload_adapter(name)
     assert engine.generate([prompt], params, adapters=["a"])[0].token_ids == expected

@@ -73,4 +73,4 @@ def test_mixed_batch_greedy_tokens_match_peft_per_adapter(fleet):
         if name is not None:
             differs_from_base += ref != hf_greedy(plain, prompt, 32)
     assert differs_from_base >= len(adapters) // 2  # the adapters really change the model
-    assert all(r["refcount"] == 0 for r in engine.list_adapters())
+    assert all(r["users"] == 0 and not r["pinned"] for r in engine.list_adapters())

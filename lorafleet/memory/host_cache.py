@@ -1,0 +1,84 @@
+"""The host tier: adapters parsed, validated and laid out in host memory (pinned on CUDA), ready
+for one copy into pool pages. Bounded by a byte budget, least recently used out first.
+
+Building a `HostAdapter` reads and checks the files (disk -> host); it runs on the prefetcher's
+worker threads, never on the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lorafleet.lora.adapter import BaseShapes, load_adapter
+from lorafleet.memory.layout import Layout
+
+
+@dataclass(eq=False)
+class HostAdapter:
+    digest: str
+    layout: Layout
+    buffer: torch.Tensor          # flat [layout.numel], the pool's dtype
+    ranks: dict[str, int]         # module -> max rank over layers
+    num_params: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def build_host_adapter(path: Path, base: BaseShapes, dtype: torch.dtype, pin: bool) -> HostAdapter:
+    """Disk -> host: parse and validate (AdapterError on any problem), lay out, done."""
+    adapter = load_adapter(path, base, dtype=dtype)
+    layout = Layout.of(adapter, base)
+    buffer = torch.empty(layout.numel, dtype=dtype, pin_memory=pin)
+    layout.fill(buffer, adapter)
+    ranks: dict[str, int] = {}
+    for (_, module), w in adapter.weights.items():
+        ranks[module] = max(ranks.get(module, 0), w.rank)
+    return HostAdapter(adapter.digest, layout, buffer, ranks, adapter.num_params)
+
+
+class HostCache:
+    """name -> HostAdapter, LRU, at most `capacity` bytes (one adapter larger than the budget is
+    still kept while it is the only one: it must pass through to reach the device)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: OrderedDict[str, HostAdapter] = OrderedDict()
+        self.nbytes = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, name: str) -> HostAdapter | None:
+        item = self._items.get(name)
+        if item is not None:
+            self._items.move_to_end(name)
+        return item
+
+    def put(self, name: str, item: HostAdapter, keep: set[str] = frozenset()) -> list[str]:
+        """Insert; evict least recently used entries not in `keep` while over budget. Returns the
+        names evicted."""
+        self.drop(name)
+        self._items[name] = item
+        self.nbytes += item.nbytes
+        evicted = []
+        for victim in list(self._items):
+            if self.nbytes <= self.capacity:
+                break
+            if victim != name and victim not in keep:
+                self.drop(victim)
+                evicted.append(victim)
+        return evicted
+
+    def drop(self, name: str) -> None:
+        item = self._items.pop(name, None)
+        if item is not None:
+            self.nbytes -= item.nbytes
