@@ -79,10 +79,12 @@ class Scheduler:
     def _ready(self, req: Request) -> bool:
         return self.residency is None or self.residency.is_ready(req.adapter)
 
-    def _room(self, pages: int, for_kv: bool = True) -> bool:
+    def _room(self, pages: int, protect: str | None = None) -> bool:
+        """Free pages for KV, evicting idle adapters (never `protect`) if that is enough."""
         if self.kv.pool.can_allocate(pages):
             return True
-        return self.residency is not None and self.residency.make_room(pages, for_kv=for_kv)
+        keep = {protect} if protect is not None else set()
+        return self.residency is not None and self.residency.make_room(pages, keep, for_kv=True)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -116,7 +118,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.kv.extra_pages(req.request_id, req.num_computed + n)
             reserve = self.watermark_pages if self.running else 0  # alone, it may use the watermark
-            if not self._room(need + reserve):
+            if not self._room(need + reserve, protect=req.adapter):
                 break  # admitted when pages come back
             queues[key(req)].popleft()
             if preempted and preempted[0] is req:

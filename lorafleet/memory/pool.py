@@ -105,6 +105,14 @@ class PagePool:
     def pages_of(self, owner: int) -> np.ndarray:
         return np.flatnonzero(self._owner == owner)
 
+    def owner_map(self) -> dict[int, list[int]]:
+        """owner id -> its pages (sorted), every owner in one pass over the owner table."""
+        order = np.argsort(self._owner, kind="stable")
+        owners = self._owner[order]
+        cuts = np.flatnonzero(np.diff(owners)) + 1
+        return {int(group_owners[0]): pages.tolist()
+                for group_owners, pages in zip(np.split(owners, cuts), np.split(order, cuts)) if len(pages)}
+
     def check_integrity(self) -> None:
         counts = dict(zip(*np.unique(self._owner, return_counts=True)))
         free = int(counts.pop(FREE, 0))

@@ -231,8 +231,9 @@ class AdapterResidency:
 
     # -- checks & stats ----------------------------------------------------------------
     def check_integrity(self) -> None:
+        by_owner = self.pool.owner_map()
         for name, e in self.entries.items():
-            owned = self.pool.pages_of(self.pool.owner_id(name)).tolist()
+            owned = by_owner.get(self.pool.owner_id(name), [])
             assert sorted(e.pages or []) == owned, f"adapter {name!r}: pages disagree with the pool"
             assert e.pins == 0 or e.ready, f"adapter {name!r} is pinned but not on the device"
             assert 0 <= e.pins <= e.users, f"adapter {name!r}: pins {e.pins} > users {e.users}"
