@@ -1,0 +1,108 @@
+"""Pure functions over what the systems measured: latency percentiles and the switch regression.
+
+The switch regression asks what an adapter switch costs: per-token latency of a step (its time
+over the tokens it computed) against the adapters it switched to. Two x's, each where known:
+`adapters_loaded` (adapters that became resident for that step) and `distinct_adapters` (the
+adapters its batch mixes: segments of the LoRA op). Only decode steps count (every sequence one
+token): a prefill's tokens cost far less each, and would swamp the effect. Batch size moves
+per-token latency too, and moves with the x's (a bigger batch mixes more adapters), so besides
+the plain fit the report gives the slope within batch size: x and y minus their mean over the
+steps of the same batch size, then one fit (the fixed-effects estimator). A flat line (slope
+~0) says switches cost nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import NamedTuple, Sequence
+
+SWITCH_XS = ("adapters_loaded", "distinct_adapters")
+
+
+class Line(NamedTuple):
+    slope: float
+    intercept: float
+
+
+def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> Line:
+    """Ordinary least squares y = slope * x + intercept. Raises ValueError with fewer than two
+    points or when every x is the same (no slope to fit)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} xs but {len(ys)} ys")
+    n = len(xs)
+    if n < 2:
+        raise ValueError("a slope needs at least two points")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("every x is the same: no slope to fit")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return Line(slope, my - slope * mx)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 1]) of the values that are not None; None if none."""
+    s = sorted(v for v in values if v is not None)
+    if not s:
+        return None
+    return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
+
+
+def latency_summary(requests: list[dict]) -> dict:
+    """p50/p99 of TTFT, TPOT and queue time; the exposed adapter-load time's p50, p99, max and
+    total; all in seconds, None where no request measured it."""
+    def col(key):
+        return [r.get(key) for r in requests]
+    out = {}
+    for key in ("ttft_s", "tpot_s", "queue_s", "adapter_wait_s"):
+        values = col(key)
+        out[key] = {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+    waits = [w for w in col("adapter_wait_s") if w is not None]
+    out["adapter_wait_s"].update(max=max(waits) if waits else None, total=sum(waits) if waits else None)
+    return out
+
+
+def _within(xs: list[float], ys: list[float], groups: list[int]) -> tuple[list[float], list[float]]:
+    """x and y minus their mean over the points of the same group."""
+    members = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    mx = {g: sum(xs[i] for i in ix) / len(ix) for g, ix in members.items()}
+    my = {g: sum(ys[i] for i in ix) / len(ix) for g, ix in members.items()}
+    return [x - mx[g] for x, g in zip(xs, groups)], [y - my[g] for y, g in zip(ys, groups)]
+
+
+def switch_regression(steps: list[dict], x: str) -> dict | None:
+    """The regression of per-token latency (s) on `x` over decode steps; None when no step
+    knows `x`. Keys: x, steps, table (per x value: steps, median and mean per-token ms, mean
+    batch size), slope_s and intercept_s (plain fit), slope_within_batch_s, and `note` when a
+    slope cannot be fitted."""
+    decode = [s for s in steps if s.get(x) is not None and s["num_tokens"] > 0
+              and s["num_tokens"] == s["num_seqs"]]
+    if not decode:
+        return None
+    xs = [float(s[x]) for s in decode]
+    ys = [s["time_s"] / s["num_tokens"] for s in decode]
+    buckets = defaultdict(list)
+    for s, y in zip(decode, ys):
+        buckets[s[x]].append((y, s["num_seqs"]))
+    table = [{x: k, "steps": len(v), "per_token_ms_p50": percentile([y for y, _ in v], 0.5) * 1e3,
+              "per_token_ms_mean": sum(y for y, _ in v) / len(v) * 1e3,
+              "mean_batch": sum(b for _, b in v) / len(v)} for k, v in sorted(buckets.items())]
+    out = {"x": x, "steps": len(decode), "table": table, "slope_s": None, "intercept_s": None,
+           "slope_within_batch_s": None}
+    try:
+        out["slope_s"], out["intercept_s"] = fit_slope(xs, ys)
+    except ValueError as e:
+        out["note"] = f"no slope: {e}"
+        return out
+    try:
+        out["slope_within_batch_s"] = fit_slope(*_within(xs, ys, [s["num_seqs"] for s in decode])).slope
+    except ValueError:
+        out["note"] = "no slope within batch size: x never varies among steps of one batch size"
+    return out
+
+
+def switch_regressions(steps: list[dict]) -> list[dict]:
+    return [r for x in SWITCH_XS if (r := switch_regression(steps, x)) is not None]
