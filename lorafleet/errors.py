@@ -76,3 +76,52 @@ class RequestNotFoundError(LorafleetError):
 
     http_status = 404
     code = "request_not_found"
+
+
+# -- the daemon and its clients ----------------------------------------------------------------
+
+class QueueFullError(LorafleetError):
+    """The daemon holds as many requests as it admits (`--max-pending`); retry later."""
+
+    http_status = 429
+    code = "queue_full"
+
+
+class ShuttingDownError(LorafleetError):
+    """The daemon is draining its in-flight requests before it exits; it takes no new ones."""
+
+    http_status = 503
+    code = "shutting_down"
+
+
+class UnauthorizedError(LorafleetError):
+    """A TCP request without the daemon's API key (`Authorization: Bearer KEY`)."""
+
+    http_status = 401
+    code = "invalid_api_key"
+
+
+class DaemonRunningError(LorafleetError):
+    """Another daemon already serves on that socket."""
+
+    code = "daemon_running"
+
+
+class DaemonUnreachableError(LorafleetError):
+    """No daemon answers on the socket."""
+
+    http_status = 503
+    exit_code = 3
+    code = "daemon_unreachable"
+
+
+class ServerError(LorafleetError):
+    """An error the daemon answered with, as the client sees it: the daemon's status, code and
+    message."""
+
+    def __init__(self, message: str, http_status: int = 500, code: str = "internal_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.http_status = http_status
+        self.code = code
+        self.param = param

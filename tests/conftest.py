@@ -18,3 +18,7 @@ from tests.fixtures import build_model  # noqa: E402
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+# real daemons for tests/server and tests/cli (a session fixture, shared by both)
+from tests.daemons import adapter_dirs, chat_model_dir, served  # noqa: E402,F401

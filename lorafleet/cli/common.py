@@ -5,7 +5,10 @@ Nothing here imports torch, triton or the engine: `lorafleet --help` must answer
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -29,3 +32,23 @@ def user_errors():
         yield
     except LorafleetError as e:
         raise fail(str(e), e.exit_code) from None
+
+
+# -- what the client verbs share ---------------------------------------------------------------
+
+SocketOption = Annotated[Path | None, typer.Option(
+    "--socket", envvar="LORAFLEET_SOCKET", metavar="PATH",
+    help="The daemon's Unix socket. Default: $XDG_RUNTIME_DIR/lorafleet/lorafleet.sock, "
+         "else $LORAFLEET_HOME/run/lorafleet.sock.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of text.")]
+
+
+def client(socket: Path | None):
+    """The daemon's client (imported here so that verbs that do not need it stay light)."""
+    from lorafleet.client import Client
+
+    return Client(socket)
+
+
+def print_json(obj) -> None:
+    typer.echo(json.dumps(obj, indent=2, ensure_ascii=False))

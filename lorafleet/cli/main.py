@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from lorafleet import __version__
-from lorafleet.cli import bench
+from lorafleet.cli import adapters, bench, chat, serve, status
 from lorafleet.cli.common import fail
 from lorafleet.errors import LorafleetError
 
@@ -19,10 +19,15 @@ app = typer.Typer(
     name="lorafleet",
     help="Serve one base LLM with many LoRA adapters on one machine.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
 )
+app.command("serve")(serve.serve)
+app.command("status")(status.status)
+app.command("stop")(status.stop)
+app.command("chat")(chat.chat)
+app.add_typer(adapters.app, name="adapters")
 app.command("bench")(bench.bench)
 
 
@@ -45,3 +50,7 @@ def main() -> None:
         app()
     except LorafleetError as e:  # verbs answer their own; this catches any that slip through
         raise SystemExit(fail(str(e), e.exit_code).exit_code) from None
+
+
+if __name__ == "__main__":  # `python -m lorafleet.cli.main`: how `serve --detach` starts the daemon
+    main()

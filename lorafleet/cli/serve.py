@@ -1,0 +1,193 @@
+"""`lorafleet serve`: run the daemon in the foreground (or detached, with --detach).
+
+The engine, the server and torch are imported only when the daemon starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lorafleet.cli.common import SocketOption, err_console, fail, user_errors
+from lorafleet.errors import DaemonUnreachableError, LorafleetError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | None) -> int | None:
+    """'2GiB', '512M', '1073741824' -> bytes (K, M, G, T are powers of 1024)."""
+    if text is None:
+        return None
+    m = _SIZE.match(text)
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not a size (say 2GiB, 512M or a number of bytes)",
+                                 param_hint="--pool-bytes")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    return int(number * 1024 ** ("kmgt".index(unit) + 1)) if unit else int(number)
+
+
+def _parse_adapters(specs: list[str] | None) -> dict[str, Path]:
+    out = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise typer.BadParameter(f"{spec!r}: use NAME=PATH", param_hint="--adapter")
+        out[name] = Path(path).expanduser().resolve()
+    return out
+
+
+def serve(
+    model: Annotated[Path | None, typer.Argument(
+        help="A Hugging Face model folder (config.json, safetensors, tokenizer.json). Default: the "
+             "bundled demo fleet; until it ships, a placeholder random model built once under "
+             "$LORAFLEET_HOME/models (its answers are noise).", show_default=False)] = None,
+    socket: SocketOption = None,
+    host: Annotated[str | None, typer.Option("--host", help="Also listen on TCP at this address (needs --port and --api-key).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="The TCP port for --host.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LORAFLEET_API_KEY",
+        help="The key TCP clients send as `Authorization: Bearer KEY` on /v1 routes.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="The base's name in `model` fields. Default: the model folder's name.")] = None,
+    adapter: Annotated[list[str] | None, typer.Option(
+        "--adapter", "-a", metavar="NAME=PATH", help="Load a PEFT adapter folder at start; repeat for more.")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:N].")] = "auto",
+    pool_bytes: Annotated[str | None, typer.Option(
+        "--pool-bytes", metavar="SIZE", help="The unified page pool (KV + adapters), e.g. 2GiB. "
+                                              "Default: 1 GiB on CPU, most free memory on a GPU.")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32, bfloat16 or float16. Default: fp32 on CPU, the checkpoint's on GPU.")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Sequences in one step.")] = 256,
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", min=2, help="Context length. Default: the model's.")] = None,
+    max_pending: Annotated[int, typer.Option(
+        "--max-pending", min=1, help="Requests admitted at once (running + waiting); more are answered 429.")] = 1024,
+    drain_timeout: Annotated[float, typer.Option(
+        "--drain-timeout", min=0, help="Seconds SIGTERM/SIGINT waits for in-flight requests before exiting.")] = 30.0,
+    access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Start the daemon in the background and return once it answers.")] = False,
+    log_file: Annotated[Path | None, typer.Option(
+        "--log-file", metavar="PATH", help="With --detach: where the daemon logs. Default: $LORAFLEET_HOME/logs/daemon.log.")] = None,
+) -> None:
+    """Run the daemon: one base model, many LoRA adapters, an OpenAI-compatible API on a Unix socket.
+
+    SIGTERM or Ctrl-C drains in-flight requests (up to --drain-timeout seconds), then exits 0.
+    """
+    from lorafleet import paths
+    from lorafleet.config import ServerConfig
+
+    with user_errors():
+        sock = paths.socket_path(socket)
+        config = ServerConfig(socket=str(sock), host=host, port=port, api_key=api_key,
+                              served_model_name=served_model_name, max_pending=max_pending,
+                              drain_timeout=drain_timeout, access_log=access_log)
+        engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
+                          "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
+        adapters = _parse_adapters(adapter)
+        if detach:
+            argv = _rebuild_argv(model, sock, host, port, served_model_name, adapter, device, pool_bytes,
+                                 dtype, max_num_seqs, max_model_len, max_pending, drain_timeout, access_log)
+            return _detach(argv, sock, log_file, api_key)
+        _setup_logging()
+        _run(model, config, engine_options, adapters)
+
+
+def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, Path]) -> None:
+    log = logging.getLogger("lorafleet.server")
+    placeholder = False
+    if model is None:
+        from lorafleet.demo import default_fleet
+
+        log.info("no MODEL given: preparing the default fleet")
+        fleet = default_fleet()
+        model, placeholder, name = fleet.model, fleet.placeholder, fleet.name
+        adapters = {**fleet.adapters, **adapters}
+        if placeholder:
+            log.warning("serving a PLACEHOLDER: a tiny random Llama with a byte-level tokenizer, "
+                        "built locally in %s. Its answers are random noise. Pass a Hugging Face "
+                        "model folder (`lorafleet serve PATH`) to serve a real model; the bundled "
+                        "demo fleet will replace this placeholder.", model)
+    else:
+        model = model.expanduser().resolve()
+        name = model.name
+    name = config.served_model_name or name
+
+    def build_engine():
+        from lorafleet.engine.engine import Engine
+
+        options = {k: v for k, v in engine_options.items() if v is not None}
+        log.info("loading %s (%s)", model, ", ".join(f"{k}={v}" for k, v in options.items()))
+        return Engine(model, **options)
+
+    from lorafleet.server.daemon import serve as run_daemon
+
+    run_daemon(build_engine, config, name, str(model), adapters, placeholder)
+
+
+def _setup_logging() -> None:
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False, markup=False)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", datefmt="[%X]", handlers=[handler], force=True)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
+
+
+def _rebuild_argv(model, sock, host, port, served_model_name, adapter, device, pool_bytes, dtype,
+                  max_num_seqs, max_model_len, max_pending, drain_timeout, access_log) -> list[str]:
+    """The same daemon's command line (the API key travels in the environment, not in ps)."""
+    argv = ["serve"] + ([str(model.expanduser().resolve())] if model else []) + ["--socket", str(sock)]
+    for flag, value in (("--host", host), ("--port", port), ("--served-model-name", served_model_name),
+                        ("--device", device), ("--pool-bytes", pool_bytes), ("--dtype", dtype),
+                        ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len),
+                        ("--max-pending", max_pending), ("--drain-timeout", drain_timeout)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for spec in adapter or []:
+        argv += ["--adapter", spec]
+    return argv + (["--access-log"] if access_log else [])
+
+
+def _detach(argv: list[str], sock: Path, log_file: Path | None, api_key: str | None,
+            wait_s: float = 600.0) -> None:
+    """Start `lorafleet <argv>` in a new session, logging to a file; return once it answers."""
+    from lorafleet import paths
+    from lorafleet.client import Client
+
+    with Client(sock) as c:
+        try:
+            pid = c.stats()["server"]["pid"]
+            raise fail(f"a lorafleet daemon (pid {pid}) already serves {sock}")
+        except DaemonUnreachableError:
+            pass
+    log_file = log_file or paths.logs_dir() / "daemon.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "COLUMNS": os.environ.get("COLUMNS", "120")}
+    if api_key:
+        env["LORAFLEET_API_KEY"] = api_key
+    with open(log_file, "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "lorafleet.cli.main", *argv], stdin=subprocess.DEVNULL,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    deadline = time.monotonic() + wait_s
+    with Client(sock) as c:
+        while time.monotonic() < deadline:
+            if child.poll() is not None:
+                tail = log_file.read_text(errors="replace").splitlines()[-5:]
+                raise fail(f"the daemon exited with status {child.returncode}; last lines of {log_file}:\n"
+                           + "\n".join(tail))
+            try:
+                c.health()
+                break
+            except LorafleetError:
+                time.sleep(0.2)
+        else:
+            raise fail(f"the daemon (pid {child.pid}) did not answer within {wait_s:.0f}s; see {log_file}")
+    err_console.print(f"lorafleet daemon started (pid {child.pid}) on {sock}; logs in {log_file}; "
+                      "stop it with `lorafleet stop`", highlight=False, soft_wrap=True)

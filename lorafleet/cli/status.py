@@ -1,0 +1,94 @@
+"""`lorafleet status` and `lorafleet stop`: the daemon's life, seen from outside."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Annotated
+
+import typer
+
+from lorafleet.cli.common import JsonOption, SocketOption, client, err_console, fail, print_json, user_errors
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return " ".join(f"{v}{u}" for v, u in ((d, "d"), (h, "h"), (m, "m"), (s, "s")) if v) or "0s"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def status(socket: SocketOption = None, as_json: JsonOption = False) -> None:
+    """Show whether the daemon runs, what it serves, its queues and its page pool."""
+    with user_errors(), client(socket) as c:
+        stats = c.stats()
+    if as_json:
+        return print_json(stats)
+    from rich.console import Console
+    from rich.table import Table
+
+    srv, eng = stats["server"], stats["engine"]
+    pool = eng["pool"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    state = "draining" if srv["draining"] else "running"
+    grid.add_row("daemon", f"{state} (pid {srv['pid']}), up {_duration(srv['uptime_s'])}, lorafleet {stats['version']}")
+    grid.add_row("socket", srv["socket"] + (f"  (and TCP {srv['tcp']})" if srv.get("tcp") else ""))
+    model = f"{srv['model']}  ({srv['model_path']})"
+    if srv.get("placeholder"):
+        model += "  [placeholder random model: answers are noise]"
+    grid.add_row("model", model)
+    grid.add_row("device", f"{eng['device']}, context {eng['max_model_len']} tokens")
+    grid.add_row("requests", f"{eng['num_running']} running, {eng['num_waiting']} waiting, "
+                             f"{srv['pending']} admitted of {srv['max_pending']}, {srv['num_rejected']} refused")
+    grid.add_row("pool", f"{pool['total_pages']} pages x {_bytes(pool['page_bytes'])}: {pool['kv_pages']} KV, "
+                         f"{pool['adapter_pages']} adapters, {pool['free_pages']} free "
+                         f"(KV usage {100 * eng['kv_cache_usage']:.0f}%)")
+    grid.add_row("adapters", f"{eng['num_adapters']} known; "
+                             f"{eng.get('num_requests_finished', 0)} requests served")
+    Console().print(grid)
+
+
+def stop(
+    socket: SocketOption = None,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=0, help="Seconds to wait for the daemon to drain and exit.")] = 60.0,
+) -> None:
+    """Stop the daemon: in-flight requests finish first (SIGTERM), then it exits."""
+    with user_errors(), client(socket) as c:
+        pid = c.stats()["server"]["pid"]
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            raise fail(f"the daemon on {c.socket} reports pid {pid}, which is not running here") from None
+        except PermissionError:
+            raise fail(f"not allowed to signal the daemon (pid {pid})") from None
+        # gone once its socket is removed (the daemon's last step) or the process has ended
+        deadline = time.monotonic() + timeout
+        while _alive(pid) and c.socket.exists():
+            if time.monotonic() > deadline:
+                raise fail(f"the daemon (pid {pid}) is still draining after {timeout:g}s; "
+                           f"`kill -INT {pid}` stops it without waiting")
+            time.sleep(0.1)
+    err_console.print(f"stopped the lorafleet daemon (pid {pid})", highlight=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,129 @@
+"""A typed client for the daemon: httpx over the Unix socket, one method per endpoint.
+
+The CLI and the TUI talk to the daemon only through this. It never imports torch or the engine.
+Errors come back as LorafleetErrors: `DaemonUnreachableError` (exit code 3) when nothing answers
+on the socket, `ServerError` carrying the daemon's status, code and message otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lorafleet import paths
+from lorafleet.errors import DaemonUnreachableError, ServerError
+
+# generation may take as long as it takes; everything else answers within a step or two
+_GENERATE_TIMEOUT = httpx.Timeout(10.0, read=None)
+_DEFAULT_TIMEOUT = httpx.Timeout(10.0, read=60.0)
+
+
+class Client:
+    def __init__(self, socket: str | os.PathLike | None = None):
+        self.socket = paths.socket_path(socket)
+        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)),
+                                  base_url="http://lorafleet", timeout=_DEFAULT_TIMEOUT)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def unreachable(self) -> DaemonUnreachableError:
+        return DaemonUnreachableError(f"no lorafleet daemon is running on {self.socket}; "
+                                      "start one with `lorafleet serve`")
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout=None) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, json=body, timeout=timeout or _DEFAULT_TIMEOUT)
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+            raise self.unreachable() from e
+        if r.status_code >= 400:
+            raise _server_error(r.status_code, r.content)
+        return r
+
+    def _json(self, method: str, path: str, body: dict | None = None, timeout=None) -> Any:
+        return self._request(method, path, body, timeout).json()
+
+    def _stream(self, path: str, body: dict) -> Iterator[dict]:
+        try:
+            with self._http.stream("POST", path, json={**body, "stream": True}, timeout=_GENERATE_TIMEOUT) as r:
+                if r.status_code >= 400:
+                    raise _server_error(r.status_code, r.read())
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        return
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise _server_error(500, json.dumps(event).encode())
+                    yield event
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+            raise self.unreachable() from e
+
+    # -- endpoints ---------------------------------------------------------------------------
+    def health(self) -> dict:
+        return self._json("GET", "/health")
+
+    def stats(self) -> dict:
+        return self._json("GET", "/v1/stats")
+
+    def metrics(self) -> str:
+        return self._request("GET", "/metrics").text
+
+    def models(self) -> list[dict]:
+        return self._json("GET", "/v1/models")["data"]
+
+    def model(self, name: str) -> dict:
+        return self._json("GET", f"/v1/models/{name}")
+
+    def load_adapter(self, name: str, path: str | os.PathLike, lazy: bool = False) -> dict:
+        """Load the PEFT adapter folder `path` (resolved here: the daemon's cwd is not ours)."""
+        body = {"lora_name": name, "lora_path": str(Path(path).expanduser().resolve())}
+        if lazy:
+            body["lazy"] = True
+        return self._json("POST", "/v1/load_lora_adapter", body, timeout=httpx.Timeout(10.0, read=None))
+
+    def unload_adapter(self, name: str) -> dict:
+        return self._json("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+    def completion(self, prompt: str | list[int], model: str | None = None, **params) -> dict:
+        return self._json("POST", "/v1/completions", _body(model, prompt=prompt, **params), _GENERATE_TIMEOUT)
+
+    def completion_stream(self, prompt: str | list[int], model: str | None = None, **params) -> Iterator[dict]:
+        return self._stream("/v1/completions", _body(model, prompt=prompt, **params))
+
+    def chat(self, messages: list[dict], model: str | None = None, **params) -> dict:
+        return self._json("POST", "/v1/chat/completions", _body(model, messages=messages, **params),
+                          _GENERATE_TIMEOUT)
+
+    def chat_stream(self, messages: list[dict], model: str | None = None, **params) -> Iterator[dict]:
+        """The chunks of a streamed chat completion (close the iterator to cancel it)."""
+        return self._stream("/v1/chat/completions", _body(model, messages=messages, **params))
+
+
+def _body(model: str | None, **fields) -> dict:
+    body = {k: v for k, v in fields.items() if v is not None}
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def _server_error(status: int, content: bytes) -> ServerError:
+    try:
+        err = json.loads(content)["error"]
+        return ServerError(err["message"], status, err.get("code") or "error", err.get("param"))
+    except (ValueError, KeyError, TypeError):
+        return ServerError(f"the daemon answered {status}: {content[:200].decode(errors='replace')}", status)

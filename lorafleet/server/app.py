@@ -1,0 +1,174 @@
+"""The HTTP app: OpenAI- and vLLM-compatible routes over one EngineWorker.
+
+Routes: POST /v1/completions, /v1/chat/completions (completions.py); GET /v1/models,
+/v1/models/{name}; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's bodies:
+{"lora_name", "lora_path"}); GET /v1/stats (JSON for `status` and `top`); GET /metrics
+(Prometheus); GET /health.
+
+Every error is OpenAI's body, {"error": {"message", "type", "param", "code"}}, with the status
+its LorafleetError class names (4xx for anything a client can cause). An unexpected exception
+answers 500 with the same body and is logged; the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from lorafleet import __version__
+from lorafleet.errors import AdapterError, LorafleetError, UnauthorizedError
+from lorafleet.server import metrics
+from lorafleet.server.completions import error_body, read_json, router as completions_router, state_of
+from lorafleet.server.protocol import bad
+from lorafleet.server.state import ServerState
+
+log = logging.getLogger("lorafleet.server")
+
+
+def require_key(request: Request) -> None:
+    """On TCP, /v1 routes need `Authorization: Bearer KEY`; the socket is guarded by its mode."""
+    st = state_of(request)
+    server = request.scope.get("server")
+    over_tcp = server is not None and server[1] is not None
+    if not over_tcp or not st.config.api_key:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.config.api_key.encode()):
+        raise UnauthorizedError("missing or wrong API key: send `Authorization: Bearer KEY`")
+
+
+v1 = APIRouter(dependencies=[Depends(require_key)])
+v1.include_router(completions_router)
+
+
+async def on_engine(request: Request, fn):
+    """Run `fn(engine)` on the engine thread between two steps."""
+    return await asyncio.wrap_future(state_of(request).worker.call(fn))
+
+
+def model_card(st: ServerState, name: str, adapter: dict | None) -> dict:
+    card = {"id": name, "object": "model", "created": int(st.started), "owned_by": "lorafleet",
+            "root": st.model_path if adapter is None else adapter.get("path"),
+            "parent": None if adapter is None else st.base_name,
+            "max_model_len": st.max_model_len}
+    if adapter is not None:
+        card["lorafleet"] = adapter
+    return card
+
+
+@v1.get("/v1/models")
+async def list_models(request: Request):
+    st = state_of(request)
+    adapters = await on_engine(request, lambda e: e.list_adapters())
+    cards = [model_card(st, st.base_name, None)] + [model_card(st, a["name"], a) for a in adapters]
+    return {"object": "list", "data": cards}
+
+
+@v1.get("/v1/models/{name:path}")
+async def show_model(request: Request, name: str):
+    st = state_of(request)
+    if name == st.base_name:
+        return model_card(st, name, None)
+    adapters = await on_engine(request, lambda e: e.list_adapters())
+    for a in adapters:
+        if a["name"] == name:
+            return model_card(st, name, a)
+    e = LorafleetError(f"model {name!r} does not exist (GET /v1/models lists them)")
+    e.http_status, e.code, e.param = 404, "model_not_found", "model"
+    raise e
+
+
+def _lora_body(body, need_path: bool) -> tuple[str, str | None]:
+    if not isinstance(body, dict):
+        raise bad(None, "the body must be a JSON object like {\"lora_name\": ..., \"lora_path\": ...}")
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name:
+        raise bad("lora_name", "lora_name must be a non-empty string")
+    if need_path and (not isinstance(path, str) or not path):
+        raise bad("lora_path", "lora_path must be a non-empty string: the adapter's folder on the daemon's machine")
+    return name, path
+
+
+@v1.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request):
+    """Load (or, with {"lazy": true}, only register) a PEFT adapter under `lora_name`. Loading a
+    name again with the same weights is a no-op; with new weights it replaces them."""
+    st = state_of(request)
+    body = await read_json(request)
+    name, path = _lora_body(body, need_path=True)
+    if name == st.base_name:
+        raise bad("lora_name", f"{name!r} is the base model's name; choose another adapter name")
+    lazy = isinstance(body, dict) and body.get("lazy") is True
+
+    def load(engine):
+        if lazy and hasattr(engine, "register_adapter"):
+            return engine.register_adapter(name, path)
+        return engine.load_adapter(name, path)
+    info = await on_engine(request, load)
+    log.info("adapter %s %s from %s", name, "registered" if lazy else "loaded", path)
+    return {"object": "lora_adapter", "message": f"Success: LoRA adapter '{name}' added successfully.",
+            "adapter": info}
+
+
+@v1.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request):
+    name, _ = _lora_body(await read_json(request), need_path=False)
+    await on_engine(request, lambda e: e.unload_adapter(name))
+    log.info("adapter %s unloaded", name)
+    return {"object": "lora_adapter", "message": f"Success: LoRA adapter '{name}' removed successfully."}
+
+
+@v1.get("/v1/stats")
+async def stats(request: Request):
+    st = state_of(request)
+    snapshot = await on_engine(request, metrics.engine_snapshot)
+    return {"version": __version__, "server": st.info(), "engine": snapshot}
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="lorafleet", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.lorafleet = state
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if not state.worker.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "draining" if state.draining else "ok"}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        snapshot = await on_engine(request, metrics.engine_snapshot)
+        return Response(metrics.render(snapshot, state.info(), state.base_name), media_type=metrics.CONTENT_TYPE)
+
+    @app.exception_handler(LorafleetError)
+    async def lorafleet_error(request: Request, e: LorafleetError):
+        if e.http_status >= 500 and not isinstance(e, AdapterError):
+            log.warning("%s %s: %s", request.method, request.url.path, e)
+        return JSONResponse(error_body(e), status_code=e.http_status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        err = LorafleetError(f"{request.method} {request.url.path}: {e.detail}")
+        err.http_status = e.status_code
+        err.code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return JSONResponse(error_body(err), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(error_body(bad(None, f"invalid request: {e.errors()}")), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        err = LorafleetError(f"internal error: {type(e).__name__}: {e}")
+        return JSONResponse(error_body(err), status_code=500)
+
+    return app

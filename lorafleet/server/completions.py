@@ -1,0 +1,193 @@
+"""POST /v1/completions and /v1/chat/completions: parse, admit, hand the prompts to the engine
+thread, then answer whole or stream as server-sent events.
+
+A request's life here: `ServerState.admit` (429/503 instead of an unbounded queue) -> one engine
+request per prompt, all feeding one `Sink` -> a `Run` that reads the sink -> `Run.close()`,
+which always runs (finished, client gone, error or shutdown) and aborts whatever the engine
+still holds for it. A client that hangs up is noticed at once (uvicorn reports the disconnect),
+so its request is aborted before the engine's next step and its pages are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from lorafleet.errors import AdapterError, AdapterNotFoundError, LorafleetError
+from lorafleet.server import responses
+from lorafleet.server.protocol import Generation, bad, parse_chat, parse_completion
+from lorafleet.server.state import ServerState
+from lorafleet.server.worker import Sink
+
+router = APIRouter()
+
+
+async def read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(None, f"the request body is not valid JSON: {e}") from None
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.lorafleet
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    st = state_of(request)
+    gen = parse_completion(await read_json(request), st.base_name)
+    return await generate(request, st, gen, "cmpl")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    st = state_of(request)
+    gen = parse_chat(await read_json(request), st.base_name, st.tokenizer, st.max_model_len)
+    return await generate(request, st, gen, "chatcmpl")
+
+
+async def generate(request: Request, st: ServerState, gen: Generation, prefix: str):
+    st.admit(len(gen.prompts))
+    run = Run(st, gen, f"{prefix}-{uuid.uuid4().hex}")
+    try:
+        for rid, prompt in zip(run.ids, gen.prompts):
+            run.unfinished.add(rid)  # before the await: if we are cancelled there, close() aborts it
+            await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink))
+    except AdapterNotFoundError:
+        run.close()
+        e = AdapterNotFoundError(f"model {gen.model!r} does not exist: it is neither the base "
+                                 f"({st.base_name!r}) nor a loaded adapter (GET /v1/models lists them)")
+        e.code, e.param = "model_not_found", "model"
+        raise e from None
+    except BaseException:
+        run.close()
+        raise
+    if gen.stream:
+        return EventStream(run)
+    return await run.collect(request)
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Run:
+    """The engine requests behind one HTTP request, and their outputs as they arrive."""
+
+    def __init__(self, st: ServerState, gen: Generation, rid: str):
+        self.st, self.gen, self.rid = st, gen, rid
+        n = len(gen.prompts)
+        self.ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        self.index = {r: i for i, r in enumerate(self.ids)}
+        self.sink = Sink(asyncio.get_running_loop())
+        self.unfinished: set[str] = set()
+        self.finals: dict[str, object] = {}
+        self.created = int(time.time())
+        self.text = responses.token_text_of(st.tokenizer)
+        self._closed = False
+        st.runs.add(self)
+
+    async def next(self):
+        item = await self.sink.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+            self.finals[item.request_id] = item
+            if item.finish_reason == "error":  # the engine could not serve it (its adapter failed to load)
+                raise AdapterError(getattr(item, "error", None) or "the request failed in the engine")
+        return item
+
+    def close(self) -> None:
+        """Abort what the engine still holds for this request and give back its admission."""
+        if self._closed:
+            return
+        self._closed = True
+        self.st.runs.discard(self)
+        for rid in self.unfinished:
+            self.st.worker.abort(rid)
+        self.st.release(len(self.ids))
+
+    def outputs(self) -> list:
+        return [self.finals[r] for r in self.ids]
+
+    async def collect(self, request: Request) -> Response:
+        async def all_finished():
+            while self.unfinished:
+                await self.next()
+        work = asyncio.ensure_future(all_finished())
+        watch = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client hung up: nobody to answer
+                self.st.num_disconnects += 1
+                return Response(status_code=499)
+            work.result()
+            return JSONResponse(responses.response(self.gen, self.rid, self.created, self.outputs(), self.text))
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            self.close()
+
+    async def events(self):
+        """The SSE body: chunks as tokens arrive, an error event if the engine fails, [DONE]."""
+        gen = self.gen
+        if gen.kind == "chat":
+            yield sse(responses.first_chat_chunk(gen, self.rid, self.created))
+        while self.unfinished:
+            try:
+                out = await self.next()
+            except LorafleetError as e:
+                yield sse({"error": error_body(e)["error"]})
+                break
+            if not (out.new_text or out.finished or (gen.logprobs is not None and out.new_token_ids)):
+                continue
+            offset = len(out.text) - len(out.new_text)
+            yield sse(responses.chunk(gen, self.rid, self.created, self.index[out.request_id], out,
+                                      self.text, offset))
+        else:
+            if gen.include_usage:
+                yield sse(responses.usage_chunk(gen, self.rid, self.created, self.outputs()))
+        yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Streams a Run; whatever ends the stream (done, client gone, cancelled), the Run closes."""
+
+    def __init__(self, run: Run):
+        super().__init__(run.events(), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.run.unfinished:
+                self.run.st.num_disconnects += 1
+            self.run.close()
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(e: LorafleetError) -> dict:
+    return {"error": {"message": str(e), "type": error_type(e.http_status),
+                      "param": getattr(e, "param", None), "code": e.code}}

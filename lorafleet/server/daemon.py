@@ -1,0 +1,194 @@
+"""The daemon's life: claim the socket, build the engine, serve, drain, clean up.
+
+1. Claim: the pid file beside the socket is locked (flock) for the daemon's whole life, so a
+   second daemon on the same socket refuses at once, naming the first one's pid. A socket file
+   nobody answers on is stale (its daemon died) and is removed.
+2. Build the engine, load the start-up adapters, then bind: the socket's directory is 0700 and
+   the socket is created 0600 (under a umask, so it is never briefly open to others).
+3. Serve with uvicorn on the pre-bound sockets (the Unix socket, and TCP when asked).
+4. SIGTERM or SIGINT: stop admitting (new requests get 503), let in-flight requests finish for
+   up to `drain_timeout` seconds, answer what is left with 503 (a stream gets an error event;
+   either way the engine aborts it), stop the engine thread, remove the socket and the pid
+   file, exit 0. A second signal stops waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from lorafleet.config import ServerConfig
+from lorafleet.errors import ConfigError, DaemonRunningError
+from lorafleet.paths import check_socket_path, pidfile_path, private_dir
+from lorafleet.server.app import create_app
+from lorafleet.server.state import ServerState
+from lorafleet.server.worker import EngineWorker
+
+log = logging.getLogger("lorafleet.server")
+FLUSH_TIMEOUT = 5.0  # after the drain: seconds for the last answers to reach their clients
+
+
+class PidLock:
+    """An flock'ed pid file: held while the daemon lives, released by the kernel if it dies."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self, socket_path: Path) -> PidLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise DaemonRunningError(f"a lorafleet daemon (pid {pid}) already serves {socket_path}; "
+                                         "stop it with `lorafleet stop` or choose another --socket") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            os.close(self.fd)
+            self.fd = None
+
+
+def clear_stale_socket(path: Path) -> None:
+    """Remove a socket file that no daemon answers on; refuse if one does."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise ConfigError(f"{path} exists and is not a socket; choose another --socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        log.info("removing stale socket %s", path)
+        path.unlink()
+        return
+    finally:
+        probe.close()
+    raise DaemonRunningError(f"a daemon already answers on {path}; stop it with `lorafleet stop` "
+                             "or choose another --socket")
+
+
+def bind_unix(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class DaemonServer(uvicorn.Server):
+    """uvicorn's server with our signal handling: drain, then return (uvicorn's own handler
+    re-raises the signal after shutdown, which would end the process with a non-zero status)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handle(sig, frame):
+            if self.should_exit:
+                log.warning("second %s: not waiting for in-flight requests", signal.Signals(sig).name)
+                self.force_exit = True
+            else:
+                log.info("%s: draining %d in-flight request(s) (up to %gs), then exiting",
+                         signal.Signals(sig).name, self.state.pending, self.state.config.drain_timeout)
+            self.state.draining = True
+            self.should_exit = True
+        originals = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in originals.items():
+                signal.signal(s, h)
+
+    async def shutdown(self, sockets=None):
+        """Close the listeners, wait up to drain_timeout for in-flight requests, answer what is
+        left with 503, then let uvicorn close the connections."""
+        for server in self.servers:
+            server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.state.config.drain_timeout
+        while self.state.pending and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.pending:
+            log.warning("drain timeout: cutting %d request(s) short", self.state.pending)
+            self.state.cut_short()
+        await super().shutdown(sockets)
+
+
+def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
+          adapters: dict[str, Path] | None = None, placeholder: bool = False) -> None:
+    """Run the daemon until SIGTERM/SIGINT. `engine_factory()` builds the Engine (after the
+    socket is claimed, so a second daemon refuses before spending time on the model)."""
+    sock_path = check_socket_path(Path(config.socket))
+    private_dir(sock_path.parent)
+    lock = PidLock(pidfile_path(sock_path)).acquire(sock_path)
+    worker = engine = None
+    sockets: list[socket.socket] = []
+    try:
+        clear_stale_socket(sock_path)
+        engine = engine_factory()
+        for name, path in (adapters or {}).items():
+            engine.load_adapter(name, path)
+            log.info("adapter %s loaded from %s", name, path)
+        sockets.append(bind_unix(sock_path))
+        if config.host:
+            sockets.append(bind_tcp(config.host, config.port))
+        worker = EngineWorker(engine)
+        worker.start()
+        state = ServerState(worker, config, base_name, model_path, placeholder=placeholder)
+        server = DaemonServer(uvicorn.Config(
+            create_app(state), log_config=None, access_log=config.access_log, lifespan="off",
+            timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=30), state)
+        where = f"{sock_path}" + (f" and http://{config.host}:{config.port}" if config.host else "")
+        log.info("serving %s as %r on %s (pid %d)", model_path, base_name, where, os.getpid())
+        asyncio.run(server.serve(sockets=sockets))
+        log.info("stopped")
+    finally:
+        if worker is not None:
+            worker.stop()
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
+        for s in sockets:
+            s.close()
+        if sockets:  # only ours: a socket we never bound may belong to someone else
+            with contextlib.suppress(OSError):
+                sock_path.unlink()
+        lock.release()

@@ -1,0 +1,124 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks (the shapes the `openai` client
+parses): `text_completion` / `chat.completion` objects, their `.chunk` forms for SSE, usage,
+and logprobs in the legacy completions form and the chat form."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+from lorafleet.server.protocol import Generation
+
+TokenText = Callable[[int], str]
+
+
+def token_text_of(tokenizer) -> TokenText:
+    """id -> the token's own text, as logprobs name tokens ("token_id:N" without a tokenizer)."""
+    if tokenizer is None:
+        return lambda i: f"token_id:{i}"
+
+    @lru_cache(maxsize=65536)
+    def text(i: int) -> str:
+        return tokenizer.decode([i], skip_special_tokens=False)
+    return text
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def usage(outputs) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+
+def completion_logprobs(ids: list[int], lps: list[dict[int, float]], text: TokenText, offset: int) -> dict:
+    """Legacy completions logprobs for the tokens `ids`; `offset`: characters before them."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, lp in zip(ids, lps):
+        s = text(tok)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp[tok])
+        out["top_logprobs"].append({text(i): v for i, v in lp.items()})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def chat_logprobs(ids: list[int], lps: list[dict[int, float]], text: TokenText, top_n: int) -> dict:
+    def entry(i: int, v: float) -> dict:
+        s = text(i)
+        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+    content = []
+    for tok, lp in zip(ids, lps):
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({**entry(tok, lp[tok]), "top_logprobs": [entry(i, v) for i, v in top]})
+    return {"content": content}
+
+
+def logprobs_of(gen: Generation, out, new_only: bool, text: TokenText, offset: int = 0) -> dict | None:
+    if gen.logprobs is None or out.logprobs is None:
+        return None
+    n = len(out.new_token_ids) if new_only else len(out.token_ids)
+    ids, lps = out.token_ids[len(out.token_ids) - n:], out.logprobs[len(out.logprobs) - n:]
+    if gen.kind == "chat":
+        return chat_logprobs(ids, lps, text, gen.logprobs)
+    return completion_logprobs(ids, lps, text, offset)
+
+
+# -- whole responses ---------------------------------------------------------------------------
+
+def completion_response(gen: Generation, rid: str, created: int, outputs, text: TokenText) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": gen.model,
+        "choices": [{"index": i, "text": o.text, "logprobs": logprobs_of(gen, o, False, text),
+                     "finish_reason": finish_reason(o.finish_reason)} for i, o in enumerate(outputs)],
+        "usage": usage(outputs),
+    }
+
+
+def chat_response(gen: Generation, rid: str, created: int, outputs, text: TokenText) -> dict:
+    (o,) = outputs
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": gen.model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
+                     "logprobs": logprobs_of(gen, o, False, text),
+                     "finish_reason": finish_reason(o.finish_reason)}],
+        "usage": usage(outputs),
+    }
+
+
+def response(gen: Generation, rid: str, created: int, outputs, text: TokenText) -> dict:
+    build = chat_response if gen.kind == "chat" else completion_response
+    return build(gen, rid, created, outputs, text)
+
+
+# -- stream chunks -----------------------------------------------------------------------------
+
+def chunk(gen: Generation, rid: str, created: int, index: int, out, text: TokenText, offset: int) -> dict:
+    """The chunk for one output's delta (text, logprobs, finish_reason)."""
+    lp = logprobs_of(gen, out, True, text, offset)
+    reason = finish_reason(out.finish_reason)
+    if gen.kind == "chat":
+        delta = {"content": out.new_text} if out.new_text or not reason else {}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": gen.model,
+                "choices": [choice]}
+    choice = {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": gen.model,
+            "choices": [choice]}
+
+
+def first_chat_chunk(gen: Generation, rid: str, created: int) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": gen.model,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}]}
+
+
+def usage_chunk(gen: Generation, rid: str, created: int, outputs) -> dict:
+    kind = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
+    return {"id": rid, "object": kind, "created": created, "model": gen.model, "choices": [],
+            "usage": usage(outputs)}

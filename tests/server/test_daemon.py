@@ -1,0 +1,160 @@
+"""The daemon's life: `serve` with no MODEL (the placeholder), a stale socket cleared, owner-only
+permissions, one daemon per socket, the queue limit, the API key on TCP, and SIGTERM draining
+in-flight requests before exiting 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.daemons import Daemon
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def placeholder_daemon(tmp_path_factory):
+    """`lorafleet serve` without MODEL, on a socket path where a dead daemon left its socket,
+    with a small queue limit and a TCP listener."""
+    root = tmp_path_factory.mktemp("p")
+    (root / "run").mkdir(mode=0o755)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(root / "run" / "d.sock"))
+    stale.close()  # bound, never listening, never unlinked: what a killed daemon leaves
+    port = free_port()
+    daemon = Daemon.start(root, "--max-pending", "3", "--host", "127.0.0.1", "--port", str(port),
+                          env={"LORAFLEET_API_KEY": "sekrit"})
+    daemon.port = port
+    yield daemon
+    daemon.kill()
+
+
+def test_serve_without_a_model_builds_and_serves_a_placeholder(placeholder_daemon):
+    d = placeholder_daemon
+    assert "PLACEHOLDER" in d.log() and "random" in d.log()
+    assert list((d.home / "models").glob("placeholder-*/config.json"))
+    stats = d.stats()
+    assert stats["server"]["placeholder"] and stats["server"]["model"] == "placeholder"
+    with d.http() as c:
+        out = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert out.status_code == 200 and out.json()["model"] == "placeholder"
+
+
+def test_a_stale_socket_is_replaced(placeholder_daemon):
+    assert "removing stale socket" in placeholder_daemon.log()
+
+
+def test_socket_and_its_directory_are_owner_only(placeholder_daemon):
+    sock = placeholder_daemon.socket
+    assert stat.S_ISSOCK(sock.stat().st_mode)
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700  # tightened from the 0755 it was made with
+    pidfile = sock.with_name(sock.name + ".pid")
+    assert stat.S_IMODE(pidfile.stat().st_mode) == 0o600
+    assert int(pidfile.read_text()) == placeholder_daemon.proc.pid
+
+
+def test_a_second_serve_on_the_same_socket_refuses(placeholder_daemon):
+    d = placeholder_daemon
+    out = subprocess.run([sys.executable, "-m", "lorafleet.cli.main", "serve", "--socket", str(d.socket)],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "LORAFLEET_HOME": str(d.home), "COLUMNS": "200"})
+    assert out.returncode == 1
+    assert f"pid {d.proc.pid}" in out.stderr and "already serves" in out.stderr
+    assert d.stats()["server"]["pid"] == d.proc.pid  # the first one is untouched
+
+
+def test_tcp_needs_the_api_key_on_v1_routes(placeholder_daemon):
+    base = f"http://127.0.0.1:{placeholder_daemon.port}"
+    with httpx.Client(base_url=base, timeout=30) as c:
+        assert c.get("/health").status_code == 200
+        denied = c.get("/v1/models")
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+    with placeholder_daemon.http() as c:  # the socket needs no key: its mode guards it
+        assert c.get("/v1/models").status_code == 200
+
+
+def test_tcp_without_an_api_key_refuses_to_start(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "lorafleet.cli.main", "serve", "--socket", str(tmp_path / "s.sock"),
+                          "--host", "127.0.0.1", "--port", "1"], capture_output=True, text=True, timeout=60,
+                         env={**{k: v for k, v in os.environ.items() if k != "LORAFLEET_API_KEY"},
+                              "LORAFLEET_HOME": str(tmp_path)})
+    assert out.returncode == 1 and "API key" in out.stderr
+
+
+def test_the_queue_limit_answers_429(placeholder_daemon):
+    """--max-pending 3: a fourth concurrent request is refused, not queued."""
+    results, start = [], threading.Barrier(6)
+
+    def request():
+        with placeholder_daemon.http() as c:
+            start.wait()
+            results.append(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True}))
+    threads = [threading.Thread(target=request) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    assert codes.count(200) >= 3 and 429 in codes, codes
+    refused = next(r for r in results if r.status_code == 429).json()["error"]
+    assert refused["code"] == "queue_full" and "--max-pending" in refused["message"]
+    assert placeholder_daemon.wait_idle()["server"]["num_rejected"] >= 1
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, chat_model_dir):
+    d = Daemon.start(tmp_path, "--drain-timeout", "60", model=chat_model_dir)
+    answers = []
+
+    def long_request():
+        with d.http(timeout=120) as c:
+            answers.append(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 300, "ignore_eos": True}))
+    t = threading.Thread(target=long_request)
+    t.start()
+    while d.stats()["engine"]["num_running"] == 0:
+        time.sleep(0.02)
+    d.signal(signal.SIGTERM)
+    assert d.wait(90) == 0
+    t.join(30)
+    assert answers and answers[0].status_code == 200
+    assert answers[0].json()["usage"]["completion_tokens"] == 300  # finished, not cut
+    assert not d.socket.exists() and not d.socket.with_name("d.sock.pid").exists()
+    assert "draining 1 in-flight request" in d.log()
+
+
+def test_sigint_past_the_drain_timeout_answers_503_and_still_exits_0(tmp_path, chat_model_dir):
+    d = Daemon.start(tmp_path, "--drain-timeout", "0", model=chat_model_dir)
+    answers = []
+
+    def long_request():
+        try:
+            with d.http(timeout=60) as c:
+                answers.append(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 500, "ignore_eos": True}))
+        except httpx.HTTPError as e:
+            answers.append(e)
+    t = threading.Thread(target=long_request)
+    t.start()
+    while d.stats()["engine"]["num_running"] == 0:
+        time.sleep(0.02)
+    d.signal(signal.SIGINT)
+    assert d.wait(60) == 0
+    t.join(30)
+    cut = answers[0]
+    assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down"
+    assert "drain timeout" in cut.json()["error"]["message"]
+    assert not d.socket.exists()
