@@ -101,6 +101,28 @@ class PagePool:
         end = starts[best] + lengths[best]
         return free[end - n:end]
 
+    def largest_free_run(self) -> int:
+        free = np.concatenate([[False], self._owner == FREE, [False]])
+        edges = np.flatnonzero(np.diff(free.astype(np.int8)))
+        return int((edges[1::2] - edges[::2]).max()) if len(edges) else 0
+
+    def cheapest_window(self, n: int, evictable: set[int]) -> set[int] | None:
+        """The owners to evict so that n consecutive pages become free, choosing the window of
+        free or `evictable` pages that holds the fewest owned pages (ties: the highest); None
+        when no such window exists."""
+        if n > self.num_pages:
+            return None
+        owned = self._owner != FREE
+        blocked = owned & ~np.isin(self._owner, list(evictable))
+        nb = np.concatenate([[0], np.cumsum(blocked)])
+        no = np.concatenate([[0], np.cumsum(owned)])
+        valid = (nb[n:] - nb[:-n]) == 0
+        if not valid.any():
+            return None
+        cost = np.where(valid, no[n:] - no[:-n], np.iinfo(np.int64).max)
+        start = len(cost) - 1 - int(np.argmin(cost[::-1]))
+        return {int(o) for o in np.unique(self._owner[start:start + n]) if o != FREE}
+
     # -- views & checks -----------------------------------------------------------------
     def pages_of(self, owner: int) -> np.ndarray:
         return np.flatnonzero(self._owner == owner)

@@ -148,10 +148,31 @@ class AdapterResidency:
         if need > self.pool.num_pages:
             raise PoolExhaustedError(f"adapter {entry.name!r} needs {need} pages; the pool has "
                                      f"{self.pool.num_pages} in all (raise pool_bytes)")
-        if not self.make_room(need + reserve, protect | {entry.name}, for_kv=for_kv):
+        protect = protect | {entry.name}
+        if not self.make_room(need + reserve, protect, for_kv=for_kv):
             return False
+        if self.pool.largest_free_run() < need:
+            self._make_contiguous(need, protect, for_kv)
         entry.pages = self.pool.allocate(need, self.pool.owner_id(entry.name))
         return True
+
+    def _make_contiguous(self, need: int, protect: set[str], for_kv: bool) -> None:
+        """Evict the idle adapters standing in the cheapest window of `need` pages, so the new
+        adapter gets one run (zero-copy views, the fused CPU kernel) instead of scattered
+        pages; when no window is free of KV and busy adapters, it will be scattered."""
+        evictable = {self.pool.owner_id(e.name): e for e in self._idle(protect, for_kv)}
+        owners = self.pool.cheapest_window(need, set(evictable))
+        for oid in owners or ():
+            self._free_device(evictable[oid])
+            evictable[oid].evictions += 1
+
+    def _idle(self, protect: set[str], for_kv: bool) -> list[AdapterEntry]:
+        """Adapters that may be evicted now, least recently used first."""
+        young = self.step - self.min_resident_steps
+        return sorted((e for e in self.entries.values()
+                       if e.ready and e.pins == 0 and e.copying is None and e.name not in protect
+                       and (for_kv or e.ready_step <= young)),
+                      key=lambda e: e.last_used)
 
     def copy_in(self, entry: AdapterEntry, stream=None) -> None:
         """Host -> device pages (runs on a prefetch worker; the pages are already allocated)."""
@@ -188,11 +209,7 @@ class AdapterResidency:
         only for KV) until `pages` are free. Evicts nothing when that would not suffice."""
         if self.pool.can_allocate(pages):
             return True
-        young = self.step - self.min_resident_steps
-        idle = sorted((e for e in self.entries.values()
-                       if e.ready and e.pins == 0 and e.copying is None and e.name not in protect
-                       and (for_kv or e.ready_step <= young)),
-                      key=lambda e: e.last_used)
+        idle = self._idle(protect, for_kv)
         short = pages - self.pool.num_free
         if sum(len(e.pages) for e in idle) < short:
             return False
