@@ -15,7 +15,8 @@ def imported_after(code: str) -> set[str]:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["lorafleet", "lorafleet.cli.main", "lorafleet.errors"])
+@pytest.mark.parametrize("module", ["lorafleet", "lorafleet.cli.main", "lorafleet.errors", "lorafleet.client",
+                                    "lorafleet.paths", "lorafleet.config"])
 def test_front_ends_do_not_import_torch(module):
     mods = imported_after(f"import {module}")
     assert not {"torch", "triton"} & mods, f"{module} imports torch/triton"
@@ -27,6 +28,18 @@ def test_lorafleet_help_runs_without_torch():
             "try:\n    app()\nexcept SystemExit:\n    pass\n")
     mods = imported_after(code)
     assert "torch" not in mods
+
+
+def test_lorafleet_status_runs_without_torch(tmp_path):
+    """`lorafleet status` with no daemon: the friendly line and exit 3, and never torch."""
+    code = ("import os, sys\n"
+            f"os.environ['LORAFLEET_SOCKET'] = {str(tmp_path / 'none.sock')!r}\n"
+            "from lorafleet.cli.main import app\n"
+            "try:\n    app(['status'], prog_name='lorafleet')\n"
+            "except SystemExit as e:\n    assert e.code == 3, e.code\n")
+    mods = imported_after(code)
+    assert "torch" not in mods and "lorafleet.engine.engine" not in mods
+    assert "httpx" in mods  # it did talk to the client
 
 
 def test_the_engine_does_not_import_front_ends():

@@ -47,7 +47,7 @@ def root(
 
 def main() -> None:
     try:
-        app()
+        app(prog_name="lorafleet")  # the same name (and completion variable) under `python -m`
     except LorafleetError as e:  # verbs answer their own; this catches any that slip through
         raise SystemExit(fail(str(e), e.exit_code).exit_code) from None
 

@@ -95,7 +95,10 @@ def serve(
                                  dtype, max_num_seqs, max_model_len, max_pending, drain_timeout, access_log)
             return _detach(argv, sock, log_file, api_key)
         _setup_logging()
-        _run(model, config, engine_options, adapters)
+        try:
+            _run(model, config, engine_options, adapters)
+        except KeyboardInterrupt:  # before the daemon took over the signals: nothing to drain
+            raise fail("interrupted before the daemon started") from None
 
 
 def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, Path]) -> None:

@@ -105,3 +105,21 @@ def test_200_streams_over_50_adapters_with_hang_ups(served, fleet, expected_text
         ok = c.post("/v1/completions", json={"model": name_of(1), "prompt": prompt_of(1), "max_tokens": MAX_TOKENS,
                                              "temperature": 0, "ignore_eos": True}).json()
         assert ok["choices"][0]["text"] == expected_texts[1]
+
+
+def test_a_client_that_hangs_up_before_a_whole_answer_is_aborted(served):
+    """Not streaming: the answer would come at the end, but the hang-up aborts it at once."""
+    import socket
+
+    before = served.stats()["engine"]
+    body = json.dumps({"model": "base", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}).encode()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(served.socket))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        while served.stats()["engine"]["num_running"] == 0:
+            time.sleep(0.01)
+    stats = served.wait_idle()
+    assert stats["engine"]["num_requests_aborted"] == before["num_requests_aborted"] + 1
+    assert stats["engine"]["num_generated_tokens"] - before["num_generated_tokens"] < 400
+    assert stats["engine"]["pool"]["kv_pages"] == 0

@@ -122,3 +122,16 @@ def test_lora_requests_info_names_running_adapters(served):
             seen = any('running_lora_adapters="all-r8"' in line for line in info)
     t.join()
     assert seen
+
+
+def test_a_lazily_registered_adapter_loads_on_first_use(served, adapter_dirs):
+    with served.http() as c:
+        reg = c.post("/v1/load_lora_adapter", json={"lora_name": "lazy-one", "lora_path": str(adapter_dirs["down-r1"]),
+                                                    "lazy": True})
+        assert reg.status_code == 200, reg.text
+        out = c.post("/v1/completions", json={"model": "lazy-one", "prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                              "ignore_eos": True}).json()
+        eager = c.post("/v1/completions", json={"model": "down-r1", "prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                                "ignore_eos": True}).json()
+        assert out["choices"][0]["text"] == eager["choices"][0]["text"]
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "lazy-one"}).status_code == 200

@@ -1,0 +1,160 @@
+"""The client verbs against a real daemon: status, chat, adapters, serve --detach and stop; exit
+codes 0/1/2/3 and the one friendly line when no daemon runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from lorafleet.cli.main import app
+from tests.daemons import POOL
+
+runner = CliRunner()
+
+
+def cli(served, *args, input=None, socket=None):
+    env = {"LORAFLEET_SOCKET": str(socket or served.socket), "COLUMNS": "200"}
+    return runner.invoke(app, list(args), env=env, input=input, catch_exceptions=False)
+
+
+def test_status_shows_what_the_daemon_serves(served):
+    out = cli(served, "status")
+    assert out.exit_code == 0, out.output
+    assert f"pid {served.proc.pid}" in out.stdout and "base" in out.stdout and "pool" in out.stdout
+    stats = json.loads(cli(served, "status", "--json").stdout)
+    assert stats["server"]["pid"] == served.proc.pid and stats["engine"]["pool"]["total_pages"] > 0
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["stop"], ["chat", "hi"],
+                                  ["adapters", "ls"], ["adapters", "load", "x", "."]])
+def test_no_daemon_is_one_friendly_line_and_exit_3(served, tmp_path, args):
+    out = cli(served, *args, socket=tmp_path / "nobody.sock")
+    assert out.exit_code == 3
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no lorafleet daemon" in lines[0] and "lorafleet serve" in lines[0]
+    assert "Traceback" not in out.output
+
+
+def test_adapters_load_ls_show_unload(served, adapter_dirs):
+    loaded = cli(served, "adapters", "load", "cli-made", str(adapter_dirs["mlp-r24"]), "--json")
+    assert loaded.exit_code == 0, loaded.output
+    assert json.loads(loaded.stdout)["ranks"] == {"gate_proj": 24, "up_proj": 24, "down_proj": 24}
+    listed = json.loads(cli(served, "adapters", "ls", "--json").stdout)
+    assert "cli-made" in [a["name"] for a in listed]
+    table = cli(served, "adapters", "ls")
+    assert "cli-made" in table.stdout and "RANK" in table.stdout
+    shown = json.loads(cli(served, "adapters", "show", "cli-made", "--json").stdout)
+    assert shown["path"] == str(adapter_dirs["mlp-r24"])
+    assert "digest" in cli(served, "adapters", "show", "cli-made").stdout
+    assert cli(served, "adapters", "unload", "cli-made").exit_code == 0
+    assert "cli-made" not in [a["name"] for a in json.loads(cli(served, "adapters", "ls", "--json").stdout)]
+
+
+def test_adapter_refusals_exit_1_with_the_daemons_message(served, tmp_path):
+    out = cli(served, "adapters", "load", "nope", str(tmp_path / "missing"))
+    assert out.exit_code == 1 and "missing" in out.stderr and out.stderr.startswith("error:")
+    out = cli(served, "adapters", "unload", "never-loaded")
+    assert out.exit_code == 1 and "never-loaded" in out.stderr
+
+
+def test_chat_one_shot_prints_the_answer(served):
+    from lorafleet.client import Client
+
+    with Client(served.socket) as c:
+        want = c.chat([{"role": "system", "content": "short"}, {"role": "user", "content": "hello"}], "all-r8",
+                      max_tokens=8, temperature=0)["choices"][0]["message"]["content"]
+    out = cli(served, "chat", "--adapter", "all-r8", "--system", "short", "--max-tokens", "8",
+              "--temperature", "0", "hello")
+    assert out.exit_code == 0, out.output
+    assert out.stdout == want + "\n"
+
+
+def test_chat_reads_a_piped_prompt_and_prints_json(served):
+    out = cli(served, "chat", "-a", "attn-r3", "-n", "3", "--seed", "5", "--json", input="hello from a pipe")
+    assert out.exit_code == 0, out.output
+    answer = json.loads(out.stdout)
+    assert answer["object"] == "chat.completion" and answer["model"] == "attn-r3"
+    assert answer["usage"]["completion_tokens"] <= 3
+
+
+def test_chat_with_an_unknown_adapter_exits_1(served):
+    out = cli(served, "chat", "-a", "ghost", "hello")
+    assert out.exit_code == 1 and "ghost" in out.stderr
+
+
+@pytest.mark.parametrize("args", [["adapters", "load"], ["chat", "--max-tokens", "0", "x"], ["status", "--nope"],
+                                  ["serve", "--port", "x"]])
+def test_usage_errors_exit_2(served, args):
+    assert cli(served, *args).exit_code == 2
+
+
+def test_shell_completion_completes_verbs():
+    env = {**os.environ, "_LORAFLEET_COMPLETE": "complete_bash", "COMP_WORDS": "lorafleet adapters ", "COMP_CWORD": "2"}
+    out = subprocess.run([sys.executable, "-m", "lorafleet.cli.main"], env=env, capture_output=True, text=True, timeout=60)
+    assert set(out.stdout.split()) == {"ls", "show", "load", "unload"}
+
+
+def test_serve_detach_then_stop(chat_model_dir, tmp_path):
+    sock, home = tmp_path / "run" / "d.sock", tmp_path / "home"
+    env = {**os.environ, "LORAFLEET_HOME": str(home), "LORAFLEET_SOCKET": str(sock), "COLUMNS": "200"}
+    lf = [sys.executable, "-m", "lorafleet.cli.main"]
+    started = subprocess.run([*lf, "serve", str(chat_model_dir), "--detach", "--device", "cpu", "--pool-bytes", POOL],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    assert "started" in started.stderr and (home / "logs" / "daemon.log").is_file()
+    try:
+        status = subprocess.run([*lf, "status", "--json"], env=env, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and json.loads(status.stdout)["server"]["socket"] == str(sock)
+        again = subprocess.run([*lf, "serve", "--detach"], env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 1 and "already serves" in again.stderr
+    finally:
+        stopped = subprocess.run([*lf, "stop"], env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "stopped" in stopped.stderr and not sock.exists()
+
+
+def test_chat_on_a_terminal_is_a_repl_that_keeps_the_conversation(served):
+    """Driven through a pseudo-terminal: two turns, /reset, /exit."""
+    import pty
+    import select
+
+    from lorafleet.client import Client
+
+    with Client(served.socket) as c:
+        first = c.chat([{"role": "user", "content": "hello"}], "attn-r3", max_tokens=4,
+                       temperature=0)["choices"][0]["message"]["content"]
+        second = c.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                         {"role": "user", "content": "again"}], "attn-r3", max_tokens=4,
+                        temperature=0)["choices"][0]["message"]["content"]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "lorafleet.cli.main", "chat", "-a", "attn-r3", "-n", "4", "-t", "0"],
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+                            env={**os.environ, "LORAFLEET_SOCKET": str(served.socket), "TERM": "dumb"})
+    os.close(slave)
+    seen = b""
+
+    def read_until_prompt(count: int) -> None:
+        nonlocal seen
+        while seen.count(b">>> ") < count:
+            ready, _, _ = select.select([master], [], [], 60)
+            assert ready, f"no prompt; got {seen!r}"
+            seen += os.read(master, 4096)
+    try:
+        read_until_prompt(1)
+        os.write(master, b"hello\n")
+        read_until_prompt(2)
+        os.write(master, b"again\n")
+        read_until_prompt(3)
+        os.write(master, b"/exit\n")
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    text = seen.decode(errors="replace").replace("\r", "")
+    assert "chatting with attn-r3" in text
+    assert f"{first}\n>>> " in text and f"{second}\n>>> " in text
