@@ -63,12 +63,41 @@ def _stream_answer(c, messages: list[dict], adapter: str | None, params: dict) -
 
 
 def _repl(c, start: list[dict], adapter: str | None, params: dict) -> None:
-    try:
-        import readline  # noqa: F401 - line editing and history for input()
-    except ImportError:
-        pass
+    history = _load_history()
     who = adapter or "the base model"
     err_console.print(f"chatting with {who} on {c.socket}. {REPL_HELP}", highlight=False)
+    try:
+        _converse(c, start, adapter, params)
+    finally:
+        history()
+
+
+def _load_history():
+    """Line editing, and the lines typed in earlier sessions ($LORAFLEET_HOME/chat_history);
+    returns what saves them again."""
+    try:
+        import readline
+    except ImportError:  # no readline on this platform: plain input()
+        return lambda: None
+    from lorafleet import paths
+
+    path = paths.home() / "chat_history"
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+
+    def save():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass
+    return save
+
+
+def _converse(c, start: list[dict], adapter: str | None, params: dict) -> None:
     messages = list(start)
     while True:
         try:

@@ -118,8 +118,8 @@ def test_serve_detach_then_stop(chat_model_dir, tmp_path):
     assert "stopped" in stopped.stderr and not sock.exists()
 
 
-def test_chat_on_a_terminal_is_a_repl_that_keeps_the_conversation(served):
-    """Driven through a pseudo-terminal: two turns, /reset, /exit."""
+def test_chat_on_a_terminal_is_a_repl_that_keeps_the_conversation(served, tmp_path):
+    """Driven through a pseudo-terminal: two turns, then /exit; the lines typed are kept."""
     import pty
     import select
 
@@ -131,10 +131,12 @@ def test_chat_on_a_terminal_is_a_repl_that_keeps_the_conversation(served):
         second = c.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
                          {"role": "user", "content": "again"}], "attn-r3", max_tokens=4,
                         temperature=0)["choices"][0]["message"]["content"]
+    home = tmp_path / "home"
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "lorafleet.cli.main", "chat", "-a", "attn-r3", "-n", "4", "-t", "0"],
                             stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-                            env={**os.environ, "LORAFLEET_SOCKET": str(served.socket), "TERM": "dumb"})
+                            env={**os.environ, "LORAFLEET_SOCKET": str(served.socket), "TERM": "dumb",
+                                 "LORAFLEET_HOME": str(home)})
     os.close(slave)
     seen = b""
 
@@ -158,3 +160,4 @@ def test_chat_on_a_terminal_is_a_repl_that_keeps_the_conversation(served):
     text = seen.decode(errors="replace").replace("\r", "")
     assert "chatting with attn-r3" in text
     assert f"{first}\n>>> " in text and f"{second}\n>>> " in text
+    assert (home / "chat_history").read_text().splitlines()[-3:] == ["hello", "again", "/exit"]
