@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from lorafleet.bench.workloads import ALL_MODULES, Workload, adapter_name
 from lorafleet.model.config import ModelConfig
 
-ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BLOCK = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in ALL_MODULES}
 
 
@@ -59,9 +59,16 @@ def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MO
     root.mkdir(parents=True, exist_ok=True)
     out = []
     for i in range(n):
-        name = f"lora-{i:04d}"
+        name = adapter_name(i)
         folder = root / name
         if not (folder / "adapter_model.safetensors").is_file():
             write_adapter(base_dir, folder, ranks[i % len(ranks)], targets, seed=seed * 100003 + i)
         out.append((name, folder))
     return out
+
+
+def workload_adapters(base_dir: Path, workload: Workload) -> list[tuple[str, Path]]:
+    """The adapters a workload's requests name, built (or reused) next to the base."""
+    if workload.num_adapters == 0:
+        return []
+    return build_adapters(base_dir, workload.num_adapters, workload.ranks, workload.targets, workload.seed)

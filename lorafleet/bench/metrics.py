@@ -2,13 +2,14 @@
 
 The switch regression asks what an adapter switch costs: per-token latency of a step (its time
 over the tokens it computed) against the adapters it switched to. Two x's, each where known:
-`adapters_loaded` (adapters that became resident for that step) and `distinct_adapters` (the
-adapters its batch mixes: segments of the LoRA op). Only decode steps count (every sequence one
-token): a prefill's tokens cost far less each, and would swamp the effect. Batch size moves
-per-token latency too, and moves with the x's (a bigger batch mixes more adapters), so besides
-the plain fit the report gives the slope within batch size: x and y minus their mean over the
-steps of the same batch size, then one fit (the fixed-effects estimator). A flat line (slope
-~0) says switches cost nothing.
+`adapters_loaded` (adapters that landed in the pool for that step: switches) and
+`distinct_adapters` (the adapters its batch mixes: segments of the LoRA op). Every step that
+computed tokens counts. The shape of a step moves per-token latency far more than any switch (a
+prefill's tokens cost less each than a decode's; a bigger batch amortises the weights over more
+tokens) and moves with the x's (a bigger batch mixes more adapters; a load lands in the step that
+prefills its request), so besides the plain fit the report gives the slope within shape: x and y
+minus their mean over the steps of the same shape (sequences, tokens), then one fit (the
+fixed-effects estimator). A flat line (slope ~0) says switches cost nothing.
 """
 
 from __future__ import annotations
@@ -63,7 +64,26 @@ def latency_summary(requests: list[dict]) -> dict:
     return out
 
 
-def _within(xs: list[float], ys: list[float], groups: list[int]) -> tuple[list[float], list[float]]:
+def cold_warm_ttft(requests: list[dict]) -> dict | None:
+    """TTFT of the first request to each adapter (cold: its adapter started on disk) against
+    the later ones (warm), when the adapters are registered, not loaded, and none is evicted.
+    None unless there are both."""
+    seen, cold, warm = set(), [], []
+    for r in sorted(requests, key=lambda r: r["arrival_s"]):
+        if r.get("adapter") is None or r.get("ttft_s") is None:
+            continue
+        (warm if r["adapter"] in seen else cold).append(r["ttft_s"])
+        seen.add(r["adapter"])
+    if not cold or not warm:
+        return None
+    out = {k: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "requests": len(v)}
+           for k, v in (("cold", cold), ("warm", warm))}
+    for q in ("p50", "p99"):
+        out[f"cold_over_warm_{q}"] = out["cold"][q] / out["warm"][q] if out["warm"][q] else None
+    return out
+
+
+def _within(xs: list[float], ys: list[float], groups: list) -> tuple[list[float], list[float]]:
     """x and y minus their mean over the points of the same group."""
     members = defaultdict(list)
     for i, g in enumerate(groups):
@@ -74,33 +94,41 @@ def _within(xs: list[float], ys: list[float], groups: list[int]) -> tuple[list[f
 
 
 def switch_regression(steps: list[dict], x: str) -> dict | None:
-    """The regression of per-token latency (s) on `x` over decode steps; None when no step
-    knows `x`. Keys: x, steps, table (per x value: steps, median and mean per-token ms, mean
-    batch size), slope_s and intercept_s (plain fit), slope_within_batch_s, and `note` when a
-    slope cannot be fitted."""
-    decode = [s for s in steps if s.get(x) is not None and s["num_tokens"] > 0
-              and s["num_tokens"] == s["num_seqs"]]
-    if not decode:
+    """The regression of per-token latency (s) on `x` over the steps that computed tokens;
+    None when no step knows `x`. Keys: x, steps, table (per x value: steps, decode steps, median
+    and mean per-token ms, mean sequences and tokens), mean_per_token_s, slope_s and
+    intercept_s (the plain fit), slope_within_shape_s, each slope as a fraction of the mean
+    per-token latency (`*_fraction`: issue 5 asks < 0.02 per switch), and `note` when a slope
+    cannot be fitted."""
+    sample = [s for s in steps if s.get(x) is not None and s["num_tokens"] > 0]
+    if not sample:
         return None
-    xs = [float(s[x]) for s in decode]
-    ys = [s["time_s"] / s["num_tokens"] for s in decode]
+    xs = [float(s[x]) for s in sample]
+    ys = [s["time_s"] / s["num_tokens"] for s in sample]
     buckets = defaultdict(list)
-    for s, y in zip(decode, ys):
-        buckets[s[x]].append((y, s["num_seqs"]))
-    table = [{x: k, "steps": len(v), "per_token_ms_p50": percentile([y for y, _ in v], 0.5) * 1e3,
+    for s, y in zip(sample, ys):
+        buckets[s[x]].append((y, s))
+    table = [{x: k, "steps": len(v), "decode_steps": sum(s["num_tokens"] == s["num_seqs"] for _, s in v),
+              "per_token_ms_p50": percentile([y for y, _ in v], 0.5) * 1e3,
               "per_token_ms_mean": sum(y for y, _ in v) / len(v) * 1e3,
-              "mean_batch": sum(b for _, b in v) / len(v)} for k, v in sorted(buckets.items())]
-    out = {"x": x, "steps": len(decode), "table": table, "slope_s": None, "intercept_s": None,
-           "slope_within_batch_s": None}
+              "mean_seqs": sum(s["num_seqs"] for _, s in v) / len(v),
+              "mean_tokens": sum(s["num_tokens"] for _, s in v) / len(v)} for k, v in sorted(buckets.items())]
+    mean = sum(ys) / len(ys)
+    out = {"x": x, "steps": len(sample), "table": table, "mean_per_token_s": mean, "slope_s": None,
+           "intercept_s": None, "slope_fraction": None, "slope_within_shape_s": None,
+           "slope_within_shape_fraction": None}
     try:
         out["slope_s"], out["intercept_s"] = fit_slope(xs, ys)
     except ValueError as e:
         out["note"] = f"no slope: {e}"
         return out
+    out["slope_fraction"] = out["slope_s"] / mean
     try:
-        out["slope_within_batch_s"] = fit_slope(*_within(xs, ys, [s["num_seqs"] for s in decode])).slope
+        within = fit_slope(*_within(xs, ys, [(s["num_seqs"], s["num_tokens"]) for s in sample])).slope
     except ValueError:
-        out["note"] = "no slope within batch size: x never varies among steps of one batch size"
+        out["note"] = "no slope within shape: x never varies among steps of the same shape"
+        return out
+    out["slope_within_shape_s"], out["slope_within_shape_fraction"] = within, within / mean
     return out
 
 

@@ -1,9 +1,18 @@
-"""Benchmark results as a JSON document and a rich table.
+"""Benchmark results as one JSON document (for machines; `tables.py` renders it for people).
 
-The document: `results`, one row per (model, system) with system, workload, model, status,
-generated_tokens, seconds, tokens_per_s, requests_per_s, peak_rss_bytes and the system's own
-`details`; `ratios`, lorafleet's tokens/s over each baseline's on the same model; `models`,
-the shapes; `workload`; `environment` (versions, threads, device).
+A run's document:
+  results   one row per (model, system): status, reason, num_requests, generated_tokens,
+            seconds, tokens_per_s, requests_per_s, latency (p50/p99 of ttft_s, tpot_s, queue_s,
+            adapter_wait_s; for lorafleet on adapters that start on disk, ttft_cold_warm),
+            peak_rss_bytes, details (the system's own: pool occupancy, caps...)
+  ratios    per model, each lorafleet system over each baseline that generated: tokens/s ratio,
+            and the baseline's TTFT p50 over lorafleet's (> 1: lorafleet answers sooner)
+  memory    per model: serving every adapter merged (base + one copy per adapter) against
+            lorafleet's base + pool (as allocated, and the pages in use at peak: the ratio's)
+  switch    per model, the switch regressions of lorafleet's steps (see `metrics.py`)
+  sweep     (when run) tokens/s against the number of adapters
+  plots     the PNG files written, or why none was
+  workload, models, options, environment, created, duration_s
 """
 
 from __future__ import annotations
@@ -13,44 +22,41 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
 from lorafleet.bench.fixtures import Shape
+from lorafleet.bench.metrics import cold_warm_ttft, latency_summary, switch_regressions
 from lorafleet.bench.workloads import Workload
 
-SUBJECT = "lorafleet"
+SUBJECTS = ("lorafleet", "lorafleet-daemon")
 
 
 def default_out_path() -> Path:
     return Path("bench-results") / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
-def make_report(runs: list[dict], workload: Workload, models: dict[str, Shape], environment: dict) -> dict:
+def make_report(runs: list[dict], workload: Workload, models: dict[str, Shape], environment: dict,
+                options: dict | None = None) -> dict:
     """`runs`: a worker's result dict plus `model` (the shape's name), one per (model, system)."""
-    rows = [_row(run, workload.name) for run in runs]
-    ratios = []
-    for model in models:
-        subject = _find(rows, model, SUBJECT)
-        if subject is None or subject["tokens_per_s"] is None:
-            continue
-        for base in rows:
-            if base["model"] == model and base["system"] != SUBJECT and base["tokens_per_s"]:
-                ratios.append({"model": model, "workload": workload.name, "system": SUBJECT,
-                               "baseline": base["system"],
-                               "tokens_per_s_ratio": subject["tokens_per_s"] / base["tokens_per_s"]})
+    rows = [make_row(run, workload.name) for run in runs]
+    if workload.residency == "registered" and workload.pool_fraction is None:  # first use = cold
+        for row, run in zip(rows, runs):
+            if row["system"] in SUBJECTS and row["latency"] is not None:
+                row["latency"]["ttft_cold_warm"] = cold_warm_ttft(run.get("requests", []))
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "workload": asdict(workload),
         "models": {name: asdict(shape) for name, shape in models.items()},
+        "options": options or {},
         "environment": environment,
         "results": rows,
-        "ratios": ratios,
+        "ratios": ratios(rows),
+        "memory": memory(rows),
+        "switch": [{"model": run["model"], "system": run["system"],
+                    "regressions": switch_regressions(run.get("steps", []))}
+                   for run in runs if run["system"] in SUBJECTS and run["status"] == "ok"],
     }
 
 
-def _row(run: dict, workload: str) -> dict:
+def make_row(run: dict, workload: str) -> dict:
     ok = run["status"] == "ok" and run["seconds"] > 0
     return {
         "model": run["model"], "system": run["system"], "workload": workload, "status": run["status"],
@@ -58,12 +64,47 @@ def _row(run: dict, workload: str) -> dict:
         "generated_tokens": run.get("generated_tokens", 0), "seconds": run.get("seconds", 0.0),
         "tokens_per_s": run["generated_tokens"] / run["seconds"] if ok else None,
         "requests_per_s": run["num_requests"] / run["seconds"] if ok else None,
+        "latency": latency_summary(run.get("requests", [])) if ok else None,
         "peak_rss_bytes": run.get("peak_rss_bytes"), "details": run.get("details", {}),
     }
 
 
-def _find(rows: list[dict], model: str, system: str) -> dict | None:
-    return next((r for r in rows if r["model"] == model and r["system"] == system), None)
+def ratios(rows: list[dict]) -> list[dict]:
+    out = []
+    for subject in rows:
+        if subject["system"] not in SUBJECTS or not subject["tokens_per_s"]:
+            continue
+        for base in rows:
+            if base["model"] != subject["model"] or base["system"] in SUBJECTS or not base["tokens_per_s"]:
+                continue
+            ttft = (base["latency"]["ttft_s"]["p50"], subject["latency"]["ttft_s"]["p50"])
+            out.append({"model": subject["model"], "workload": subject["workload"], "system": subject["system"],
+                        "baseline": base["system"],
+                        "tokens_per_s_ratio": subject["tokens_per_s"] / base["tokens_per_s"],
+                        "ttft_p50_speedup": ttft[0] / ttft[1] if None not in ttft and ttft[1] > 0 else None,
+                        "baseline_requests": base["num_requests"], "requests": subject["num_requests"]})
+    return out
+
+
+def memory(rows: list[dict]) -> list[dict]:
+    out = []
+    for merged in rows:
+        if merged["system"] != "merged" or merged["status"] != "ok":
+            continue
+        lf = next((r for r in rows if r["model"] == merged["model"] and r["system"] == "lorafleet"
+                   and r["status"] == "ok"), None)
+        if lf is None:
+            continue
+        d, pool = merged["details"], lf["details"].get("pool", {})
+        lorafleet_bytes = d["base_bytes"] + lf["details"]["pool_bytes"]  # the pool as allocated
+        page = pool.get("page_bytes", 0)
+        out.append({"model": merged["model"], "num_adapters": d["num_adapters"], "base_bytes": d["base_bytes"],
+                    "merged_bytes": d["memory_bytes"], "lorafleet_bytes": lorafleet_bytes,
+                    "lorafleet_peak_used_bytes": d["base_bytes"] + pool.get("peak_used_pages", 0) * page,
+                    "lorafleet_peak_adapter_bytes": pool.get("peak_adapter_pages", 0) * page,
+                    # what lorafleet needed, not what the bench allocated (the CPU pool has a floor)
+                    "merged_over_lorafleet": d["memory_bytes"] / (d["base_bytes"] + pool.get("peak_used_pages", 0) * page)})
+    return out
 
 
 def write_json(report: dict, out: Path) -> Path:
@@ -71,35 +112,3 @@ def write_json(report: dict, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     return out
-
-
-def render_table(report: dict) -> Table:
-    """One row per run; a lorafleet row holds its tokens/s over each baseline's (`vs NAME`);
-    runs that did not complete are explained under the table."""
-    load = report["workload"]
-    baselines = list(dict.fromkeys(r["baseline"] for r in report["ratios"]))
-    notes = [f"{r['model']} {r['system']}: {r['status']}, {escape(r['reason'])}"
-             for r in report["results"] if r["status"] != "ok"]
-    if baselines:
-        notes.insert(0, "vs: lorafleet tokens/s ÷ the baseline's, same model and requests")
-    table = Table(title=f"workload {load['name']}: {load['num_requests']} requests", box=box.SIMPLE_HEAD,
-                  pad_edge=False, collapse_padding=True, caption="\n".join(notes) or None, caption_justify="left")
-    for name in ("model", "system", "tokens", "seconds", "tokens/s", "req/s", "peak RSS"):
-        table.add_column(name, justify="left" if name in ("model", "system") else "right", no_wrap=True)
-    for base in baselines:
-        table.add_column(f"vs\n{base}", justify="right", no_wrap=True)
-    ratios = {(r["model"], r["baseline"]): r["tokens_per_s_ratio"] for r in report["ratios"]}
-    for row in report["results"]:
-        if row["status"] != "ok":
-            table.add_row(row["model"], row["system"], f"[yellow]{row['status']}[/]")
-            continue
-        versus = [f"{ratios[row['model'], base]:.2f}x" if (row["model"], base) in ratios
-                  and row["system"] == SUBJECT else "" for base in baselines]
-        table.add_row(row["model"], row["system"], str(row["generated_tokens"]), f"{row['seconds']:.2f}",
-                      f"{row['tokens_per_s']:.1f}", f"{row['requests_per_s']:.2f}",
-                      _mib(row["peak_rss_bytes"]), *versus)
-    return table
-
-
-def _mib(n: int | None) -> str:
-    return "" if n is None else f"{n / (1 << 20):.0f} MiB"

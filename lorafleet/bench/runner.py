@@ -1,5 +1,7 @@
-"""`run_bench`: build (or reuse) each model shape, run every system on the workload's requests,
-each in a fresh process (`lorafleet.bench.worker`), and write the report."""
+"""`run_bench`: build (or reuse) each model shape and the workload's adapters, run every system
+on the workload's requests, each in a fresh process (`lorafleet.bench.worker`), optionally sweep
+the number of adapters, then write the JSON report and the plots. `run_suite`: several workloads
+(by default every standard one) in turn, one combined report, its duration stated."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -16,70 +19,160 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from lorafleet.bench import plots
+from lorafleet.bench.adapters import workload_adapters
 from lorafleet.bench.fixtures import build_base, get_shape
+from lorafleet.bench.metrics import switch_regressions
 from lorafleet.bench.report import make_report, write_json
-from lorafleet.bench.systems import SYSTEMS, default_threads
-from lorafleet.bench.workloads import get_workload, make_requests
+from lorafleet.bench.systems import SYSTEM_NAMES, Job, default_threads, get_system
+from lorafleet.bench.workloads import Workload, get_workload, make_requests
 from lorafleet.errors import ConfigError
 
+SUITE_WORKLOADS = ("uniform-8", "uniform-1000", "uniform-1000-tiered", "zipf-1000", "mixed-lengths", "cold-start",
+                   "base-only")
+SUITE_SWEEP = ("uniform-1000", (1, 8, 64, 256, 1000))  # adapters, on that workload's requests
+# lorafleet against itself on another workload: (workload, versus), issue 5's scaling figures
+SUITE_ACROSS = (("uniform-1000", "uniform-8"), ("uniform-1000-tiered", "uniform-1000"))
+SUITE_MAX_BASELINE_REQUESTS = 64       # PEFT over hundreds of adapters would take hours
+SWEEP_SYSTEMS = ("lorafleet",)
 
-def run_bench(shapes: list[str], workload: str, systems: list[str], out: Path, *, device: str = "auto",
-              dtype: str = "auto", threads: int | None = None, console: Console | None = None) -> dict:
-    """Run `systems` on `workload` for each model shape; write the JSON report to `out` and
-    return it. A system that fails or is not installed gets an "error" or "skipped" row."""
+
+def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], out: Path, *,
+              device: str = "auto", dtype: str = "auto", threads: int | None = None,
+              max_baseline_requests: int | None = None, sweep: tuple[int, ...] = (),
+              console: Console | None = None) -> dict:
+    """Run `systems` on `workload` for each model shape (and lorafleet on the workload over each
+    number of adapters in `sweep`); write the JSON report to `out`, the plots next to it, and
+    return the report. A system that fails or is not installed gets an "error" or "skipped" row."""
+    started = time.perf_counter()
     models = {name: get_shape(name) for name in dict.fromkeys(shapes)}
-    load = get_workload(workload)
-    unknown = [s for s in systems if s not in SYSTEMS]
+    load = workload if isinstance(workload, Workload) else get_workload(workload)
+    unknown = [s for s in systems if s not in SYSTEM_NAMES]
     if unknown or not systems:
         raise ConfigError(f"unknown system(s) {', '.join(unknown) or '(none given)'} "
-                          f"(choose from {', '.join(SYSTEMS)})")
-    threads = threads or default_threads()
+                          f"(choose from {', '.join(SYSTEM_NAMES)})")
+    common = dict(device=device, dtype=dtype, threads=threads or default_threads(),
+                  max_requests=max_baseline_requests or None)
     console = console or Console(stderr=True)
 
     load_before = _load_average()
-    runs = []
+    runs, points = [], []
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress, tempfile.TemporaryDirectory() as scratch:
-        task = progress.add_task("", total=len(models) * len(systems))
+        task = progress.add_task("", total=len(models) * (len(systems) + len(sweep) * len(SWEEP_SYSTEMS)))
         for name, shape in models.items():
-            progress.update(task, description=f"{name}: building or reusing the random model")
+            progress.update(task, description=f"{name}: building or reusing the model and adapters")
             model_dir = build_base(name)
-            requests = make_requests(load, shape.vocab_size)
             for system in systems:
-                progress.update(task, description=f"{name}: {system}")
-                job = dict(system=system, model_dir=str(model_dir), requests=requests,
-                           device=device, dtype=dtype, threads=threads)
-                run = {"model": name, **_run_isolated(job, Path(scratch))}
-                runs.append(run)
-                progress.console.print(_summary(run))
+                progress.update(task, description=f"{load.name} · {name} · {system}")
+                run = _run(system, model_dir, load, shape.vocab_size, common, Path(scratch))
+                runs.append({"model": name, **run})
+                progress.console.print(_summary(name, run))
                 progress.advance(task)
+            for n in sweep:
+                for system in SWEEP_SYSTEMS:
+                    progress.update(task, description=f"{name}: {system} over {n} adapters")
+                    run = _run(system, model_dir, load.with_adapters(n), shape.vocab_size, common, Path(scratch))
+                    points.append(_sweep_point(name, n, run))
+                    progress.console.print(_summary(f"{name} @{n} adapters", run))
+                    progress.advance(task)
         progress.update(task, description="done")
 
-    environment = {**_environment(device, dtype, threads), "load_average_before": load_before,
+    environment = {**_environment(device, dtype, common["threads"]), "load_average_before": load_before,
                    "load_average_after": _load_average()}
-    report = make_report(runs, load, models, environment)
+    options = {"systems": systems, "max_baseline_requests": common["max_requests"], "batch_size": 16,
+               "sweep": list(sweep), "sweep_systems": list(SWEEP_SYSTEMS) if sweep else []}
+    report = make_report(runs, load, models, environment, options)
+    if sweep:
+        report["sweep"] = points
+    report["plots"] = _plots(runs, points, load.name, Path(out))
+    report["duration_s"] = time.perf_counter() - started
     write_json(report, out)
     return report
 
 
-def _run_isolated(job: dict, scratch: Path) -> dict:
+def run_suite(shapes: list[str], out: Path, *, workloads: tuple[str, ...] = SUITE_WORKLOADS,
+              systems: tuple[str, ...] = SYSTEM_NAMES, sweeps: dict[str, tuple[int, ...]] | None = None,
+              name: str = "full", console: Console | None = None, **kwargs) -> dict:
+    """Several workloads in turn (by default the full suite: every workload, every system, the
+    adapter sweep); each workload's report next to `out` (`STEM-WORKLOAD.json`), all of them in
+    `out`, with lorafleet's tokens/s across the workload pairs of `SUITE_ACROSS` that ran."""
+    started, out = time.perf_counter(), Path(out)
+    console = console or Console(stderr=True)
+    sweeps = dict([SUITE_SWEEP]) if sweeps is None else sweeps
+    reports = []
+    for i, load in enumerate(workloads):
+        console.rule(f"workload {load} ({i + 1}/{len(workloads)})")
+        path = out.with_name(f"{out.stem}-{load}.json")
+        reports.append(run_bench(shapes, load, list(systems), path, sweep=sweeps.get(load, ()), console=console,
+                                 **kwargs))
+    suite = {"suite": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             "duration_s": time.perf_counter() - started, "reports": reports, "across": _across(reports)}
+    write_json(suite, out)
+    return suite
+
+
+def _across(reports: list[dict]) -> list[dict]:
+    tps = {(r["workload"]["name"], row["model"]): row["tokens_per_s"]
+           for r in reports for row in r["results"] if row["system"] == "lorafleet" and row["tokens_per_s"]}
+    return [{"workload": w, "versus": v, "model": m, "tokens_per_s_ratio": tps[w, m] / tps[v, m]}
+            for w, v in SUITE_ACROSS for (name, m) in tps if name == w and (v, m) in tps]
+
+
+def _run(system: str, model_dir: Path, load: Workload, vocab_size: int, common: dict, scratch: Path) -> dict:
+    adapters = workload_adapters(model_dir, load)
+    job = Job(system, str(model_dir), make_requests(load, vocab_size), {n: str(p) for n, p in adapters},
+              load.residency, load.pool_fraction, **common)
+    if not get_system(system).isolated:
+        from lorafleet.bench.worker import run_job
+
+        return run_job(job)
+    return _run_isolated(job, scratch)
+
+
+def _run_isolated(job: Job, scratch: Path) -> dict:
     job_path, out_path = scratch / "job.json", scratch / "result.json"
-    job_path.write_text(json.dumps(job))
+    job_path.write_text(job.to_json())
     out_path.unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, "-m", "lorafleet.bench.worker", str(job_path), str(out_path)],
                           capture_output=True, text=True)
     if proc.returncode == 0 and out_path.is_file():
         return json.loads(out_path.read_text())
     last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"system": job["system"], "status": "error", "num_requests": 0, "generated_tokens": 0,
+    return {"system": job.system, "status": "error", "num_requests": 0, "generated_tokens": 0,
             "seconds": 0.0, "reason": f"worker exited with code {proc.returncode}: {last}", "details": {}}
 
 
-def _summary(run: dict) -> str:
-    label = f"{run['model']} · {run['system']}"
+def _sweep_point(model: str, n: int, run: dict) -> dict:
+    ok = run["status"] == "ok" and run["seconds"] > 0
+    return {"model": model, "system": run["system"], "num_adapters": n, "status": run["status"],
+            "reason": run.get("reason", ""), "tokens_per_s": run["generated_tokens"] / run["seconds"] if ok else None,
+            "peak_rss_bytes": run.get("peak_rss_bytes")}
+
+
+def _plots(runs: list[dict], points: list[dict], workload: str, out: Path) -> dict:
+    """Write the PNGs next to the JSON report; say where, or why not."""
+    made, notes = {}, []
+    switch = [{"model": r["model"], "steps": r["steps"], "regressions": switch_regressions(r["steps"])}
+              for r in runs if r["status"] == "ok" and r.get("steps")]
+    wanted = [("switch", lambda path: plots.plot_switch(switch, f"adapter switches, workload {workload}", path))]
+    if points:
+        wanted.append(("sweep", lambda path: plots.plot_sweep(points, f"throughput against adapters ({workload})", path)))
+    for kind, draw in wanted:
+        try:
+            made[kind] = str(draw(out.with_name(f"{out.stem}-{kind}.png")))
+        except plots.PlotUnavailable as e:
+            notes.append(f"{kind}: {e}")
+    return {**made, "notes": notes}
+
+
+def _summary(label: str, run: dict) -> str:
+    label = f"{label} · {run['system']}"
     if run["status"] != "ok":
         return f"{label}: [yellow]{run['status']}[/] {escape(run['reason'])}"
+    if not run["seconds"]:
+        return f"{label}: {escape(run.get('reason') or 'ok')}"
     return (f"{label}: {run['generated_tokens']} tokens in {run['seconds']:.2f} s = "
             f"[bold]{run['generated_tokens'] / run['seconds']:.1f} tokens/s[/]")
 
@@ -100,7 +193,7 @@ def _environment(device: str, dtype: str, threads: int) -> dict:
             return None
     return {
         "lorafleet": version("lorafleet"), "torch": version("torch"), "transformers": version("transformers"),
-        "python": platform.python_version(), "platform": platform.platform(),
+        "peft": version("peft"), "python": platform.python_version(), "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "threads": threads, "device": device, "dtype": dtype,
         "debug_checks": os.environ.get("LORAFLEET_DEBUG_CHECKS") == "1",
     }

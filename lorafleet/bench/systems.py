@@ -1,9 +1,17 @@
-"""Systems under test. Each is a small class with one method, `run(model_dir, requests) ->
-Result`, that serves the same requests (prompt token ids, max_tokens) greedily, with every
-output forced to its full length, and times only the serving: model loading and one tiny
-warm-up generation happen before the clock starts.
+"""Systems under test. Each is a small class with one method, `run(job) -> Result`, that serves
+the same requests greedily, every output forced to its full length, replaying the workload's
+arrival times in real time, and times only the serving: model and (unless the workload says
+they start on disk) adapter loading, and one tiny warm-up generation, happen before the clock.
 
-Both systems run on the same device, dtype and number of torch threads.
+Every system runs on the same device, dtype and number of torch threads, in a process of its
+own (`worker.py`), except accounting-only ones (`merged`), which run in the runner.
+
+The registry (`SYSTEMS`) is what `--systems` names. lorafleet through the daemon (issue 6) is
+one more entry: a `LorafleetDaemon(System)` with `subject = True` that starts `lorafleet serve`
+on `job.model_dir` with `job.adapters` (loaded or registered as `job.residency` says), replays
+`job.requests` through `lorafleet.client` at their `arrival_s`, and fills the same `Result`
+(`requests` from the stream's token timestamps; `steps` from the daemon's stats). Register it
+in `_REGISTRY` below; the runner, the report and the ratios take it as they are.
 """
 
 from __future__ import annotations
@@ -11,19 +19,49 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lorafleet.bench.workloads import FIRST_ORDINARY_ID as FIRST_ID
+from lorafleet.bench.workloads import BenchRequest
 
-Requests = list[tuple[list[int], int]]
+
+@dataclass
+class Job:
+    """What a worker runs: one system on one model and one workload's requests.
+    `adapters`: name -> PEFT folder, every adapter the requests may name. `max_requests`: a
+    baseline serves only the first N requests (None: all); lorafleet always serves all."""
+
+    system: str
+    model_dir: str
+    requests: list[BenchRequest]
+    adapters: dict[str, str] = field(default_factory=dict)
+    residency: str = "loaded"
+    pool_fraction: float | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    max_requests: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Job:
+        data = json.loads(text)
+        data["requests"] = [BenchRequest(**r) for r in data["requests"]]
+        return cls(**data)
 
 
 @dataclass
 class Result:
     """One system's run of one workload. `generated_tokens` counts only tokens a request asked
-    for; `status` is "ok", "skipped" (the system is not installed) or "error"."""
+    for; `status` is "ok", "skipped" (not installed, or not applicable) or "error".
+
+    `requests`: per served request, `arrival_s`, `ttft_s` and `tpot_s` (measured by the bench
+    from token timestamps, from the request's scheduled arrival), `queue_s` and `adapter_wait_s`
+    (the exposed adapter-load time; None where the system cannot tell). `steps`: per engine
+    step, `time_s`, `num_seqs`, `num_tokens`, `distinct_adapters`, `adapters_loaded`, pool pages.
+    """
 
     system: str
     status: str = "ok"
@@ -32,6 +70,8 @@ class Result:
     seconds: float = 0.0
     reason: str = ""
     details: dict = field(default_factory=dict)
+    requests: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
 
 
 def default_threads() -> int:
@@ -43,6 +83,9 @@ def default_threads() -> int:
 
 class System:
     name = "system"
+    subject = False      # a lorafleet system: its figures are divided by the baselines'
+    isolated = True      # runs in a worker process of its own
+    baseline = True      # serves at most `job.max_requests` requests
 
     def __init__(self, device: str = "auto", dtype: str = "auto", threads: int | None = None):
         self.device_name = device
@@ -62,131 +105,73 @@ class System:
             dtype = getattr(torch, self.dtype_name)
         return device, dtype
 
-    def run(self, model_dir: Path, requests: Requests) -> Result:
+    def served(self, job: Job) -> list[BenchRequest]:
+        if self.baseline and job.max_requests:
+            return job.requests[:job.max_requests]
+        return job.requests
+
+    def run(self, job: Job) -> Result:
         raise NotImplementedError
 
 
-class LorafleetInProcess(System):
-    """One `lorafleet.Engine`; every request is added at once and the engine steps until all
-    finish (continuous batching). On the CPU the page pool is sized to hold the whole workload,
-    so no request is preempted; on a GPU it takes the engine's default."""
+class MergedAccounting(System):
+    """Memory only: serving every adapter as a merged model takes one full copy of the base
+    per adapter, next to the base itself. No generation, no process of its own."""
 
-    name = "lorafleet"
+    name = "merged"
+    isolated = False
 
-    def __init__(self, *args, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-
-    def run(self, model_dir: Path, requests: Requests) -> Result:
-        from lorafleet import Engine, SamplingParams
-
-        device, dtype = self._setup()
-        pool_bytes = None if device.type == "cuda" else workload_pool_bytes(model_dir, requests, dtype.itemsize)
-        engine = Engine(model_dir, device=str(device), dtype=str(dtype).removeprefix("torch."),
-                        pool_bytes=pool_bytes, max_num_seqs=self.max_num_seqs,
-                        max_num_batched_tokens=self.max_num_batched_tokens)
-        engine.generate([[FIRST_ID, FIRST_ID + 1, FIRST_ID + 2]],
-                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        warm = engine.stats()
-
-        _sync(device)
-        start = time.perf_counter()
-        for prompt, max_tokens in requests:
-            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        generated = 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                generated += len(out.new_token_ids)
-        _sync(device)
-        seconds = time.perf_counter() - start
-
-        stats = engine.stats()
-        return Result(self.name, num_requests=len(requests), generated_tokens=generated, seconds=seconds,
-                      details={"device": str(device), "dtype": str(dtype), "threads": self.threads,
-                               "pool_bytes": engine.pool.num_pages * engine.pool.page_bytes,
-                               "num_steps": stats["num_steps"] - warm["num_steps"],
-                               "num_preemptions": stats["num_preemptions"] - warm["num_preemptions"],
-                               "step_time_p50_s": stats["step_time_s"]["p50"],
-                               "ttft_p50_s": stats["ttft_s"]["p50"], "tpot_p50_s": stats["tpot_s"]["p50"]})
+    def run(self, job: Job) -> Result:
+        base = weight_bytes(Path(job.model_dir))
+        used = sorted({r.adapter for r in job.requests if r.adapter is not None})
+        return Result(self.name, reason="memory accounting only",
+                      details={"base_bytes": base, "num_adapters": len(used),
+                               "memory_bytes": base * (1 + len(used))})
 
 
-class TransformersGenerate(System):
-    """Hugging Face transformers' `model.generate`, in static batches of `batch_size` requests
-    in arrival order, left-padded with an attention mask, greedy.
-
-    A static batch runs until its longest member is done, so every batch generates
-    `max_tokens` of its longest request for each of its rows; only the tokens each request
-    asked for count as useful `generated_tokens` (all of them are in `details["computed_tokens"]`).
-    """
-
-    name = "transformers"
-
-    def __init__(self, *args, batch_size: int = 16, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batch_size = batch_size
-
-    def run(self, model_dir: Path, requests: Requests) -> Result:
-        try:
-            import transformers
-        except ImportError:
-            return Result(self.name, status="skipped",
-                          reason="transformers is not installed (pip install 'lorafleet[bench]')")
-        import torch
-
-        transformers.logging.set_verbosity_error()
-        device, dtype = self._setup()
-        dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **{dtype_kw: dtype}).to(device).eval()
-        pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-
-        def generate(batch: Requests) -> int:
-            new = max(n for _, n in batch)
-            width = max(len(p) for p, _ in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, (prompt, _) in enumerate(batch):
-                ids[row, width - len(prompt):] = torch.tensor(prompt)
-                mask[row, width - len(prompt):] = 1
-            with torch.inference_mode():
-                out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                     pad_token_id=pad)
-            return (out.shape[1] - width) * len(batch)
-
-        generate([([FIRST_ID, FIRST_ID + 1, FIRST_ID + 2], 2)])  # warm-up
-
-        _sync(device)
-        start = time.perf_counter()
-        computed = 0
-        for i in range(0, len(requests), self.batch_size):
-            computed += generate(requests[i:i + self.batch_size])
-        _sync(device)
-        seconds = time.perf_counter() - start
-
-        return Result(self.name, num_requests=len(requests),
-                      generated_tokens=sum(n for _, n in requests), seconds=seconds,
-                      details={"device": str(device), "dtype": str(dtype), "threads": self.threads,
-                               "batch_size": self.batch_size, "computed_tokens": computed,
-                               "transformers": transformers.__version__})
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of a model folder's safetensors files (its weights, headers aside)."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
 
 
-SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (LorafleetInProcess, TransformersGenerate)}
+def adapter_bytes(adapters: dict[str, str]) -> int:
+    return sum(weight_bytes(Path(p)) for p in adapters.values())
 
 
-def workload_pool_bytes(model_dir: Path, requests: Requests, itemsize: int, block_size: int = 16) -> int:
-    """Bytes of KV pages for every request at its full length at once, plus a little room."""
+def workload_pool_bytes(model_dir: Path, requests: list[BenchRequest], itemsize: int,
+                        adapters: int = 0, num_adapters: int = 0, floor: bool = True,
+                        block_size: int = 16) -> int:
+    """Bytes of KV pages for every request at its full length at once, plus room for
+    `num_adapters` adapters of `adapters` bytes in all (a page each for rounding); at least
+    64 MiB when `floor`."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv_heads = cfg.get("num_key_value_heads") or heads
     page_bytes = cfg["num_hidden_layers"] * 2 * block_size * kv_heads * head_dim * itemsize
-    pages = sum(math.ceil((len(p) + n) / block_size) for p, n in requests) + 8
-    return max(pages * page_bytes, 64 << 20)
+    pages = sum(math.ceil((len(r.prompt) + r.max_tokens) / block_size) for r in requests) + 8
+    if adapters:
+        pages += math.ceil(adapters / page_bytes) + num_adapters
+    return max(pages * page_bytes, 64 << 20 if floor else 0)
 
 
-def _sync(device) -> None:
+def sync(device) -> None:
     if device.type == "cuda":
         import torch
 
         torch.cuda.synchronize(device)
+
+
+def _registry() -> dict[str, type[System]]:
+    from lorafleet.bench.lorafleet_system import LorafleetInProcess
+    from lorafleet.bench.static_batch import PeftGroups, PeftMixed, TransformersGenerate
+
+    return {cls.name: cls for cls in (LorafleetInProcess, TransformersGenerate, PeftGroups, PeftMixed,
+                                      MergedAccounting)}
+
+
+SYSTEM_NAMES = ("lorafleet", "transformers", "peft-groups", "peft-mixed", "merged")
+
+
+def get_system(name: str) -> type[System]:
+    return _registry()[name]

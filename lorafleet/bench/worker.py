@@ -1,14 +1,13 @@
 """One system's run in a process of its own: `python -m lorafleet.bench.worker JOB.json OUT.json`.
 
 A fresh process per (model, system) keeps the runs from sharing memory, caches or threads, and
-makes the peak RSS it reports that system's alone. The job file holds `system`, `model_dir`,
-`requests`, `device`, `dtype` and `threads`; the result file gets `Result`'s fields plus
-`peak_rss_bytes`. The same command runs under `python -m cProfile` for profiling.
+makes the peak RSS it reports that system's alone. The job file holds a `systems.Job`; the
+result file gets `Result`'s fields plus `peak_rss_bytes`. The same command runs under
+`python -m cProfile` for profiling.
 """
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import traceback
@@ -29,22 +28,26 @@ def peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB elsewhere
 
 
-def run_job(job: dict) -> dict:
-    from lorafleet.bench.systems import SYSTEMS, Result
+def run_job(job) -> dict:
+    """Run a `systems.Job`; any exception becomes this system's "error" result."""
+    from lorafleet.bench.systems import Result, get_system
 
-    system = SYSTEMS[job["system"]](device=job["device"], dtype=job["dtype"], threads=job["threads"])
-    requests = [(list(p), int(n)) for p, n in job["requests"]]
+    system = get_system(job.system)(device=job.device, dtype=job.dtype, threads=job.threads)
     try:
-        result = system.run(Path(job["model_dir"]), requests)
+        result = system.run(job)
     except Exception as e:  # reported as this system's result; the other runs go on
         traceback.print_exc()
         result = Result(system.name, status="error", reason=f"{type(e).__name__}: {e}")
-    return {**asdict(result), "peak_rss_bytes": peak_rss_bytes()}
+    return {**asdict(result), "peak_rss_bytes": peak_rss_bytes() if system.isolated else None}
 
 
 def main(argv: list[str]) -> int:
+    import json
+
+    from lorafleet.bench.systems import Job
+
     job_path, out_path = argv
-    result = run_job(json.loads(Path(job_path).read_text()))
+    result = run_job(Job.from_json(Path(job_path).read_text()))
     Path(out_path).write_text(json.dumps(result))
     return 0
 

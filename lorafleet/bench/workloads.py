@@ -1,22 +1,47 @@
-"""Benchmark workloads: how many requests, how long their prompts and outputs are, when they
-arrive. A workload and its seed fix the requests exactly (a private `random.Random`, never the
-global RNG), so every system under test gets the same token ids and lengths.
+"""Benchmark workloads as data: how many requests, how long their prompts and outputs are, when
+they arrive, and which adapters they ask for (how many, how popular, what ranks and targets, and
+whether they start loaded or on disk).
+
+A workload and its seed fix the requests exactly (private `random.Random`s, never the global
+RNG), so every system under test gets the same token ids, lengths, adapters and arrival times.
+Each aspect draws from a stream of its own, so that adding adapters or arrivals to a workload
+never changes its prompts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
 from lorafleet.errors import ConfigError
 
-ARRIVALS = ("all-at-once",)
+ARRIVALS = ("all-at-once", "poisson")
+POPULARITIES = ("uniform", "zipf")
+RESIDENCIES = ("loaded", "registered")
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 FIRST_ORDINARY_ID = 3  # ids 0-2 are pad/bos/eos in the random bench models
+
+
+def adapter_name(index: int) -> str:
+    """The name of the index-th adapter of a workload (the folder `build_adapters` writes)."""
+    return f"lora-{index:04d}"
 
 
 @dataclass(frozen=True)
 class Workload:
-    """Lengths are drawn uniformly from the inclusive ranges (lo, hi)."""
+    """Lengths are drawn uniformly from the inclusive ranges (lo, hi).
+
+    Adapters: `num_adapters` of them (0: base model only), the i-th of rank
+    `ranks[i % len(ranks)]` on `targets`; a request takes adapter i with probability in
+    proportion to 1 (`uniform`) or 1 / (i + 1) ** zipf_alpha (`zipf`), or none with probability
+    `base_fraction`. `residency`: `loaded` = every adapter is in the pool before the clock
+    starts; `registered` = they start on disk and load when first asked for (the clock runs).
+    `pool_fraction`: the pool has room, beyond the KV cache, for that fraction of the adapters'
+    bytes (so the rest are evicted and reloaded: the tiers at work); None: for all of them.
+    Arrivals: `all-at-once` at time 0, or `poisson` at `rate` requests per second, the first at 0.
+    """
 
     name: str
     num_requests: int
@@ -24,27 +49,88 @@ class Workload:
     output_len: tuple[int, int]
     seed: int = 0
     arrival: str = "all-at-once"
+    rate: float = 0.0
+    num_adapters: int = 0
+    popularity: str = "uniform"
+    zipf_alpha: float = 1.0
+    ranks: tuple[int, ...] = (8, 16, 32, 64)
+    targets: tuple[str, ...] = ALL_MODULES
+    base_fraction: float = 0.0
+    residency: str = "loaded"
+    pool_fraction: float | None = None
     description: str = ""
 
     def __post_init__(self):
+        def bad(msg):
+            raise ConfigError(f"workload {self.name}: {msg}")
         if self.num_requests < 1:
-            raise ConfigError(f"workload {self.name}: num_requests must be >= 1")
+            bad("num_requests must be >= 1")
         for field, (lo, hi) in (("prompt_len", self.prompt_len), ("output_len", self.output_len)):
             if not 1 <= lo <= hi:
-                raise ConfigError(f"workload {self.name}: {field} needs 1 <= lo <= hi, got {(lo, hi)}")
+                bad(f"{field} needs 1 <= lo <= hi, got {(lo, hi)}")
         if self.arrival not in ARRIVALS:
-            raise ConfigError(f"workload {self.name}: arrival {self.arrival!r} is not one of {ARRIVALS}")
+            bad(f"arrival {self.arrival!r} is not one of {ARRIVALS}")
+        if self.arrival == "poisson" and not self.rate > 0:
+            bad(f"poisson arrivals need a rate > 0 requests/s, got {self.rate!r}")
+        if self.num_adapters < 0:
+            bad(f"num_adapters must be >= 0, got {self.num_adapters}")
+        if self.popularity not in POPULARITIES:
+            bad(f"popularity {self.popularity!r} is not one of {POPULARITIES}")
+        if not self.zipf_alpha > 0:
+            bad(f"zipf_alpha must be > 0, got {self.zipf_alpha!r}")
+        if not self.ranks or any(r < 1 for r in self.ranks):
+            bad(f"ranks must be positive integers, got {self.ranks!r}")
+        unknown = [t for t in self.targets if t not in ALL_MODULES]
+        if unknown or not self.targets:
+            bad(f"targets must be some of {', '.join(ALL_MODULES)}, got {self.targets!r}")
+        if not 0 <= self.base_fraction <= 1:
+            bad(f"base_fraction must be in [0, 1], got {self.base_fraction!r}")
+        if self.residency not in RESIDENCIES:
+            bad(f"residency {self.residency!r} is not one of {RESIDENCIES}")
+        if self.pool_fraction is not None and not (0 < self.pool_fraction <= 1 and self.residency == "registered"):
+            bad(f"pool_fraction must be in (0, 1] with registered residency, got {self.pool_fraction!r}")
 
     @property
     def max_seq_len(self) -> int:
         return self.prompt_len[1] + self.output_len[1]
 
+    def with_adapters(self, n: int) -> Workload:
+        """The same requests over n adapters (the adapter sweep)."""
+        return dataclasses.replace(self, name=f"{self.name}@{n}", num_adapters=n)
 
-WORKLOADS: dict[str, Workload] = {
-    "base-only": Workload("base-only", 64, (16, 256), (16, 256),
-                          description="base model only, 64 requests arriving at once"),
-    "quick": Workload("quick", 8, (8, 32), (8, 32), description="a smoke run of base-only"),
-}
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of a workload: `arrival_s` after the start of the run."""
+
+    prompt: list[int]
+    max_tokens: int
+    adapter: str | None = None
+    arrival_s: float = 0.0
+
+
+# S-LoRA's scaling setting (ranks 8 and 16 on q/k/v/o, uniform popularity): 1000 against 8
+# adapters differs in nothing else
+_SLORA = dict(num_requests=256, prompt_len=(64, 64), output_len=(64, 64), ranks=(8, 16), targets=ATTENTION_MODULES)
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("uniform-8", num_adapters=8, **_SLORA,
+             description="256 requests x 64+64 tokens at once over 8 adapters (ranks 8/16 on q/k/v/o)"),
+    Workload("uniform-1000", num_adapters=1000, **_SLORA, description="uniform-8's requests over 1000 adapters"),
+    Workload("uniform-1000-tiered", num_adapters=1000, residency="registered", pool_fraction=0.05, **_SLORA,
+             description="uniform-1000 from disk, with a pool that holds about 5% of the adapters"),
+    Workload("zipf-1000", num_adapters=1000, popularity="zipf", zipf_alpha=1.0, arrival="poisson", rate=4.0,
+             residency="registered", pool_fraction=0.05, **_SLORA,
+             description="Zipf(1.0) popularity, Poisson arrivals at 4 req/s, a pool for ~5% of 1000 adapters"),
+    Workload("mixed-lengths", 64, (16, 512), (16, 256), num_adapters=8,
+             description="prompts 16-512, outputs 16-256, 8 adapters ranks 8-64 on all 7 projections"),
+    Workload("cold-start", 128, (64, 64), (32, 32), num_adapters=32, ranks=(8, 16), arrival="poisson",
+             rate=4.0, residency="registered",
+             description="32 adapters on disk, loaded on first use; Poisson arrivals at 4 req/s"),
+    Workload("base-only", 64, (16, 256), (16, 256),
+             description="base model only, 64 requests arriving at once"),
+    Workload("quick", 8, (8, 32), (8, 32), num_adapters=4, ranks=(8, 16), base_fraction=0.25,
+             description="a smoke run: 8 requests, 4 adapters and some base requests"),
+)}
 
 
 def get_workload(name: str) -> Workload:
@@ -53,14 +139,44 @@ def get_workload(name: str) -> Workload:
     return WORKLOADS[name]
 
 
-def make_requests(workload: Workload, vocab_size: int) -> list[tuple[list[int], int]]:
-    """[(prompt token ids, max_tokens)] in arrival order; the same for the same workload and
-    vocabulary size, and the same lengths for any vocabulary size."""
+def zipf_weights(n: int, alpha: float) -> list[float]:
+    """Popularity of adapters 0..n-1 under Zipf(alpha), normalised to sum to 1."""
+    raw = [1.0 / (k + 1) ** alpha for k in range(n)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def make_requests(workload: Workload, vocab_size: int) -> list[BenchRequest]:
+    """The workload's requests in arrival order; the same for the same workload and vocabulary
+    size, and the same lengths, adapters and arrivals for any vocabulary size."""
     if vocab_size <= FIRST_ORDINARY_ID:
         raise ConfigError(f"vocab_size must be > {FIRST_ORDINARY_ID}, got {vocab_size}")
+    n = workload.num_requests
     rng = random.Random(workload.seed)
     # lengths first, so that they do not depend on the vocabulary: every shape gets the same
-    lengths = [(rng.randint(*workload.prompt_len), rng.randint(*workload.output_len))
-               for _ in range(workload.num_requests)]
-    return [([rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(prompt_len)], output_len)
-            for prompt_len, output_len in lengths]
+    lengths = [(rng.randint(*workload.prompt_len), rng.randint(*workload.output_len)) for _ in range(n)]
+    prompts = [[rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(p)] for p, _ in lengths]
+    adapters = _draw_adapters(workload, random.Random(f"{workload.seed}/adapters"))
+    arrivals = _draw_arrivals(workload, random.Random(f"{workload.seed}/arrivals"))
+    return [BenchRequest(prompt, out, adapter, arrival)
+            for prompt, (_, out), adapter, arrival in zip(prompts, lengths, adapters, arrivals)]
+
+
+def _draw_adapters(workload: Workload, rng: random.Random) -> list[str | None]:
+    n = workload.num_adapters
+    if n == 0:
+        return [None] * workload.num_requests
+    weights = zipf_weights(n, workload.zipf_alpha) if workload.popularity == "zipf" else None
+    picks = rng.choices(range(n), weights=weights, k=workload.num_requests)
+    base = [rng.random() < workload.base_fraction for _ in picks]
+    return [None if b else adapter_name(i) for i, b in zip(picks, base)]
+
+
+def _draw_arrivals(workload: Workload, rng: random.Random) -> list[float]:
+    if workload.arrival == "all-at-once":
+        return [0.0] * workload.num_requests
+    times, t = [], 0.0
+    for _ in range(workload.num_requests):
+        times.append(t)
+        t += rng.expovariate(workload.rate)
+    return times

@@ -14,7 +14,8 @@ from lorafleet.cli.common import err_console, fail, user_errors
 
 QUICK_MODELS = ["micro", "tiny"]
 DEFAULT_MODELS = ["tiny"]
-DEFAULT_SYSTEMS = "lorafleet,transformers"
+ALL_SYSTEMS = "lorafleet,transformers,peft-groups,peft-mixed,merged"
+QUICK_SWEEP = "1,4"
 
 
 def bench(
@@ -22,71 +23,132 @@ def bench(
         "--model", "-m", metavar="SHAPE",
         help="Model shape: micro, tiny, smol (SmolLM2-135M's shapes) or 1b (for GPUs). "
              "Repeat for several. Default: tiny (micro and tiny with --quick).")] = None,
-    workload: Annotated[str | None, typer.Option(
-        "--workload", "-w", help="Workload: base-only or quick. Default: base-only (quick with --quick).")] = None,
+    workload: Annotated[list[str] | None, typer.Option(
+        "--workload", "-w",
+        help="Workload: uniform-8, uniform-1000, uniform-1000-tiered, zipf-1000, mixed-lengths, "
+             "cold-start, base-only or quick. Repeat for several, run in turn, with lorafleet's "
+             "tokens/s compared across uniform-1000 and uniform-8, uniform-1000-tiered and "
+             "uniform-1000. Default: base-only (quick with --quick).")] = None,
     systems: Annotated[str, typer.Option(
-        "--systems", help="Comma-separated systems to run: lorafleet, transformers.")] = DEFAULT_SYSTEMS,
+        "--systems", help="Comma-separated systems to run: lorafleet, transformers (base model only), "
+                          "peft-groups (set_adapter per adapter group), peft-mixed (adapter_names "
+                          "batches), merged (memory accounting only).")] = ALL_SYSTEMS,
     quick: Annotated[bool, typer.Option(
-        "--quick", help="A smoke run: the quick workload on the micro and tiny shapes.")] = False,
+        "--quick", help="A smoke run: the quick workload on the micro and tiny shapes, every "
+                        "system, and a sweep over 1 and 4 adapters.")] = False,
+    sweep: Annotated[str | None, typer.Option(
+        "--sweep", metavar="N,N,...",
+        help="Also run lorafleet on the workload's requests over each number of adapters and "
+             "plot throughput against it (e.g. 1,8,64,256). Default: none (1,4 with --quick).")] = None,
+    max_baseline_requests: Annotated[int | None, typer.Option(
+        "--max-baseline-requests", min=1, metavar="N",
+        help="Baselines serve only the first N requests (PEFT over hundreds of adapters would take "
+             "hours); the report says so. Default: all (64 with --suite full).")] = None,
     out: Annotated[Path | None, typer.Option(
         "--out", "-o", metavar="PATH",
-        help="Where to write the JSON report. Default: ./bench-results/TIMESTAMP.json")] = None,
+        help="Where to write the JSON report; the PNG plots go next to it. "
+             "Default: ./bench-results/TIMESTAMP.json")] = None,
     as_json: Annotated[bool, typer.Option(
-        "--json", help="Print the JSON report on stdout instead of the table.")] = False,
+        "--json", help="Print the JSON report on stdout instead of the tables.")] = False,
     device: Annotated[str, typer.Option(
-        "--device", help="auto, cpu or cuda[:N]; both systems run there.")] = "auto",
+        "--device", help="auto, cpu or cuda[:N]; every system runs there.")] = "auto",
     threads: Annotated[int | None, typer.Option(
         "--threads", min=1, help="torch threads for every system. Default: all cores.")] = None,
     suite: Annotated[str, typer.Option(
-        "--suite", help="throughput (the workloads above) or lora-decode (the cost of a decode "
-                        "step over 1 and over BATCH distinct adapters, ranks 8-64 on all 7 "
-                        "projections, against PEFT's mixed-adapter batch).")] = "throughput",
+        "--suite", help="throughput (one workload, every system), full (every workload, every "
+                        "system, the adapter sweep 1,8,64,256,1000; states its duration) or lora-decode "
+                        "(the cost of a decode step over 1 and over BATCH distinct adapters, ranks "
+                        "8-64 on all 7 projections, against PEFT's mixed-adapter batch).")] = "throughput",
     batch: Annotated[int, typer.Option(
         "--batch", min=1, help="lora-decode: requests (and distinct adapters) per decode step.")] = 32,
     peft: Annotated[bool, typer.Option(
         "--peft/--no-peft", help="lora-decode: also run PEFT's mixed-adapter batch.")] = True,
 ) -> None:
-    """Measure generation throughput of lorafleet and baselines on the same requests.
+    """Measure lorafleet and baselines side by side on the same requests.
 
-    Models are random (seeded) and built once with transformers into the cache,
+    Models and adapters are random (seeded) and built once into the cache,
     $LORAFLEET_HOME/bench (default ~/.cache/lorafleet/bench). Every system runs in a process
-    of its own; outputs are greedy and forced to their requested length.
+    of its own; outputs are greedy and forced to their requested length; arrivals are replayed
+    in real time. Reports: tokens/s, requests/s, TTFT/TPOT p50/p99, exposed adapter-load time,
+    peak RSS, pool occupancy, ratios, the switch regression (table, slope, PNG) and the adapter
+    sweep (PNG).
     """
     from lorafleet.bench.fixtures import SHAPES
-    from lorafleet.bench.report import default_out_path, render_table
-    from lorafleet.bench.runner import run_bench
-    from lorafleet.bench.systems import SYSTEMS
+    from lorafleet.bench.report import default_out_path
+    from lorafleet.bench.systems import SYSTEM_NAMES
     from lorafleet.bench.workloads import WORKLOADS
 
     if suite == "lora-decode":
         return _lora_decode(model or (["micro"] if quick else ["tiny"]), batch, peft and not quick,
                             quick, out, as_json, threads)
-    if suite != "throughput":
-        raise typer.BadParameter(f"{suite!r} (choose from throughput, lora-decode)", param_hint="--suite")
-    if quick and workload not in (None, "quick"):
+    if suite not in ("throughput", "full"):
+        raise typer.BadParameter(f"{suite!r} (choose from throughput, full, lora-decode)", param_hint="--suite")
+    if quick and workload not in (None, ["quick"]):
         raise typer.BadParameter("--quick runs the quick workload; drop --quick or --workload",
                                  param_hint="--workload")
+    if suite == "full" and (workload or quick):
+        raise typer.BadParameter("--suite full runs every workload", param_hint="--workload/--quick")
     shapes = model or (QUICK_MODELS if quick else DEFAULT_MODELS)
-    workload = workload or ("quick" if quick else "base-only")
+    loads = list(dict.fromkeys(workload or ["quick" if quick else "base-only"]))
     names = [s.strip() for s in systems.split(",") if s.strip()]
     _check_choices("--model", shapes, SHAPES)
-    _check_choices("--workload", [workload], WORKLOADS)
-    _check_choices("--systems", names or [""], SYSTEMS)
+    _check_choices("--workload", loads, WORKLOADS)
+    _check_choices("--systems", names or [""], SYSTEM_NAMES)
+    counts = _parse_sweep(sweep if sweep is not None else (QUICK_SWEEP if quick else ""))
 
     out = out or default_out_path()
+    common = dict(device=device, threads=threads, console=err_console)
     with user_errors():
-        report = run_bench(shapes, workload, names, out, device=device, threads=threads,
-                           console=err_console)
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    else:
-        from rich.console import Console
+        from lorafleet.bench.runner import SUITE_MAX_BASELINE_REQUESTS, run_bench, run_suite
 
-        Console().print(render_table(report))
+        if suite == "full":
+            report = run_suite(shapes, out, max_baseline_requests=max_baseline_requests or SUITE_MAX_BASELINE_REQUESTS,
+                               **common)
+        elif len(loads) > 1:
+            report = run_suite(shapes, out, workloads=tuple(loads), systems=tuple(names), name="workloads",
+                               sweeps={w: counts for w in loads}, max_baseline_requests=max_baseline_requests,
+                               **common)
+        else:
+            report = run_bench(shapes, loads[0], names, out, max_baseline_requests=max_baseline_requests,
+                               sweep=counts, **common)
+    _print(report, as_json)
     err_console.print(f"wrote {out}", highlight=False)
-    failed = [f"{r['model']}/{r['system']}" for r in report["results"] if r["status"] == "error"]
+    failed = [f"{r['workload']}/{r['model']}/{r['system']}" for rep in report.get("reports", [report])
+              for r in rep["results"] if r["status"] == "error"]
     if failed:
         raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {out})")
+
+
+def _print(report: dict, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    from rich.console import Console
+
+    from lorafleet.bench.tables import render, suite_summary
+
+    console = Console()
+    for rep in report.get("reports", [report]):
+        for table in render(rep):
+            console.print(table)
+        plots = {k: v for k, v in rep.get("plots", {}).items() if k != "notes"}
+        for kind, path in plots.items():
+            err_console.print(f"{kind} plot: {path}", highlight=False)
+        for note in rep.get("plots", {}).get("notes", []):
+            err_console.print(f"no plot: {note}", highlight=False)
+    if "reports" in report:
+        console.print(suite_summary(report))
+    err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
+
+
+def _parse_sweep(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        counts = (-1,)
+    if any(n < 1 for n in counts):
+        raise typer.BadParameter(f"{text!r}: positive adapter counts, comma-separated", param_hint="--sweep")
+    return counts
 
 
 def _check_choices(option: str, given: list[str], choices) -> None:

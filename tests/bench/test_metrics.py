@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lorafleet.bench.metrics import fit_slope, latency_summary, percentile, switch_regression
+from lorafleet.bench.metrics import cold_warm_ttft, fit_slope, latency_summary, percentile, switch_regression
 
 
 def test_fit_slope_recovers_an_exact_line():
@@ -45,7 +45,7 @@ def test_latency_summary_totals_the_exposed_adapter_wait():
 
 def synthetic_steps(per_adapter_s: float, seed: int = 0) -> list[dict]:
     """Decode steps where bigger batches mix more adapters and cost less per token: the plain
-    slope is confounded by batch size, the within-batch slope is `per_adapter_s`."""
+    slope is confounded by batch size, the within-shape slope is `per_adapter_s`."""
     rng = random.Random(seed)
     steps = []
     for _ in range(3000):
@@ -54,14 +54,15 @@ def synthetic_steps(per_adapter_s: float, seed: int = 0) -> list[dict]:
         per_token = 0.02 / batch + 0.001 + per_adapter_s * distinct + rng.gauss(0, 1e-5)
         steps.append({"time_s": per_token * batch, "num_tokens": batch, "num_seqs": batch,
                       "distinct_adapters": distinct, "adapters_loaded": None})
-    steps.append({"time_s": 1.0, "num_tokens": 500, "num_seqs": 3, "distinct_adapters": 1})  # a prefill
+    steps.append({"time_s": 0.05, "num_tokens": 500, "num_seqs": 3, "distinct_adapters": 1})  # a prefill
+    steps.append({"time_s": 0.0, "num_tokens": 0, "num_seqs": 0, "distinct_adapters": 0})  # nothing ran
     return steps
 
 
-def test_the_switch_regression_recovers_the_per_adapter_cost_within_batch_size():
+def test_the_switch_regression_recovers_the_per_adapter_cost_within_shape():
     reg = switch_regression(synthetic_steps(per_adapter_s=2e-5), "distinct_adapters")
-    assert reg["steps"] == 3000  # the prefill step is left out
-    assert reg["slope_within_batch_s"] == pytest.approx(2e-5, rel=0.05)
+    assert reg["steps"] == 3001  # the step that computed nothing is left out
+    assert reg["slope_within_shape_s"] == pytest.approx(2e-5, rel=0.05)
     assert reg["slope_s"] < 0  # the plain fit sees big batches (cheap tokens) with many adapters
     assert [row["distinct_adapters"] for row in reg["table"]] == sorted({row["distinct_adapters"]
                                                                          for row in reg["table"]})
@@ -69,8 +70,24 @@ def test_the_switch_regression_recovers_the_per_adapter_cost_within_batch_size()
 
 def test_a_flat_switch_cost_fits_a_flat_line():
     reg = switch_regression(synthetic_steps(per_adapter_s=0.0, seed=1), "distinct_adapters")
-    assert abs(reg["slope_within_batch_s"]) < 1e-6
+    assert abs(reg["slope_within_shape_s"]) < 1e-6
 
 
 def test_the_switch_regression_is_none_when_no_step_knows_the_x():
     assert switch_regression(synthetic_steps(0.0), "adapters_loaded") is None
+
+
+def test_the_slope_is_also_given_as_a_fraction_of_the_mean_per_token_latency():
+    reg = switch_regression(synthetic_steps(per_adapter_s=2e-5), "distinct_adapters")
+    assert reg["slope_within_shape_fraction"] == pytest.approx(reg["slope_within_shape_s"] / reg["mean_per_token_s"])
+
+
+def test_cold_requests_are_the_first_to_each_adapter_and_warm_ones_the_rest():
+    requests = [{"arrival_s": t, "adapter": a, "ttft_s": ttft} for t, a, ttft in
+                [(0.0, "x", 0.4), (0.1, "y", 0.4), (0.2, "x", 0.1), (0.3, None, 9.0), (0.4, "y", 0.1),
+                 (0.5, "x", 0.1)]]
+    summary = cold_warm_ttft(requests)
+    assert summary["cold"] == {"p50": 0.4, "p99": 0.4, "requests": 2}
+    assert summary["warm"]["requests"] == 3
+    assert summary["cold_over_warm_p50"] == pytest.approx(4.0)
+    assert cold_warm_ttft(requests[:2]) is None  # no warm request

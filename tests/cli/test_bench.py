@@ -40,16 +40,16 @@ def test_requests_respect_the_workload_ranges_and_the_vocabulary(name):
     load = WORKLOADS[name]
     requests = make_requests(load, vocab_size=100)
     assert len(requests) == load.num_requests
-    for prompt, max_tokens in requests:
-        assert load.prompt_len[0] <= len(prompt) <= load.prompt_len[1]
-        assert load.output_len[0] <= max_tokens <= load.output_len[1]
-        assert all(3 <= t < 100 for t in prompt)
+    for r in requests:
+        assert load.prompt_len[0] <= len(r.prompt) <= load.prompt_len[1]
+        assert load.output_len[0] <= r.max_tokens <= load.output_len[1]
+        assert all(3 <= t < 100 for t in r.prompt)
 
 
 def test_request_lengths_do_not_depend_on_the_vocabulary():
     load = get_workload("base-only")
     def lengths(vocab):
-        return [(len(p), n) for p, n in make_requests(load, vocab)]
+        return [(len(r.prompt), r.max_tokens) for r in make_requests(load, vocab)]
     assert lengths(512) == lengths(49152)
 
 
@@ -91,24 +91,49 @@ def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_quick_runs_both_systems_and_writes_the_json_report(home, tmp_path, monkeypatch):
+def test_bench_quick_runs_every_system_and_writes_the_json_report_and_plots(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "report.json"
-    result = runner.invoke(app, ["bench", "--quick", "--model", "micro", "--out", str(out), "--json"])
+    result = runner.invoke(app, ["bench", "--quick", "--model", "micro", "--threads", "1", "--out", str(out),
+                                 "--json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(out.read_text())
     assert json.loads(result.stdout) == report
-    assert report["workload"]["name"] == "quick"
+    assert report["workload"]["name"] == "quick" and report["duration_s"] > 0
     rows = {r["system"]: r for r in report["results"]}
-    assert set(rows) == {"lorafleet", "transformers"}
-    for row in rows.values():
+    assert set(rows) == {"lorafleet", "transformers", "peft-groups", "peft-mixed", "merged"}
+    wanted = sum(r.max_tokens for r in make_requests(WORKLOADS["quick"], SHAPES["micro"].vocab_size))
+    for name, row in rows.items():
         assert row["status"] == "ok", row["reason"]
         assert row["model"] == "micro"
-        assert row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 0
-    wanted = sum(n for _, n in make_requests(WORKLOADS["quick"], SHAPES["micro"].vocab_size))
-    assert rows["lorafleet"]["generated_tokens"] == rows["transformers"]["generated_tokens"] == wanted
-    [ratio] = report["ratios"]
-    assert ratio["baseline"] == "transformers" and ratio["tokens_per_s_ratio"] > 0
+        if name != "merged":
+            assert row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 0
+            assert row["generated_tokens"] == wanted
+            assert row["latency"]["ttft_s"]["p99"] >= row["latency"]["ttft_s"]["p50"] > 0
+    assert rows["lorafleet"]["details"]["pool"]["peak_adapter_pages"] > 0
+    assert {r["baseline"] for r in report["ratios"]} == {"transformers", "peft-groups", "peft-mixed"}
+    assert all(r["tokens_per_s_ratio"] > 0 for r in report["ratios"])
+    [memory] = report["memory"]
+    assert memory["merged_bytes"] > memory["base_bytes"] > 0
+    [switch] = report["switch"]
+    assert {r["x"] for r in switch["regressions"]} >= {"distinct_adapters"}
+    assert [p["num_adapters"] for p in report["sweep"]] == [1, 4]
+    assert all(p["tokens_per_s"] > 0 for p in report["sweep"])
+    for kind in ("switch", "sweep"):
+        png = report["plots"][kind]
+        assert png.endswith(f"report-{kind}.png")
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_tables_render_a_quick_report_for_people(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_HOME", str(home))
+    result = runner.invoke(app, ["bench", "--quick", "--model", "micro", "--threads", "1", "--systems",
+                                 "lorafleet,merged", "--sweep", "2", "--out", str(tmp_path / "r.json")],
+                           env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.stderr
+    for heading in ("workload quick", "latency", "memory", "switch regression", "throughput against"):
+        assert heading in result.stdout
+    assert "switch plot:" in result.stderr and "took" in result.stderr
 
 
 def test_importing_the_cli_does_not_import_torch_or_the_engine():
@@ -135,7 +160,9 @@ def test_bench_help_names_every_shape_and_workload():
 
 
 @pytest.mark.parametrize("args", [["--model", "huge"], ["--workload", "nope"], ["--systems", "vllm"],
-                                  ["--quick", "--workload", "base-only"]])
+                                  ["--quick", "--workload", "base-only"], ["--sweep", "0"], ["--sweep", "a,b"],
+                                  ["--suite", "full", "--workload", "quick"], ["--suite", "nope"],
+                                  ["--max-baseline-requests", "0"]])
 def test_bad_choices_are_usage_errors(args):
     result = runner.invoke(app, ["bench", *args])
     assert result.exit_code == 2

@@ -1,0 +1,201 @@
+"""The baselines: Hugging Face `generate` in static batches, as a user would serve without
+lorafleet. One replay loop, three ways to run a batch:
+
+  transformers  the base model alone (adapters ignored): the bound LoRA serving could reach
+  peft-groups   PEFT, one adapter per batch (`set_adapter`; base requests under
+                `disable_adapter()`), batches formed within an adapter's waiting requests
+  peft-mixed    PEFT's mixed-adapter batch (`generate(..., adapter_names=...)`)
+
+The replay: when a batch ends, the next is formed from the requests that have arrived by then
+(up to `batch_size`; the loop sleeps until the next arrival when none has). A static batch runs
+until its longest member is done, so every row computes that many tokens; only the tokens each
+request asked for count as `generated_tokens` (all of them are in `details["computed_tokens"]`).
+A stopping criterion timestamps every generated token, which gives each request's TTFT (first
+token time minus its arrival) and TPOT. Adapters are loaded into PEFT before the clock starts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+from lorafleet.bench.systems import Job, Result, System, sync
+from lorafleet.bench.workloads import FIRST_ORDINARY_ID as FIRST_ID
+from lorafleet.bench.workloads import BenchRequest
+
+
+class StaticBatchSystem(System):
+    needs = ("transformers",)
+    grouped = False  # a batch holds requests of one adapter only
+
+    def __init__(self, *args, batch_size: int = 16, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch_size = batch_size
+
+    def skip_reason(self, job: Job) -> str | None:
+        import importlib.util
+
+        missing = [m for m in self.needs if importlib.util.find_spec(m) is None]
+        if missing:
+            return f"{', '.join(missing)} not installed (pip install 'lorafleet[bench]')"
+        return None
+
+    def prepare(self, job: Job, requests: list[BenchRequest]) -> dict:
+        """Load the model (and adapters); return details for the report."""
+        raise NotImplementedError
+
+    def generate(self, batch: list[BenchRequest]) -> list[float]:
+        """Run one static batch; return the perf_counter time of each generated token."""
+        raise NotImplementedError
+
+    def run(self, job: Job) -> Result:
+        reason = self.skip_reason(job)
+        if reason:
+            return Result(self.name, status="skipped", reason=reason)
+        requests = self.served(job)
+        self.device, self.dtype = self._setup()
+        details = self.prepare(job, requests)
+        self.generate([BenchRequest([FIRST_ID, FIRST_ID + 1, FIRST_ID + 2], 2, requests[0].adapter)])
+
+        sync(self.device)
+        start = time.perf_counter()
+        pending, waiting, metrics, computed = deque(requests), [], [], 0
+        while pending or waiting:
+            now = time.perf_counter() - start
+            while pending and pending[0].arrival_s <= now:
+                waiting.append(pending.popleft())
+            if not waiting:
+                time.sleep(max(0.0, pending[0].arrival_s - now))
+                continue
+            batch = self._pick(waiting)
+            began = time.perf_counter() - start
+            times = [t - start for t in self.generate(batch)]
+            computed += len(times) * len(batch)
+            for r in batch:
+                n = r.max_tokens
+                metrics.append({"arrival_s": r.arrival_s, "ttft_s": times[0] - r.arrival_s,
+                                "tpot_s": (times[n - 1] - times[0]) / (n - 1) if n > 1 else None,
+                                "queue_s": began - r.arrival_s, "adapter_wait_s": 0.0,
+                                "tokens": n, "adapter": r.adapter})
+        sync(self.device)
+        seconds = time.perf_counter() - start
+        details.update(device=str(self.device), dtype=str(self.dtype), threads=self.threads,
+                       batch_size=self.batch_size, computed_tokens=computed)
+        if len(requests) < len(job.requests):
+            details["capped"] = (f"served the first {len(requests)} of {len(job.requests)} "
+                                 "requests (--max-baseline-requests)")
+        return Result(self.name, num_requests=len(requests), generated_tokens=sum(r.max_tokens for r in requests),
+                      seconds=seconds, details=details, requests=metrics)
+
+    def _pick(self, waiting: list[BenchRequest]) -> list[BenchRequest]:
+        """The next batch, oldest first; removed from `waiting`."""
+        if self.grouped:
+            chosen = [r for r in waiting if r.adapter == waiting[0].adapter][:self.batch_size]
+        else:
+            chosen = waiting[:self.batch_size]
+        ids = {id(r) for r in chosen}
+        waiting[:] = [r for r in waiting if id(r) not in ids]
+        return chosen
+
+    # -- shared by the transformers-based systems -------------------------------------------
+    def _load_base(self, model_dir: Path):
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **{dtype_kw: self.dtype})
+        self.pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        return model.to(self.device).eval()
+
+    def _generate(self, model, batch: list[BenchRequest], **kwargs) -> list[float]:
+        import torch
+        import transformers
+
+        class Stamp(transformers.StoppingCriteria):
+            """Never stops a row; notes when each token was generated."""
+            def __init__(self):
+                self.times = []
+
+            def __call__(self, input_ids, scores, **kw):
+                self.times.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        new = max(r.max_tokens for r in batch)
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):  # left padding
+            ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt):] = 1
+        stamp = Stamp()
+        with torch.inference_mode():
+            model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                           max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=self.pad,
+                           stopping_criteria=transformers.StoppingCriteriaList([stamp]), **kwargs)
+        sync(self.device)
+        return stamp.times
+
+
+class TransformersGenerate(StaticBatchSystem):
+    """`model.generate` on the base model; the requests' adapters are ignored."""
+
+    name = "transformers"
+
+    def prepare(self, job: Job, requests: list[BenchRequest]) -> dict:
+        import transformers
+
+        self.model = self._load_base(Path(job.model_dir))
+        ignored = sum(r.adapter is not None for r in requests)
+        return {"transformers": transformers.__version__,
+                **({"adapters": f"ignored for {ignored} requests: the base model only"} if ignored else {})}
+
+    def generate(self, batch: list[BenchRequest]) -> list[float]:
+        return self._generate(self.model, batch)
+
+
+class _Peft(StaticBatchSystem):
+    needs = ("transformers", "peft")
+
+    def skip_reason(self, job: Job) -> str | None:
+        if not any(r.adapter for r in job.requests):
+            return "the workload has no adapters"
+        return super().skip_reason(job)
+
+    def prepare(self, job: Job, requests: list[BenchRequest]) -> dict:
+        import peft
+
+        names = list(dict.fromkeys(r.adapter for r in requests if r.adapter is not None))
+        t0 = time.perf_counter()
+        model = peft.PeftModel.from_pretrained(self._load_base(Path(job.model_dir)), job.adapters[names[0]],
+                                               adapter_name=names[0])
+        for name in names[1:]:
+            model.load_adapter(job.adapters[name], adapter_name=name)
+        self.model = model.eval()
+        return {"peft": peft.__version__, "adapters_loaded": len(names),
+                "adapter_load_s": time.perf_counter() - t0}
+
+
+class PeftGroups(_Peft):
+    """PEFT with `set_adapter` per batch; each batch holds one adapter's requests."""
+
+    name = "peft-groups"
+    grouped = True
+
+    def generate(self, batch: list[BenchRequest]) -> list[float]:
+        adapter = batch[0].adapter
+        if adapter is None:
+            with self.model.disable_adapter():
+                return self._generate(self.model, batch)
+        self.model.set_adapter(adapter)
+        return self._generate(self.model, batch)
+
+
+class PeftMixed(_Peft):
+    """PEFT's mixed-adapter batch: any adapters in one batch (`adapter_names`)."""
+
+    name = "peft-mixed"
+
+    def generate(self, batch: list[BenchRequest]) -> list[float]:
+        return self._generate(self.model, batch, adapter_names=[r.adapter or "__base__" for r in batch])

@@ -1,0 +1,167 @@
+"""The report for people: rich tables over the JSON document of `report.py`."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from lorafleet.bench.report import SUBJECTS
+
+
+def render(report: dict) -> list[Table]:
+    """Throughput (with ratios), latency, memory, the switch regression and the sweep: each
+    table when the report has something for it."""
+    tables = [throughput_table(report)]
+    if report["ratios"]:
+        tables.append(ratio_table(report))
+    tables.append(latency_table(report))
+    cold = [(r, c) for r in report["results"] if r["latency"] and (c := r["latency"].get("ttft_cold_warm"))]
+    if cold:
+        tables.append(cold_start_table(cold))
+    if any(m["num_adapters"] for m in report.get("memory", [])):
+        tables.append(memory_table(report))
+    tables += [switch_table(s) for s in report.get("switch", []) if s["regressions"]]
+    if report.get("sweep"):
+        tables.append(sweep_table(report))
+    return tables
+
+
+def _table(title: str, columns: list[str], caption: str | None = None, left: int = 2) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  caption=caption or None, caption_justify="left")
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i < left else "right", no_wrap=True)
+    return table
+
+
+def throughput_table(report: dict) -> Table:
+    """One row per run; runs that did not complete, or served fewer requests, are explained
+    under the table."""
+    load = report["workload"]
+    notes = [f"{r['model']} {r['system']}: {r['status']}, {escape(r['reason'])}"
+             for r in report["results"] if r["status"] != "ok"]
+    notes += [f"{r['model']} {r['system']}: {escape(r['details']['capped'])}"
+              for r in report["results"] if r["details"].get("capped")]
+    arrival = load["arrival"] + (f" {load['rate']:g}/s" if load["arrival"] == "poisson" else "")
+    title = (f"workload {load['name']}: {load['num_requests']} requests, {load['num_adapters']} adapters, "
+             f"{arrival}")
+    table = _table(title, ["model", "system", "tokens", "seconds", "tokens/s", "req/s", "peak RSS"], "\n".join(notes))
+    for row in report["results"]:
+        if row["status"] != "ok":
+            table.add_row(row["model"], row["system"], f"[yellow]{row['status']}[/]")
+        elif row["tokens_per_s"] is None:
+            table.add_row(row["model"], row["system"], "memory only", "", "", "", _mib(row["peak_rss_bytes"]))
+        else:
+            table.add_row(row["model"], row["system"], str(row["generated_tokens"]), f"{row['seconds']:.2f}",
+                          f"{row['tokens_per_s']:.1f}", f"{row['requests_per_s']:.2f}", _mib(row["peak_rss_bytes"]))
+    return table
+
+
+def ratio_table(report: dict) -> Table:
+    table = _table("lorafleet against each baseline, same model and requests",
+                   ["model", "system", "baseline", "tokens/s\nratio", "TTFT p50\nspeedup"], left=3)
+    for r in report["ratios"]:
+        ttft = f"{r['ttft_p50_speedup']:.2f}x" if r["ttft_p50_speedup"] else ""
+        table.add_row(r["model"], r["system"], r["baseline"], f"{r['tokens_per_s_ratio']:.2f}x", ttft)
+    return table
+
+
+def latency_table(report: dict) -> Table:
+    table = _table("latency (ms, from each request's arrival) and the pool",
+                   ["model", "system", "TTFT\np50", "TTFT\np99", "TPOT\np50", "TPOT\np99", "adapter\nwait p99",
+                    "adapter\nwait total", "pool\npeak"],
+                   "adapter wait: exposed adapter-load time; pool peak: pages in use (KV + adapters) at most")
+    for row in report["results"]:
+        lat = row["latency"]
+        if row["status"] != "ok" or row["tokens_per_s"] is None or lat is None:
+            continue
+        pool = row["details"].get("pool")
+        table.add_row(row["model"], row["system"], _ms(lat["ttft_s"]["p50"]), _ms(lat["ttft_s"]["p99"]),
+                      _ms(lat["tpot_s"]["p50"]), _ms(lat["tpot_s"]["p99"]), _ms(lat["adapter_wait_s"]["p99"]),
+                      _ms(lat["adapter_wait_s"]["total"]),
+                      f"{pool['peak_occupancy']:.0%} of {pool['total_pages']}" if pool else "")
+    return table
+
+
+def memory_table(report: dict) -> Table:
+    table = _table("memory: lorafleet (base + pool) against one merged copy per adapter",
+                   ["model", "adapters", "merged", "lorafleet\npool", "lorafleet\nused at peak", "merged ÷\nused"],
+                   left=1)
+    for m in report["memory"]:
+        if not m["num_adapters"]:
+            continue
+        table.add_row(m["model"], str(m["num_adapters"]), _mib(m["merged_bytes"]), _mib(m["lorafleet_bytes"]),
+                      _mib(m["lorafleet_peak_used_bytes"]), f"{m['merged_over_lorafleet']:.1f}x")
+    return table
+
+
+def switch_table(entry: dict) -> Table:
+    """Per-token latency of steps by adapters per step, with the fitted slopes."""
+    notes = []
+    for reg in entry["regressions"]:
+        if reg["slope_s"] is None:
+            notes.append(f"{reg['x']}: {reg.get('note', 'no slope')}")
+            continue
+        within = reg["slope_within_shape_s"]
+        notes.append(f"{reg['x']}: {reg['slope_s'] * 1e3:+.4f} ms/token per adapter ({reg['slope_fraction']:+.1%} "
+                     "of the mean)" + (f", {within * 1e3:+.4f} within shape ({reg['slope_within_shape_fraction']:+.1%})"
+                                       if within is not None else f"; {reg.get('note', '')}"))
+    table = _table(f"switch regression, {entry['model']} · {entry['system']}",
+                   ["x", "adapters\nper step", "steps", "decode\nsteps", "per-token\nms p50", "per-token\nms mean",
+                    "mean\nseqs", "mean\ntokens"], "\n".join(notes), left=1)
+    for reg in entry["regressions"]:
+        for row in reg["table"]:
+            table.add_row(_X_LABELS.get(reg["x"], reg["x"]), str(row[reg["x"]]), str(row["steps"]),
+                          str(row["decode_steps"]), f"{row['per_token_ms_p50']:.3f}", f"{row['per_token_ms_mean']:.3f}",
+                          f"{row['mean_seqs']:.1f}", f"{row['mean_tokens']:.0f}")
+    return table
+
+
+def sweep_table(report: dict) -> Table:
+    table = _table("throughput against the number of adapters", ["model", "system", "adapters", "tokens/s",
+                                                                 "vs fewest", "peak RSS"])
+    first: dict[tuple[str, str], float] = {}
+    for p in report["sweep"]:
+        tps = p["tokens_per_s"]
+        ref = first.setdefault((p["model"], p["system"]), tps) if tps else None
+        table.add_row(p["model"], p["system"], str(p["num_adapters"]),
+                      f"{tps:.1f}" if tps else f"[yellow]{p['status']}[/]", f"{tps / ref:.2f}x" if ref else "",
+                      _mib(p["peak_rss_bytes"]))
+    return table
+
+
+def cold_start_table(rows: list[tuple[dict, dict]]) -> Table:
+    table = _table("cold start: TTFT (ms) of each adapter's first request against later ones",
+                   ["model", "system", "cold p50", "cold p99", "warm p50", "warm p99", "cold ÷ warm\np50",
+                    "cold ÷ warm\np99"], "cold: the adapter was on disk when it arrived; issue 5 asks <= 1.2x")
+    for row, c in rows:
+        ratio = [f"{v:.2f}x" if (v := c[f"cold_over_warm_{q}"]) else "" for q in ("p50", "p99")]
+        table.add_row(row["model"], row["system"], _ms(c["cold"]["p50"]), _ms(c["cold"]["p99"]),
+                      _ms(c["warm"]["p50"]), _ms(c["warm"]["p99"]), *ratio)
+    return table
+
+
+def suite_summary(suite: dict) -> Table:
+    """A suite on one page: every lorafleet ratio, per workload, and across workloads."""
+    table = _table(f"{suite['suite']} suite: {suite['duration_s'] / 60:.1f} min", ["workload", "model", "baseline",
+                                                                         "tokens/s\nratio", "TTFT p50\nspeedup"], left=3)
+    for report in suite["reports"]:
+        for r in report["ratios"]:
+            if r["system"] in SUBJECTS:
+                ttft = f"{r['ttft_p50_speedup']:.2f}x" if r["ttft_p50_speedup"] else ""
+                table.add_row(r["workload"], r["model"], r["baseline"], f"{r['tokens_per_s_ratio']:.2f}x", ttft)
+    for r in suite.get("across", []):
+        table.add_row(r["workload"], r["model"], f"lorafleet on {r['versus']}", f"{r['tokens_per_s_ratio']:.2f}x", "")
+    return table
+
+
+_X_LABELS = {"adapters_loaded": "loaded", "distinct_adapters": "distinct"}
+
+
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _mib(n: int | None) -> str:
+    return "" if n is None else f"{n / (1 << 20):.0f} MiB"
