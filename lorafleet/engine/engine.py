@@ -295,6 +295,15 @@ class Engine:
     def list_adapters(self) -> list[dict]:
         return [e.info() for e in self.adapters.entries.values()]
 
+    def lora_queues(self) -> dict[str, dict[str, int]]:
+        """Requests per adapter, running and waiting (for vllm:lora_requests_info)."""
+        out: dict[str, dict[str, int]] = {"running": {}, "waiting": {}}
+        for where, reqs in (("running", self.scheduler.running), ("waiting", self.scheduler.waiting)):
+            for r in reqs:
+                if r.adapter is not None:
+                    out[where][r.adapter] = out[where].get(r.adapter, 0) + 1
+        return out
+
     def step_records(self) -> list[dict]:
         """One dict per recent step: time_s, num_seqs, num_tokens, distinct_adapters,
         adapters_loaded (switches: adapters that landed on the device for this step)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections import Counter
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -34,14 +33,7 @@ _MAPPED = {"num_running", "num_waiting", "kv_cache_usage", "num_prompt_tokens",
 
 def lora_queues(engine) -> dict:
     """{"running": {adapter: requests}, "waiting": {...}}; runs on the engine thread."""
-    hook = getattr(engine, "lora_queues", None)
-    if hook is not None:
-        return hook()
-    sched = engine.scheduler
-
-    def count(reqs):
-        return dict(Counter(r.adapter for r in reqs if r.adapter is not None))
-    return {"running": count(sched.running), "waiting": count(sched.waiting)}
+    return engine.lora_queues()
 
 
 def engine_snapshot(engine) -> dict:
