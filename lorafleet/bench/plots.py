@@ -51,7 +51,8 @@ def plot_switch(runs: list[dict], title: str, out: Path) -> Path:
             ax.scatter([s[x] + jitter.uniform(-0.15, 0.15) for s in steps], ys, s=6, alpha=0.3, color=color)
             tops.append(max(sorted(ys)[int(0.95 * (len(ys) - 1))], *(r["per_token_ms_p50"] for r in reg["table"])))
             ax.plot([row[x] for row in reg["table"]], [row["per_token_ms_p50"] for row in reg["table"]],
-                    "o", color=color, label=f"{run['model']}: median")
+                    "D", color=color, markeredgecolor="black", markersize=8, zorder=3,
+                    label=f"{run['model']}: median")
             within, slope = reg["slope_within_shape_s"], reg["slope_s"]
             if slope is not None:  # the within-shape slope when there is one, through the mean point
                 lo, hi = reg["table"][0][x], reg["table"][-1][x]
@@ -61,7 +62,7 @@ def plot_switch(runs: list[dict], title: str, out: Path) -> Path:
                 label = (f"{run['model']}: {line * 1e3:+.4f} ms/token per adapter ({fraction:+.1%})"
                          + (" within shape" if within is not None else ""))
                 ax.plot([lo, hi], [(reg["mean_per_token_s"] + line * (v - mx)) * 1e3 for v in (lo, hi)],
-                        "-", color=color, label=label)
+                        "-", color=color, linewidth=2, zorder=4, label=label)
         ax.set_xlabel(x.replace("_", " ") + " in the step")
         ax.set_ylabel("step time / tokens in the step (ms)")
         ax.set_ylim(0, 1.5 * max(tops) if tops and max(tops) > 0 else None)

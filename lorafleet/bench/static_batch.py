@@ -119,6 +119,8 @@ class StaticBatchSystem(System):
                 self.times = []
 
             def __call__(self, input_ids, scores, **kw):
+                if input_ids.is_cuda:  # the time the token exists, not the time it was queued
+                    torch.cuda.synchronize(input_ids.device)
                 self.times.append(time.perf_counter())
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 

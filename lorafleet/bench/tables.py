@@ -71,7 +71,8 @@ def latency_table(report: dict) -> Table:
     table = _table("latency (ms, from each request's arrival) and the pool",
                    ["model", "system", "TTFT\np50", "TTFT\np99", "TPOT\np50", "TPOT\np99", "adapter\nwait p99",
                     "adapter\nwait total", "pool\npeak"],
-                   "adapter wait: exposed adapter-load time; pool peak: pages in use (KV + adapters) at most")
+                   "adapter wait: exposed adapter-load time; pool peak: the share of the pool's pages in use "
+                   "(KV + adapters) at most")
     for row in report["results"]:
         lat = row["latency"]
         if row["status"] != "ok" or row["tokens_per_s"] is None or lat is None:
@@ -80,7 +81,7 @@ def latency_table(report: dict) -> Table:
         table.add_row(row["model"], row["system"], _ms(lat["ttft_s"]["p50"]), _ms(lat["ttft_s"]["p99"]),
                       _ms(lat["tpot_s"]["p50"]), _ms(lat["tpot_s"]["p99"]), _ms(lat["adapter_wait_s"]["p99"]),
                       _ms(lat["adapter_wait_s"]["total"]),
-                      f"{pool['peak_occupancy']:.0%} of {pool['total_pages']}" if pool else "")
+                      f"{pool['peak_occupancy']:.0%}" if pool else "")
     return table
 
 
