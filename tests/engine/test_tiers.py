@@ -65,7 +65,9 @@ def test_a_thousand_adapters_through_a_pool_that_holds_thirty(llama_dir, thousan
         assert out.finish_reason == "length", out.error
         assert out.token_ids == solo.generate([prompt], SHORT, adapters=[name])[0].token_ids
     stats = engine.stats()
-    assert stats["adapters"]["tiers"]["device"] <= 40 and stats["num_adapter_loads"] > 300
+    assert stats["num_adapter_loads"] > 300  # ~400 distinct adapters through a ~30-adapter pool
+    assert sum(e.evictions for e in engine.adapters.entries.values()) > 0
+    assert stats["adapters"]["tiers"]["device"] < len(set(chosen))
     pool = engine.pool
     for entry in engine.adapters.entries.values():  # every page free or held by an idle resident
         assert entry.users == 0 and entry.pins == 0
