@@ -115,8 +115,8 @@ class Engine:
             else:
                 entry.misses += 1
                 entry.error = None  # a new request retries a load that failed before
-                if entry.host is None and entry.loading is None:
-                    self.prefetcher.start_load(entry)
+                wanted = set(self.scheduler.wanted_adapters()) | {adapter}
+                self.prefetcher.want(entry, wanted, self.scheduler.watermark_pages)  # starts now
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:

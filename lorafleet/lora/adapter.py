@@ -283,6 +283,13 @@ def _read_config(folder: Path) -> dict:
     return cfg
 
 
+def weights_numel(path: str | Path) -> int:
+    """Elements of all tensors in the adapter's safetensors file, from its header alone (cheap:
+    the data is not read). For a valid adapter, the size of its A and B matrices."""
+    header = _check_safetensors_header(_weights_file(_folder(path)))
+    return sum(math.prod(info["shape"]) for info in header.values())
+
+
 def read_adapter_config(path: str | Path, base: BaseShapes | None = None) -> dict:
     """The validated `adapter_config.json` of the adapter folder `path`, without reading tensors.
 

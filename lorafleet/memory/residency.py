@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, PoolExhaustedError
-from lorafleet.lora.adapter import BaseShapes, read_adapter_config
+from lorafleet.lora.adapter import BaseShapes, read_adapter_config, weights_numel
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.layout import GroupView
 from lorafleet.memory.pool import PagePool
@@ -48,6 +48,7 @@ class AdapterEntry:
     name: str
     path: Path
     digest: str | None = None            # known once the weights have been read
+    numel: int = 0                       # elements of its weights, from the file header
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
     pages: list[int] | None = None       # device pages, allocated
     ready: bool = False                  # pages hold the weights; views valid
@@ -114,12 +115,13 @@ class AdapterResidency:
         check_name(name)
         path = Path(path)
         read_adapter_config(path, self.base)
+        numel = weights_numel(path)
         old = self.entries.get(name)
         if old is not None:
             if old.path == path and old.error is None:
                 return old
             self.unregister(name)
-        entry = AdapterEntry(name, path)
+        entry = AdapterEntry(name, path, numel=numel)
         self.entries[name] = entry
         return entry
 
@@ -137,7 +139,8 @@ class AdapterResidency:
 
     # -- device tier -------------------------------------------------------------------
     def pages_needed(self, entry: AdapterEntry) -> int:
-        return -(-entry.host.layout.numel // self.pool.page_elems)
+        numel = entry.host.layout.numel if entry.host is not None else entry.numel
+        return -(-numel // self.pool.page_elems)
 
     def allocate(self, entry: AdapterEntry, reserve: int = 0, protect: set[str] = frozenset(),
                  for_kv: bool = False) -> bool:
@@ -173,9 +176,10 @@ class AdapterResidency:
                        and (for_kv or e.ready_step <= young)),
                       key=lambda e: e.last_used)
 
-    def copy_in(self, entry: AdapterEntry, stream=None) -> None:
+    def copy_in(self, host: HostAdapter, pages: list[int], stream=None) -> None:
         """Host -> device pages (runs on a prefetch worker; the pages are already allocated)."""
-        buf, pages, n = entry.host.buffer, entry.pages, entry.host.layout.numel
+        buf, n = host.buffer, host.layout.numel
+        assert n <= len(pages) * self.pool.page_elems, "adapter larger than its pages"
         if pages == list(range(pages[0], pages[0] + len(pages))):
             dst = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)[:n]
             dst.copy_(buf, non_blocking=stream is not None)
@@ -186,6 +190,12 @@ class AdapterResidency:
                 self.pool.tensor[p, :part.numel()].copy_(part, non_blocking=stream is not None)
         if stream is not None:
             stream.synchronize()
+
+    def release_pages(self, entry: AdapterEntry) -> None:
+        """Give back pages allocated for a load that failed."""
+        if entry.pages is not None and not entry.ready:
+            self.pool.free(entry.pages)
+            entry.pages = None
 
     def mark_ready(self, entry: AdapterEntry) -> None:
         """After the copy: build the views the LoRA op reads (engine thread)."""
@@ -254,7 +264,8 @@ class AdapterResidency:
             assert e.pins == 0 or e.ready, f"adapter {name!r} is pinned but not on the device"
             assert 0 <= e.pins <= e.users, f"adapter {name!r}: pins {e.pins} > users {e.users}"
             assert not e.ready or e.pages is not None
-            assert e.ready or e.pages is None or e.copying is not None, f"adapter {name!r}: stray pages"
+            assert e.ready or e.pages is None or e.copying is not None or e.loading is not None, \
+                f"adapter {name!r}: stray pages"
 
     def stats(self) -> dict:
         tiers = {"device": 0, "host": 0, "disk": 0}

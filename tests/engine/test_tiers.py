@@ -170,21 +170,32 @@ def test_eviction_never_takes_a_running_requests_adapter(llama_dir, thousand):
 
 def test_a_broken_adapter_file_fails_only_its_own_requests(llama_dir, thousand, tmp_path):
     import shutil
-    broken = tmp_path / "broken"
-    shutil.copytree(thousand["t0020"], broken)
-    weights = broken / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:200])  # registered fine, unreadable when loaded
+
+    from safetensors.torch import load_file, save_file
+    gone, corrupt = tmp_path / "gone", tmp_path / "corrupt"
+    shutil.copytree(thousand["t0020"], gone)
+    shutil.copytree(thousand["t0022"], corrupt)
     engine = Engine(llama_dir, pool_bytes=8 << 20)
-    engine.register_adapter("broken", broken)
+    engine.register_adapter("gone", gone)
+    engine.register_adapter("corrupt", corrupt)
     engine.register_adapter("good", thousand["t0021"])
-    prompts = random_prompts(4, seed=11)
-    outs = run_all(engine, prompts, SHORT, ["broken", "good", "broken", None])
-    for out in (outs[0], outs[2]):
+    (gone / "adapter_model.safetensors").unlink()              # registered fine, gone at load
+    tensors = load_file(corrupt / "adapter_model.safetensors")
+    key = sorted(tensors)[0]
+    tensors[key][0, 0] = float("nan")                          # valid file, invalid weights
+    save_file(tensors, corrupt / "adapter_model.safetensors")
+    prompts = random_prompts(5, seed=11)
+    before = engine.stats()["pool"]
+    outs = run_all(engine, prompts, SHORT, ["gone", "good", "corrupt", None, "gone"])
+    for out in (outs[0], outs[4]):
         assert out.finish_reason == "error" and "adapter_model.safetensors" in out.error
         assert out.token_ids == []
+    assert outs[2].finish_reason == "error" and key in outs[2].error
     assert outs[1].finish_reason == outs[3].finish_reason == "length"
-    weights.write_bytes((thousand["t0020"] / "adapter_model.safetensors").read_bytes())  # fixed
-    assert run_all(engine, prompts[:1], SHORT, ["broken"])[0].finish_reason == "length"
+    pages = engine.stats()["pool"]["pages_by_adapter"]
+    assert set(pages) == {"good"} and engine.pool.num_kv == before["kv_pages"] == 0
+    shutil.copy(thousand["t0020"] / "adapter_model.safetensors", gone)  # fixed: a new request retries
+    assert run_all(engine, prompts[:1], SHORT, ["gone"])[0].finish_reason == "length"
 
 
 def test_a_deadline_aborts_a_request_early(llama_dir, thousand, monkeypatch):
