@@ -50,6 +50,8 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         if os.environ.get("LORAFLEET_DEBUG_CHECKS") == "1":
             kwargs.setdefault("debug_checks", True)
+        if os.environ.get("LORAFLEET_DEVICE"):  # the default device (tests run on a GPU with it)
+            kwargs.setdefault("device", os.environ["LORAFLEET_DEVICE"])
         unknown = set(kwargs) - set(cls.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(sorted(unknown))}")

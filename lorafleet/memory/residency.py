@@ -20,12 +20,14 @@ holds, and pinned adapters are ready.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, PoolExhaustedError
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config, weights_numel
@@ -177,17 +179,20 @@ class AdapterResidency:
                       key=lambda e: e.last_used)
 
     def copy_in(self, host: HostAdapter, pages: list[int], stream=None) -> None:
-        """Host -> device pages (runs on a prefetch worker; the pages are already allocated)."""
+        """Host -> device pages (runs on a prefetch worker; the pages are already allocated).
+        On CUDA the copy runs on the side `stream` and is complete when this returns, so the
+        adapter is marked ready only after its bytes landed."""
         buf, n = host.buffer, host.layout.numel
         assert n <= len(pages) * self.pool.page_elems, "adapter larger than its pages"
-        if pages == list(range(pages[0], pages[0] + len(pages))):
-            dst = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)[:n]
-            dst.copy_(buf, non_blocking=stream is not None)
-        else:
-            per = self.pool.page_elems
-            for i, p in enumerate(pages):
-                part = buf[i * per:(i + 1) * per]
-                self.pool.tensor[p, :part.numel()].copy_(part, non_blocking=stream is not None)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if pages == list(range(pages[0], pages[0] + len(pages))):
+                dst = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)[:n]
+                dst.copy_(buf, non_blocking=stream is not None)
+            else:
+                per = self.pool.page_elems
+                for i, p in enumerate(pages):
+                    part = buf[i * per:(i + 1) * per]
+                    self.pool.tensor[p, :part.numel()].copy_(part, non_blocking=stream is not None)
         if stream is not None:
             stream.synchronize()
 

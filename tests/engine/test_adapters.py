@@ -193,9 +193,9 @@ def test_decode_rows_use_the_cpu_kernel_and_prefill_chunks_the_matmul_path(llama
     from lorafleet.engine.request import Request
     from lorafleet.engine.scheduler import Chunk
     from lorafleet.kernels import lora_cpu
-    if lora_cpu.load() is None:
-        pytest.skip("no C++ toolchain for the CPU kernel")
     engine = Engine(llama_dir, pool_bytes=4 << 20)
+    if lora_cpu.load() is None or engine.device.type != "cpu":
+        pytest.skip("the CPU kernel serves CPU pools built with a C++ toolchain")
     engine.load_adapter("a", adapter_bank[8])
     engine.load_adapter("b", adapter_bank[2])
     decode = [Chunk(Request(f"d{i}", [5] * 3, GREEDY, n), 1) for i, n in enumerate(["a", "b", None])]

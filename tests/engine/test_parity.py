@@ -26,7 +26,7 @@ def engine_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     req = Request("parity", ids, SamplingParams())
     engine.kv.grow(req.request_id, len(ids))
     try:
-        return engine.runner.execute([Chunk(req, len(ids))], all_logits=True)
+        return engine.runner.execute([Chunk(req, len(ids))], all_logits=True).cpu()
     finally:
         engine.kv.free(req.request_id)
 
@@ -78,8 +78,9 @@ def test_chunked_prefill_gives_the_same_tokens(family_model):
 def test_half_precision_checkpoints_load_and_match_transformers(tmp_path, stored):
     folder = build_model(tmp_path / "half", "llama", dtype=stored)
     hf = load_hf(folder)  # upcast to fp32, as lorafleet does on the CPU by default
-    engine = Engine(folder, pool_bytes=4 << 20)
-    assert engine.model.dtype == torch.float32
+    engine = Engine(folder, pool_bytes=4 << 20, dtype="float32")
+    if Engine(folder, pool_bytes=1 << 20).device.type == "cpu":
+        assert Engine(folder, pool_bytes=1 << 20).model.dtype == torch.float32  # the CPU default
     ids = prompts_of_lengths([20])[0]
     assert engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids \
         == hf_greedy(hf, ids, 16)
