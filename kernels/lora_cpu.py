@@ -83,31 +83,33 @@ void lora_segments(torch::Tensor x, torch::Tensor out, torch::Tensor w, torch::T
 """
 
 _lock = threading.Lock()
-_module = None
-_failed = False
+_modules: dict[str, object] = {}
+
+
+def compile_inline(name: str, source: str, function: str):
+    """Build (once per machine, cached by torch) and load a C++ CPU kernel; None when that is
+    impossible here (reason logged once) or disabled with LORAFLEET_CPU_KERNELS=0."""
+    if name in _modules:
+        return _modules[name]
+    with _lock:
+        if name not in _modules:
+            module = None
+            if os.environ.get("LORAFLEET_CPU_KERNELS", "1") != "0":
+                try:
+                    from torch.utils.cpp_extension import load_inline
+
+                    module = load_inline(name=name, cpp_sources=[source], functions=[function],
+                                         extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                         extra_ldflags=["-fopenmp"], verbose=False)
+                except Exception as e:  # no compiler, headers or ninja: the reference still works
+                    log.warning("CPU kernel %s unavailable (%s); using the torch reference", name, e)
+            _modules[name] = module
+    return _modules[name]
 
 
 def load():
-    """The compiled module, or None when it cannot be built here (reason logged once)."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    if os.environ.get("LORAFLEET_CPU_KERNELS", "1") == "0":
-        _failed = True
-        return None
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name="lorafleet_lora_cpu_v2", cpp_sources=[_SOURCE], functions=["lora_segments"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
-            except Exception as e:  # no compiler, no headers, no ninja: the reference still works
-                _failed = True
-                log.warning("CPU LoRA kernel unavailable (%s); using the torch reference", e)
-    return _module
+    """The compiled LoRA kernel, or None when it cannot be built here."""
+    return compile_inline("lorafleet_lora_cpu_v2", _SOURCE, "lora_segments")
 
 
 def lora_segments(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, meta: torch.Tensor,

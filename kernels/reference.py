@@ -39,6 +39,8 @@ class AttentionMetadata:
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [Bd, maxb] long (padding: any valid page)
     decode_mask: torch.Tensor | None = None          # [Bd, 1, 1, maxb*block] bool, True = attend
+    decode_context_lens: torch.Tensor | None = None  # [Bd] long
+    decode_kernel: bool = False                      # use the CPU paged-decode kernel
     prefills: list[PrefillSeq] = field(default_factory=list)
 
 
@@ -68,7 +70,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
     t, h, d = q.shape
     out = q.new_empty(t, h, d)
     nd = meta.num_decode
-    if nd:
+    if nd and meta.decode_kernel:  # reads the pages in place (kernels/paged_attention_cpu.py)
+        from lorafleet.kernels.paged_attention_cpu import paged_decode
+        out[:nd] = paged_decode(q[:nd], kv, meta.decode_block_tables, meta.decode_context_lens, scale)
+    elif nd:
         keys, values = gather_kv(kv, meta.decode_block_tables)       # [Bd, KVH, S, D]
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values,
                                            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from lorafleet.engine.scheduler import Chunk
+from lorafleet.kernels import paged_attention_cpu as attention_cpu
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
 from lorafleet.lora.batch import LoraBatch, kernel_weights
 from lorafleet.memory.kv import KVCacheManager
@@ -22,6 +23,7 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.kernel_weights = kernel_weights(kv.pool.tensor)  # None: torch reference only
+        self.attention_kernel = attention_cpu.usable(kv.pool.tensor)
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:
@@ -86,7 +88,10 @@ class ModelRunner:
                 padded[i, :len(t)] = t
             lens = torch.tensor(decode_lens, device=dev)
             meta.decode_block_tables = torch.from_numpy(padded).to(dev)
-            meta.decode_mask = (torch.arange(width * bs, device=dev) < lens[:, None])[:, None, None, :]
+            meta.decode_context_lens = lens
+            meta.decode_kernel = self.attention_kernel
+            if not self.attention_kernel:
+                meta.decode_mask = (torch.arange(width * bs, device=dev) < lens[:, None])[:, None, None, :]
         return self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                           torch.from_numpy(positions).to(dev), meta, self.kv.cache,
                           torch.arange(row, device=dev) if all_logits else
