@@ -58,7 +58,9 @@ def bench(
         "--suite", help="throughput (one workload, every system), full (every workload, every "
                         "system, the adapter sweep 1,8,64,256,1000; states its duration) or lora-decode "
                         "(the cost of a decode step over 1 and over BATCH distinct adapters, ranks "
-                        "8-64 on all 7 projections, against PEFT's mixed-adapter batch).")] = "throughput",
+                        "8-64 on all 7 projections, against PEFT's mixed-adapter batch) or switch "
+                        "(per-token latency of a fixed decode batch against adapters landing in the "
+                        "step, loaded in the background for waiting requests).")] = "throughput",
     batch: Annotated[int, typer.Option(
         "--batch", min=1, help="lora-decode: requests (and distinct adapters) per decode step.")] = 32,
     peft: Annotated[bool, typer.Option(
@@ -78,11 +80,13 @@ def bench(
     from lorafleet.bench.systems import SYSTEM_NAMES
     from lorafleet.bench.workloads import WORKLOADS
 
+    if suite == "switch":
+        return _switch(model or (["micro"] if quick else ["smol"]), quick, out, as_json)
     if suite == "lora-decode":
         return _lora_decode(model or (["micro"] if quick else ["tiny"]), batch, peft and not quick,
                             quick, out, as_json, threads)
     if suite not in ("throughput", "full"):
-        raise typer.BadParameter(f"{suite!r} (choose from throughput, full, lora-decode)", param_hint="--suite")
+        raise typer.BadParameter(f"{suite!r} (choose from throughput, full, lora-decode, switch)", param_hint="--suite")
     if quick and workload not in (None, ["quick"]):
         raise typer.BadParameter("--quick runs the quick workload; drop --quick or --workload",
                                  param_hint="--workload")
@@ -193,4 +197,28 @@ def _lora_decode(shapes: list[str], batch: int, peft: bool, quick: bool, out: Pa
                           f"{r['lora_op_ms']:.1f}", f"{r['adapter_read_ms']:.1f}",
                           f"{r['lora_efficiency']:.2f}x", f"{vs_peft:.2f}x" if vs_peft else "-")
         Console().print(table)
+    err_console.print(f"wrote {out}", highlight=False)
+
+
+def _switch(shapes: list[str], quick: bool, out: Path | None, as_json: bool) -> None:
+    """The isolated switch-cost regression (bench/switch_cost.py)."""
+    from lorafleet.bench.report import default_out_path
+    from lorafleet.bench.switch_cost import run_switch_cost
+
+    out = out or default_out_path()
+    with user_errors():
+        results = [run_switch_cost(shape, batch=8 if quick else 32, cold=16 if quick else 96,
+                                   steps=8 if quick else 48) for shape in shapes]
+    report = {"suite": "switch", "results": results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    for r in results:
+        slope = r["slope_fraction"]
+        err_console.print(f"{r['shape']}: {r['decode_steps']} decode steps of {r['batch']} rows, "
+                          f"{r['adapters_landed']} adapters landed; slope "
+                          + (f"{r['slope_ms_per_switch']:.3f} ms/token per switch = {100 * slope:.2f}% "
+                             f"of {r['mean_per_token_ms']:.3f} ms" if slope is not None else r.get("note", "-")),
+                          highlight=False)
     err_console.print(f"wrote {out}", highlight=False)

@@ -18,6 +18,8 @@ Only the engine thread touches the pool's allocator; workers only fill pages alr
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -37,7 +39,8 @@ class TickResult:
 class Prefetcher:
     def __init__(self, residency: AdapterResidency, workers: int = 2):
         self.residency = residency
-        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="lorafleet-prefetch")
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="lorafleet-prefetch",
+                                           initializer=_background_priority)
         device = residency.pool.tensor.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loading: list[AdapterEntry] = []
@@ -128,6 +131,16 @@ class Prefetcher:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _background_priority() -> None:
+    """Workers yield the cores to the engine's steps: a load may take longer, a step must not
+    (on a GPU host the loads use spare cores anyway). Linux nice is per thread, and inherited
+    by the threads torch starts from this one."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+        pass
 
 
 def _load(residency: AdapterResidency, path, pages: list[int] | None, stream):

@@ -192,3 +192,14 @@ def test_lora_decode_suite_quick_reports_the_ratios_issue_3_asks_for(home, tmp_p
     assert row["distinct_adapter_bytes"] > 0 and row["bandwidth_gb_s"] > 0
     assert row["lora_op_ms"] > 0 and row["lora_efficiency"] > 0
     assert row["one_vs_none_throughput"] > 0
+
+
+def test_switch_suite_quick_regresses_latency_on_adapters_landed(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_HOME", str(home))
+    out = tmp_path / "switch.json"
+    result = runner.invoke(app, ["bench", "--suite", "switch", "--quick", "--out", str(out)])
+    assert result.exit_code == 0, result.stderr
+    [row] = json.loads(out.read_text())["results"]
+    assert row["shape"] == "micro" and row["decode_steps"] > 0
+    assert row["adapters_landed"] >= 1  # cold adapters landed while the batch decoded
+    assert sum(r["steps"] for r in row["table"]) == row["decode_steps"]
