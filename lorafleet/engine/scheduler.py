@@ -109,20 +109,22 @@ class Scheduler:
         queues: dict[str, deque[Request]] = {}
         for req in self.waiting:
             queues.setdefault(key(req), deque()).append(req)
-        preempted = [r for r in self.waiting if r.num_preemptions and self._ready(r)]
+        preempted = [r for r in self.waiting if r.num_preemptions]
         while budget > 0 and len(self.running) < self.max_num_seqs:
+            # readiness is re-read every time: admitting one request may evict another's adapter
             heads = {k: q[0] for k, q in queues.items() if q and self._ready(q[0])}
             if not heads:
                 break
-            req = preempted[0] if preempted else heads[self.policy.pick(heads)]
+            req = next((r for r in preempted if self._ready(r) and heads.get(key(r)) is r), None)
+            req = req or heads[self.policy.pick(heads)]
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.kv.extra_pages(req.request_id, req.num_computed + n)
             reserve = self.watermark_pages if self.running else 0  # alone, it may use the watermark
             if not self._room(need + reserve, protect=req.adapter):
                 break  # admitted when pages come back
             queues[key(req)].popleft()
-            if preempted and preempted[0] is req:
-                preempted.pop(0)
+            if req in preempted:
+                preempted.remove(req)
             self.waiting.remove(req)
             self._start(req, now)
             self.kv.grow(req.request_id, req.num_computed + n)
