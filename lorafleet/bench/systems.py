@@ -6,12 +6,8 @@ they start on disk) adapter loading, and one tiny warm-up generation, happen bef
 Every system runs on the same device, dtype and number of torch threads, in a process of its
 own (`worker.py`), except accounting-only ones (`merged`), which run in the runner.
 
-The registry (`SYSTEMS`) is what `--systems` names. lorafleet through the daemon (issue 6) is
-one more entry: a `LorafleetDaemon(System)` with `subject = True` that starts `lorafleet serve`
-on `job.model_dir` with `job.adapters` (loaded or registered as `job.residency` says), replays
-`job.requests` through `lorafleet.client` at their `arrival_s`, and fills the same `Result`
-(`requests` from the stream's token timestamps; `steps` from the daemon's stats). Register it
-in `_REGISTRY` below; the runner, the report and the ratios take it as they are.
+The registry (`SYSTEM_NAMES`, `_registry()`) is what `--systems` names; `lorafleet-daemon`
+(daemon_system.py) serves the same requests through `lorafleet serve` over its Unix socket.
 """
 
 from __future__ import annotations
@@ -163,14 +159,15 @@ def sync(device) -> None:
 
 
 def _registry() -> dict[str, type[System]]:
+    from lorafleet.bench.daemon_system import LorafleetDaemon
     from lorafleet.bench.lorafleet_system import LorafleetInProcess
     from lorafleet.bench.static_batch import PeftGroups, PeftMixed, TransformersGenerate
 
-    return {cls.name: cls for cls in (LorafleetInProcess, TransformersGenerate, PeftGroups, PeftMixed,
-                                      MergedAccounting)}
+    return {cls.name: cls for cls in (LorafleetInProcess, LorafleetDaemon, TransformersGenerate, PeftGroups,
+                                      PeftMixed, MergedAccounting)}
 
 
-SYSTEM_NAMES = ("lorafleet", "transformers", "peft-groups", "peft-mixed", "merged")
+SYSTEM_NAMES = ("lorafleet", "lorafleet-daemon", "transformers", "peft-groups", "peft-mixed", "merged")
 
 
 def get_system(name: str) -> type[System]:

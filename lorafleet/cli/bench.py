@@ -31,6 +31,7 @@ def bench(
              "uniform-1000. Default: base-only (quick with --quick).")] = None,
     systems: Annotated[str, typer.Option(
         "--systems", help="Comma-separated systems to run: lorafleet, transformers (base model only), "
+                          "lorafleet-daemon (the same through `lorafleet serve` over its socket), "
                           "peft-groups (set_adapter per adapter group), peft-mixed (adapter_names "
                           "batches), merged (memory accounting only).")] = ALL_SYSTEMS,
     quick: Annotated[bool, typer.Option(

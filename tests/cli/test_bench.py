@@ -203,3 +203,15 @@ def test_switch_suite_quick_regresses_latency_on_adapters_landed(home, tmp_path,
     assert row["shape"] == "micro" and row["decode_steps"] > 0
     assert row["adapters_landed"] >= 1  # cold adapters landed while the batch decoded
     assert sum(r["steps"] for r in row["table"]) == row["decode_steps"]
+
+
+def test_the_daemon_system_serves_the_same_requests_through_the_socket(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_HOME", str(home))
+    out = tmp_path / "daemon.json"
+    result = runner.invoke(app, ["bench", "--model", "micro", "--workload", "quick",
+                                 "--systems", "lorafleet,lorafleet-daemon", "--out", str(out)])
+    assert result.exit_code == 0, result.stderr
+    rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["lorafleet-daemon"]["status"] == "ok", rows["lorafleet-daemon"]["reason"]
+    wanted = sum(r.max_tokens for r in make_requests(WORKLOADS["quick"], SHAPES["micro"].vocab_size))
+    assert rows["lorafleet-daemon"]["generated_tokens"] == rows["lorafleet"]["generated_tokens"] == wanted
