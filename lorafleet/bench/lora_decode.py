@@ -101,9 +101,12 @@ def peft_mixed_tokens_per_s(base: Path, adapters: list[tuple[str, Path]], prompt
 
 
 def run_lora_decode(shape: str = "smol", batch: int = 32, ranks=(8, 16, 32, 64), steps: int = 16,
-                    prompt_len: int = 16, rounds: int = 3, peft: bool = True, progress=None) -> dict:
+                    prompt_len: int = 16, rounds: int = 3, peft: bool = True, threads: int | None = None,
+                    progress=None) -> dict:
     from lorafleet import Engine
 
+    if threads:
+        torch.set_num_threads(threads)
     base = build_base(shape)
     adapters = build_adapters(base, batch, ranks)
     engine = Engine(base, device="cpu", pool_bytes=4 << 30)

@@ -165,17 +165,14 @@ def _check_choices(option: str, given: list[str], choices) -> None:
 
 def _lora_decode(shapes: list[str], batch: int, peft: bool, quick: bool, out: Path | None,
                  as_json: bool, threads: int | None) -> None:
-    import torch
-
     from lorafleet.bench.lora_decode import run_lora_decode
     from lorafleet.bench.report import default_out_path
 
-    if threads:
-        torch.set_num_threads(threads)
     out = out or default_out_path()
     with user_errors():
         results = [run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
-                                   peft=peft, progress=lambda m: err_console.print(m, highlight=False))
+                                   peft=peft, threads=threads,
+                                   progress=lambda m: err_console.print(m, highlight=False))
                    for shape in shapes]
     report = {"suite": "lora-decode", "results": results}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet.errors import AdapterError, LorafleetError
-from lorafleet.lora import adapter as adapter_mod
+from lorafleet.lora import peft_config
 from lorafleet.lora.adapter import (
     MODULES,
     BaseShapes,
@@ -271,7 +271,7 @@ def test_target_matching_mirrors_peft(case, base):
     cfg = SimpleNamespace(**{**fields, **case})  # LoraConfig itself refuses some combinations
     ours = dict(case)
     for name in base.module_names():
-        assert bool(adapter_mod._is_target(ours, name)) == bool(check_target_module_exists(cfg, name)), name
+        assert bool(peft_config._is_target(ours, name)) == bool(check_target_module_exists(cfg, name)), name
 
 
 def test_pattern_key_mirrors_peft(base):
@@ -283,7 +283,7 @@ def test_pattern_key_mirrors_peft(base):
         d = {k: patterns[k] for k in keys}
         for name in base.module_names():
             theirs = get_pattern_key(list(d), name)
-            ours = adapter_mod._pattern_key(d, name)
+            ours = peft_config._pattern_key(d, name)
             assert (ours if ours is not None else name) == theirs, (keys, name)
 
 
