@@ -22,3 +22,12 @@ def llama_dir(tmp_path_factory):
 
 # real daemons for tests/server and tests/cli (a session fixture, shared by both)
 from tests.daemons import adapter_dirs, chat_model_dir, served  # noqa: E402,F401
+
+
+def pytest_configure(config):
+    """Build the compiled CPU kernels once, up front, in this process: on a fresh machine that
+    takes a minute, which must not be spent inside a daemon a test is waiting for."""
+    from lorafleet.kernels import lora_cpu, paged_attention_cpu
+
+    lora_cpu.load()
+    paged_attention_cpu.load()
