@@ -57,26 +57,26 @@ class ModelRunner:
         """`chunks` must already be in `order()`. Returns logits [S, V] for the chunks that
         sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
         dev, bs = self.device, self.kv.block_size
-        ids, pos, rows = [], [], []
+        ids, pos, pages, rows = [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
         row = 0
         for c in chunks:
             r, start = c.request, c.request.num_computed
             ids.extend(r.token_at(start, start + c.num_tokens))
-            pos.append(np.arange(start, start + c.num_tokens))
-            table = self.kv.table(r.request_id)
+            p = np.arange(start, start + c.num_tokens)
+            table = np.asarray(self.kv.table(r.request_id), dtype=np.int64)
+            pos.append(p)
+            pages.append(table[p // bs])                   # the page receiving each new K/V
             if c.num_tokens == 1:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
             else:
-                prefills.append(PrefillSeq(row, c.num_tokens, start,
-                                           torch.tensor(table, dtype=torch.long, device=dev)))
+                prefills.append(PrefillSeq(row, c.num_tokens, start, torch.from_numpy(table).to(dev)))
             row += c.num_tokens
             if c.samples:
                 rows.append(row - 1)
         positions = np.concatenate(pos)
-        tables_np = [np.asarray(self.kv.table(c.request.request_id)) for c in chunks]
-        pages = np.concatenate([t[p // bs] for t, p in zip(tables_np, pos)])
+        pages = np.concatenate(pages)
         meta = AttentionMetadata(
             slot_pages=torch.from_numpy(pages).to(dev),
             slot_offsets=torch.from_numpy(positions % bs).to(dev),
