@@ -117,18 +117,28 @@ def test_the_queue_limit_answers_429(placeholder_daemon):
     assert placeholder_daemon.wait_idle()["server"]["num_rejected"] >= 1
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, chat_model_dir):
-    d = Daemon.start(tmp_path, "--drain-timeout", "60", model=chat_model_dir)
+def signal_during_long_request(d, sig, max_tokens: int, timeout: float):
+    """Send `sig` while a long completion is running; returns (its thread, [response or error])."""
     answers = []
 
     def long_request():
-        with d.http(timeout=120) as c:
-            answers.append(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 300, "ignore_eos": True}))
+        try:
+            with d.http(timeout=timeout) as c:
+                answers.append(c.post("/v1/completions",
+                                      json={"prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True}))
+        except httpx.HTTPError as e:
+            answers.append(e)
     t = threading.Thread(target=long_request)
     t.start()
     while d.stats()["engine"]["num_running"] == 0:
         time.sleep(0.02)
-    d.signal(signal.SIGTERM)
+    d.signal(sig)
+    return t, answers
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, chat_model_dir):
+    d = Daemon.start(tmp_path, "--drain-timeout", "60", model=chat_model_dir)
+    t, answers = signal_during_long_request(d, signal.SIGTERM, 300, 120)
     assert d.wait(90) == 0
     t.join(30)
     assert answers and answers[0].status_code == 200
@@ -139,19 +149,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, chat_model_dir
 
 def test_sigint_past_the_drain_timeout_answers_503_and_still_exits_0(tmp_path, chat_model_dir):
     d = Daemon.start(tmp_path, "--drain-timeout", "0", model=chat_model_dir)
-    answers = []
-
-    def long_request():
-        try:
-            with d.http(timeout=60) as c:
-                answers.append(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 500, "ignore_eos": True}))
-        except httpx.HTTPError as e:
-            answers.append(e)
-    t = threading.Thread(target=long_request)
-    t.start()
-    while d.stats()["engine"]["num_running"] == 0:
-        time.sleep(0.02)
-    d.signal(signal.SIGINT)
+    t, answers = signal_during_long_request(d, signal.SIGINT, 500, 60)
     assert d.wait(60) == 0
     t.join(30)
     cut = answers[0]
