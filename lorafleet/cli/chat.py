@@ -20,7 +20,9 @@ def chat(
         "--adapter", "-a", help="The adapter to talk to. Default: the base model.")] = None,
     system: Annotated[str | None, typer.Option("--system", "-s", help="A system message first.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens per answer.")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 is greedy.")] = 0.7,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", "-t", min=0.0, show_default=False,
+        help="0 is greedy. Default: the model's generation_config.json, else 1.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", min=0, help="Same seed, same answer.")] = None,
     as_json: JsonOption = False,
     socket: SocketOption = None,

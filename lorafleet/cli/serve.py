@@ -47,8 +47,8 @@ def _parse_adapters(specs: list[str] | None) -> dict[str, Path]:
 def serve(
     model: Annotated[Path | None, typer.Argument(
         help="A Hugging Face model folder (config.json, safetensors, tokenizer.json). Default: the "
-             "bundled demo fleet; until it ships, a placeholder random model built once under "
-             "$LORAFLEET_HOME/models (its answers are noise).", show_default=False)] = None,
+             "bundled demo fleet (a tiny echo model and its skill adapters: upper, reverse, ...).",
+        show_default=False)] = None,
     socket: SocketOption = None,
     host: Annotated[str | None, typer.Option("--host", help="Also listen on TCP at this address (needs --port and --api-key).")] = None,
     port: Annotated[int | None, typer.Option("--port", help="The TCP port for --host.")] = None,
@@ -103,19 +103,14 @@ def serve(
 
 def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, Path]) -> None:
     log = logging.getLogger("lorafleet.server")
-    placeholder = False
     if model is None:
         from lorafleet.demo import default_fleet
 
-        log.info("no MODEL given: preparing the default fleet")
         fleet = default_fleet()
-        model, placeholder, name = fleet.model, fleet.placeholder, fleet.name
+        model, name = fleet.model, fleet.name
         adapters = {**fleet.adapters, **adapters}
-        if placeholder:
-            log.warning("serving a PLACEHOLDER: a tiny random Llama with a byte-level tokenizer, "
-                        "built locally in %s. Its answers are random noise. Pass a Hugging Face "
-                        "model folder (`lorafleet serve PATH`) to serve a real model; the bundled "
-                        "demo fleet will replace this placeholder.", model)
+        log.info("no MODEL given: serving the bundled demo fleet (%s and the adapters %s); "
+                 "try `lorafleet chat --adapter reverse \"hello world\"`", name, ", ".join(fleet.adapters))
     else:
         model = model.expanduser().resolve()
         name = model.name
@@ -130,7 +125,7 @@ def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, P
 
     from lorafleet.server.daemon import serve as run_daemon
 
-    run_daemon(build_engine, config, name, str(model), adapters, placeholder)
+    run_daemon(build_engine, config, name, str(model), adapters)
 
 
 def _setup_logging() -> None:

@@ -46,8 +46,8 @@ def status(socket: SocketOption = None, as_json: JsonOption = False) -> None:
     grid.add_row("daemon", f"{state} (pid {srv['pid']}), up {_duration(srv['uptime_s'])}, lorafleet {stats['version']}")
     grid.add_row("socket", srv["socket"] + (f"  (and TCP {srv['tcp']})" if srv.get("tcp") else ""))
     model = f"{srv['model']}  ({srv['model_path']})"
-    if srv.get("placeholder"):
-        model += "  [placeholder random model: answers are noise]"
+    if srv.get("sampling_defaults"):
+        model += "  defaults: " + ", ".join(f"{k}={v:g}" for k, v in srv["sampling_defaults"].items())
     grid.add_row("model", model)
     grid.add_row("device", f"{eng['device']}, context {eng['max_model_len']} tokens")
     grid.add_row("requests", f"{eng['num_running']} running, {eng['num_waiting']} waiting, "

@@ -158,3 +158,28 @@ def _active_sliding_window(cfg: dict) -> int | None:
     if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
         return None
     return int(window)
+
+
+def generation_defaults(folder: Path) -> dict:
+    """The sampling defaults a model folder's generation_config.json asks for, as request fields
+    (temperature, top_p, top_k); {} without one. `do_sample: false` means greedy (temperature 0),
+    as `transformers.generate` reads it. A server applies these where a request names nothing,
+    like vLLM's default `--generation-config auto`. Unreadable or out-of-range values are ignored
+    (the request defaults stay), never fatal: the file is advice, not the model."""
+    try:
+        cfg = json.loads((Path(folder) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(cfg, dict):
+        return {}
+    out: dict = {}
+    t, p, k = cfg.get("temperature"), cfg.get("top_p"), cfg.get("top_k")
+    if cfg.get("do_sample") is False:
+        out["temperature"] = 0.0
+    elif isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0:
+        out["temperature"] = float(t)
+    if isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1:
+        out["top_p"] = float(p)
+    if isinstance(k, int) and not isinstance(k, bool) and k >= -1:
+        out["top_k"] = k
+    return out

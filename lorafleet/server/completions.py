@@ -42,14 +42,15 @@ def state_of(request: Request) -> ServerState:
 @router.post("/v1/completions")
 async def completions(request: Request):
     st = state_of(request)
-    gen = parse_completion(await read_json(request), st.base_name)
+    gen = parse_completion(await read_json(request), st.base_name, st.sampling_defaults)
     return await generate(request, st, gen, "cmpl")
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     st = state_of(request)
-    gen = parse_chat(await read_json(request), st.base_name, st.tokenizer, st.max_model_len)
+    gen = parse_chat(await read_json(request), st.base_name, st.tokenizer, st.max_model_len,
+                     st.sampling_defaults)
     return await generate(request, st, gen, "chatcmpl")
 
 

@@ -30,6 +30,7 @@ import uvicorn
 
 from lorafleet.config import ServerConfig
 from lorafleet.errors import ConfigError, DaemonRunningError
+from lorafleet.model.config import generation_defaults
 from lorafleet.paths import check_socket_path, pidfile_path, private_dir
 from lorafleet.server.app import create_app
 from lorafleet.server.state import ServerState
@@ -154,7 +155,7 @@ class DaemonServer(uvicorn.Server):
 
 
 def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
-          adapters: dict[str, Path] | None = None, placeholder: bool = False) -> None:
+          adapters: dict[str, Path] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT. `engine_factory()` builds the Engine (after the
     socket is claimed, so a second daemon refuses before spending time on the model)."""
     sock_path = check_socket_path(Path(config.socket))
@@ -173,7 +174,10 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
             sockets.append(bind_tcp(config.host, config.port))
         worker = EngineWorker(engine)
         worker.start()
-        state = ServerState(worker, config, base_name, model_path, placeholder=placeholder)
+        state = ServerState(worker, config, base_name, model_path,
+                            sampling_defaults=generation_defaults(Path(model_path)))
+        if state.sampling_defaults:
+            log.info("sampling defaults from the model's generation_config.json: %s", state.sampling_defaults)
         server = DaemonServer(uvicorn.Config(
             create_app(state), log_config=None, access_log=config.access_log, lifespan="off",
             timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=30), state)

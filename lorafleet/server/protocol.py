@@ -110,15 +110,19 @@ def _model(body: dict, base_name: str) -> tuple[str, str | None]:
     return model, model
 
 
-def _sampling(body: dict, max_tokens_default: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, max_tokens_default: int, max_tokens: int | None, logprobs: int | None,
+              defaults: dict | None) -> SamplingParams:
+    """`defaults`: the served model's own sampling defaults (`model.config.generation_defaults`),
+    used where the request names none, as vLLM does with a model's generation_config.json."""
+    defaults = defaults or {}
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
-        temperature=_number(body, "temperature", 1.0, lo=0.0),
-        top_p=_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True),
-        top_k=_integer(body, "top_k", 0, lo=-1),
+        temperature=_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0),
+        top_p=_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_open=True),
+        top_k=_integer(body, "top_k", defaults.get("top_k", 0), lo=-1),
         seed=_integer(body, "seed", None, lo=0, hi=2**63 - 1),
         stop=_stop(body),
         stop_token_ids=tuple(stop_ids),
@@ -147,7 +151,7 @@ def _check_body(body: Any) -> dict:
 
 # -- the two endpoints -----------------------------------------------------------------------------
 
-def parse_completion(body: Any, base_name: str) -> Generation:
+def parse_completion(body: Any, base_name: str, defaults: dict | None = None) -> Generation:
     body = _check_body(body)
     model, adapter = _model(body, base_name)
     _refuse_unsupported(body)
@@ -166,7 +170,7 @@ def parse_completion(body: Any, base_name: str) -> Generation:
         raise bad("prompt", "prompt token ids must be integers")
     logprobs = _integer(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     stream = _bool(body, "stream", False)
-    params = _sampling(body, 16, _integer(body, "max_tokens", None, lo=1), logprobs)
+    params = _sampling(body, 16, _integer(body, "max_tokens", None, lo=1), logprobs, defaults)
     return Generation("completion", model, adapter, prompts, params, stream,
                       _stream_options(body, stream), logprobs)
 
@@ -189,7 +193,8 @@ def _message(m: Any, i: int) -> dict:
     return {**m, "content": content}
 
 
-def parse_chat(body: Any, base_name: str, tokenizer, max_model_len: int) -> Generation:
+def parse_chat(body: Any, base_name: str, tokenizer, max_model_len: int,
+               defaults: dict | None = None) -> Generation:
     body = _check_body(body)
     model, adapter = _model(body, base_name)
     _refuse_unsupported(body)
@@ -217,5 +222,5 @@ def parse_chat(body: Any, base_name: str, tokenizer, max_model_len: int) -> Gene
     max_tokens = _integer(body, "max_tokens", max_tokens, lo=1)
     stream = _bool(body, "stream", False)
     # no max_tokens: up to the end of the context (the engine stops there with "length")
-    params = _sampling(body, max(1, max_model_len - len(ids)), max_tokens, logprobs)
+    params = _sampling(body, max(1, max_model_len - len(ids)), max_tokens, logprobs, defaults)
     return Generation("chat", model, adapter, [ids], params, stream, _stream_options(body, stream), logprobs)

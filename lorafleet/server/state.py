@@ -18,7 +18,7 @@ class ServerState:
     config: ServerConfig
     base_name: str                       # the base's name in `model` and /v1/models
     model_path: str
-    placeholder: bool = False            # serving the random placeholder model (no MODEL given)
+    sampling_defaults: dict = field(default_factory=dict)  # the model's generation_config.json
     started: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
     pending: int = 0                     # admitted requests (one per prompt) not yet answered
@@ -59,7 +59,7 @@ class ServerState:
 
     def info(self) -> dict:
         return {"pid": self.pid, "socket": self.config.socket, "model": self.base_name,
-                "model_path": self.model_path, "placeholder": self.placeholder,
+                "model_path": self.model_path,                 "sampling_defaults": self.sampling_defaults,
                 "started": self.started, "uptime_s": time.time() - self.started,
                 "tcp": f"{self.config.host}:{self.config.port}" if self.config.host else None,
                 "pending": self.pending, "max_pending": self.config.max_pending,

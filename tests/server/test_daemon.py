@@ -1,4 +1,4 @@
-"""The daemon's life: `serve` with no MODEL (the placeholder), a stale socket cleared, owner-only
+"""The daemon's life: `serve` with no MODEL (the bundled demo fleet), a stale socket cleared, owner-only
 permissions, one daemon per socket, the queue limit, the API key on TCP, and SIGTERM draining
 in-flight requests before exiting 0."""
 
@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def placeholder_daemon(tmp_path_factory):
+def demo_daemon(tmp_path_factory):
     """`lorafleet serve` without MODEL, on a socket path where a dead daemon left its socket,
     with a small queue limit and a TCP listener."""
     root = tmp_path_factory.mktemp("p")
@@ -42,33 +42,41 @@ def placeholder_daemon(tmp_path_factory):
     daemon.kill()
 
 
-def test_serve_without_a_model_builds_and_serves_a_placeholder(placeholder_daemon):
-    d = placeholder_daemon
-    assert "PLACEHOLDER" in d.log() and "random" in d.log()
-    assert list((d.home / "models").glob("placeholder-*/config.json"))
+def test_serve_without_a_model_serves_the_demo_fleet(demo_daemon):
+    from lorafleet.demo import BASE_DIR, SKILLS
+
+    d = demo_daemon
     stats = d.stats()
-    assert stats["server"]["placeholder"] and stats["server"]["model"] == "placeholder"
+    assert stats["server"]["model"] == "demo" and stats["server"]["model_path"] == str(BASE_DIR)
+    # the demo base's generation_config.json says greedy: requests naming no temperature get it
+    assert stats["server"]["sampling_defaults"] == {"temperature": 0.0}
     with d.http() as c:
-        out = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    assert out.status_code == 200 and out.json()["model"] == "placeholder"
+        models = {m["id"] for m in c.get("/v1/models").json()["data"]}
+        assert models == {"demo", *SKILLS}
+        out = c.post("/v1/chat/completions", json={
+            "model": "reverse", "messages": [{"role": "user", "content": "hello world"}]})
+        base = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "echo: hi there"}]})
+    assert out.status_code == 200 and out.json()["model"] == "reverse"
+    assert out.json()["choices"][0]["message"]["content"] == "dlrow olleh"
+    assert base.json()["choices"][0]["message"]["content"] == "hi there"
 
 
-def test_a_stale_socket_is_replaced(placeholder_daemon):
-    assert "removing stale socket" in placeholder_daemon.log()
+def test_a_stale_socket_is_replaced(demo_daemon):
+    assert "removing stale socket" in demo_daemon.log()
 
 
-def test_socket_and_its_directory_are_owner_only(placeholder_daemon):
-    sock = placeholder_daemon.socket
+def test_socket_and_its_directory_are_owner_only(demo_daemon):
+    sock = demo_daemon.socket
     assert stat.S_ISSOCK(sock.stat().st_mode)
     assert stat.S_IMODE(sock.stat().st_mode) == 0o600
     assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700  # tightened from the 0755 it was made with
     pidfile = sock.with_name(sock.name + ".pid")
     assert stat.S_IMODE(pidfile.stat().st_mode) == 0o600
-    assert int(pidfile.read_text()) == placeholder_daemon.proc.pid
+    assert int(pidfile.read_text()) == demo_daemon.proc.pid
 
 
-def test_a_second_serve_on_the_same_socket_refuses(placeholder_daemon):
-    d = placeholder_daemon
+def test_a_second_serve_on_the_same_socket_refuses(demo_daemon):
+    d = demo_daemon
     out = subprocess.run([sys.executable, "-m", "lorafleet.cli.main", "serve", "--socket", str(d.socket)],
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "LORAFLEET_HOME": str(d.home), "COLUMNS": "200"})
@@ -77,15 +85,15 @@ def test_a_second_serve_on_the_same_socket_refuses(placeholder_daemon):
     assert d.stats()["server"]["pid"] == d.proc.pid  # the first one is untouched
 
 
-def test_tcp_needs_the_api_key_on_v1_routes(placeholder_daemon):
-    base = f"http://127.0.0.1:{placeholder_daemon.port}"
+def test_tcp_needs_the_api_key_on_v1_routes(demo_daemon):
+    base = f"http://127.0.0.1:{demo_daemon.port}"
     with httpx.Client(base_url=base, timeout=30) as c:
         assert c.get("/health").status_code == 200
         denied = c.get("/v1/models")
         assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
         assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.get("/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
-    with placeholder_daemon.http() as c:  # the socket needs no key: its mode guards it
+    with demo_daemon.http() as c:  # the socket needs no key: its mode guards it
         assert c.get("/v1/models").status_code == 200
 
 
@@ -97,12 +105,12 @@ def test_tcp_without_an_api_key_refuses_to_start(tmp_path):
     assert out.returncode == 1 and "API key" in out.stderr
 
 
-def test_the_queue_limit_answers_429(placeholder_daemon):
+def test_the_queue_limit_answers_429(demo_daemon):
     """--max-pending 3: a fourth concurrent request is refused, not queued."""
     results, start = [], threading.Barrier(6)
 
     def request():
-        with placeholder_daemon.http() as c:
+        with demo_daemon.http() as c:
             start.wait()
             results.append(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 200, "ignore_eos": True}))
     threads = [threading.Thread(target=request) for _ in range(6)]
@@ -114,7 +122,7 @@ def test_the_queue_limit_answers_429(placeholder_daemon):
     assert codes.count(200) >= 3 and 429 in codes, codes
     refused = next(r for r in results if r.status_code == 429).json()["error"]
     assert refused["code"] == "queue_full" and "--max-pending" in refused["message"]
-    assert placeholder_daemon.wait_idle()["server"]["num_rejected"] >= 1
+    assert demo_daemon.wait_idle()["server"]["num_rejected"] >= 1
 
 
 def signal_during_long_request(d, sig, max_tokens: int, timeout: float):
