@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.demo import BASE_DIR, FLEET_DIR, default_fleet
+from lorafleet.demo.evaluate import accuracy, evaluate
 from lorafleet.demo.skills import SKILLS, expected, held_out_texts, user_turn
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
@@ -35,19 +36,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def answers(engine):
-    """Every task on the 200 held-out texts, all 1,400 requests in one continuously batched run."""
-    texts = held_out_texts(200)
-    jobs = [(task, t) for task in TASKS for t in texts]
-    outs = engine.generate([prompt(engine, task, t) for task, t in jobs], GREEDY, [task for task, _ in jobs])
-    assert all(o.finish_reason == "stop" for o in outs), "every answer ends with the end token"
-    got: dict[str | None, dict[str, str]] = {task: {} for task in TASKS}
-    for (task, t), o in zip(jobs, outs):
-        got[task][t] = o.text
-    return got
-
-
-def accuracy(answers: dict[str, str], skill: str | None) -> float:
-    return sum(out == expected(skill, t) for t, out in answers.items()) / len(answers)
+    """Every task on the 200 held-out texts, all 1,600 requests in one continuously batched run."""
+    return evaluate(engine, 200)
 
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: t or "base-echo")

@@ -1,0 +1,61 @@
+"""Measure the demo fleet: `python -m lorafleet.demo.evaluate [--texts N]`.
+
+Every skill (and the base's echo) on the held-out texts, greedy, all requests in one engine run;
+prints each adapter's exact-match rate and the highest rate at which its answers match another
+skill's. The README's table comes from this; tests/demo/test_fleet.py asserts the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def evaluate(engine, n_texts: int = 200) -> dict[str | None, dict[str, str]]:
+    """{task: {text: answer}} for the base (None) and every skill, one batch of all requests."""
+    from lorafleet import SamplingParams
+    from lorafleet.demo.skills import SKILLS, held_out_texts, user_turn
+
+    tasks = [None, *SKILLS]
+    texts = held_out_texts(n_texts)
+    jobs = [(task, t) for task in tasks for t in texts]
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": user_turn(task, t)}],
+                                                    add_generation_prompt=True, tokenize=True) for task, t in jobs]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0), [task for task, _ in jobs])
+    got: dict[str | None, dict[str, str]] = {task: {} for task in tasks}
+    for (task, t), o in zip(jobs, outs):
+        got[task][t] = o.text
+    return got
+
+
+def accuracy(answers: dict[str, str], skill: str | None) -> float:
+    from lorafleet.demo.skills import expected
+
+    return sum(out == expected(skill, t) for t, out in answers.items()) / len(answers)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--texts", type=int, default=200)
+    args = ap.parse_args(argv)
+
+    from lorafleet import Engine
+    from lorafleet.demo import default_fleet
+
+    fleet = default_fleet()
+    engine = Engine(fleet.model, pool_bytes=32 << 20)
+    for name, path in fleet.adapters.items():
+        engine.load_adapter(name, path)
+    t0 = time.perf_counter()
+    got = evaluate(engine, args.texts)
+    print(f"{len(got) * args.texts} requests in {time.perf_counter() - t0:.1f}s")
+    for task, answers in got.items():
+        others = {o: accuracy(answers, o) for o in got if o != task}
+        worst = max(others, key=others.get)
+        print(f"{task or 'base (echo)':12s} {accuracy(answers, task):7.1%}   closest other skill: "
+              f"{worst or 'echo'} {others[worst]:.1%}")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
