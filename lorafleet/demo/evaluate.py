@@ -11,17 +11,42 @@ import argparse
 import time
 
 
+def fleet_engine(**options):
+    """An Engine on the demo base with every adapter of the fleet loaded (the caller closes it)."""
+    from lorafleet import Engine
+    from lorafleet.demo import default_fleet
+
+    fleet = default_fleet()
+    engine = Engine(fleet.model, **{"pool_bytes": 32 << 20, **options})
+    for name, path in fleet.adapters.items():
+        engine.load_adapter(name, path)
+    return engine
+
+
+def chat_prompt(engine, skill: str | None, text: str) -> list[int]:
+    """The token ids of the chat turn that asks `skill` (None: the base) to transform `text`."""
+    from lorafleet.demo.skills import user_turn
+
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": user_turn(skill, text)}],
+                                                add_generation_prompt=True, tokenize=True)
+
+
+def run_greedy(engine, jobs: list[tuple[str | None, str]]):
+    """Greedy outputs of (skill, text) jobs, all in one continuously batched run, in job order."""
+    from lorafleet import SamplingParams
+
+    return engine.generate([chat_prompt(engine, task, t) for task, t in jobs],
+                           SamplingParams(max_tokens=40, temperature=0.0), [task for task, _ in jobs])
+
+
 def evaluate(engine, n_texts: int = 200) -> dict[str | None, dict[str, str]]:
     """{task: {text: answer}} for the base (None) and every skill, one batch of all requests."""
-    from lorafleet import SamplingParams
-    from lorafleet.demo.skills import SKILLS, held_out_texts, user_turn
+    from lorafleet.demo.skills import SKILLS, held_out_texts
 
     tasks = [None, *SKILLS]
     texts = held_out_texts(n_texts)
     jobs = [(task, t) for task in tasks for t in texts]
-    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": user_turn(task, t)}],
-                                                    add_generation_prompt=True, tokenize=True) for task, t in jobs]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0), [task for task, _ in jobs])
+    outs = run_greedy(engine, jobs)
     got: dict[str | None, dict[str, str]] = {task: {} for task in tasks}
     for (task, t), o in zip(jobs, outs):
         got[task][t] = o.text
@@ -39,13 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--texts", type=int, default=200)
     args = ap.parse_args(argv)
 
-    from lorafleet import Engine
-    from lorafleet.demo import default_fleet
-
-    fleet = default_fleet()
-    engine = Engine(fleet.model, pool_bytes=32 << 20)
-    for name, path in fleet.adapters.items():
-        engine.load_adapter(name, path)
+    engine = fleet_engine()
     t0 = time.perf_counter()
     got = evaluate(engine, args.texts)
     print(f"{len(got) * args.texts} requests in {time.perf_counter() - t0:.1f}s")

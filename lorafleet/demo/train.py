@@ -63,15 +63,18 @@ def build_tokenizer(folder: Path):
 class Data:
     """Batches of (prompt, answer) token ids for one task, never containing a held-out text."""
 
-    def __init__(self, tok, seed: int):
+    def __init__(self, tok, seed: int | str):
+        import jinja2
+
         self.tok = tok
+        self.template = jinja2.Template(CHAT_TEMPLATE)
         self.rng = random.Random(seed)
         self.held_out = set(held_out_texts())
         self.end = tok.token_to_id("<|end|>")
         self.pad = tok.token_to_id("<pad>")
 
     def prompt(self, user: str) -> str:
-        return f"<|user|>{user}<|end|><|assistant|>"
+        return self.template.render(messages=[{"role": "user", "content": user}], add_generation_prompt=True)
 
     def encode(self, pairs: list[tuple[str, str]]):
         """(input_ids, labels, attention_mask) right-padded; labels only on the answer + end."""

@@ -10,26 +10,16 @@ import json
 import pytest
 from safetensors import safe_open
 
-from lorafleet import Engine, SamplingParams
-from lorafleet.demo import BASE_DIR, FLEET_DIR, default_fleet
-from lorafleet.demo.evaluate import accuracy, evaluate
-from lorafleet.demo.skills import SKILLS, expected, held_out_texts, user_turn
+from lorafleet.demo import BASE_DIR, FLEET_DIR
+from lorafleet.demo.evaluate import accuracy, evaluate, fleet_engine, run_greedy
+from lorafleet.demo.skills import SKILLS, expected, held_out_texts
 
-GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 TASKS = [None, *SKILLS]  # None: the base, which echoes
-
-
-def prompt(engine: Engine, skill: str | None, text: str) -> list[int]:
-    return engine.tokenizer.apply_chat_template([{"role": "user", "content": user_turn(skill, text)}],
-                                                add_generation_prompt=True, tokenize=True)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    fleet = default_fleet()
-    eng = Engine(fleet.model, pool_bytes=32 << 20)
-    for name, path in fleet.adapters.items():
-        eng.load_adapter(name, path)
+    eng = fleet_engine()
     yield eng
     eng.close()
 
@@ -77,13 +67,13 @@ def test_a_batch_mixing_every_skill_matches_each_request_alone(engine):
     texts = held_out_texts(64)
     jobs = [(TASKS[i % len(TASKS)], t) for i, t in enumerate(texts)]
     start = len(engine.step_records())
-    mixed = engine.generate([prompt(engine, task, t) for task, t in jobs], GREEDY, [task for task, _ in jobs])
+    mixed = run_greedy(engine, jobs)
     steps = engine.step_records()[start:]
     # one step really held every adapter and the base at once (the count includes the base)
     assert max(s["distinct_adapters"] for s in steps) == len(TASKS)
     right = 0
     for (task, t), out in zip(jobs, mixed):
-        alone = engine.generate([prompt(engine, task, t)], GREEDY, [task])[0]
+        alone = run_greedy(engine, [(task, t)])[0]
         assert out.token_ids == alone.token_ids, f"{task}({t!r}): {out.text!r} in the batch, {alone.text!r} alone"
         if alone.text == expected(task, t):
             assert out.text == expected(task, t)

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from lorafleet import Engine, SamplingParams
-from lorafleet.demo import default_fleet
+from lorafleet.demo.evaluate import fleet_engine, run_greedy
 from lorafleet.demo.skills import SKILLS, expected, held_out_texts, user_turn
 from tests.daemons import Daemon
 
@@ -63,15 +62,9 @@ def test_32_concurrent_clients_get_their_own_skill(demo):
     served = [text for per_client in asyncio.run(run()) for text in per_client]
 
     # the same requests in this process (no temperature sent: the fleet's default is greedy)
-    fleet = default_fleet()
-    engine = Engine(fleet.model, pool_bytes=32 << 20)
+    engine = fleet_engine()
     try:
-        for name, path in fleet.adapters.items():
-            engine.load_adapter(name, path)
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": user_turn(task, t)}],
-                                                        add_generation_prompt=True, tokenize=True)
-                   for task, t in work]
-        local = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0), [task for task, _ in work])
+        local = run_greedy(engine, work)
     finally:
         engine.close()
     for (task, text), got, ref in zip(work, served, local):

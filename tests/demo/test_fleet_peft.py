@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet import Engine, SamplingParams
+from lorafleet import SamplingParams
 from lorafleet.demo import BASE_DIR, FLEET_DIR
+from lorafleet.demo.evaluate import fleet_engine
 from lorafleet.demo.skills import SKILLS, held_out_texts, user_turn
 
 SAMPLE = held_out_texts(200)[:6]
@@ -16,9 +17,7 @@ SAMPLE = held_out_texts(200)[:6]
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(BASE_DIR, pool_bytes=32 << 20)
-    for name in SKILLS:
-        eng.load_adapter(name, FLEET_DIR / name)
+    eng = fleet_engine()
     yield eng
     eng.close()
 
