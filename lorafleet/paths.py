@@ -4,9 +4,11 @@
 - `LORAFLEET_SOCKET`, default `$XDG_RUNTIME_DIR/lorafleet/lorafleet.sock`, or
   `$LORAFLEET_HOME/run/lorafleet.sock` where there is no runtime dir.
 
-The socket's directory is owner-only (0700) and the socket itself 0600: whoever can connect
-can load adapters from any path the daemon can read, so only its owner may. Nothing here
-imports torch.
+The socket itself is 0600: whoever can connect can load adapters from any path the daemon can
+read, so only its owner may. Directories the daemon creates for it are 0700; an existing one is
+used as it is (its mode never changed) if it is safe: ours, or root's and sticky like /tmp, and
+writable by no one else unless sticky, since whoever can write it can swap the socket. Nothing
+here imports torch.
 """
 
 from __future__ import annotations
@@ -56,16 +58,33 @@ def logs_dir() -> Path:
     return home() / "logs"
 
 
-def private_dir(path: Path) -> Path:
-    """Create `path` (and parents) if needed and make it owner-only (0700). A directory someone
-    else owns is refused: a socket there could be swapped under us."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+def socket_dir(path: Path) -> Path:
+    """Make sure the socket's directory `path` exists and is safe. Missing levels (parents too) are
+    created 0700, whatever the umask; an existing directory keeps its mode (it may be shared, as
+    /tmp is) and is refused if someone else could replace the socket in it."""
+    for level in [*reversed(path.parents), path]:
+        try:
+            level.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"cannot create {level}: {e.strerror}; choose another socket path "
+                              "(--socket or LORAFLEET_SOCKET)") from None
+        if stat.S_IMODE(level.stat().st_mode) != 0o700:  # the umask took bits away: ours to fix
+            level.chmod(0o700)
     st = path.stat()
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"{path} belongs to another user (uid {st.st_uid}); choose another "
-                          "socket path (--socket or LORAFLEET_SOCKET)")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        path.chmod(0o700)
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    why = None
+    if not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    elif st.st_uid != os.geteuid() and not (st.st_uid == 0 and sticky):
+        why = f"belongs to another user (uid {st.st_uid}), who could swap the socket"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky:
+        why = (f"is writable by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):04o}), "
+               "so they could swap the socket")
+    if why:
+        raise ConfigError(f"socket directory {path} {why}; choose another socket path "
+                          "(--socket or LORAFLEET_SOCKET)")
     return path
 
 

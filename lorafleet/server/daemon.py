@@ -1,10 +1,13 @@
 """The daemon's life: claim the socket, build the engine, serve, drain, clean up.
 
-1. Claim: the pid file beside the socket is locked (flock) for the daemon's whole life, so a
-   second daemon on the same socket refuses at once, naming the first one's pid. A socket file
-   nobody answers on is stale (its daemon died) and is removed.
-2. Build the engine, load the start-up adapters, then bind: the socket's directory is 0700 and
-   the socket is created 0600 (under a umask, so it is never briefly open to others).
+1. Claim: the pid file beside the socket is created exclusively and locked (flock) for the
+   daemon's whole life, so a second daemon on the same socket refuses at once, naming the first
+   one's pid. An existing pid file is replaced only when it is a dead daemon's (see `PidLock`);
+   anything else there is refused, never overwritten. A socket file nobody answers on is stale
+   (its daemon died) and is removed.
+2. Build the engine, load the start-up adapters, then bind: directories created for the socket
+   are 0700, an existing one keeps its mode if safe (`paths.socket_dir`), and the socket is
+   created 0600 (under a umask, so it is never briefly open to others).
 3. Serve with uvicorn on the pre-bound sockets (the Unix socket, and TCP when asked).
 4. SIGTERM or SIGINT: stop admitting (new requests get 503), let in-flight requests finish for
    up to `drain_timeout` seconds, answer what is left with 503 (a stream gets an error event;
@@ -16,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import logging
 import os
+import re
 import signal
 import socket
 import stat
@@ -31,7 +34,7 @@ import uvicorn
 from lorafleet.config import ServerConfig
 from lorafleet.errors import ConfigError, DaemonRunningError
 from lorafleet.model.config import generation_defaults
-from lorafleet.paths import check_socket_path, pidfile_path, private_dir
+from lorafleet.paths import check_socket_path, pidfile_path, socket_dir
 from lorafleet.server.app import create_app
 from lorafleet.server.state import ServerState
 from lorafleet.server.worker import EngineWorker
@@ -40,35 +43,102 @@ log = logging.getLogger("lorafleet.server")
 FLUSH_TIMEOUT = 5.0  # after the drain: seconds for the last answers to reach their clients
 
 
+PID_FILE = re.compile(rb"[1-9][0-9]*\n")  # what acquire() writes; anything else is not ours
+
+
 class PidLock:
-    """An flock'ed pid file: held while the daemon lives, released by the kernel if it dies."""
+    """The daemon's pid file: created exclusively and flock'ed while the daemon lives (the kernel
+    drops the lock if it dies). An existing file is replaced only when it is a dead daemon's: a
+    regular file holding just a pid and a newline, unlocked, with no process of that pid. Anything
+    else is refused, so a typo'd --socket never clobbers someone's file."""
+
+    FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 
     def __init__(self, path: Path):
         self.path = path
         self.fd: int | None = None
 
     def acquire(self, socket_path: Path) -> PidLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise DaemonRunningError(f"a lorafleet daemon (pid {pid}) already serves {socket_path}; "
-                                         "stop it with `lorafleet stop` or choose another --socket") from None
-            raise
-        os.ftruncate(fd, 0)
+            fd = os.open(self.path, self.FLAGS, 0o600)
+        except FileExistsError:
+            self._remove_stale(socket_path)
+            try:
+                fd = os.open(self.path, self.FLAGS, 0o600)
+            except FileExistsError:
+                raise DaemonRunningError(f"another daemon claimed {self.path} while lorafleet replaced it; "
+                                         "check with `lorafleet status` or choose another --socket") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # only fails if another serve is inspecting it
+        except OSError:
+            self.fd = fd
+            self.release()
+            raise DaemonRunningError(f"another daemon is starting on {socket_path}; "
+                                     "check with `lorafleet status` or choose another --socket") from None
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
         return self
 
+    def _remove_stale(self, socket_path: Path) -> None:
+        """Unlink the existing pid file if it is a dead daemon's; raise saying why not otherwise."""
+        not_ours = ConfigError(f"{self.path} exists and is not a lorafleet pid file; remove it or "
+                               "choose another --socket")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return  # gone meanwhile: the exclusive create decides
+        except OSError:  # a symlink (ELOOP) or unreadable
+            raise not_ours from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise not_ours
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = False
+            except BlockingIOError:
+                locked = True
+            content = os.read(fd, 32)
+            if locked:
+                pid = content.decode(errors="replace").strip() or "?"
+                raise DaemonRunningError(f"a lorafleet daemon (pid {pid}) already serves {socket_path}; "
+                                         "stop it with `lorafleet stop` or choose another --socket")
+            if not PID_FILE.fullmatch(content):
+                raise not_ours
+            pid = int(content)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                pass  # dead: stale
+            except PermissionError:  # alive, someone else's
+                raise self._alive(pid, socket_path) from None
+            else:
+                raise self._alive(pid, socket_path)
+            now = os.lstat(self.path)
+            if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+                raise DaemonRunningError(f"{self.path} changed while lorafleet inspected it; "
+                                         "check with `lorafleet status` or choose another --socket")
+            log.info("removing stale pid file %s (pid %d is gone)", self.path, pid)
+            self.path.unlink()
+        finally:
+            os.close(fd)
+
+    def _alive(self, pid: int, socket_path: Path) -> DaemonRunningError:
+        return DaemonRunningError(f"{self.path} names pid {pid}, which is running but does not hold the "
+                                  f"lock; if no lorafleet daemon serves {socket_path}, remove the file, "
+                                  "or choose another --socket")
+
     def release(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
+        """Delete the pid file only if it is still the one we created (someone may have replaced
+        it meanwhile), then drop the lock."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            ours, now = os.fstat(self.fd), os.lstat(self.path)
+            if (ours.st_ino, ours.st_dev) == (now.st_ino, now.st_dev):
                 self.path.unlink()
-            os.close(self.fd)
-            self.fd = None
+        os.close(self.fd)
+        self.fd = None
 
 
 def clear_stale_socket(path: Path) -> None:
@@ -159,7 +229,7 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
     """Run the daemon until SIGTERM/SIGINT. `engine_factory()` builds the Engine (after the
     socket is claimed, so a second daemon refuses before spending time on the model)."""
     sock_path = check_socket_path(Path(config.socket))
-    private_dir(sock_path.parent)
+    socket_dir(sock_path.parent)
     lock = PidLock(pidfile_path(sock_path)).acquire(sock_path)
     worker = engine = None
     sockets: list[socket.socket] = []
