@@ -18,6 +18,7 @@ A run's document:
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -31,6 +32,16 @@ SUBJECTS = ("lorafleet", "lorafleet-daemon")
 
 def default_out_path() -> Path:
     return Path("bench-results") / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def resolve_out_path(out: str | Path | None) -> Path:
+    """The JSON report's path from --out: a directory (one that exists, or a path ending in /)
+    gets a report named like the default's, the PNGs beside it; anything else is the file."""
+    if out is None:
+        return default_out_path()
+    if str(out).endswith(("/", os.sep)) or Path(out).is_dir():
+        return Path(out) / default_out_path().name
+    return Path(out)
 
 
 def make_report(runs: list[dict], workload: Workload, models: dict[str, Shape], environment: dict,

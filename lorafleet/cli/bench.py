@@ -45,10 +45,10 @@ def bench(
         "--max-baseline-requests", min=1, metavar="N",
         help="Baselines serve only the first N requests (PEFT over hundreds of adapters would take "
              "hours); the report says so. Default: all (64 with --suite full).")] = None,
-    out: Annotated[Path | None, typer.Option(
+    out: Annotated[str | None, typer.Option(  # str: a Path would drop the trailing / that says "a directory"
         "--out", "-o", metavar="PATH",
-        help="Where to write the JSON report; the PNG plots go next to it. "
-             "Default: ./bench-results/TIMESTAMP.json")] = None,
+        help="Where to write the JSON report, the PNG plots next to it: a file, or a directory "
+             "(existing, or ending in /) to get TIMESTAMP.json. Default: ./bench-results/TIMESTAMP.json")] = None,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print the JSON report on stdout instead of the tables.")] = False,
     device: Annotated[str, typer.Option(
@@ -77,10 +77,11 @@ def bench(
     sweep (PNG).
     """
     from lorafleet.bench.fixtures import SHAPES
-    from lorafleet.bench.report import default_out_path
+    from lorafleet.bench.report import resolve_out_path
     from lorafleet.bench.systems import SYSTEM_NAMES
     from lorafleet.bench.workloads import WORKLOADS
 
+    out = resolve_out_path(out)
     if suite == "switch":
         return _switch(model or (["micro"] if quick else ["smol"]), quick, out, as_json)
     if suite == "lora-decode":
@@ -101,7 +102,6 @@ def bench(
     _check_choices("--systems", names or [""], SYSTEM_NAMES)
     counts = _parse_sweep(sweep if sweep is not None else (QUICK_SWEEP if quick else ""))
 
-    out = out or default_out_path()
     common = dict(device=device, threads=threads, console=err_console)
     with user_errors():
         from lorafleet.bench.runner import SUITE_MAX_BASELINE_REQUESTS, run_bench, run_suite
@@ -163,12 +163,10 @@ def _check_choices(option: str, given: list[str], choices) -> None:
                                  param_hint=option)
 
 
-def _lora_decode(shapes: list[str], batch: int, peft: bool, quick: bool, out: Path | None,
+def _lora_decode(shapes: list[str], batch: int, peft: bool, quick: bool, out: Path,
                  as_json: bool, threads: int | None) -> None:
     from lorafleet.bench.lora_decode import run_lora_decode
-    from lorafleet.bench.report import default_out_path
 
-    out = out or default_out_path()
     with user_errors():
         results = [run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
                                    peft=peft, threads=threads,
@@ -198,12 +196,10 @@ def _lora_decode(shapes: list[str], batch: int, peft: bool, quick: bool, out: Pa
     err_console.print(f"wrote {out}", highlight=False)
 
 
-def _switch(shapes: list[str], quick: bool, out: Path | None, as_json: bool) -> None:
+def _switch(shapes: list[str], quick: bool, out: Path, as_json: bool) -> None:
     """The isolated switch-cost regression (bench/switch_cost.py)."""
-    from lorafleet.bench.report import default_out_path
     from lorafleet.bench.switch_cost import run_switch_cost
 
-    out = out or default_out_path()
     with user_errors():
         results = [run_switch_cost(shape, batch=8 if quick else 32, cold=16 if quick else 96,
                                    steps=8 if quick else 48) for shape in shapes]

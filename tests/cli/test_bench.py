@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -126,14 +128,30 @@ def test_bench_quick_runs_every_system_and_writes_the_json_report_and_plots(home
 
 
 def test_the_tables_render_a_quick_report_for_people(home, tmp_path, monkeypatch):
+    """Also: --out naming a directory (here a new one, ending in /) gets the report and PNGs inside."""
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     result = runner.invoke(app, ["bench", "--quick", "--model", "micro", "--threads", "1", "--systems",
-                                 "lorafleet,merged", "--sweep", "2", "--out", str(tmp_path / "r.json")],
+                                 "lorafleet,merged", "--sweep", "2", "--out", f"{tmp_path / 'results'}/"],
                            env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.stderr
     for heading in ("workload quick", "latency", "memory", "switch regression", "throughput against"):
         assert heading in result.stdout
     assert "switch plot:" in result.stderr and "took" in result.stderr
+    [report] = (tmp_path / "results").glob("*.json")
+    assert sorted(p.name for p in report.parent.iterdir()) == sorted(
+        [report.name, f"{report.stem}-switch.png", f"{report.stem}-sweep.png"])
+
+
+def test_out_may_name_a_file_or_a_directory_for_a_report_named_like_the_default(tmp_path):
+    from lorafleet.bench.report import resolve_out_path
+
+    def timestamped(path, parent):
+        return path.parent == parent and re.fullmatch(r"\d{8}-\d{6}\.json", path.name)
+    assert resolve_out_path(tmp_path / "r.json") == tmp_path / "r.json"
+    assert resolve_out_path(str(tmp_path / "r")) == tmp_path / "r"  # new, no trailing /: a file, as before
+    assert timestamped(resolve_out_path(tmp_path), tmp_path)
+    assert timestamped(resolve_out_path(f"{tmp_path / 'new'}/"), tmp_path / "new")
+    assert timestamped(resolve_out_path(None), Path("bench-results"))
 
 
 def test_importing_the_cli_does_not_import_torch_or_the_engine():
