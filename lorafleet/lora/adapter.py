@@ -3,7 +3,10 @@
 An adapter folder holds `adapter_config.json` and `adapter_model.safetensors`. `load_adapter`
 checks both against a `BaseShapes` and returns plain per-(layer, module) tensors plus the scale
 PEFT would apply, ready for the engine to copy into its page pool. Everything an adapter author
-can get wrong is refused with an `AdapterError` whose message names the file, tensor or field.
+can get wrong is refused with an `AdapterError` whose message names the file, tensor or field and
+the form expected. The caller chooses the path, so messages quote nothing read from the files
+(no values, dtypes or shapes; a tensor name only when it is a LoRA weight key, i.e. structure)
+and state what the base expects instead.
 
 PEFT semantics mirrored here (peft 0.21, `tuners/tuners_utils.py::check_target_module_exists`,
 `utils/other.py::get_pattern_key`, `tuners/lora/model.py::_create_and_replace`,
@@ -29,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -38,20 +42,37 @@ import torch
 
 from lorafleet.errors import AdapterError
 from lorafleet.lora.peft_config import (  # noqa: F401  MODULES, BaseShapes, read_adapter_config: re-exported
-    _BLOCK, CONFIG_NAME, MODULES, BaseShapes, _folder, _is_int, _pattern_key, _read_config, _targeted,
-    _weights_file, read_adapter_config,
+    _BLOCK, CONFIG_NAME, MODULES, BaseShapes, _is_int, _pattern_key, _read_config, _targeted,
+    _unreadable, _weights_file, read_adapter_config,
 )
 
 
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
-_KEY_PREFIX = "base_model.model."
-_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.weight$")
-_MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<block>[^.]+)\.(?P<proj>[^.]+)$")
+# The tensor keys PEFT writes for a supported module; only these are quoted in messages. The layer
+# index is canonical and short (a huge one would be echoed, and int() refuses over 4300 digits).
+_KEY_RE = re.compile(
+    r"base_model\.model\.model\.layers\.(?P<layer>0|[1-9]\d{0,8})\."
+    rf"(?P<module>{'|'.join(re.escape(f'{b}.{m}') for m, b in _BLOCK.items())})"
+    r"\.lora_(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.weight")
+_EXPECTED_KEY = ("'base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight' / lora_B, "
+                 f"<proj> one of {', '.join(MODULES)}")
 _ST_DTYPES = {  # safetensors dtype -> bytes per element (floating types only are accepted)
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "U16": 2, "U32": 4, "U64": 8, "BOOL": 1,
 }
-_FLOAT_ST_DTYPES = {"F64", "F32", "F16", "BF16"}
+_FLOAT_ST_DTYPES = ("F64", "F32", "F16", "BF16")
+_FLOAT_FORM = f"LoRA weights must be {', '.join(_FLOAT_ST_DTYPES[:-1])} or {_FLOAT_ST_DTYPES[-1]}"
+
+
+def _tensor(key: str) -> str:
+    """How a message names the tensor `key`: quoted when it is a LoRA weight key (structure, with
+    any adapter name left out), else described, as other text read from the file is never echoed."""
+    m = _KEY_RE.fullmatch(key)
+    if m is None:
+        return f"a tensor whose name is not a LoRA weight of a supported module (expected {_EXPECTED_KEY})"
+    if m.group("name") is not None:
+        key = f"{key[:m.start('name')]}<adapter name>{key[m.end('name'):]}"
+    return f"tensor {key!r}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +119,7 @@ class LoraAdapter:
 def weights_numel(path: str | Path) -> int:
     """Elements of all tensors in the adapter's safetensors file, from its header alone (cheap:
     the data is not read). For a valid adapter, the size of its A and B matrices."""
-    header = _check_safetensors_header(_weights_file(_folder(path)))
+    header = _check_safetensors_header(_weights_file(Path(path)))
     return sum(math.prod(info["shape"]) for info in header.values())
 
 
@@ -109,44 +130,47 @@ def weights_numel(path: str | Path) -> int:
 
 def _check_safetensors_header(path: Path) -> dict:
     """Checks that `path` is a complete safetensors file; returns its header (without metadata)."""
+    not_st = AdapterError(f"{path}: not a safetensors file, or truncated (expected an 8-byte header "
+                          "length, a JSON header and the tensor data)")
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
-                raise AdapterError(f"{path}: not a safetensors file (truncated: {size} bytes)")
+                raise not_st
             (n,) = struct.unpack("<Q", head)
             if n < 2 or n > _MAX_HEADER_BYTES or 8 + n > size:
-                raise AdapterError(f"{path}: not a safetensors file or truncated (header length "
-                                   f"{n}, file size {size})")
+                raise not_st
             raw = f.read(n)
-    except OSError as e:
-        raise AdapterError(f"{path}: unreadable: {e}") from None
+    except OSError:
+        raise _unreadable(path) from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{path}: malformed safetensors header: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError):  # the parser's text would quote the file
+        header = None
     if not isinstance(header, dict):
-        raise AdapterError(f"{path}: malformed safetensors header (not a JSON object)")
+        raise AdapterError(f"{path}: malformed safetensors header (expected a UTF-8 JSON object)")
     data_len = size - 8 - n
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        malformed = AdapterError(f"{path}: {_tensor(name)}: malformed header entry (expected dtype, "
+                                 "shape and data_offsets)")
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (TypeError, KeyError, ValueError) as e:
-            raise AdapterError(f"{path}: malformed safetensors header entry for tensor {name!r}") from e
-        if dtype not in _ST_DTYPES:
-            raise AdapterError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        except (TypeError, KeyError, ValueError):
+            raise malformed from None
+        if not (isinstance(dtype, str) and dtype in _ST_DTYPES):
+            raise AdapterError(f"{path}: {_tensor(name)}: unknown dtype ({_FLOAT_FORM})")
         if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
                 and _is_int(begin) and _is_int(end) and 0 <= begin <= end):
-            raise AdapterError(f"{path}: malformed safetensors header entry for tensor {name!r}")
+            raise malformed
         if end > data_len:
-            raise AdapterError(f"{path}: truncated: tensor {name!r} ends at byte {end} of a "
-                               f"{data_len}-byte data section")
+            raise AdapterError(f"{path}: {_tensor(name)}: its data runs past the end of the file "
+                               "(truncated)")
         if end - begin != math.prod(shape) * _ST_DTYPES[dtype]:
-            raise AdapterError(f"{path}: tensor {name!r}: byte range does not match its dtype/shape")
+            raise AdapterError(f"{path}: {_tensor(name)}: byte range does not match its dtype and shape")
         tensors[name] = info
     return tensors
 
@@ -165,8 +189,9 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                 out[k] = f.get_tensor(k)
     except AdapterError:
         raise
-    except Exception as e:  # safetensors raises SafetensorError and friends on a bad file
-        raise AdapterError(f"{path}: malformed safetensors file: {e}") from None
+    except Exception:  # safetensors raises SafetensorError and friends; their text may quote the file
+        raise AdapterError(f"{path}: malformed safetensors file (expected tensors laid out as its "
+                           "header says, without overlaps)") from None
     return out
 
 
@@ -196,23 +221,16 @@ def _digest(cfg: dict, tensors: dict[str, torch.Tensor]) -> str:
 def _key_slot(key: str, base: BaseShapes, path: Path) -> tuple[int, str, str, str | None]:
     """Tensor key -> (layer, module, "A"|"B", adapter name or None); refuses anything else."""
     if "lora_magnitude_vector" in key:
-        raise AdapterError(f"{path}: tensor {key!r} is a DoRA magnitude vector; DoRA is not supported")
-    m = _KEY_RE.match(key)
+        raise AdapterError(f"{path}: holds a DoRA magnitude vector (a lora_magnitude_vector tensor); "
+                           "DoRA is not supported")
+    m = _KEY_RE.fullmatch(key)
     if m is None:
-        raise AdapterError(
-            f"{path}: tensor {key!r} is not a LoRA weight of a supported module (expected "
-            f"'{_KEY_PREFIX}model.layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight' / lora_B)")
-    module = m.group("module")
-    mm = _MODULE_RE.match(module)
-    if mm is None or mm.group("proj") not in MODULES or _BLOCK[mm.group("proj")] != mm.group("block") \
-            or str(int(mm.group("layer"))) != mm.group("layer"):
-        raise AdapterError(f"{path}: tensor {key!r} targets module {module!r}, which is not a "
-                           f"supported LoRA target of the base model (only {', '.join(MODULES)})")
-    layer, proj = int(mm.group("layer")), mm.group("proj")
+        raise AdapterError(f"{path}: holds {_tensor(key)}")
+    layer, proj = int(m.group("layer")), m.group("module").split(".")[1]
     if proj not in base.features:
-        raise AdapterError(f"{path}: tensor {key!r} targets {proj!r}, which the base model lacks")
+        raise AdapterError(f"{path}: {_tensor(key)} targets {proj!r}, which the base model lacks")
     if layer >= base.num_layers:
-        raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
+        raise AdapterError(f"{path}: {_tensor(key)} is for layer {layer}, but the base model has "
                            f"{base.num_layers} layers")
     return layer, proj, m.group("ab"), m.group("name")
 
@@ -222,7 +240,7 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
     contiguous, at `dtype`."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
-    folder = _folder(path)
+    folder = Path(path)
     cfg = _read_config(folder)
     cfg_path = folder / CONFIG_NAME
     st_path = _weights_file(folder)
@@ -238,21 +256,21 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         layer, proj, ab, name = _key_slot(key, base, st_path)
         adapter_names.add(name)
         if len(adapter_names) > 1:
-            raise AdapterError(f"{st_path}: tensor {key!r}: tensors of several adapter names "
-                               f"({sorted(map(str, adapter_names))}) in one file")
+            raise AdapterError(f"{st_path}: tensor keys carry several adapter names (expected one "
+                               "adapter per file: the same '.lora_A.<name>.weight' throughout, or none)")
+        shown = _tensor(key)
         full = f"model.layers.{layer}.{_BLOCK[proj]}.{proj}"
         if full not in targeted:
-            raise AdapterError(f"{st_path}: tensor {key!r} is for module {full!r}, which "
-                               f"{CONFIG_NAME} does not target (target_modules "
-                               f"{cfg['target_modules']!r})")
+            raise AdapterError(f"{st_path}: {shown} is for module {full!r}, which {CONFIG_NAME} "
+                               "does not target (target_modules, exclude_modules, layers_to_transform)")
         t = tensors[key]
         if t.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-            raise AdapterError(f"{st_path}: tensor {key!r} has dtype {t.dtype}; LoRA weights must "
-                               "be floating point")
+            raise AdapterError(f"{st_path}: {shown} is not floating point ({_FLOAT_FORM})")
         if t.dim() != 2:
-            raise AdapterError(f"{st_path}: tensor {key!r} has shape {list(t.shape)}; expected 2 dims")
+            raise AdapterError(f"{st_path}: {shown} is not a 2-D matrix (expected [r, in_features] "
+                               "for lora_A, [out_features, r] for lora_B)")
         if not bool(torch.isfinite(t).all()):
-            raise AdapterError(f"{st_path}: tensor {key!r} holds non-finite values (NaN or Inf)")
+            raise AdapterError(f"{st_path}: {shown} holds non-finite values (NaN or Inf)")
         slot = slots.setdefault((layer, proj), {})
         slot[ab] = (key, t)
 
@@ -267,25 +285,25 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
                                f"{CONFIG_NAME} targets")
         for have, miss in (("A", "B"), ("B", "A")):
             if have in slot and miss not in slot:
-                raise AdapterError(f"{st_path}: tensor {slot[have][0]!r} has no matching lora_{miss}")
+                raise AdapterError(f"{st_path}: {_tensor(slot[have][0])} has no matching lora_{miss}")
         (a_key, a), (b_key, b) = slot["A"], slot["B"]
         fin, fout = base.features[proj]
         if a.shape[1] != fin:
-            raise AdapterError(f"{st_path}: tensor {a_key!r} has shape {list(a.shape)}: in_features "
-                               f"{a.shape[1]} != {fin} of the base {proj}")
+            raise AdapterError(f"{st_path}: {_tensor(a_key)}: in_features does not match the base "
+                               f"{proj} (expected shape [r, {fin}])")
         if b.shape[0] != fout:
-            raise AdapterError(f"{st_path}: tensor {b_key!r} has shape {list(b.shape)}: "
-                               f"out_features {b.shape[0]} != {fout} of the base {proj}")
+            raise AdapterError(f"{st_path}: {_tensor(b_key)}: out_features does not match the base "
+                               f"{proj} (expected shape [{fout}, r])")
         rank = int(a.shape[0])
         if b.shape[1] != rank:
-            raise AdapterError(f"{st_path}: rank mismatch: {a_key!r} has rank {rank} but {b_key!r} "
-                               f"has rank {b.shape[1]}")
+            raise AdapterError(f"{st_path}: rank mismatch: {_tensor(a_key)} and {_tensor(b_key)} "
+                               f"differ in rank (expected [r, {fin}] and [{fout}, r] with the same r)")
         r_key = _pattern_key(rank_pattern, full)
         r = rank_pattern[r_key] if r_key is not None else cfg["r"]
         if rank != r:
-            where = f"rank_pattern[{r_key!r}]" if r_key is not None else "r"
-            raise AdapterError(f"{st_path}: tensor {a_key!r} has rank {rank} but {CONFIG_NAME} "
-                               f"{where} says {r}")
+            where = f"rank_pattern entry matching {full!r}" if r_key is not None else "r"
+            raise AdapterError(f"{st_path}: {_tensor(a_key)}: its rank (rows) differs from "
+                               f"{CONFIG_NAME}'s {where}")
         a_key_alpha = _pattern_key(alpha_pattern, full)
         alpha = alpha_pattern[a_key_alpha] if a_key_alpha is not None else cfg.get("lora_alpha", 8)
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora", False) else alpha / r
@@ -293,7 +311,7 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         b_out = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         for key, t in ((a_key, a_out), (b_key, b_out)):
             if not bool(torch.isfinite(t).all()):
-                raise AdapterError(f"{st_path}: tensor {key!r} overflows {dtype}")
+                raise AdapterError(f"{st_path}: {_tensor(key)} overflows {dtype}")
         weights[(layer, proj)] = LoraWeights(a=a_out, b=b_out, scale=float(scale))
 
     return LoraAdapter(path=folder, digest=digest, config=cfg, weights=weights)

@@ -1,11 +1,17 @@
 """PEFT's `adapter_config.json`: what it may say, what lorafleet refuses, and which modules of
 the base it targets, mirroring PEFT's own matching rules (`adapter.py` reads the tensors).
+
+Whoever asks the daemon to load an adapter chooses its path, so a refusal must tell them nothing
+about files on this machine beyond "this is not a valid adapter": messages name the file, the
+field and the form expected, never a value read from the file, and a folder or file that is
+missing, unreadable or of the wrong kind gets one message whatever the reason.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +37,16 @@ _UNSUPPORTED_FIELDS = (
     "trainable_token_indices", "alora_invocation_tokens", "use_bdlora", "arrow_config",
     "kasa_config", "monteclora_config",
 )
+# LoraConfig's fields (peft 0.21): the only JSON keys a message may quote.
+_PEFT_FIELDS = frozenset(_UNSUPPORTED_FIELDS) | {
+    "alpha_pattern", "auto_mapping", "base_model_name_or_path", "bias", "corda_config",
+    "ensure_weight_tying", "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode",
+    "init_lora_weights", "layers_pattern", "layers_to_transform", "loftq_config", "lora_alpha",
+    "lora_dropout", "lora_ga_config", "megatron_config", "megatron_core", "modules_to_save",
+    "peft_type", "peft_version", "qalora_group_size", "r", "rank_pattern", "revision",
+    "runtime_config", "target_modules", "task_type", "velora_config",
+}
+_SHAPE = f"a folder holding {CONFIG_NAME} and {WEIGHTS_NAME}"
 
 
 @dataclass(frozen=True)
@@ -70,132 +86,134 @@ def _no_duplicate_keys(source: Path):
         out: dict = {}
         for k, v in pairs:
             if k in out:
-                raise AdapterError(f"{source}: duplicate key {k!r} in JSON object")
+                named = f" {k!r}" if k in _PEFT_FIELDS else ""
+                raise AdapterError(f"{source}: duplicate key{named} in a JSON object (each key may "
+                                   "appear once)")
             out[k] = v
         return out
     return hook
 
 
-def _folder(path: str | Path) -> Path:
-    folder = Path(path)
-    if not folder.exists():
-        raise AdapterError(f"adapter folder {folder} does not exist")
-    if not folder.is_dir():
-        raise AdapterError(f"adapter path {folder} is not a folder (expected a folder holding "
-                           f"{CONFIG_NAME} and {WEIGHTS_NAME})")
-    return folder
+def _unreadable(path: Path) -> AdapterError:
+    """The one refusal for a file that is absent, unreadable, or not a regular file (its folder
+    likewise): which of these it is would tell the caller about files on this machine."""
+    return AdapterError(f"{path}: missing or unreadable (an adapter is {_SHAPE})")
 
 
 def _weights_file(folder: Path) -> Path:
     st = folder / WEIGHTS_NAME
-    if st.is_file():
+    if os.path.isfile(st):  # False, not an error, for any OSError or a NUL in the path
         return st
-    if (folder / PICKLE_NAME).exists():
+    if os.path.isfile(folder / PICKLE_NAME):
         raise AdapterError(
             f"{folder / PICKLE_NAME}: pickled adapter weights are refused (loading a pickle can run "
             f"arbitrary code); convert the adapter to {WEIGHTS_NAME}")
-    raise AdapterError(f"{st}: file missing")
+    raise _unreadable(st)
 
 
-def _regex(pattern: str, where: str) -> re.Pattern:
+def _compiles(pattern: str) -> bool:
     try:
-        return re.compile(pattern)
-    except re.error as e:
-        raise AdapterError(f"{where}: invalid regular expression {pattern!r}: {e}") from None
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return False
+    return True
 
 
 def _validate_config(cfg: dict, source: Path) -> None:
     def bad(field: str, why: str) -> AdapterError:
         return AdapterError(f"{source}: {field}: {why}")
 
-    peft_type = cfg.get("peft_type")
-    if peft_type is None:
+    if "peft_type" not in cfg:
         raise bad("peft_type", "missing (expected \"LORA\")")
-    if peft_type != "LORA":
-        raise bad("peft_type", f"{peft_type!r} is not supported (only \"LORA\")")
+    if cfg["peft_type"] != "LORA":
+        raise bad("peft_type", "must be \"LORA\" (other PEFT methods are not supported)")
 
     for field in _UNSUPPORTED_FIELDS:
         if cfg.get(field):
-            extra = " (DoRA)" if field == "use_dora" else ""
-            raise bad(field, f"{cfg[field]!r}: not supported{extra}")
+            what = "DoRA is" if field == "use_dora" else "this LoRA variant is"
+            raise bad(field, f"must be absent, false or empty ({what} not supported)")
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MUTATING_INITS):
-        raise bad("init_lora_weights", f"{init!r} adapters need a base model modified at init "
-                  "time; convert the adapter to plain LoRA (save_pretrained with "
+        raise bad("init_lora_weights", f"{'/'.join(_BASE_MUTATING_INITS)} adapters need a base model "
+                  "modified at init time; convert the adapter to plain LoRA (save_pretrained with "
                   "path_initial_model_for_weight_conversion)")
 
-    bias = cfg.get("bias", "none")
-    if bias != "none":
-        raise bad("bias", f"{bias!r} is not supported (only \"none\": trained biases are not served)")
+    if cfg.get("bias", "none") != "none":
+        raise bad("bias", "must be \"none\" (trained biases are not served)")
     if cfg.get("modules_to_save"):
-        raise bad("modules_to_save", f"{cfg['modules_to_save']!r}: fully trained modules are not "
-                  "supported (only LoRA deltas)")
+        raise bad("modules_to_save", "must be absent or empty (fully trained modules are not "
+                  "supported, only LoRA deltas)")
 
     r = cfg.get("r")
     if not _is_int(r) or r <= 0:
-        raise bad("r", f"{r!r} must be a positive integer")
-    alpha = cfg.get("lora_alpha", 8)
-    if not _is_number(alpha):
-        raise bad("lora_alpha", f"{alpha!r} must be a finite number")
+        raise bad("r", "must be a positive integer")
+    if not _is_number(cfg.get("lora_alpha", 8)):
+        raise bad("lora_alpha", "must be a finite number")
     for field in ("use_rslora", "fan_in_fan_out"):
         if not isinstance(cfg.get(field, False), bool):
-            raise bad(field, f"{cfg[field]!r} must be true or false")
+            raise bad(field, "must be true or false")
 
     for field, check, what in (("rank_pattern", lambda v: _is_int(v) and v > 0, "a positive integer"),
                                ("alpha_pattern", _is_number, "a finite number")):
         pat = cfg.get(field) or {}
         if not isinstance(pat, dict):
-            raise bad(field, f"{pat!r} must be an object")
+            raise bad(field, f"must be an object mapping module-name regexes to {what}s")
         for key, value in pat.items():
-            _regex(rf"(.*\.)?({key})$", f"{source}: {field}[{key!r}]")
+            if not _compiles(rf"(.*\.)?({key})$"):
+                raise bad(field, "every key must be a valid regular expression")
             if not check(value):
-                raise bad(f"{field}[{key!r}]", f"{value!r} must be {what}")
+                raise bad(field, f"every value must be {what}")
 
     tm = cfg.get("target_modules")
     if tm is None:
-        raise bad("target_modules", "missing")
+        raise bad("target_modules", "missing (expected a list of module names, a regex string or "
+                  "\"all-linear\")")
     if isinstance(tm, str):
-        if tm.lower() != "all-linear":
-            _regex(tm, f"{source}: target_modules")
+        if tm.lower() != "all-linear" and not _compiles(tm):
+            raise bad("target_modules", "not a valid regular expression")
     elif not (isinstance(tm, list) and tm and all(isinstance(t, str) and t for t in tm)):
-        raise bad("target_modules", f"{tm!r} must be a non-empty list of names, a regex string "
-                  "or \"all-linear\"")
+        raise bad("target_modules", "must be a non-empty list of names, a regex string or "
+                  "\"all-linear\"")
 
     ex = cfg.get("exclude_modules")
     if isinstance(ex, str):
-        _regex(ex, f"{source}: exclude_modules")
+        if not _compiles(ex):
+            raise bad("exclude_modules", "not a valid regular expression")
     elif ex is not None and not (isinstance(ex, list) and all(isinstance(t, str) for t in ex)):
-        raise bad("exclude_modules", f"{ex!r} must be a list of names or a regex string")
+        raise bad("exclude_modules", "must be a list of names or a regex string")
 
     lt = cfg.get("layers_to_transform")
     if lt is not None:
         items = [lt] if not isinstance(lt, list) else lt
         if not all(_is_int(i) and i >= 0 for i in items):
-            raise bad("layers_to_transform", f"{lt!r} must be a non-negative integer or a list of them")
+            raise bad("layers_to_transform", "must be a non-negative integer or a list of them")
     lp = cfg.get("layers_pattern")
     if lp is not None:
         items = [lp] if isinstance(lp, str) else lp
         if not (isinstance(items, list) and all(isinstance(p, str) for p in items)):
-            raise bad("layers_pattern", f"{lp!r} must be a string or a list of strings")
-        for p in items:
-            _regex(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", f"{source}: layers_pattern")
+            raise bad("layers_pattern", "must be a string or a list of strings")
+        if not all(_compiles(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.") for p in items):
+            raise bad("layers_pattern", "every pattern must be a valid regular expression")
 
 
 def _read_config(folder: Path) -> dict:
     cfg_path = folder / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise AdapterError(f"{cfg_path}: file missing")
-    if cfg_path.stat().st_size > _MAX_CONFIG_BYTES:
-        raise AdapterError(f"{cfg_path}: file too large for an adapter config")
+    if not os.path.isfile(cfg_path):  # a FIFO or device would block or never end
+        raise _unreadable(cfg_path)
     try:
-        text = cfg_path.read_text(encoding="utf-8")
-        cfg = json.loads(text, object_pairs_hook=_no_duplicate_keys(cfg_path))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{cfg_path}: not valid JSON: {e}") from None
-    except OSError as e:
-        raise AdapterError(f"{cfg_path}: unreadable: {e}") from None
+        with open(cfg_path, "rb") as f:
+            raw = f.read(_MAX_CONFIG_BYTES + 1)
+    except OSError:
+        raise _unreadable(cfg_path) from None
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise AdapterError(f"{cfg_path}: too large (an adapter config is at most "
+                           f"{_MAX_CONFIG_BYTES >> 20} MiB of JSON)")
+    try:
+        cfg = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(cfg_path))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # the parser's text would quote the file
+        raise AdapterError(f"{cfg_path}: not valid JSON (expected a UTF-8 JSON object)") from None
     if not isinstance(cfg, dict):
-        raise AdapterError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+        raise AdapterError(f"{cfg_path}: not a JSON object (expected an object of LoraConfig fields)")
     _validate_config(cfg, cfg_path)
     return cfg
 
@@ -205,7 +223,7 @@ def read_adapter_config(path: str | Path, base: BaseShapes | None = None) -> dic
 
     Also checks that the weights file is present (and refuses a pickle-only folder). With `base`,
     also checks that the target modules select projections the base has."""
-    folder = _folder(path)
+    folder = Path(path)
     cfg = _read_config(folder)
     _weights_file(folder)
     if base is not None:
@@ -272,16 +290,22 @@ def _targeted(cfg: dict, base: BaseShapes, source: Path) -> dict[str, tuple[int,
     if isinstance(tm, list):
         for item in tm:
             if not any(n == item or n.endswith(f".{item}") for n in names):
+                # An entry is quoted only when it names one of the base's other modules.
+                named = next((o for o in _OTHER_BASE_MODULES if o == item or o.endswith(f".{item}")), None)
+                if named:
+                    raise AdapterError(f"{source}: target_modules names {named!r}, which is not a "
+                                       f"supported LoRA target (only {supported})")
                 raise AdapterError(
-                    f"{source}: target_modules entry {item!r} matches no supported module of the "
+                    f"{source}: target_modules has an entry that matches no supported module of the "
                     f"base model (LoRA is served on {supported} of its {base.num_layers} layers)")
     elif tm.lower() != "all-linear":
         for other in _OTHER_BASE_MODULES:
             if re.fullmatch(tm, other) and not _excluded(cfg, other):
-                raise AdapterError(f"{source}: target_modules {tm!r} matches {other!r}, which is not "
-                                   f"a supported LoRA target (only {supported})")
+                raise AdapterError(f"{source}: target_modules matches {other!r}, which is not a "
+                                   f"supported LoRA target (only {supported})")
     targeted = {n: lm for n, lm in names.items() if _is_target(cfg, n)}
     if not targeted:
-        raise AdapterError(f"{source}: target_modules {tm!r} (with exclude_modules / "
-                           f"layers_to_transform) matches no module of the base model")
+        raise AdapterError(f"{source}: target_modules (with exclude_modules / layers_to_transform) "
+                           f"matches no module of the base model (LoRA is served on {supported} of "
+                           f"its {base.num_layers} layers)")
     return targeted

@@ -21,6 +21,7 @@ from lorafleet.lora.adapter import (
     LoraAdapter,
     load_adapter,
     read_adapter_config,
+    weights_numel,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -299,8 +300,8 @@ CONFIG_REFUSALS = [
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
     ({"target_modules": ["lm_head"]}, "lm_head"),
-    ({"target_modules": ["q_proj", "no_such_proj"]}, "no_such_proj"),
-    ({"target_modules": ["model.layers.7.self_attn.q_proj"]}, "model.layers.7.self_attn.q_proj"),
+    ({"target_modules": ["q_proj", "no_such_proj"]}, "target_modules has an entry"),
+    ({"target_modules": ["model.layers.7.self_attn.q_proj"]}, "target_modules has an entry"),
     ({"target_modules": r".*nothing.*"}, "target_modules"),
     ({"target_modules": r".*(q_proj|lm_head)"}, "lm_head"),
     ({"target_modules": r".*(q_proj|embed_tokens)"}, "embed_tokens"),
@@ -346,12 +347,12 @@ def test_peft_type_missing(good, base):
 
 def test_config_rank_disagrees_with_tensors(good, base):
     edit_config(good, r=4)
-    refused(good, base, KQ0 + ".lora_A.weight", "rank 3", " r ")
+    refused(good, base, KQ0 + ".lora_A.weight", "adapter_config.json's r")
 
 
 def test_rank_pattern_disagrees_with_tensors(good, base):
     edit_config(good, rank_pattern={"v_proj": 5})
-    refused(good, base, "v_proj.lora_A.weight", "rank_pattern['v_proj']")
+    refused(good, base, "v_proj.lora_A.weight", "rank_pattern entry matching 'model.layers.0.self_attn.v_proj'")
 
 
 def test_tensor_for_untargeted_module(good, base):
@@ -380,18 +381,187 @@ def test_config_file_problems(good, base, tmp_path):
         read_adapter_config(good)
 
 
-def test_folder_problems(base, tmp_path, good):
-    missing = tmp_path / "nope"
-    msg = refused(missing, base, str(missing), "does not exist")
-    with pytest.raises(AdapterError, match="does not exist"):
-        read_adapter_config(missing)
-    refused(good / "adapter_config.json", base, "not a folder")
-    (good / "adapter_model.safetensors").unlink()
-    refused(good, base, "adapter_model.safetensors", "missing")
-    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
-        read_adapter_config(good)
+def test_hostile_json_is_refused_cleanly(good, base):
+    # Each of these made json.loads raise something other than JSONDecodeError.
+    p = good / "adapter_config.json"
+    for text in ("[" * 100_000 + "]" * 100_000, '{"r": ' + "1" * 5000 + "}"):
+        p.write_text(text)
+        refused(good, base, "adapter_config.json", "not valid JSON")
+    p.write_text(json.dumps({"peft_type": "LORA", "r": 3, "target_modules": "(" * 5000 + ")" * 5000}))
+    refused(good, base, "target_modules", "regular expression")
+
+
+# The caller of the daemon chooses the adapter path: refusals must not echo what the files hold.
+SECRET = "TOPSECRET"
+SECRET_CONFIGS = [
+    ({"r": SECRET}, "r: must be a positive integer"),
+    ({"lora_alpha": SECRET}, "lora_alpha: must be a finite number"),
+    ({"peft_type": SECRET}, "peft_type"),
+    ({"bias": SECRET}, "bias"),
+    ({"use_rslora": SECRET}, "use_rslora"),
+    ({"use_dora": SECRET}, "use_dora"),
+    ({"modules_to_save": [SECRET]}, "modules_to_save"),
+    ({"init_lora_weights": "pissa_" + SECRET}, "init_lora_weights"),
+    ({"target_modules": [SECRET]}, "target_modules"),
+    ({"target_modules": ["q_proj", 7, SECRET]}, "target_modules"),
+    ({"target_modules": SECRET}, "target_modules"),
+    ({"target_modules": SECRET + "("}, "target_modules: not a valid regular expression"),
+    ({"exclude_modules": SECRET + "("}, "exclude_modules"),
+    ({"rank_pattern": {SECRET + "(": 2}}, "rank_pattern"),
+    ({"rank_pattern": {"q_proj": SECRET}}, "rank_pattern"),
+    ({"rank_pattern": {SECRET: 2, "q_proj": 5}}, "rank_pattern"),
+    ({"rank_pattern": SECRET}, "rank_pattern"),
+    ({"alpha_pattern": {SECRET: SECRET}}, "alpha_pattern"),
+    ({"layers_pattern": SECRET + "("}, "layers_pattern"),
+    ({"layers_pattern": [SECRET, 3]}, "layers_pattern"),
+    ({"layers_pattern": SECRET, "layers_to_transform": [0]}, "target_modules"),
+    ({"layers_to_transform": SECRET}, "layers_to_transform"),
+]
+
+
+def secret_free(msg: str, *paths: Path) -> str:
+    for path in paths:  # the caller's own path may be quoted
+        msg = msg.replace(str(path), "<path>")
+    assert SECRET not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("changes,needle", SECRET_CONFIGS, ids=[",".join(c) for c, _ in SECRET_CONFIGS])
+def test_config_refusals_name_the_field_not_its_value(good, base, changes, needle):
+    edit_config(good, **changes)
+    secret_free(refused(good, base, needle, "adapter_config.json"), good)
+    try:
+        read_adapter_config(good, base)  # does not see the tensors, so may accept some of these
+    except AdapterError as e:
+        secret_free(str(e), good)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"peft_type": "LORA", "TOPSECRET": 1, "TOPSECRET": 2}', "duplicate key in a JSON object"),
+    ('{"rank_pattern": {"TOPSECRET": 1, "TOPSECRET": 2}}', "duplicate key in a JSON object"),
+    ('{"r": 1, "r": 2}', "duplicate key 'r'"),  # a PEFT field name may be named
+    ('{"TOPSECRET": ', "not valid JSON"),
+    ('"TOPSECRET"', "not a JSON object"),
+    ("TOPSECRET", "not valid JSON"),
+    (b"TOPSECRET\xff", "not valid JSON"),
+], ids=["dup-unknown", "dup-nested", "dup-field", "truncated", "string", "garbage", "not-utf8"])
+def test_config_file_refusals_quote_nothing_from_it(good, base, text, needle):
+    p = good / "adapter_config.json"
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    secret_free(refused(good, base, "adapter_config.json", needle), good)
+
+
+def test_tensor_refusals_quote_no_names_or_dtypes_from_the_file(good, base):
+    edit_tensors(good, lambda t: t.__setitem__(SECRET, torch.ones(3)))
+    secret_free(refused(good, base, "a tensor whose name is not a LoRA weight of a supported module",
+                        "lora_A.weight"), good)
+
+    def rename(t):  # an adapter name is text from the file too: left out, the key's structure named
+        del t[SECRET]
+        for k in list(t):
+            t[k.replace(".weight", f".{SECRET}.weight")] = t.pop(k)
+    edit_tensors(good, rename)
+    edit_config(good, target_modules=["q_proj"])
+    secret_free(refused(good, base, "k_proj.lora_A.<adapter name>.weight", "does not target"), good)
+
+    p = good / "adapter_model.safetensors"
+    for hdr, needle in [
+        ({KQ0 + ".lora_A.weight": {"dtype": SECRET, "shape": [2], "data_offsets": [0, 8]}}, "unknown dtype"),
+        ({KQ0 + ".lora_A.weight": {"dtype": [SECRET], "shape": [2], "data_offsets": [0, 8]}}, "unknown dtype"),
+        ({SECRET: {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "byte range"),
+        ({SECRET: SECRET}, "malformed header entry"),
+        ({SECRET: {"dtype": "F32", "shape": [2], "data_offsets": [0, 80]}}, "past the end"),
+    ]:
+        raw = json.dumps(hdr).encode()
+        p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x00" * 8)
+        secret_free(refused(good, base, "adapter_model.safetensors", needle), good)
+        with pytest.raises(AdapterError) as ei:
+            weights_numel(good)
+        secret_free(str(ei.value), good)
+    raw = b'{"TOPSECRET": '
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x00" * 8)
+    secret_free(refused(good, base, "malformed safetensors header"), good)
+
+
+def test_tensor_shape_refusals_state_the_base_form_not_the_file_values(good, base):
+    key = KQ0 + ".lora_A.weight"
+    edit_tensors(good, lambda t: t.__setitem__(key, torch.ones((3, 77))))
+    msg = refused(good, base, key, "expected shape [r, 32]")
+    assert "77" not in msg.replace(str(good), "")
+    edit_tensors(good, lambda t: t.__setitem__(key, torch.ones((3, 32, 77))))
+    assert "77" not in refused(good, base, key, "2-D").replace(str(good), "")
+
+
+def _unreadable_case(kind: str, good: Path, tmp_path: Path) -> Path:
+    if kind == "missing folder":
+        return tmp_path / "nope"
+    if kind == "path is a file":
+        (tmp_path / "file").write_text("{}")
+        return tmp_path / "file"
+    if kind == "NUL in path":
+        return Path(f"{tmp_path}/a\0b")
+    cfg = good / "adapter_config.json"
+    if kind == "no config":
+        cfg.unlink()
+    elif kind == "config is a folder":
+        cfg.unlink()
+        cfg.mkdir()
+    elif kind == "config is a dangling link":
+        cfg.unlink()
+        cfg.symlink_to(tmp_path / "gone")
+    return good
+
+
+def _unreadable_message(path: Path, base) -> str:
+    with pytest.raises(AdapterError) as ei:
+        load_adapter(path, base)
+    with pytest.raises(AdapterError) as ei2:
+        read_adapter_config(path, base)
+    msg = str(ei.value)
+    assert str(ei2.value) == msg
+    for word in ("No such file", "Permission denied", "does not exist", "not a folder", "Errno"):
+        assert word not in msg, msg
+    return msg.replace(str(path), "<path>")
+
+
+UNREADABLE = ["missing folder", "path is a file", "NUL in path", "no config", "config is a folder",
+              "config is a dangling link"]
+
+
+def test_missing_and_unreadable_adapters_get_one_message(good, base, tmp_path):
+    messages = {}
+    for kind in UNREADABLE:
+        folder = tmp_path / kind.replace(" ", "_")
+        shutil.copytree(good, folder)
+        messages[kind] = _unreadable_message(_unreadable_case(kind, folder, tmp_path), base)
+    assert len(set(messages.values())) == 1, messages
+    assert messages["missing folder"] == ("<path>/adapter_config.json: missing or unreadable (an adapter "
+                                          "is a folder holding adapter_config.json and adapter_model.safetensors)")
     assert issubclass(AdapterError, LorafleetError)
-    assert msg
+
+
+def test_an_unreadable_config_reads_as_missing(good, base, tmp_path, monkeypatch):
+    cfg = good / "adapter_config.json"
+    cfg.chmod(0)
+    if os.access(cfg, os.R_OK):  # root reads through chmod 000: refuse the read the way the OS would
+        def denied(path, *a, **k):
+            raise PermissionError(13, "Permission denied", str(path))
+        monkeypatch.setattr(peft_config, "open", denied, raising=False)
+    try:
+        assert _unreadable_message(good, base) == _unreadable_message(tmp_path / "nope", base)
+    finally:
+        cfg.chmod(0o644)
+
+
+def test_missing_and_unreadable_weights_get_one_message(good, base):
+    st = good / "adapter_model.safetensors"
+    st.unlink()
+    msg = refused(good, base, "adapter_model.safetensors: missing or unreadable")
+    st.mkdir()
+    assert refused(good, base) == msg
+    with pytest.raises(AdapterError) as ei:
+        weights_numel(good)
+    assert str(ei.value) == msg
 
 
 class _Marker:
@@ -449,7 +619,7 @@ def test_overflow_at_requested_dtype(good, base):
 def test_dora_magnitude_tensor(good, base):
     key = KQ0 + ".lora_magnitude_vector"
     edit_tensors(good, lambda t: t.__setitem__(key, torch.ones(32)))
-    refused(good, base, key, "DoRA")
+    refused(good, base, "lora_magnitude_vector", "DoRA")
 
 
 @pytest.mark.parametrize("key,shape", [
@@ -463,7 +633,8 @@ def test_dora_magnitude_tensor(good, base):
 ])
 def test_tensor_for_unsupported_module(good, base, key, shape):
     edit_tensors(good, lambda t: t.__setitem__(key, torch.ones(shape)))
-    refused(good, base, repr(key))
+    msg = refused(good, base, "a tensor whose name is not a LoRA weight of a supported module")
+    assert key not in msg  # not a LoRA weight key: text from the file, not echoed
 
 
 def test_module_the_base_lacks(good, base):
@@ -491,14 +662,14 @@ def test_non_canonical_layer_index(good, base):
         for k in [k for k in t if ".layers.1." in k]:
             t[k.replace(".layers.1.", ".layers.01.")] = t.pop(k)
     edit_tensors(good, move)
-    refused(good, base, "layers.01.")
+    assert "layers.01." not in refused(good, base, "not a LoRA weight")
 
 
 @pytest.mark.parametrize("which,shape,needle", [
     ("lora_A", (3, 33), "in_features"),
     ("lora_B", (31, 3), "out_features"),
     ("lora_B", (32, 2), "rank mismatch"),
-    ("lora_A", (3, 32, 1), "2 dims"),
+    ("lora_A", (3, 32, 1), "2-D"),
 ])
 def test_wrong_shapes(good, base, which, shape, needle):
     key = f"{KQ0}.{which}.weight"
@@ -561,7 +732,7 @@ def test_garbage_safetensors(good, base):
     refused(good, base, str(p))
     header = b'{"a": [1, 2]}'
     p.write_bytes(struct.pack("<Q", len(header)) + header)
-    refused(good, base, str(p), "'a'")
+    refused(good, base, str(p), "malformed header entry")
     header = b"[1, 2, 3]"
     p.write_bytes(struct.pack("<Q", len(header)) + header)
     refused(good, base, str(p))
@@ -575,7 +746,7 @@ def test_garbage_safetensors(good, base):
     hdr = {"x.lora_A.weight": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}
     raw = json.dumps(hdr).encode()
     p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x00" * 8)
-    refused(good, base, str(p), "x.lora_A.weight")
+    refused(good, base, str(p), "byte range")
     assert data
 
 
