@@ -72,6 +72,7 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # the base's name in `model`; None: the model folder's name
     max_pending: int = 1024               # requests admitted (running + waiting); more get 429
+    max_body_bytes: int = 4 << 20         # a larger request body gets 413 before it is read
     drain_timeout: float = 30.0           # seconds SIGTERM waits for in-flight requests
     access_log: bool = False
 
@@ -84,5 +85,7 @@ class ServerConfig:
             raise ConfigError("a TCP listener needs an API key: pass --api-key or set LORAFLEET_API_KEY")
         if not isinstance(self.max_pending, int) or self.max_pending < 1:
             raise ConfigError(f"max_pending must be a positive integer, got {self.max_pending!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
         if not self.drain_timeout >= 0:
             raise ConfigError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout!r}")

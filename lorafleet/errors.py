@@ -64,11 +64,26 @@ class AdapterInUseError(AdapterError):
     code = "adapter_in_use"
 
 
+class AdapterTooLargeError(AdapterError):
+    """The adapter needs more pages than the whole pool has: no retry can succeed."""
+
+    http_status = 400
+    code = "adapter_too_large"
+
+
 class PoolExhaustedError(LorafleetError):
-    """The unified page pool cannot hold what was asked, even when everything idle is evicted."""
+    """The unified page pool cannot hold what was asked now (running requests hold the rest);
+    retrying later can succeed."""
 
     http_status = 503
     code = "pool_exhausted"
+
+
+class RequestFailedError(LorafleetError):
+    """The engine could not finish this request (its logits were not finite, its output could
+    not be processed); other requests were not affected."""
+
+    code = "request_failed"
 
 
 class RequestNotFoundError(LorafleetError):

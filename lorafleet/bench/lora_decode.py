@@ -62,7 +62,8 @@ def lora_op_time(engine, adapter_names: list[str], repeats: int = 20) -> float:
     from lorafleet.engine.scheduler import Chunk
     from lorafleet.lora.batch import GROUPS
 
-    chunks = [Chunk(Request(f"op{i}", [1], SamplingParams(), n), 1) for i, n in enumerate(adapter_names)]
+    chunks = [Chunk(Request(f"op{i}", [1], SamplingParams(), n, lora=engine.adapters.get(n)), 1)
+              for i, n in enumerate(adapter_names)]
     chunks = engine.runner.order(chunks)
     feats = engine.model.cfg.linear_features()
     n = len(chunks)

@@ -22,14 +22,14 @@ from lorafleet.errors import DaemonUnreachableError, LorafleetError
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str | None) -> int | None:
+def parse_size(text: str | None, option: str = "--pool-bytes") -> int | None:
     """'2GiB', '512M', '1073741824' -> bytes (K, M, G, T are powers of 1024)."""
     if text is None:
         return None
     m = _SIZE.match(text)
     if not m:
         raise typer.BadParameter(f"{text!r} is not a size (say 2GiB, 512M or a number of bytes)",
-                                 param_hint="--pool-bytes")
+                                 param_hint=option)
     number, unit = float(m.group(1)), m.group(2).lower()
     return int(number * 1024 ** ("kmgt".index(unit) + 1)) if unit else int(number)
 
@@ -68,6 +68,9 @@ def serve(
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", min=2, help="Context length. Default: the model's.")] = None,
     max_pending: Annotated[int, typer.Option(
         "--max-pending", min=1, help="Requests admitted at once (running + waiting); more are answered 429.")] = 1024,
+    max_body_bytes: Annotated[str, typer.Option(
+        "--max-body-bytes", metavar="SIZE",
+        help="The largest request body accepted, e.g. 4MiB; a larger one is answered 413 before it is read.")] = "4MiB",
     drain_timeout: Annotated[float, typer.Option(
         "--drain-timeout", min=0, help="Seconds SIGTERM/SIGINT waits for in-flight requests before exiting.")] = 30.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
@@ -86,13 +89,15 @@ def serve(
         sock = paths.socket_path(socket)
         config = ServerConfig(socket=str(sock), host=host, port=port, api_key=api_key,
                               served_model_name=served_model_name, max_pending=max_pending,
+                              max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
                               drain_timeout=drain_timeout, access_log=access_log)
         engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
                           "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
         adapters = _parse_adapters(adapter)
         if detach:
             argv = _rebuild_argv(model, sock, host, port, served_model_name, adapter, device, pool_bytes,
-                                 dtype, max_num_seqs, max_model_len, max_pending, drain_timeout, access_log)
+                                 dtype, max_num_seqs, max_model_len, max_pending, max_body_bytes, drain_timeout,
+                                 access_log)
             return _detach(argv, sock, log_file, api_key)
         _setup_logging()
         try:
@@ -139,13 +144,14 @@ def _setup_logging() -> None:
 
 
 def _rebuild_argv(model, sock, host, port, served_model_name, adapter, device, pool_bytes, dtype,
-                  max_num_seqs, max_model_len, max_pending, drain_timeout, access_log) -> list[str]:
+                  max_num_seqs, max_model_len, max_pending, max_body_bytes, drain_timeout, access_log) -> list[str]:
     """The same daemon's command line (the API key travels in the environment, not in ps)."""
     argv = ["serve"] + ([str(model.expanduser().resolve())] if model else []) + ["--socket", str(sock)]
     for flag, value in (("--host", host), ("--port", port), ("--served-model-name", served_model_name),
                         ("--device", device), ("--pool-bytes", pool_bytes), ("--dtype", dtype),
                         ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len),
-                        ("--max-pending", max_pending), ("--drain-timeout", drain_timeout)):
+                        ("--max-pending", max_pending), ("--max-body-bytes", max_body_bytes),
+                        ("--drain-timeout", drain_timeout)):
         if value is not None:
             argv += [flag, str(value)]
     for spec in adapter or []:

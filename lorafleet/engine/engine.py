@@ -8,29 +8,34 @@ requests in through a queue).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from lorafleet.config import DEFAULT_CPU_POOL_BYTES, EngineConfig
+from lorafleet.engine.output import OutputProcessor
 from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status
 from lorafleet.engine.policy import POLICIES
 from lorafleet.engine.runner import ModelRunner
 from lorafleet.engine.scheduler import Scheduler
 from lorafleet.engine.stats import EngineStats
-from lorafleet.errors import ConfigError, InvalidRequestError, RequestNotFoundError
+from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, RequestFailedError,
+                              RequestNotFoundError)
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
 from lorafleet.lora.adapter import BaseShapes
 from lorafleet.memory.pool import PagePool
-from lorafleet.memory.prefetch import Prefetcher, load_now
+from lorafleet.memory.prefetch import Prefetcher
 from lorafleet.memory.residency import AdapterResidency
 from lorafleet.model.loader import load_model
 from lorafleet.model.sampler import sample
 from lorafleet.model.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+log = logging.getLogger("lorafleet.engine")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,6 +72,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    residency=self.adapters, policy=POLICIES[cfg.policy]())
         self.runner = ModelRunner(self.model, self.kv)
+        self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.counters = EngineStats()
         self._ids = itertools.count()
@@ -107,16 +113,10 @@ class Engine:
         if deadline_s is not None:
             req.deadline = req.arrival_time + deadline_s
         if adapter is not None:
-            entry = self.adapters.get(adapter)  # AdapterNotFoundError
-            entry.users += 1                    # released at finish/abort
-            req.holds_adapter = True
-            if entry.ready:
-                entry.hits += 1
-            else:
-                entry.misses += 1
-                entry.error = None  # a new request retries a load that failed before
-                wanted = set(self.scheduler.wanted_adapters()) | {adapter}
-                self.prefetcher.want(entry, wanted, self.scheduler.watermark_pages)  # starts now
+            req.lora = self.adapters.acquire(adapter)  # AdapterNotFoundError; released at the end
+            if not req.lora.ready:
+                wanted = set(self.scheduler.wanted_adapters()) | {req.lora}
+                self.prefetcher.want(req.lora, wanted, self.scheduler.watermark_pages)  # starts now
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -144,29 +144,31 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
+    def abort(self, request_id: str) -> RequestOutput:
+        """End a request now, freeing its pages; returns its last output (finish_reason "abort",
+        with whatever text it had not handed out yet)."""
+        req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(f"no unfinished request {request_id!r}")
-        self.scheduler.finish(req)
-        self._release(req)
-        req.finish_reason = "abort"
         self.counters.num_requests_aborted += 1
+        return self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests in the queues, or eager adapter loads in flight: `step()` has work."""
+        return self.scheduler.has_unfinished() or self.prefetcher.eager_pending
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that produced a token
-        or finished in this step."""
+        or finished in this step. A request can fail only itself: a row that cannot be sampled
+        or processed ends that request with finish_reason "error"."""
         t0 = time.perf_counter()
         tick = self.prefetcher.tick(self.scheduler.wanted_adapters(), self.scheduler.watermark_pages)
         outputs = self._fail_adapter_requests(tick.failed) if tick.failed else []
         outputs += self._expire_deadlines()
         self.adapters.step += 1
         plan = self.scheduler.schedule()
-        outputs += [self._finish(req) for req in plan.finished]
+        outputs += [self._finish(req, "length") for req in plan.finished]
         if not plan.chunks and self.prefetcher.busy:
             self.prefetcher.wait_any(0.005)  # nothing runnable until a load lands: don't spin
         if plan.chunks:
@@ -174,12 +176,13 @@ class Engine:
             sampling = [c for c in chunks if c.samples]
             logits = self.runner.execute(chunks, self.runner.lora_batch(chunks, self.adapters))
             reqs = [c.request for c in sampling]
-            tokens, lps = sample(logits, [r.params for r in reqs],
-                                 [r.generator or self._generator for r in reqs])
+            tokens, lps, errors = sample(logits, [r.params for r in reqs],
+                                         [r.generator or self._generator for r in reqs])
             prompt_tokens = sum(c.num_tokens for c in chunks if not (c.samples and c.num_tokens == 1))
             for c in chunks:
                 c.request.num_computed += c.num_tokens
-            outputs += [self._append(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
+            for i, (req, token, lp) in enumerate(zip(reqs, tokens, lps)):
+                outputs.append(self._fail(req, errors[i]) if i in errors else self._append(req, token, lp))
             self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, len(reqs),
                                       distinct_adapters=len({c.request.adapter for c in chunks}),
                                       adapters_loaded=len(tick.loaded))
@@ -188,94 +191,45 @@ class Engine:
             self.check_integrity()
         return outputs
 
-    def _fail_adapter_requests(self, failed: dict[str, str]) -> list[RequestOutput]:
+    def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
+        try:
+            self.outputs.append(req, token, logprobs)
+        except Exception as e:  # noqa: BLE001 - one request's text must not fail the step
+            log.exception("processing the output of %s failed", req.request_id)
+            return self._fail(req, f"internal error while processing its output: {type(e).__name__}")
+        if req.finish_reason is not None:
+            return self._finish(req, req.finish_reason, [token])
+        return self.outputs.output(req, [token])
+
+    def _fail(self, req: Request, why: str, code: str = RequestFailedError.code) -> RequestOutput:
+        req.error, req.error_code = why, code
+        return self._finish(req, "error")
+
+    def _fail_adapter_requests(self, failed: dict) -> list[RequestOutput]:
         """A load failed: only the waiting requests for that adapter end, with its message."""
-        outputs = []
-        for req in [r for r in self.scheduler.waiting if r.adapter in failed]:
-            req.finish_reason = "error"
-            req.error = f"adapter {req.adapter!r} could not be loaded: {failed[req.adapter]}"
-            outputs.append(self._finish(req))
-        return outputs
+        return [self._fail(req, f"adapter {req.adapter!r} could not be loaded: {failed[req.lora]}",
+                           AdapterError.code)
+                for req in [r for r in self.scheduler.waiting if r.lora in failed]]
 
     def _expire_deadlines(self) -> list[RequestOutput]:
         now = time.monotonic()
         expired = [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]
-        for req in expired:
-            req.finish_reason = "deadline"
-        return [self._finish(req) for req in expired]
+        return [self._finish(req, "deadline") for req in expired]
 
-    def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
-        now = time.monotonic()
-        req.output_token_ids.append(token)
-        if logprobs is not None:
-            req.logprobs.append(logprobs)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        old_text = req.text
-        if req.detokenizer is not None:
-            req.text += req.detokenizer.step(token)
-        p = req.params
-        if (token in p.stop_token_ids) or (not p.ignore_eos and token in self.eos_token_ids):
-            req.finish_reason = "stop"
-        elif p.stop and self._stop_string(req, len(old_text)):
-            req.finish_reason = "stop"
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            req.finish_reason = "length"
-        emitted = len(old_text) if not p.stop else req.emitted
-        if req.finish_reason is not None:
-            if req.detokenizer is not None and not (p.stop and req.finish_reason == "stop"):
-                req.text += req.detokenizer.flush()
-            return self._finish(req, [token], emitted)
-        if p.stop:  # hold back what could still become a stop string
-            hold = max(len(s) for s in p.stop) - 1
-            req.emitted = max(req.emitted, len(req.text) - hold)
-            return self._output(req, [token], req.text[emitted:req.emitted])
-        return self._output(req, [token], req.text[emitted:])
-
-    @staticmethod
-    def _stop_string(req: Request, new_from: int) -> bool:
-        """Cut the text at the first stop string that the new text completes."""
-        window_start = max(0, new_from - max(len(s) for s in req.params.stop) + 1)
-        hits = [(i, s) for s in req.params.stop if (i := req.text.find(s, window_start)) >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)
-        req.text = req.text[:i + len(s)] if req.params.include_stop_str_in_output else req.text[:i]
-        return True
-
-    def _finish(self, req: Request, new_tokens: list[int] | None = None, emitted: int | None = None) -> RequestOutput:
+    def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None) -> RequestOutput:
+        """Every way a request ends comes here: out of the queues, pages and adapter back, its
+        last output (the rest of its text: engine/output.py's one rule)."""
+        req.finish_reason = reason
         req.finish_time = time.monotonic()
         if req.status is not Status.FINISHED:
             self.scheduler.finish(req)
-        self._release(req)
+        if req.lora is not None:
+            self.adapters.release(req.lora)
+            req.lora = None
         self.requests.pop(req.request_id, None)
         self.counters.record_finished(req)
-        start = req.emitted if emitted is None else emitted
-        return self._output(req, new_tokens or [], req.text[start:])
-
-    def _release(self, req: Request) -> None:
-        if req.holds_adapter:
-            self.adapters.entries[req.adapter].users -= 1
-            req.holds_adapter = False
-
-    @staticmethod
-    def _output(req: Request, new_tokens: list[int], new_text: str) -> RequestOutput:
-        metrics = None
-        if req.finish_reason is not None:
-            metrics = {"arrival_s": req.arrival_time, "adapter_wait_s": req.adapter_wait,
-                       "queue_s": (req.first_scheduled_time or req.finish_time) - req.arrival_time,
-                       "ttft_s": req.first_token_time - req.arrival_time if req.first_token_time else None,
-                       "e2e_s": req.finish_time - req.arrival_time,
-                       "num_preemptions": req.num_preemptions}
-            n = len(req.output_token_ids)
-            metrics["tpot_s"] = (req.finish_time - req.first_token_time) / (n - 1) if n > 1 else None
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=req.text,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            finished=req.finish_reason is not None, finish_reason=req.finish_reason,
-            adapter=req.adapter, new_token_ids=new_tokens, new_text=new_text,
-            error=req.error, metrics=metrics)
+        self.outputs.close_text(req)
+        return self.outputs.output(req, new_tokens or [])
 
     # -- adapters --------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path) -> dict:
@@ -283,10 +237,21 @@ class Engine:
         weights are read when a request first needs it. Costs no device memory."""
         return self.adapters.register(name, path).info()
 
+    def load_adapter_async(self, name: str, path: str | Path) -> Future:
+        """Start an eager load: files are read, validated and hashed on a worker while steps go
+        on; the adapter takes over `name` once its pages hold it (an adapter already under that
+        name serves until then, and requests that already use it finish on it). The future
+        resolves at a later step to the adapter's info, or to the AdapterError refusing it."""
+        return self.prefetcher.load_eager(name, path)
+
     def load_adapter(self, name: str, path: str | Path) -> dict:
         """Validate a PEFT adapter folder and copy it into pool pages now (the eager form). A
         refused adapter (AdapterError naming the problem) changes nothing."""
-        return load_now(self.prefetcher, name, path).info()
+        done = self.load_adapter_async(name, path)
+        while not done.done():
+            self.prefetcher.wait_any(0.05)
+            self.prefetcher.harvest()  # what else it finds is handed to the next step
+        return done.result()
 
     def unload_adapter(self, name: str) -> None:
         """Forget the adapter and free its pages; AdapterInUseError while requests use it."""
@@ -342,17 +307,19 @@ class Engine:
         self.pool.check_integrity()
         self.kv.check_integrity()
         self.adapters.check_integrity()
-        users: dict[str, int] = {}
-        pins: dict[str, int] = {}
+        users: dict = {}
+        pins: dict = {}
         for r in self.requests.values():
             if r.adapter is not None:
-                users[r.adapter] = users.get(r.adapter, 0) + 1
+                assert r.lora is not None and r.lora.name == r.adapter, f"{r.request_id}: adapter not held"
+                users[r.lora] = users.get(r.lora, 0) + 1
         for r in self.scheduler.running:
-            if r.adapter is not None:
-                pins[r.adapter] = pins.get(r.adapter, 0) + 1
-        for name, entry in self.adapters.entries.items():
-            assert entry.users == users.get(name, 0), f"adapter {name!r}: users count is off"
-            assert entry.pins == pins.get(name, 0), f"adapter {name!r}: pin count is off"
+            if r.lora is not None:
+                pins[r.lora] = pins.get(r.lora, 0) + 1
+        for entry in itertools.chain(self.adapters.entries.values(), self.adapters.retired):
+            assert entry.users == users.pop(entry, 0), f"adapter {entry.name!r}: users count is off"
+            assert entry.pins == pins.pop(entry, 0), f"adapter {entry.name!r}: pin count is off"
+        assert not users, "requests hold adapters the registry does not know"
         live = {r.request_id for r in self.scheduler.running}
         assert live <= set(self.kv.tables), "a running request has no block table"
         assert set(self.kv.tables) <= live, "pages held by a request that is not running"

@@ -11,10 +11,14 @@ import torch
 
 from lorafleet.errors import InvalidRequestError
 
+# Below this a temperature is greedy (as in vLLM): dividing logits by a smaller one overflows the
+# softmax (1e-300 gives inf/NaN probabilities), and no sampled distribution differs from argmax.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What to generate. temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those
+    """What to generate. temperature 0 (or below MIN_TEMPERATURE) is greedy; top_k 0 or -1 and top_p 1 disable those
     filters; `logprobs` = N returns the N most likely tokens (plus the chosen one) per step."""
 
     max_tokens: int = 16
@@ -59,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 class Status(enum.Enum):
@@ -87,13 +91,14 @@ class Request:
     generator: torch.Generator | None = None
     text: str = ""
     detokenizer: object = None
-    holds_adapter: bool = False  # a reference on `adapter` is held until finish or abort
-    emitted: int = 0  # characters of text already streamed out
+    lora: object = None  # memory.residency.AdapterEntry acquired at arrival, released at the end
+    emitted: int = 0  # characters of text already streamed out (see engine/output.py)
     first_scheduled_time: float | None = None
     adapter_blocked_since: float | None = None  # skipped only because its adapter was not ready
     adapter_wait: float = 0.0                    # exposed adapter-load time, seconds
     deadline: float | None = None                # monotonic time after which it is aborted
     error: str | None = None
+    error_code: str | None = None                # the LorafleetError code of `error`
     first_token_time: float | None = None
     finish_time: float | None = None
 
@@ -108,10 +113,6 @@ class Request:
         if start >= p:  # decode: no copy of the whole sequence
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
-
-    @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED
 
 
 @dataclass
@@ -130,4 +131,5 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     error: str | None = None          # why it ended, when finish_reason is "error"
+    error_code: str | None = None     # its kind: "invalid_adapter" (a load failed) or "request_failed"
     metrics: dict | None = None       # when finished: queue_s, adapter_wait_s, ttft_s, tpot_s...

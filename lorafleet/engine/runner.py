@@ -28,26 +28,27 @@ class ModelRunner:
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:
         """Decode rows first, then prefill chunks; within each, grouped by adapter so that each
-        adapter's rows form one segment for the LoRA op."""
+        adapter's rows form one segment for the LoRA op (by entry: a name replaced while
+        requests still use its old weights has two)."""
         def key(c: Chunk):
-            return c.request.adapter or ""
+            lora = c.request.lora
+            return (lora.name, lora.uid) if lora is not None else ("", 0)
         return (sorted((c for c in chunks if c.num_tokens == 1), key=key)
                 + sorted((c for c in chunks if c.num_tokens > 1), key=key))
 
     def lora_batch(self, chunks: list[Chunk], residency) -> LoraBatch | None:
         """Segments of consecutive rows sharing an adapter; None when no row has one (then the
         model runs without any LoRA work)."""
-        if all(c.request.adapter is None for c in chunks):
+        if all(c.request.lora is None for c in chunks):
             return None
         batch = LoraBatch(self.kernel_weights)
         row, start, current = 0, 0, None
         for c in chunks + [None]:
-            name = c.request.adapter if c is not None else None
-            if c is None or name != current:
+            lora = c.request.lora if c is not None else None
+            if c is None or lora is not current:
                 if current is not None and row > start:
-                    resident = residency.get(current)
-                    batch.add_rows(start, row, residency.step_views(resident), resident.kernel_meta)
-                start, current = row, name
+                    batch.add_rows(start, row, residency.step_views(current), current.kernel_meta)
+                start, current = row, lora
             if c is not None:
                 row += c.num_tokens
         return batch.finish()

@@ -72,14 +72,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def wanted_adapters(self) -> list[str]:
-        """Adapters of waiting requests, in queue order, without repeats (for the prefetcher)."""
-        return list(dict.fromkeys(r.adapter for r in self.waiting if r.adapter is not None))
+    def wanted_adapters(self) -> list:
+        """Adapters (registry entries) of waiting requests, in queue order, without repeats (for
+        the prefetcher)."""
+        return list(dict.fromkeys(r.lora for r in self.waiting if r.lora is not None))
 
     def _ready(self, req: Request) -> bool:
-        return self.residency is None or self.residency.is_ready(req.adapter)
+        return req.lora is None or req.lora.ready
 
-    def _room(self, pages: int, protect: str | None = None) -> bool:
+    def _room(self, pages: int, protect=None) -> bool:
         """Free pages for KV, evicting idle adapters (never `protect`) if that is enough."""
         if self.kv.pool.can_allocate(pages):
             return True
@@ -120,7 +121,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.kv.extra_pages(req.request_id, req.num_computed + n)
             reserve = self.watermark_pages if self.running else 0  # alone, it may use the watermark
-            if not self._room(need + reserve, protect=req.adapter):
+            if not self._room(need + reserve, protect=req.lora):
                 break  # admitted when pages come back
             queues[key(req)].popleft()
             if req in preempted:
@@ -144,8 +145,8 @@ class Scheduler:
         self.policy.on_admit(req)
         req.status = Status.RUNNING
         self.running.append(req)
-        if req.adapter is not None and self.residency is not None:
-            self.residency.pin(req.adapter)
+        if req.lora is not None:
+            self.residency.pin(req.lora)
 
     def _make_room(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Idle adapters first, then the newest running sequences, until `req` can hold
@@ -175,8 +176,8 @@ class Scheduler:
     def _stop(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
-        if req.adapter is not None and self.residency is not None:
-            self.residency.unpin(req.adapter)
+        if req.lora is not None:
+            self.residency.unpin(req.lora)
 
     def finish(self, req: Request) -> None:
         """Take `req` out of the queues and free its pages (finished or aborted)."""

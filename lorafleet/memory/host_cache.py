@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Container, Hashable
 
 import torch
 
@@ -43,42 +44,38 @@ def build_host_adapter(path: Path, base: BaseShapes, dtype: torch.dtype, pin: bo
 
 
 class HostCache:
-    """name -> HostAdapter, LRU, at most `capacity` bytes (one adapter larger than the budget is
-    still kept while it is the only one: it must pass through to reach the device)."""
+    """key (an adapter's registry entry) -> HostAdapter, LRU, at most `capacity` bytes (one
+    adapter larger than the budget is still kept while it is the only one: it must pass through
+    to reach the device). Keys are entries, not names: a name replaced by new weights may have
+    its old and new copies here at once."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._items: OrderedDict[str, HostAdapter] = OrderedDict()
+        self._items: OrderedDict[Hashable, HostAdapter] = OrderedDict()
         self.nbytes = 0
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._items
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, name: str) -> HostAdapter | None:
-        item = self._items.get(name)
-        if item is not None:
-            self._items.move_to_end(name)
-        return item
-
-    def put(self, name: str, item: HostAdapter, keep: set[str] = frozenset()) -> list[str]:
+    def put(self, key: Hashable, item: HostAdapter, keep: Container = frozenset()) -> list:
         """Insert; evict least recently used entries not in `keep` while over budget. Returns the
-        names evicted."""
-        self.drop(name)
-        self._items[name] = item
+        keys evicted."""
+        self.drop(key)
+        self._items[key] = item
         self.nbytes += item.nbytes
         evicted = []
         for victim in list(self._items):
             if self.nbytes <= self.capacity:
                 break
-            if victim != name and victim not in keep:
+            if victim is not key and victim not in keep:
                 self.drop(victim)
                 evicted.append(victim)
         return evicted
 
-    def drop(self, name: str) -> None:
-        item = self._items.pop(name, None)
+    def drop(self, key: Hashable) -> None:
+        item = self._items.pop(key, None)
         if item is not None:
             self.nbytes -= item.nbytes

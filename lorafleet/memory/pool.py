@@ -23,7 +23,7 @@ import torch
 from lorafleet.errors import PoolExhaustedError
 
 FREE = -1
-KV = 0  # owner ids >= 1 are adapters (see `owner_id`)
+KV = 0  # owner ids >= 1 are adapters (see `new_owner`)
 
 
 class PagePool:
@@ -32,10 +32,12 @@ class PagePool:
             raise ValueError("a pool needs at least one page of at least one element")
         self.num_pages = num_pages
         self.page_elems = page_elems
-        self.tensor = torch.empty(num_pages, page_elems, dtype=dtype, device=device)  # [P, E]
+        # zeros, not empty: on the CPU every page is touched (faulted in) now, not by the first
+        # adapter copied into it, whose page faults would stall the steps running beside it
+        self.tensor = torch.zeros(num_pages, page_elems, dtype=dtype, device=device)  # [P, E]
         self._owner = np.full(num_pages, FREE, dtype=np.int64)  # page -> owner id
         self._owner_names: dict[int, str] = {KV: "kv"}
-        self._owner_ids: dict[str, int] = {}
+        self._next_owner = KV + 1
         self._pages_by_owner: dict[int, int] = {KV: 0}
         self.num_free = num_pages
 
@@ -47,20 +49,26 @@ class PagePool:
     def num_kv(self) -> int:
         return self._pages_by_owner[KV]
 
-    def owner_id(self, name: str) -> int:
-        """A stable small integer for an adapter owner name."""
-        if name not in self._owner_ids:
-            oid = len(self._owner_names)
-            self._owner_ids[name], self._owner_names[oid] = oid, name
-            self._pages_by_owner[oid] = 0
-        return self._owner_ids[name]
+    def new_owner(self, label: str) -> int:
+        """A new owner id (>= 1) for one adapter's pages; `label` (its name) is what stats show.
+        Two owners may share a label: an adapter replaced while requests still use it."""
+        oid = self._next_owner
+        self._next_owner += 1
+        self._owner_names[oid] = label
+        self._pages_by_owner[oid] = 0
+        return oid
+
+    def forget_owner(self, oid: int) -> None:
+        """The owner is gone for good (it holds no page)."""
+        assert self._pages_by_owner[oid] == 0, f"owner {self._owner_names[oid]} forgotten with pages"
+        del self._pages_by_owner[oid], self._owner_names[oid]
 
     # -- predicate / action -------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
         return 0 <= n <= self.num_free
 
     def allocate(self, n: int, owner: int = KV) -> list[int]:
-        """Take n free pages for `owner` (KV, or an id from `owner_id`)."""
+        """Take n free pages for `owner` (KV, or an id from `new_owner`)."""
         if not self.can_allocate(n):
             raise PoolExhaustedError(f"page pool: {n} pages requested, {self.num_free} free "
                                      f"of {self.num_pages}")
@@ -145,7 +153,11 @@ class PagePool:
         assert free + sum(self._pages_by_owner.values()) == self.num_pages
 
     def stats(self) -> dict:
-        adapters = {self._owner_names[o]: n for o, n in self._pages_by_owner.items() if o != KV and n}
+        adapters: dict[str, int] = {}
+        for o, n in self._pages_by_owner.items():
+            if o != KV and n:
+                label = self._owner_names[o]
+                adapters[label] = adapters.get(label, 0) + n
         return {
             "total_pages": self.num_pages, "page_bytes": self.page_bytes,
             "free_pages": self.num_free, "kv_pages": self.num_kv,

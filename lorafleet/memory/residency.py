@@ -1,13 +1,24 @@
 """Every registered adapter and where it lives: disk (registered only) -> host cache -> device
-pages of the unified pool. This module owns the registry and the device tier; the host tier is
-`host_cache.py`, and moving data between tiers ahead of need is `prefetch.py`.
+pages of the unified pool.
+
+This module is the only writer of adapter state (the fields of `AdapterEntry`). The others call
+its interface: the engine `acquire`/`release` for a request's life; the scheduler `pin`/`unpin`,
+`is_ready` and `make_room`; the prefetcher the load transitions (`load_started`, `loaded`,
+`load_failed`, `copy_started`, `copied`), `allocate`, and `stage`/`install` for eager loads.
+Moving data between tiers ahead of need is `prefetch.py`; the host tier's LRU is `host_cache.py`.
 
 Contracts:
-- Registering costs no device memory: only the config is read and checked.
+- Registering costs no device memory: only the config and the weights file's header are read.
+  An adapter larger than the whole pool is refused there (AdapterTooLargeError: no retry helps).
 - An adapter is `ready` when its pages hold its weights; only then may a request that uses it
   be scheduled. Pages are in proportion to its size (so to its rank): no max-rank padding.
-- `pins` counts running requests using the adapter: a pinned adapter is never evicted.
-  `users` counts unfinished requests (running or waiting): unloading is refused while > 0.
+- `users` counts unfinished requests that acquired the entry (running or waiting); `pins` counts
+  the running ones. A pinned adapter is never evicted; unloading is refused while users > 0.
+- A name points to one entry at a time (`entries`). Replacing it (`register` with another path,
+  or an eager load of other weights, which is `install`ed only once its pages hold them) retires
+  the old entry: requests that acquired it finish on its weights, and its pages and host copy go
+  back when its last user releases it. A request never mixes two weights, and every request
+  that arrives after the swap gets the new ones.
 - Eviction frees device pages of unpinned adapters, least recently used first, and only when
   pages are needed (for KV or another adapter). An adapter made ready less than
   `min_resident_steps` steps ago is spared when another adapter wants its pages (hysteresis,
@@ -15,12 +26,13 @@ Contracts:
 - Contiguous pages give zero-copy views fixed for the adapter's stay; scattered pages are
   gathered once per step instead (correct, slower).
 Checked by `check_integrity()`: every adapter's pages are exactly the pool pages its owner id
-holds, and pinned adapters are ready.
+holds, no adapter owner is unknown, pins <= users, pinned adapters are ready.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import time
 from dataclasses import dataclass, field
@@ -29,26 +41,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, PoolExhaustedError
+from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config, weights_numel
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.layout import GroupView
 from lorafleet.memory.pool import PagePool
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+_uids = itertools.count(1)
 
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
-        raise AdapterError(f"adapter name {name!r} is invalid: use 1-128 letters, digits and . _ - : @ /,"
+        raise AdapterError("adapter name is invalid: use 1-128 letters, digits and . _ - : @ /,"
                            " starting with a letter or digit, without '..'")
     return name
 
 
 @dataclass(eq=False)
 class AdapterEntry:
+    """One adapter's weights and where they are. Written by AdapterResidency only."""
+
     name: str
     path: Path
+    owner: int                           # its pool owner id
+    uid: int = field(default_factory=lambda: next(_uids))
     digest: str | None = None            # known once the weights have been read
     numel: int = 0                       # elements of its weights, from the file header
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
@@ -60,6 +77,7 @@ class AdapterEntry:
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy
     error: str | None = None             # the last load failed with this message
+    retired: bool = False                # no longer under its name; goes when unused
     users: int = 0
     pins: int = 0
     last_used: float = 0.0
@@ -96,10 +114,13 @@ class AdapterResidency:
         self.pool = pool
         self.base = base
         self.host = HostCache(host_cache_bytes)
-        self.entries: dict[str, AdapterEntry] = {}
+        self.entries: dict[str, AdapterEntry] = {}   # name -> its current entry
+        self.retired: set[AdapterEntry] = set()      # replaced or unloaded, still in use or in flight
+        self.staged: set[AdapterEntry] = set()       # eager loads not installed yet
         self.min_resident_steps = min_resident_steps
         self.step = 0
         self.pin_host = pool.tensor.device.type == "cuda"
+        self._copying: set[AdapterEntry] = set()
 
     # -- registry ----------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -112,19 +133,21 @@ class AdapterResidency:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered") from None
 
     def register(self, name: str, path: str | Path) -> AdapterEntry:
-        """Check the config against the base (cheap) and record the adapter; no weights read.
-        Registering a name again with another path replaces it while nothing uses it."""
+        """Check the config against the base and the size against the pool (cheap: no tensor
+        data is read) and record the adapter. Registering a name again with the same path
+        keeps it; with another path replaces it (the old one is retired)."""
         check_name(name)
         path = Path(path)
         read_adapter_config(path, self.base)
         numel = weights_numel(path)
+        self.check_fits(name, numel)
         old = self.entries.get(name)
-        if old is not None:
-            if old.path == path and old.error is None:
-                return old
-            self.unregister(name)
-        entry = AdapterEntry(name, path, numel=numel)
+        if old is not None and old.path == path and old.error is None:
+            return old
+        entry = AdapterEntry(name, path, self.pool.new_owner(name), numel=numel)
         self.entries[name] = entry
+        if old is not None:
+            self._retire(old)
         return entry
 
     def unregister(self, name: str) -> None:
@@ -132,51 +155,201 @@ class AdapterResidency:
         if entry.users:
             raise AdapterInUseError(f"adapter {name!r} is used by {entry.users} request(s); "
                                     "unload it when they finish")
-        if entry.copying is not None:
-            raise AdapterInUseError(f"adapter {name!r} is being copied to the device; retry")
+        del self.entries[name]
+        self._retire(entry)
+
+    def check_fits(self, name: str, numel: int) -> None:
+        need = -(-numel // self.pool.page_elems)
+        if need > self.pool.num_pages:
+            size = numel * self.pool.tensor.element_size()
+            raise AdapterTooLargeError(
+                f"adapter {name!r} needs {need} pages ({size / 2**20:.1f} MiB); the pool holds "
+                f"{self.pool.num_pages} pages ({self.pool.num_pages * self.pool.page_bytes / 2**20:.1f} MiB)"
+                " in all (raise pool_bytes)")
+
+    def stage(self, name: str, path: Path) -> AdapterEntry:
+        """An entry for an eager load, outside the registry until `install`."""
+        entry = AdapterEntry(name, path, self.pool.new_owner(name))
+        self.staged.add(entry)
+        return entry
+
+    def install(self, entry: AdapterEntry) -> AdapterEntry:
+        """A staged entry whose pages hold its weights takes over its name."""
+        assert entry.ready and entry in self.staged
+        self.staged.discard(entry)
+        old = self.entries.get(entry.name)
+        self.entries[entry.name] = entry
+        if old is not None:
+            self._retire(old)
+        return entry
+
+    def discard_staged(self, entry: AdapterEntry) -> None:
+        """An eager load that will not be installed (refused, or the same weights are in)."""
+        self.staged.discard(entry)
+        self._retire(entry)
+
+    def _retire(self, entry: AdapterEntry) -> None:
+        entry.retired = True
+        self.retired.add(entry)
+        self._drop_if_unused(entry)
+
+    def _drop_if_unused(self, entry: AdapterEntry) -> None:
+        if not entry.retired or entry.users or entry.loading is not None or entry.copying is not None:
+            return
         if entry.pages is not None:
             self._free_device(entry)
-        self.host.drop(name)
-        del self.entries[name]
+        self.host.drop(entry)
+        entry.host = None
+        self.pool.forget_owner(entry.owner)
+        self.retired.discard(entry)
+
+    # -- a request's life --------------------------------------------------------------
+    def acquire(self, name: str) -> AdapterEntry:
+        """A new request uses the adapter named `name` until `release`."""
+        entry = self.get(name)
+        entry.users += 1
+        if entry.ready:
+            entry.hits += 1
+        else:
+            entry.misses += 1
+            entry.error = None  # a new request retries a load that failed before
+        return entry
+
+    def release(self, entry: AdapterEntry) -> None:
+        assert entry.users > 0, f"adapter {entry.name!r} released more often than acquired"
+        entry.users -= 1
+        self._drop_if_unused(entry)
+
+    def pin(self, entry: AdapterEntry) -> None:
+        assert entry.ready, f"adapter {entry.name!r} pinned while not on the device"
+        entry.pins += 1
+        entry.last_used = time.monotonic()
+
+    def unpin(self, entry: AdapterEntry) -> None:
+        assert entry.pins > 0, f"adapter {entry.name!r} unpinned more often than pinned"
+        entry.pins -= 1
+        entry.last_used = time.monotonic()
+
+    @staticmethod
+    def is_ready(entry: AdapterEntry | None) -> bool:
+        return entry is None or entry.ready
+
+    # -- load transitions (the prefetcher) -----------------------------------------------
+    def load_started(self, entry: AdapterEntry, future) -> None:
+        entry.loading = future
+
+    def loaded(self, entry: AdapterEntry, host: HostAdapter, seconds: float) -> bool:
+        """The disk -> host load finished (and the copy too when it had pages): True when the
+        adapter is now ready on the device."""
+        entry.loading = None
+        entry.disk_loads += 1
+        entry.load_time_s += seconds
+        entry.digest = host.digest
+        entry.numel = host.layout.numel
+        self._put_host(entry, host)
+        ready = entry.pages is not None
+        if ready:
+            self._mark_ready(entry)
+        self._drop_if_unused(entry)
+        return ready
+
+    def load_failed(self, entry: AdapterEntry, message: str) -> None:
+        entry.loading = None
+        entry.error = message
+        if entry.pages is not None and not entry.ready:
+            self.pool.free(entry.pages)
+            entry.pages = None
+        self._drop_if_unused(entry)
+
+    def copy_started(self, entry: AdapterEntry, future) -> None:
+        entry.copying = future
+        self._copying.add(entry)
+
+    def copied(self, entry: AdapterEntry) -> None:
+        entry.copying = None
+        self._copying.discard(entry)
+        self._mark_ready(entry)
+        self._drop_if_unused(entry)
+
+    def _put_host(self, entry: AdapterEntry, host: HostAdapter) -> None:
+        """Into the host cache, dropping LRU others (never one that is being copied)."""
+        entry.host = host
+        for evicted in self.host.put(entry, host, keep=self._copying):
+            evicted.host = None
+
+    def _mark_ready(self, entry: AdapterEntry) -> None:
+        """After the copy: build the views the LoRA op reads (engine thread)."""
+        host, pages = entry.host, entry.pages
+        entry.ranks, entry.num_params, entry.layout = host.ranks, host.num_params, host.layout
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            buf = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)
+            entry.views = host.layout.views(buf, self.base.num_layers)
+            entry.kernel_meta = host.layout.kernel_meta(pages[0] * self.pool.page_elems, self.base.num_layers)
+        else:
+            entry.views, entry.kernel_meta = None, None
+        entry.ready = True
+        entry.ready_step = self.step
+        entry.device_loads += 1
+        entry.last_used = time.monotonic()
 
     # -- device tier -------------------------------------------------------------------
     def pages_needed(self, entry: AdapterEntry) -> int:
         numel = entry.host.layout.numel if entry.host is not None else entry.numel
         return -(-numel // self.pool.page_elems)
 
-    def allocate(self, entry: AdapterEntry, reserve: int = 0, protect: set[str] = frozenset(),
+    def allocate(self, entry: AdapterEntry, reserve: int = 0, protect: set[AdapterEntry] = frozenset(),
                  for_kv: bool = False) -> bool:
-        """Give `entry` (with a host copy) its device pages, evicting idle adapters if that
-        makes room; False (nothing evicted) when it cannot fit now."""
+        """Give `entry` its device pages, evicting idle adapters if that makes room; False
+        (nothing evicted) when it cannot fit now. AdapterTooLargeError when it never can."""
         need = self.pages_needed(entry)
-        if need > self.pool.num_pages:
-            raise PoolExhaustedError(f"adapter {entry.name!r} needs {need} pages; the pool has "
-                                     f"{self.pool.num_pages} in all (raise pool_bytes)")
-        protect = protect | {entry.name}
+        self.check_fits(entry.name, need * self.pool.page_elems)
+        protect = protect | {entry}
         if not self.make_room(need + reserve, protect, for_kv=for_kv):
             return False
         if self.pool.largest_free_run() < need:
             self._make_contiguous(need, protect, for_kv)
-        entry.pages = self.pool.allocate(need, self.pool.owner_id(entry.name))
+        entry.pages = self.pool.allocate(need, entry.owner)
         return True
 
-    def _make_contiguous(self, need: int, protect: set[str], for_kv: bool) -> None:
+    def _make_contiguous(self, need: int, protect: set[AdapterEntry], for_kv: bool) -> None:
         """Evict the idle adapters standing in the cheapest window of `need` pages, so the new
         adapter gets one run (zero-copy views, the fused CPU kernel) instead of scattered
         pages; when no window is free of KV and busy adapters, it will be scattered."""
-        evictable = {self.pool.owner_id(e.name): e for e in self._idle(protect, for_kv)}
-        owners = self.pool.cheapest_window(need, set(evictable))
-        for oid in owners or ():
-            self._free_device(evictable[oid])
-            evictable[oid].evictions += 1
+        evictable = {e.owner: e for e in self._idle(protect, for_kv)}
+        for oid in self.pool.cheapest_window(need, set(evictable)) or ():
+            self._evict(evictable[oid])
 
-    def _idle(self, protect: set[str], for_kv: bool) -> list[AdapterEntry]:
+    def _idle(self, protect: set[AdapterEntry], for_kv: bool) -> list[AdapterEntry]:
         """Adapters that may be evicted now, least recently used first."""
         young = self.step - self.min_resident_steps
-        return sorted((e for e in self.entries.values()
-                       if e.ready and e.pins == 0 and e.copying is None and e.name not in protect
+        return sorted((e for e in itertools.chain(self.entries.values(), self.retired)
+                       if e.ready and e.pins == 0 and e.copying is None and e not in protect
                        and (for_kv or e.ready_step <= young)),
                       key=lambda e: e.last_used)
+
+    def make_room(self, pages: int, protect: set[AdapterEntry] = frozenset(), for_kv: bool = False) -> bool:
+        """Evict idle adapters (unpinned, not in `protect`, least recently used first; young ones
+        only for KV) until `pages` are free. Evicts nothing when that would not suffice."""
+        if self.pool.can_allocate(pages):
+            return True
+        idle = self._idle(protect, for_kv)
+        short = pages - self.pool.num_free
+        if sum(len(e.pages) for e in idle) < short:
+            return False
+        for e in idle:
+            if self.pool.can_allocate(pages):
+                break
+            self._evict(e)
+        return True
+
+    def _evict(self, entry: AdapterEntry) -> None:
+        self._free_device(entry)
+        entry.evictions += 1
+        self._drop_if_unused(entry)
+
+    def _free_device(self, entry: AdapterEntry) -> None:
+        self.pool.free(entry.pages)
+        entry.pages, entry.ready, entry.views, entry.kernel_meta, entry.layout = None, False, None, None, None
 
     def copy_in(self, host: HostAdapter, pages: list[int], stream=None) -> None:
         """Host -> device pages (runs on a prefetch worker; the pages are already allocated).
@@ -196,63 +369,6 @@ class AdapterResidency:
         if stream is not None:
             stream.synchronize()
 
-    def release_pages(self, entry: AdapterEntry) -> None:
-        """Give back pages allocated for a load that failed."""
-        if entry.pages is not None and not entry.ready:
-            self.pool.free(entry.pages)
-            entry.pages = None
-
-    def mark_ready(self, entry: AdapterEntry) -> None:
-        """After the copy: build the views the LoRA op reads (engine thread)."""
-        host, pages = entry.host, entry.pages
-        entry.digest, entry.ranks, entry.num_params = host.digest, host.ranks, host.num_params
-        entry.layout = host.layout
-        if pages == list(range(pages[0], pages[0] + len(pages))):
-            buf = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)
-            entry.views = host.layout.views(buf, self.base.num_layers)
-            entry.kernel_meta = host.layout.kernel_meta(pages[0] * self.pool.page_elems, self.base.num_layers)
-        else:
-            entry.views, entry.kernel_meta = None, None
-        entry.ready = True
-        entry.ready_step = self.step
-        entry.device_loads += 1
-        entry.last_used = time.monotonic()
-
-    def make_room(self, pages: int, protect: set[str] = frozenset(), for_kv: bool = False) -> bool:
-        """Evict idle adapters (unpinned, not in `protect`, least recently used first; young ones
-        only for KV) until `pages` are free. Evicts nothing when that would not suffice."""
-        if self.pool.can_allocate(pages):
-            return True
-        idle = self._idle(protect, for_kv)
-        short = pages - self.pool.num_free
-        if sum(len(e.pages) for e in idle) < short:
-            return False
-        for e in idle:
-            if self.pool.can_allocate(pages):
-                break
-            self._free_device(e)
-            e.evictions += 1
-        return True
-
-    def _free_device(self, entry: AdapterEntry) -> None:
-        self.pool.free(entry.pages)
-        entry.pages, entry.ready, entry.views, entry.kernel_meta, entry.layout = None, False, None, None, None
-
-    def pin(self, name: str) -> None:
-        entry = self.entries[name]
-        assert entry.ready, f"adapter {name!r} pinned while not on the device"
-        entry.pins += 1
-        entry.last_used = time.monotonic()
-
-    def unpin(self, name: str) -> None:
-        entry = self.entries[name]
-        assert entry.pins > 0, f"adapter {name!r} unpinned more often than pinned"
-        entry.pins -= 1
-        entry.last_used = time.monotonic()
-
-    def is_ready(self, name: str | None) -> bool:
-        return name is None or self.entries[name].ready
-
     def step_views(self, entry: AdapterEntry) -> list[dict[str, GroupView]]:
         """The views for this step: the cached zero-copy ones, or a gather of scattered pages."""
         if entry.views is not None:
@@ -263,18 +379,23 @@ class AdapterResidency:
     # -- checks & stats ----------------------------------------------------------------
     def check_integrity(self) -> None:
         by_owner = self.pool.owner_map()
-        for name, e in self.entries.items():
-            owned = by_owner.get(self.pool.owner_id(name), [])
-            assert sorted(e.pages or []) == owned, f"adapter {name!r}: pages disagree with the pool"
-            assert e.pins == 0 or e.ready, f"adapter {name!r} is pinned but not on the device"
-            assert 0 <= e.pins <= e.users, f"adapter {name!r}: pins {e.pins} > users {e.users}"
+        for e in itertools.chain(self.entries.values(), self.retired, self.staged):
+            owned = by_owner.pop(e.owner, [])
+            assert sorted(e.pages or []) == owned, f"adapter {e.name!r}: pages disagree with the pool"
+            assert e.pins == 0 or e.ready, f"adapter {e.name!r} is pinned but not on the device"
+            assert 0 <= e.pins <= e.users, f"adapter {e.name!r}: pins {e.pins} > users {e.users}"
             assert not e.ready or e.pages is not None
             assert e.ready or e.pages is None or e.copying is not None or e.loading is not None, \
-                f"adapter {name!r}: stray pages"
+                f"adapter {e.name!r}: stray pages"
+        for e in self.retired:
+            assert e.users or e.loading is not None or e.copying is not None, \
+                f"retired adapter {e.name!r} kept with nothing using it"
+        strays = set(by_owner) - {-1, 0}
+        assert not strays, f"pages held by unknown adapter owners {sorted(strays)}"
 
     def stats(self) -> dict:
         tiers = {"device": 0, "host": 0, "disk": 0}
         for e in self.entries.values():
             tiers[e.tier] += 1
-        return {"registered": len(self.entries), "tiers": tiers, "host_cache_bytes": self.host.nbytes,
-                "host_cache_capacity": self.host.capacity}
+        return {"registered": len(self.entries), "tiers": tiers, "retired": len(self.retired),
+                "host_cache_bytes": self.host.nbytes, "host_cache_capacity": self.host.capacity}

@@ -1,8 +1,10 @@
 """Sampling as pure functions of (logits, params, generators).
 
 Each row is processed on its own: a request with a seed draws only from its own generator, so
-its tokens do not depend on what else shares the batch. Logprobs are those of the model's raw
-distribution (before temperature and filters), as vLLM reports them by default.
+its tokens do not depend on what else shares the batch, and a row that cannot be sampled (its
+logits are not finite: an adapter whose weights overflow) fails that row only. Logprobs are
+those of the model's raw distribution (before temperature and filters), as vLLM reports them by
+default. Temperatures below `MIN_TEMPERATURE` are greedy (`SamplingParams.greedy`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                generator: torch.Generator | None) -> int:
-    """One token from one row of logits [V]."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
+    """One token from one row of logits [V] (temperature > 0)."""
     probs = filter_top_k_top_p(logits / temperature, top_k, top_p).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -39,23 +39,35 @@ def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
 def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> dict[int, float]:
     """The chosen token's logprob plus the n most likely: {token_id: logprob}. logprobs: [V]."""
     out = {token: float(logprobs[token])}
+    n = min(n, logprobs.shape[-1])
     if n:
         values, ids = torch.topk(logprobs, n)
         out.update({int(i): float(v) for i, v in zip(ids.tolist(), values.tolist())})
     return out
 
 
-def sample(logits: torch.Tensor, params: list, generators: list) -> tuple[list[int], list[dict | None]]:
+def sample(logits: torch.Tensor, params: list, generators: list
+           ) -> tuple[list[int | None], list[dict | None], dict[int, str]]:
     """logits: [S, V] float32; params[i]: SamplingParams; generators[i]: torch.Generator or None.
-    Returns the chosen token ids and, for rows that asked, their logprob dicts."""
+    Returns the chosen token ids, for rows that asked their logprob dicts, and {row: why} for
+    rows that could not be sampled (their token is None; every other row is unaffected)."""
+    finite = torch.isfinite(logits).all(-1).tolist()
     greedy_tokens = torch.argmax(logits, dim=-1).tolist()  # one batched call covers greedy rows
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprobs = logits[want_lp].log_softmax(-1) if want_lp else None
-    tokens, lps = [], [None] * len(params)
+    tokens: list[int | None] = [None] * len(params)
+    lps: list[dict | None] = [None] * len(params)
+    errors: dict[int, str] = {}
     for i, p in enumerate(params):
-        tok = greedy_tokens[i] if p.greedy else sample_row(logits[i], p.temperature, p.top_k,
-                                                            p.top_p, generators[i])
-        tokens.append(tok)
+        if not finite[i]:
+            errors[i] = "the model produced non-finite logits for this request (NaN or Inf)"
+            continue
+        try:
+            tokens[i] = greedy_tokens[i] if p.greedy else sample_row(logits[i], p.temperature, p.top_k,
+                                                                   p.top_p, generators[i])
+        except RuntimeError as e:  # torch refuses the distribution: this row's problem only
+            errors[i] = f"sampling failed: {e}"
     for j, i in enumerate(want_lp):
-        lps[i] = top_logprobs(logprobs[j], tokens[i], params[i].logprobs)
-    return tokens, lps
+        if tokens[i] is not None:
+            lps[i] = top_logprobs(logprobs[j], tokens[i], params[i].logprobs)
+    return tokens, lps, errors

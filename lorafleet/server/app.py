@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException
 from lorafleet import __version__
 from lorafleet.errors import AdapterError, LorafleetError, UnauthorizedError
 from lorafleet.server import metrics
-from lorafleet.server.completions import error_body, read_json, router as completions_router, state_of
+from lorafleet.server.completions import read_json, router as completions_router, state_of
+from lorafleet.server.errors import ErrorResponse
 from lorafleet.server.protocol import bad
 from lorafleet.server.state import ServerState
 
@@ -99,20 +100,19 @@ def _lora_body(body, need_path: bool) -> tuple[str, str | None]:
 @v1.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request):
     """Load (or, with {"lazy": true}, only register) a PEFT adapter under `lora_name`. Loading a
-    name again with the same weights is a no-op; with new weights it replaces them."""
+    name again with the same weights is a no-op; with new weights it replaces them once they are
+    in the pool (the old ones serve until then, and finish the requests that use them). The
+    files are read and hashed on a prefetch worker: running streams keep their pace."""
     st = state_of(request)
     body = await read_json(request)
     name, path = _lora_body(body, need_path=True)
     if name == st.base_name:
         raise bad("lora_name", f"{name!r} is the base model's name; choose another adapter name")
-    lazy = isinstance(body, dict) and body.get("lazy") is True
-
-    def load(engine):
-        if lazy and hasattr(engine, "register_adapter"):
-            return engine.register_adapter(name, path)
-        return engine.load_adapter(name, path)
-    info = await on_engine(request, load)
-    log.info("adapter %s %s from %s", name, "registered" if lazy else "loaded", path)
+    if isinstance(body, dict) and body.get("lazy") is True:
+        info = await on_engine(request, lambda e: e.register_adapter(name, path))
+    else:
+        info = await asyncio.wrap_future(await on_engine(request, lambda e: e.load_adapter_async(name, path)))
+    log.info("adapter %s %s from %s", name, "loaded" if info["tier"] == "device" else "registered", path)
     return {"object": "lora_adapter", "message": f"Success: LoRA adapter '{name}' added successfully.",
             "adapter": info}
 
@@ -133,7 +133,10 @@ async def stats(request: Request):
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="lorafleet", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    # max_body_size: a body announced larger is refused (413) before a byte of it is read, one
+    # without a length the moment it passes the limit: no body larger than that is ever held
+    app = FastAPI(title="lorafleet", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  max_body_size=state.config.max_body_bytes)
     app.state.lorafleet = state
     app.include_router(v1)
 
@@ -152,23 +155,27 @@ def create_app(state: ServerState) -> FastAPI:
     async def lorafleet_error(request: Request, e: LorafleetError):
         if e.http_status >= 500 and not isinstance(e, AdapterError):
             log.warning("%s %s: %s", request.method, request.url.path, e)
-        return JSONResponse(error_body(e), status_code=e.http_status)
+        return ErrorResponse(e)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        err = LorafleetError(f"{request.method} {request.url.path}: {e.detail}")
+        if e.status_code == 413:
+            err = LorafleetError(f"the request body is larger than {state.config.max_body_bytes} bytes, "
+                                 "the daemon's limit (`serve --max-body-bytes`)")
+        else:
+            err = LorafleetError(f"{request.method} {request.url.path}: {e.detail}")
         err.http_status = e.status_code
-        err.code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return JSONResponse(error_body(err), status_code=e.status_code, headers=getattr(e, "headers", None))
+        err.code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            e.status_code, "http_error")
+        return ErrorResponse(err, headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
-        return JSONResponse(error_body(bad(None, f"invalid request: {e.errors()}")), status_code=400)
+        return ErrorResponse(bad(None, f"invalid request: {e.errors()}"))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
-        err = LorafleetError(f"internal error: {type(e).__name__}: {e}")
-        return JSONResponse(error_body(err), status_code=500)
+        return ErrorResponse(LorafleetError(f"internal error: {type(e).__name__}"))
 
     return app

@@ -1,8 +1,11 @@
 """POST /v1/completions and /v1/chat/completions: parse, admit, hand the prompts to the engine
 thread, then answer whole or stream as server-sent events.
 
-A request's life here: `ServerState.admit` (429/503 instead of an unbounded queue) -> one engine
-request per prompt, all feeding one `Sink` -> a `Run` that reads the sink -> `Run.close()`,
+A request's life here: the body is decoded and parsed (a 400 naming the field; more prompts than
+the daemon ever admits is a 400 too, since no retry could succeed) -> `ServerState.admit`
+(429/503 instead of an unbounded queue) -> tokenization on a worker thread (never on the event
+loop, never on the engine thread) -> one engine request per prompt, all feeding one `Sink` ->
+a `Run` that reads the sink -> `Run.close()`,
 which always runs (finished, client gone, error or shutdown) and aborts whatever the engine
 still holds for it. A client that hangs up is noticed at once (uvicorn reports the disconnect),
 so its request is aborted before the engine's next step and its pages are freed.
@@ -18,9 +21,10 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lorafleet.errors import AdapterError, AdapterNotFoundError, LorafleetError
+from lorafleet.errors import AdapterError, AdapterNotFoundError, LorafleetError, RequestFailedError
 from lorafleet.server import responses
-from lorafleet.server.protocol import Generation, bad, parse_chat, parse_completion
+from lorafleet.server.errors import error_body
+from lorafleet.server.protocol import Generation, bad, decode_body, parse_chat, parse_completion, tokenize
 from lorafleet.server.state import ServerState
 from lorafleet.server.worker import Sink
 
@@ -28,11 +32,8 @@ router = APIRouter()
 
 
 async def read_json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad(None, f"the request body is not valid JSON: {e}") from None
+    """The body as JSON (its size is capped by server/body.py before it gets here)."""
+    return decode_body(await request.body())
 
 
 def state_of(request: Request) -> ServerState:
@@ -43,21 +44,25 @@ def state_of(request: Request) -> ServerState:
 async def completions(request: Request):
     st = state_of(request)
     gen = parse_completion(await read_json(request), st.base_name, st.sampling_defaults)
+    if len(gen.prompts) > st.config.max_pending:
+        raise bad("prompt", f"{len(gen.prompts)} prompts in one request; the daemon admits at most "
+                            f"{st.config.max_pending} at once (`serve --max-pending`): split the request")
     return await generate(request, st, gen, "cmpl")
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     st = state_of(request)
-    gen = parse_chat(await read_json(request), st.base_name, st.tokenizer, st.max_model_len,
-                     st.sampling_defaults)
+    gen = parse_chat(await read_json(request), st.base_name, st.sampling_defaults)
     return await generate(request, st, gen, "chatcmpl")
 
 
 async def generate(request: Request, st: ServerState, gen: Generation, prefix: str):
-    st.admit(len(gen.prompts))
-    run = Run(st, gen, f"{prefix}-{uuid.uuid4().hex}")
+    n = 1 if gen.kind == "chat" else len(gen.prompts)
+    st.admit(n)
+    run = Run(st, gen, n, f"{prefix}-{uuid.uuid4().hex}")
     try:
+        gen = run.gen = await asyncio.to_thread(tokenize, gen, st.tokenizer, st.max_model_len)
         for rid, prompt in zip(run.ids, gen.prompts):
             run.unfinished.add(rid)  # before the await: if we are cancelled there, close() aborts it
             await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink))
@@ -83,9 +88,8 @@ async def wait_disconnect(request: Request) -> None:
 class Run:
     """The engine requests behind one HTTP request, and their outputs as they arrive."""
 
-    def __init__(self, st: ServerState, gen: Generation, rid: str):
+    def __init__(self, st: ServerState, gen: Generation, n: int, rid: str):
         self.st, self.gen, self.rid = st, gen, rid
-        n = len(gen.prompts)
         self.ids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
         self.index = {r: i for i, r in enumerate(self.ids)}
         self.sink = Sink(asyncio.get_running_loop())
@@ -103,8 +107,9 @@ class Run:
         if item.finished:
             self.unfinished.discard(item.request_id)
             self.finals[item.request_id] = item
-            if item.finish_reason == "error":  # the engine could not serve it (its adapter failed to load)
-                raise AdapterError(getattr(item, "error", None) or "the request failed in the engine")
+            if item.finish_reason == "error":  # the engine could not serve it: it alone failed
+                error = AdapterError if item.error_code == AdapterError.code else RequestFailedError
+                raise error(item.error)
         return item
 
     def close(self) -> None:
@@ -179,16 +184,3 @@ class EventStream(StreamingResponse):
 
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 429:
-        return "rate_limit_error"
-    return "invalid_request_error" if status < 500 else "server_error"
-
-
-def error_body(e: LorafleetError) -> dict:
-    return {"error": {"message": str(e), "type": error_type(e.http_status),
-                      "param": getattr(e, "param", None), "code": e.code}}

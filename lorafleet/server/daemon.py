@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import os
 import re
@@ -251,6 +252,10 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
         server = DaemonServer(uvicorn.Config(
             create_app(state), log_config=None, access_log=config.access_log, lifespan="off",
             timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=30), state)
+        # Everything built so far lives as long as the daemon: out of the collector's sight, a
+        # full collection takes microseconds instead of ~100 ms (measured on the demo fleet:
+        # 210k objects, torch's and the web stack's), which would otherwise stall every stream.
+        gc.freeze()
         where = f"{sock_path}" + (f" and http://{config.host}:{config.port}" if config.host else "")
         log.info("serving %s as %r on %s (pid %d)", model_path, base_name, where, os.getpid())
         asyncio.run(server.serve(sockets=sockets))

@@ -1,9 +1,13 @@
 """OpenAI request bodies -> what the engine takes, refusing what it cannot honour.
 
-`parse_completion` and `parse_chat` read a decoded JSON body and return a `Generation`: the
-prompts, the adapter (`model` names an adapter or the base), the SamplingParams and the
-response options. Every refusal is an InvalidRequestError whose `param` names the field, so the
-client gets OpenAI's error body with a 400. Unknown fields are ignored, as OpenAI clients send
+`decode_body` turns the raw bytes into JSON, refusing what is not plain, well-formed Unicode
+JSON (lone surrogates, nesting deeper than `MAX_DEPTH`). `parse_completion` and `parse_chat`
+read it and return a `Generation`: the prompts (chat: the messages), the adapter (`model` names
+an adapter or the base), the SamplingParams and the response options; none of them tokenizes.
+`tokenize` turns text prompts and chat messages into token ids: the server runs it on a worker
+thread, never on the event loop (a long prompt takes a while) nor on the engine thread (it would
+stall every running request). Every refusal is an InvalidRequestError whose `param` names the
+field, so the client gets OpenAI's error body with a 400. Unknown fields are ignored, as OpenAI clients send
 more than any one server reads; fields that would change the output and are not implemented
 (n > 1, echo, penalties, logit_bias...) are refused rather than silently ignored.
 
@@ -12,6 +16,8 @@ vLLM's extras are accepted: top_k, ignore_eos, stop_token_ids, include_stop_str_
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +26,9 @@ from lorafleet.engine.request import SamplingParams
 from lorafleet.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_DEPTH = 32          # JSON nesting a request body may have (OpenAI's bodies need 5)
+MAX_STOP_STRINGS = 64   # each is searched for at every new token
+MAX_STOP_LENGTH = 1024
 
 
 def bad(param: str | None, message: str) -> InvalidRequestError:
@@ -33,12 +42,49 @@ class Generation:
     kind: str                             # "completion" or "chat"
     model: str                            # as the client named it; echoed in responses
     adapter: str | None
-    prompts: list[str | list[int]]
+    prompts: list[str | list[int]]        # chat: [] until `tokenize`
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False           # stream_options.include_usage
     logprobs: int | None = None           # top-N per token, None: no logprobs
-    extra: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict] | None = None    # chat: the conversation, rendered by `tokenize`
+    max_tokens_given: bool = True         # chat without max_tokens: up to the end of the context
+
+
+# -- the body --------------------------------------------------------------------------------------
+
+def decode_body(raw: bytes) -> Any:
+    """bytes -> JSON value; a 400 for anything that is not JSON made of valid Unicode strings
+    nested at most MAX_DEPTH deep (a lone surrogate such as "\\ud800" is valid JSON but no
+    text: tokenizers and UTF-8 encoders refuse it)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(None, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad(None, f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    stack = [(body, 0, None)]
+    while stack:
+        value, depth, top = stack.pop()
+        if depth > MAX_DEPTH:
+            raise bad(top, f"the request body nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, str):
+            _unicode(value, top)
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1, top) for v in value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _unicode(k, top)
+                stack.append((v, depth + 1, k if depth == 0 else top))
+    return body
+
+
+def _unicode(s: str, param: str | None) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        where = f"{param}: " if param else ""
+        raise bad(param, f"{where}a string holds a lone surrogate (such as \\ud800): not valid Unicode") from None
 
 
 # -- field readers ---------------------------------------------------------------------------------
@@ -84,6 +130,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in stops):
+        raise bad("stop", f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
     return tuple(stops)
 
 
@@ -193,8 +241,7 @@ def _message(m: Any, i: int) -> dict:
     return {**m, "content": content}
 
 
-def parse_chat(body: Any, base_name: str, tokenizer, max_model_len: int,
-               defaults: dict | None = None) -> Generation:
+def parse_chat(body: Any, base_name: str, defaults: dict | None = None) -> Generation:
     body = _check_body(body)
     model, adapter = _model(body, base_name)
     _refuse_unsupported(body)
@@ -206,13 +253,7 @@ def parse_chat(body: Any, base_name: str, tokenizer, max_model_len: int,
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
-    if tokenizer is None:
-        raise bad("messages", "the served model has no tokenizer; use /v1/completions with token ids")
     messages = [_message(m, i) for i, m in enumerate(messages)]
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except InvalidRequestError as e:
-        raise bad("messages", str(e)) from None
     want = _bool(body, "logprobs", False)
     top = _integer(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top is not None and not want:
@@ -221,6 +262,30 @@ def parse_chat(body: Any, base_name: str, tokenizer, max_model_len: int,
     max_tokens = _integer(body, "max_completion_tokens", None, lo=1)
     max_tokens = _integer(body, "max_tokens", max_tokens, lo=1)
     stream = _bool(body, "stream", False)
-    # no max_tokens: up to the end of the context (the engine stops there with "length")
-    params = _sampling(body, max(1, max_model_len - len(ids)), max_tokens, logprobs, defaults)
-    return Generation("chat", model, adapter, [ids], params, stream, _stream_options(body, stream), logprobs)
+    params = _sampling(body, 1, max_tokens, logprobs, defaults)
+    return Generation("chat", model, adapter, [], params, stream, _stream_options(body, stream), logprobs,
+                      messages=messages, max_tokens_given=max_tokens is not None)
+
+
+# -- tokenization (a worker thread) ----------------------------------------------------------------
+
+def tokenize(gen: Generation, tokenizer, max_model_len: int) -> Generation:
+    """Text prompts and chat messages -> token ids. Chat without max_tokens may generate up to
+    the end of the context (the engine stops there with "length")."""
+    if gen.kind == "chat":
+        if tokenizer is None:
+            raise bad("messages", "the served model has no tokenizer; use /v1/completions with token ids")
+        try:
+            ids = tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True, tokenize=True)
+        except InvalidRequestError as e:
+            raise bad("messages", str(e)) from None
+        params = gen.params
+        if not gen.max_tokens_given:
+            params = dataclasses.replace(params, max_tokens=max(1, max_model_len - len(ids)))
+        return dataclasses.replace(gen, prompts=[ids], params=params)
+    if any(isinstance(p, str) for p in gen.prompts):
+        if tokenizer is None:
+            raise bad("prompt", "the served model has no tokenizer.json: send token ids")
+        return dataclasses.replace(gen, prompts=[tokenizer.encode(p) if isinstance(p, str) else p
+                                                 for p in gen.prompts])
+    return gen

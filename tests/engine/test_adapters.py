@@ -10,7 +10,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from lorafleet import Engine, SamplingParams
-from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, PoolExhaustedError
+from lorafleet.errors import (AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError,
+                              PoolExhaustedError)
 from tests.engine.test_batching import random_prompts
 from tests.fixtures import ALL7, build_adapter
 
@@ -75,11 +76,36 @@ def test_an_adapter_in_use_cannot_be_unloaded(llama_dir, adapter_bank):
     engine.step()
     with pytest.raises(AdapterInUseError, match="busy"):
         engine.unload_adapter("busy")
-    with pytest.raises(AdapterInUseError, match="busy"):
-        engine.load_adapter("busy", adapter_bank[32])  # replacing weights in use
     engine.abort(rid)
     engine.unload_adapter("busy")
     assert engine.pool.stats()["adapter_pages"] == 0
+
+
+def test_replacing_weights_in_use_finishes_running_requests_on_the_old_ones(llama_dir, adapter_bank):
+    prompts = random_prompts(3)
+    solo = Engine(llama_dir, pool_bytes=4 << 20)
+    solo.load_adapter("old", adapter_bank[8])
+    solo.load_adapter("new", adapter_bank[32])
+    old_tokens = [o.token_ids for o in solo.generate(prompts[:2], GREEDY, adapters=["old"] * 2)]
+    new_tokens = solo.generate(prompts[2:], GREEDY, adapters=["new"])[0].token_ids
+
+    engine = Engine(llama_dir, pool_bytes=4 << 20)
+    engine.load_adapter("x", adapter_bank[8])
+    running = engine.add_request(prompts[0], GREEDY, adapter="x")
+    engine.step()                                          # running on the old weights
+    waiting = engine.add_request(prompts[1], GREEDY, adapter="x")  # arrived before the swap
+    info = engine.load_adapter("x", adapter_bank[32])      # replaced while both use it
+    assert info["digest"] == solo.adapters.get("new").digest
+    assert engine.adapters.stats()["retired"] == 1
+    after = engine.add_request(prompts[2], GREEDY, adapter="x")
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[running].token_ids == old_tokens[0]
+    assert done[waiting].token_ids == old_tokens[1]
+    assert done[after].token_ids == new_tokens
+    assert engine.adapters.stats()["retired"] == 0         # the old pages went back with its last user
+    assert engine.stats()["pool"]["pages_by_adapter"] == {"x": info["pages"]}
 
 
 def test_unknown_adapter_and_bad_names_are_refused(llama_dir, adapter_bank):
@@ -117,13 +143,28 @@ def test_scattered_pages_compute_the_same_as_contiguous(llama_dir, adapter_bank)
     assert engine.generate([prompt], params, adapters=["a"])[0].token_ids == expected
 
 
-def test_an_adapter_that_does_not_fit_is_refused_and_changes_nothing(llama_dir, adapter_bank):
+def test_an_adapter_larger_than_the_pool_is_refused_for_good_and_changes_nothing(llama_dir, adapter_bank):
     probe = Engine(llama_dir, pool_bytes=4 << 20)
     need = probe.load_adapter("big", adapter_bank[32])["pages"]
     engine = Engine(llama_dir, pool_bytes=(need - 1) * probe.pool.page_bytes)
-    with pytest.raises(PoolExhaustedError, match="big.*needs"):
-        engine.load_adapter("big", adapter_bank[32])
+    for load in (engine.load_adapter, engine.register_adapter):
+        with pytest.raises(AdapterTooLargeError, match=rf"'big' needs {need} pages .*holds {need - 1} pages") as e:
+            load("big", adapter_bank[32])
+        assert e.value.http_status == 400  # no retry can succeed
     assert engine.pool.num_free == engine.pool.num_pages and not engine.list_adapters()
+
+
+def test_an_adapter_that_fits_only_once_requests_finish_is_refused_as_retryable(llama_dir, adapter_bank):
+    probe = Engine(llama_dir, pool_bytes=4 << 20)
+    need = probe.load_adapter("big", adapter_bank[32])["pages"]
+    engine = Engine(llama_dir, pool_bytes=(need + 2) * probe.pool.page_bytes)
+    rid = engine.add_request(list(range(5, 45)), GREEDY)   # 3 KV pages while it runs
+    engine.step()
+    with pytest.raises(PoolExhaustedError, match="retry") as e:
+        engine.load_adapter("big", adapter_bank[32])
+    assert e.value.http_status == 503
+    engine.abort(rid)
+    assert engine.load_adapter("big", adapter_bank[32])["pages"] == need
 
 
 def _broken(kind, src, dst):
@@ -198,8 +239,10 @@ def test_decode_rows_use_the_cpu_kernel_and_prefill_chunks_the_matmul_path(llama
         pytest.skip("the CPU kernel serves CPU pools built with a C++ toolchain")
     engine.load_adapter("a", adapter_bank[8])
     engine.load_adapter("b", adapter_bank[2])
-    decode = [Chunk(Request(f"d{i}", [5] * 3, GREEDY, n), 1) for i, n in enumerate(["a", "b", None])]
-    prefill = [Chunk(Request("p", [5] * 20, GREEDY, "a"), 20)]
+    def request(rid, n, adapter):
+        return Request(rid, [5] * n, GREEDY, adapter, lora=engine.adapters.get(adapter) if adapter else None)
+    decode = [Chunk(request(f"d{i}", 3, n), 1) for i, n in enumerate(["a", "b", None])]
+    prefill = [Chunk(request("p", 20, "a"), 20)]
     batch = engine.runner.lora_batch(engine.runner.order(decode + prefill), engine.adapters)
     assert batch.seg.tolist() == [[1, 2], [2, 3]]      # rows of a and b (row 0: no adapter)
     assert [(s, e) for s, e, _ in batch.rows] == [(3, 23)]

@@ -108,7 +108,7 @@ def test_eos_ends_a_request_unless_ignored(llama_dir):
     engine = Engine(llama_dir, pool_bytes=4 << 20)
     prompt = random_prompts(1)[0]
     free_run = engine.generate([prompt], GREEDY)[0].token_ids
-    engine.eos_token_ids = frozenset({free_run[2]})
+    engine.outputs.eos_token_ids = frozenset({free_run[2]})
     out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
     assert out.token_ids == free_run[:free_run.index(free_run[2]) + 1] and out.finish_reason == "stop"
     assert engine.generate([prompt], GREEDY)[0].token_ids == free_run

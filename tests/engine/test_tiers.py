@@ -198,6 +198,36 @@ def test_a_broken_adapter_file_fails_only_its_own_requests(llama_dir, thousand, 
     assert run_all(engine, prompts[:1], SHORT, ["gone"])[0].finish_reason == "length"
 
 
+def test_a_load_failure_seen_during_an_eager_load_still_fails_its_requests_at_once(llama_dir, thousand,
+                                                                              tmp_path, monkeypatch):
+    """The eager load's wait harvests whatever finishes meanwhile: a lazy load that failed is
+    handed to the next step, which fails the requests waiting for it (not their deadline)."""
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(thousand["t0040"], broken)
+    engine = Engine(llama_dir, pool_bytes=8 << 20)
+    engine.register_adapter("broken", broken)
+    (broken / "adapter_model.safetensors").unlink()
+    failed = threading.Event()
+    real = host_cache.build_host_adapter
+
+    def build(path, *args):
+        if path == broken:
+            try:
+                return real(path, *args)
+            finally:
+                failed.set()
+        assert failed.wait(30), "the broken load never ran"  # the eager load lands after the failure
+        return real(path, *args)
+    monkeypatch.setattr(host_cache, "build_host_adapter", build)
+    waiting = engine.add_request(random_prompts(1)[0], SHORT, adapter="broken", deadline_s=60)
+    engine.load_adapter("eager", thousand["t0041"])
+    assert "eager" in engine.adapters and engine.adapters.get("broken").error
+    out = [o for o in engine.step() if o.request_id == waiting]
+    assert out and out[0].finish_reason == "error" and "adapter_model.safetensors" in out[0].error
+    assert not engine.has_unfinished()
+
+
 def test_a_deadline_aborts_a_request_early(llama_dir, thousand, monkeypatch):
     engine = Engine(llama_dir, pool_bytes=8 << 20)
     engine.register_adapter("slow", thousand["t0030"])

@@ -17,7 +17,7 @@ def test_kv_pages_come_from_the_low_end_and_adapters_as_a_high_run():
     pool = make_pool()
     kv = pool.allocate(4, KV)
     assert kv == [0, 1, 2, 3]
-    a = pool.allocate(5, pool.owner_id("a"))
+    a = pool.allocate(5, pool.new_owner("a"))
     assert a == list(range(27, 32))
     pool.check_integrity()
     assert pool.stats()["pages_by_adapter"] == {"a": 5}
@@ -26,7 +26,7 @@ def test_kv_pages_come_from_the_low_end_and_adapters_as_a_high_run():
 
 def test_adapter_runs_use_best_fit_holes():
     pool = make_pool(20)
-    owners = [pool.owner_id(n) for n in "abcd"]
+    owners = [pool.new_owner(n) for n in "abcd"]
     a = pool.allocate(3, owners[0])     # 17..19
     b = pool.allocate(6, owners[1])     # 11..16
     c = pool.allocate(2, owners[2])     # 9..10
@@ -41,7 +41,7 @@ def test_scattered_allocation_when_no_run_fits():
     pool = make_pool(10)
     kv = pool.allocate(10, KV)
     pool.free(kv[::2])                  # 5 free pages, none adjacent
-    pages = pool.allocate(4, pool.owner_id("x"))
+    pages = pool.allocate(4, pool.new_owner("x"))
     assert len(pages) == 4 and len(set(pages)) == 4
     pool.check_integrity()
 
@@ -76,7 +76,7 @@ def test_the_tensor_is_never_reallocated():
     pool = make_pool(16)
     ptr = pool.tensor.data_ptr()
     for _ in range(5):
-        pages = pool.allocate(7, pool.owner_id("a"))
+        pages = pool.allocate(7, pool.new_owner("a"))
         kv = pool.allocate(9, KV)
         pool.free(pages)
         pool.free(kv)
@@ -85,7 +85,7 @@ def test_the_tensor_is_never_reallocated():
 
 def test_cheapest_window_names_the_fewest_evictable_owners():
     pool = make_pool(12)
-    a, b, c = (pool.owner_id(n) for n in "abc")
+    a, b, c = (pool.new_owner(n) for n in "abc")
     pool.allocate(2, a)     # 10..11
     pool.allocate(3, b)     # 7..9
     pool.allocate(1, c)     # 6

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet import SamplingParams
+from lorafleet.engine.request import MIN_TEMPERATURE
 from lorafleet.model.sampler import filter_top_k_top_p, sample
 
 
@@ -51,7 +52,37 @@ def test_a_row_with_a_seed_does_not_depend_on_other_rows():
 
 def test_greedy_takes_the_argmax_and_logprobs_are_raw():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    tokens, lps = sample(logits, [SamplingParams(temperature=0, logprobs=2)], [None])
-    assert tokens == [1]
+    tokens, lps, errors = sample(logits, [SamplingParams(temperature=0, logprobs=2)], [None])
+    assert tokens == [1] and not errors
     ref = logits.log_softmax(-1)[0]
     assert lps[0] == {1: ref[1].item(), 2: ref[2].item()}
+
+
+def test_temperatures_below_the_floor_are_greedy_not_an_overflow():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 30
+    tiny = [SamplingParams(temperature=t, seed=1) for t in (1e-38, 1e-300, 5e-324, MIN_TEMPERATURE / 2)]
+    assert all(p.greedy for p in tiny) and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    tokens, _, errors = sample(logits, tiny, [torch.Generator().manual_seed(1)] * 4)
+    assert not errors and tokens == logits.argmax(-1).tolist()
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20)
+    logits[1, 3] = float("nan")
+    params = [SamplingParams(temperature=0.7, logprobs=1), SamplingParams(temperature=0.7, logprobs=1),
+              SamplingParams(temperature=0)]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    tokens, lps, errors = sample(logits, params, gens)
+    assert set(errors) == {1} and "non-finite" in errors[1]
+    assert tokens[1] is None and lps[1] is None
+    assert tokens[2] == int(logits[2].argmax())
+    alone = sample(logits[:1], params[:1], [torch.Generator().manual_seed(0)])[0][0]
+    assert tokens[0] == alone                           # the failed row changed nothing for the others
+
+
+def test_more_logprobs_than_the_vocabulary_returns_the_whole_vocabulary():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    tokens, lps, _ = sample(logits, [SamplingParams(temperature=0, logprobs=20)], [None])
+    assert set(lps[0]) == {0, 1, 2}

@@ -3,6 +3,8 @@ earlier admission of the same step evicted."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from lorafleet import SamplingParams
@@ -12,33 +14,34 @@ from lorafleet.memory.kv import KVCacheManager, kv_page_elems
 from lorafleet.memory.pool import PagePool
 
 
+class Entry(SimpleNamespace):
+    __hash__ = object.__hash__  # identity, as residency's entries
+
+
 class StubResidency:
     """Adapters own pool pages; make_room evicts unpinned, unprotected ones."""
 
     def __init__(self, pool, adapters):
-        self.pool, self.ready, self.pins, self.pages = pool, {}, {}, {}
+        self.pool, self.entries = pool, {}
         for name, n in adapters.items():
-            self.pages[name] = pool.allocate(n, pool.owner_id(name))
-            self.ready[name] = True
-
-    def is_ready(self, name):
-        return name is None or self.ready[name]
+            pages = pool.allocate(n, pool.new_owner(name))
+            self.entries[name] = Entry(name=name, ready=True, pins=0, pages=pages)
 
     def make_room(self, pages, protect=frozenset(), for_kv=False):
-        for name in list(self.ready):
+        for e in self.entries.values():
             if self.pool.can_allocate(pages):
                 break
-            if self.ready[name] and name not in protect and not self.pins.get(name):
-                self.pool.free(self.pages.pop(name))
-                self.ready[name] = False
+            if e.ready and e not in protect and not e.pins:
+                self.pool.free(e.pages)
+                e.ready = False
         return self.pool.can_allocate(pages)
 
-    def pin(self, name):
-        assert self.ready[name], f"adapter {name!r} pinned while not on the device"
-        self.pins[name] = self.pins.get(name, 0) + 1
+    def pin(self, entry):
+        assert entry.ready, f"adapter {entry.name!r} pinned while not on the device"
+        entry.pins += 1
 
-    def unpin(self, name):
-        self.pins[name] -= 1
+    def unpin(self, entry):
+        entry.pins -= 1
 
 
 def test_a_preempted_request_whose_adapter_was_just_evicted_waits():
@@ -47,7 +50,8 @@ def test_a_preempted_request_whose_adapter_was_just_evicted_waits():
     residency = StubResidency(pool, {"b": 2, "c": 2})   # 5 pages left for KV
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=1000, residency=residency)
     params = SamplingParams(max_tokens=4)
-    reqs = [Request(f"p{i}", list(range(1, n + 1)), params, adapter)   # 3, 3 and 1 pages of KV
+    reqs = [Request(f"p{i}", list(range(1, n + 1)), params, adapter,   # 3, 3 and 1 pages of KV
+                    lora=residency.entries[adapter] if adapter else None)
             for i, (adapter, n) in enumerate([(None, 40), ("b", 40), ("c", 16)])]
     for r in reversed(reqs):  # as after preemption: at the front, oldest first
         r.num_preemptions = 1
@@ -56,5 +60,5 @@ def test_a_preempted_request_whose_adapter_was_just_evicted_waits():
     out = sched.schedule()
     admitted = [c.request.adapter for c in out.chunks]
     assert admitted == [None, "b", None]         # b's room came from evicting c; c's request waits
-    assert not residency.ready["c"] and reqs[2] in sched.waiting
+    assert not residency.entries["c"].ready and reqs[2] in sched.waiting
     pool.check_integrity()

@@ -1,0 +1,92 @@
+"""OutputProcessor: the one place where a sampled token becomes text, a stop, and a streamed delta.
+
+One rule for what a client sees, whatever ends the request (stop token, stop string, length,
+the pool-full "length", deadline, abort, adapter error, a failed row):
+- `req.text` is everything decoded so far (cut at a stop string when one is hit);
+- `req.emitted` is how many of its characters have been handed out;
+- every output carries `new_text = text[emitted:visible]` and moves `emitted` to `visible`,
+  where `visible` is the whole text once the request has finished, and otherwise the text
+  minus what could still become a stop string (held back);
+- `RequestOutput.text` is `text[:visible]`.
+So the `new_text` of a request's outputs, concatenated, is always its final text, and each
+output's `text` is that concatenation so far.
+"""
+
+from __future__ import annotations
+
+import time
+
+from lorafleet.engine.request import Request, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int):
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append(self, req: Request, token: int, logprobs: dict | None) -> None:
+        """Add one sampled token: its text, its logprobs, and the finish it causes (sets
+        `req.finish_reason` to "stop" or "length")."""
+        req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        old_len = len(req.text)
+        if req.detokenizer is not None:
+            req.text += req.detokenizer.step(token)
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            req.finish_reason = "stop"
+        elif p.stop and self._cut_at_stop_string(req, old_len):
+            req.finish_reason = "stop"
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish_reason = "length"
+
+    @staticmethod
+    def _cut_at_stop_string(req: Request, new_from: int) -> bool:
+        """Cut the text at the first stop string that the new text completes. The text is then
+        final: the decoder is dropped so that nothing past the cut is flushed later."""
+        stops = req.params.stop
+        window_start = max(0, new_from - max(len(s) for s in stops) + 1)
+        hits = [(i, s) for s in stops if (i := req.text.find(s, window_start)) >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        req.text = req.text[:i + len(s)] if req.params.include_stop_str_in_output else req.text[:i]
+        req.detokenizer = None
+        return True
+
+    def close_text(self, req: Request) -> None:
+        """The request ends: whatever the decoder held back (a split character) joins the text."""
+        if req.detokenizer is not None:
+            req.text += req.detokenizer.flush()
+            req.detokenizer = None
+
+    def output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
+        """This step's output for `req`: the delta since the last one, under the module's rule."""
+        finished = req.finish_reason is not None
+        visible = len(req.text)
+        if not finished and req.params.stop:  # hold back what could still become a stop string
+            visible = max(req.emitted, visible - (max(len(s) for s in req.params.stop) - 1))
+        new_text = req.text[req.emitted:visible]
+        req.emitted = visible
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), text=req.text[:visible],
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            finished=finished, finish_reason=req.finish_reason, adapter=req.adapter,
+            new_token_ids=new_token_ids, new_text=new_text, error=req.error, error_code=req.error_code,
+            metrics=metrics(req) if finished else None)
+
+
+def metrics(req: Request) -> dict:
+    """A finished request's timings (seconds; monotonic clock)."""
+    n = len(req.output_token_ids)
+    first = req.first_token_time
+    return {"arrival_s": req.arrival_time, "adapter_wait_s": req.adapter_wait,
+            "queue_s": (req.first_scheduled_time or req.finish_time) - req.arrival_time,
+            "ttft_s": first - req.arrival_time if first else None,
+            "tpot_s": (req.finish_time - first) / (n - 1) if n > 1 else None,
+            "e2e_s": req.finish_time - req.arrival_time,
+            "num_preemptions": req.num_preemptions}

@@ -1,0 +1,349 @@
+"""Hostile input against the real daemon on the demo fleet: a request can fail only itself.
+
+Each hostile request is sent while 10 greedy streams of other clients run on another adapter;
+the 10 must finish with the answers they get alone, whatever the hostile one gets (an answer,
+or a 4xx naming the problem). Malformed requests answer 4xx and leave their keep-alive
+connection usable; a huge body is refused (413) before it is read, while /health stays fast;
+an eager load of a 200 MB adapter does not stall running streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lorafleet.demo import default_fleet
+from lorafleet.demo.skills import held_out_texts
+from tests.daemons import Daemon
+
+MAX_PENDING = 1024
+STREAM = {"model": "reverse", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    daemon = Daemon.start(tmp_path_factory.mktemp("hostile"), env={"LORAFLEET_DEBUG_CHECKS": "1"})
+    yield daemon
+    daemon.kill()
+
+
+@pytest.fixture(scope="module")
+def big_adapter(tmp_path_factory):
+    """A 200 MB PEFT adapter for the demo base (rank 3,866 on all seven projections)."""
+    return write_adapter(tmp_path_factory.mktemp("big") / "big", rank=3866)
+
+
+def write_adapter(folder, rank: int):
+    """A PEFT LoRA folder for the demo base, written directly (small random weights)."""
+    base = json.loads((default_fleet().model / "config.json").read_text())
+    h, inter, kv = base["hidden_size"], base["intermediate_size"], base["num_key_value_heads"] * base["head_dim"]
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(base["num_hidden_layers"]):
+        for proj, (fin, fout) in shapes.items():
+            block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=gen) * 1e-3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=gen) * 1e-3
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    cfg = json.loads((default_fleet().adapters["upper"] / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, "r": rank, "lora_alpha": rank}))
+    return folder
+
+
+# -- 10 streams beside each hostile request -------------------------------------------------------
+
+def stream_bodies():
+    return [{**STREAM, "prompt": text} for text in held_out_texts(10)]
+
+
+@pytest.fixture(scope="module")
+def solo_answers(demo):
+    with demo.http() as c:
+        return [c.post("/v1/completions", json=b).raise_for_status().json()["choices"][0]["text"]
+                for b in stream_bodies()]
+
+
+async def read_stream(http, body) -> tuple[str, str | None, list[float]]:
+    """Text, finish_reason and arrival times of one streamed completion."""
+    text, reason, times = [], None, []
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            times.append(time.monotonic())
+            text.append(event["choices"][0]["text"])
+            reason = event["choices"][0]["finish_reason"] or reason
+    return "".join(text), reason, times
+
+
+def beside_ten_streams(demo, send_hostile):
+    """Run 10 streams; once they all produce tokens, `send_hostile(http)`; return both."""
+    async def run():
+        async with demo.async_http(timeout=120.0) as http:
+            started = [asyncio.create_task(read_stream(http, b)) for b in stream_bodies()]
+            deadline = time.monotonic() + 30
+            while demo_running(await http.get("/v1/stats")) < 10:
+                assert time.monotonic() < deadline, "the 10 streams did not start"
+                await asyncio.sleep(0.002)
+            hostile = await send_hostile(http)
+            return await asyncio.gather(*started), hostile
+    return asyncio.run(run())
+
+
+def demo_running(r) -> int:
+    return r.json()["engine"]["num_running"]
+
+
+def raw_post(path, raw: bytes):
+    async def send(http):
+        return await http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    return send
+
+
+def json_post(path, body):
+    async def send(http):
+        return await http.post(path, json=body)
+    return send
+
+
+NESTED = b'{"model": "upper", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+HOSTILE = {
+    "temperature 1e-300": (json_post("/v1/completions", {"model": "upper", "prompt": "hi", "max_tokens": 5,
+                                                          "temperature": 1e-300}), 200, None),
+    "temperature 5e-324": (json_post("/v1/completions", {"model": "upper", "prompt": "hi", "max_tokens": 5,
+                                                          "temperature": 5e-324}), 200, None),
+    "temperature 1e-38, chat": (json_post("/v1/chat/completions", {
+        "model": "upper", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+        "temperature": 1e-38}), 200, None),
+    "lone surrogate in the prompt": (raw_post("/v1/completions", b'{"model": "upper", "prompt": "\\ud800"}'),
+                                     400, "surrogate"),
+    "lone surrogate in chat content": (raw_post("/v1/chat/completions",
+                                                b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}'),
+                                       400, "surrogate"),
+    "lone surrogate in a role": (raw_post("/v1/chat/completions",
+                                          b'{"messages": [{"role": "\\ud800", "content": "x"}]}'), 400, "surrogate"),
+    "lone surrogate in lora_path": (raw_post("/v1/load_lora_adapter",
+                                             b'{"lora_name": "x", "lora_path": "/tmp/\\ud800"}'), 400, "surrogate"),
+    "nested 100k levels": (raw_post("/v1/completions", NESTED), 400, "nests deeper"),
+    "2,000 prompts": (json_post("/v1/completions", {"model": "upper", "prompt": ["hi"] * 2000, "max_tokens": 1}),
+                      400, f"at most {MAX_PENDING}"),
+    "65 stop strings": (json_post("/v1/completions", {"prompt": "hi", "stop": ["x"] * 65}), 400, "stop"),
+    "logprobs 20 over a 261-token vocabulary": (json_post("/v1/completions", {
+        "model": "upper", "prompt": "hi", "max_tokens": 3, "logprobs": 20, "temperature": 1}), 200, None),
+    "the largest seed": (json_post("/v1/completions", {"model": "upper", "prompt": "hi", "max_tokens": 3,
+                                                        "seed": 2**63 - 1, "temperature": 1}), 200, None),
+    "top_k 1e9": (json_post("/v1/completions", {"model": "upper", "prompt": "hi", "max_tokens": 3,
+                                                 "top_k": 10**9, "temperature": 1}), 200, None),
+    "a missing adapter folder": (json_post("/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": "/nope"}),
+                                 400, "missing or unreadable"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_request_fails_only_itself(demo, solo_answers, case):
+    send, status, words = HOSTILE[case]
+    streams, r = beside_ten_streams(demo, send)
+    assert r.status_code == status, r.text
+    if status != 200:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and words in err["message"], err
+    assert [(text, reason) for text, reason, _ in streams] == [(a, "length") for a in solo_answers]
+
+
+def test_an_adapter_larger_than_the_pool_is_refused_for_good_beside_running_streams(demo, solo_answers,
+                                                                                 big_adapter):
+    streams, r = beside_ten_streams(demo, json_post("/v1/load_lora_adapter",
+                                                    {"lora_name": "big", "lora_path": str(big_adapter)}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "adapter_too_large" and "MiB" in err["message"] and "pool holds" in err["message"]
+    assert [text for text, _, _ in streams] == solo_answers
+
+
+# -- one keep-alive connection through every malformed request -------------------------------------
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("lorafleet", timeout=30)
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
+
+
+MALFORMED = [
+    ("/v1/completions", b"{not json"), ("/v1/completions", b"\xff\xfe"), ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", b'{"prompt": "\\ud800"}'), ("/v1/completions", NESTED),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc80"}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "\\ud800", "content": "x"}]}'),
+    ("/v1/chat/completions", b'{"messages": "hi"}'),
+    ("/v1/completions", json.dumps({"prompt": ["x"] * 2000}).encode()),
+    ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 1e400}'),
+    ("/v1/load_lora_adapter", b'{"lora_name": "x", "lora_path": "\\ud800"}'),
+    ("/v1/load_lora_adapter", b'{"lora_name": "../x", "lora_path": "/tmp"}'),
+    ("/v1/load_lora_adapter", b'{"lora_name": "x", "lora_path": "/etc"}'),
+    ("/v1/unload_lora_adapter", b'{"lora_name": "never-loaded"}'),
+]
+
+
+def test_malformed_requests_get_4xx_and_the_connection_stays_usable(demo):
+    conn = UnixHTTPConnection(str(demo.socket))
+    try:
+        for path, raw in MALFORMED:
+            conn.request("POST", path, body=raw, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            body = json.loads(r.read())
+            assert 400 <= r.status < 500, (path, raw[:60], r.status, body)
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+            assert not r.will_close, (path, raw[:60])
+        chat = {"messages": [{"role": "user", "content": "echo: ok"}], "max_tokens": 8}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(chat), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["choices"][0]["message"]["content"] == "ok"
+    finally:
+        conn.close()
+
+
+# -- bodies over the cap ---------------------------------------------------------------------------
+
+def health_ms(demo) -> float:
+    with demo.http() as c:
+        t0 = time.perf_counter()
+        c.get("/health").raise_for_status()
+        return (time.perf_counter() - t0) * 1e3
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_50_mb_body_is_refused_at_once_without_freezing_the_daemon(demo, chunked):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(demo.socket))
+    size = 50 << 20
+    framing = b"Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}".encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: lorafleet\r\nContent-Type: application/json\r\n"
+                 + framing + b"\r\n\r\n")
+    stop = threading.Event()
+
+    def upload():  # the client keeps sending; the daemon must not wait for it
+        piece = b"a" * (1 << 20)
+        chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n" if chunked else piece
+        try:
+            for _ in range(50):
+                if stop.is_set():
+                    return
+                sock.sendall(chunk)
+        except OSError:
+            pass
+    sender = threading.Thread(target=upload, daemon=True)
+    t0 = time.monotonic()
+    sender.start()
+    latencies = []
+    try:
+        sock.settimeout(1.0)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            latencies.append(health_ms(demo))
+            reply += sock.recv(65536)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        sock.close()
+        sender.join(10)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert elapsed < 1.0
+    for _ in range(5):
+        latencies.append(health_ms(demo))
+    assert max(latencies) < 100, latencies
+    assert demo.proc.poll() is None
+
+
+# -- eager loads off the engine thread --------------------------------------------------------------
+
+def test_an_eager_200_mb_load_does_not_stall_running_streams(tmp_path_factory, big_adapter):
+    daemon = Daemon.start(tmp_path_factory.mktemp("eager"), "--pool-bytes", "512M")
+    try:
+        bodies = [{**STREAM, "max_tokens": 240, "prompt": t} for t in held_out_texts(32)]
+
+        async def run():
+            async with daemon.async_http(timeout=120.0) as http:
+                streams = [asyncio.create_task(read_stream(http, b)) for b in bodies]
+                while demo_running(await http.get("/v1/stats")) < len(bodies):
+                    await asyncio.sleep(0.002)
+                await asyncio.sleep(0.1)
+                t0 = time.monotonic()
+                r = await http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big_adapter)})
+                loaded = (t0, time.monotonic())
+                return r, loaded, await asyncio.gather(*streams)
+        r, (t0, t1), streams = asyncio.run(run())
+        assert r.status_code == 200, r.text
+        assert r.json()["adapter"]["tier"] == "device" and r.json()["adapter"]["params"] > 50_000_000
+        text, reason, times = streams[0]
+        gaps = [(b - a, a - t0) for a, b in zip(times, times[1:])]
+        during = [g for g, at in gaps if -g < at < t1 - t0]
+        median = statistics.median(g for g, _ in gaps)
+        assert t1 - t0 > 5 * median, "the load was too quick to tell anything"
+        assert len(during) > 10, "the stream ended before the load"
+        worst = max(gaps)
+        assert max(during) < 3 * median, f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s " \
+                                         f"load; median {median * 1e3:.1f} ms"
+    finally:
+        daemon.kill()
+
+
+# -- streamed text adds up, however a request ends --------------------------------------------------
+
+@pytest.mark.parametrize("extra, reason", [
+    ({}, "stop"),                                   # the end-of-turn token
+    ({"stop": ["o w", "zzzz"]}, "stop"),            # a stop string, held back while it could match
+    ({"stop": ["o w"], "include_stop_str_in_output": True}, "stop"),
+    ({"max_tokens": 7}, "length"),
+    ({"max_tokens": 200, "ignore_eos": True}, "length"),  # up to the end of the context
+], ids=["stop-token", "stop-string", "stop-string-kept", "max-tokens", "context"])
+def test_streamed_deltas_add_up_to_the_whole_answer(demo, extra, reason):
+    body = {"messages": [{"role": "user", "content": "echo: hello world"}], "max_tokens": 40, **extra}
+    with demo.http() as c:
+        whole = c.post("/v1/chat/completions", json=body).raise_for_status().json()["choices"][0]
+        deltas, reasons = [], []
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    deltas.append(choice["delta"].get("content") or "")
+                    reasons.append(choice["finish_reason"])
+    assert whole["finish_reason"] == reason and reasons[-1] == reason
+    assert "".join(deltas) == whole["message"]["content"] and whole["message"]["content"]
+
+
+def test_an_adapter_that_fails_to_load_ends_its_stream_with_an_error_event(demo, tmp_path):
+    import shutil
+    shutil.copytree(default_fleet().adapters["upper"], tmp_path / "vanishing")
+    with demo.http() as c:
+        c.post("/v1/load_lora_adapter", json={"lora_name": "vanishing", "lora_path": str(tmp_path / "vanishing"),
+                                               "lazy": True}).raise_for_status()
+        (tmp_path / "vanishing" / "adapter_model.safetensors").unlink()
+        events = []
+        with c.stream("POST", "/v1/completions", json={"model": "vanishing", "prompt": "hi", "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "invalid_adapter" and "adapter_model.safetensors" in err["message"]
+    assert not any("choices" in e for e in events[:-1])
