@@ -347,3 +347,19 @@ def test_an_adapter_that_fails_to_load_ends_its_stream_with_an_error_event(demo,
     err = json.loads(events[-2])["error"]
     assert err["code"] == "invalid_adapter" and "adapter_model.safetensors" in err["message"]
     assert not any("choices" in e for e in events[:-1])
+
+
+def test_adapter_refusals_echo_nothing_from_the_files(demo, tmp_path):
+    import shutil
+    folder = tmp_path / "secret"
+    shutil.copytree(default_fleet().adapters["upper"], folder)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**cfg, "r": "TOPSECRET"}))
+    answers = []
+    with demo.http() as c:
+        for path in (folder, tmp_path / "absent", folder / "adapter_config.json"):
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "s", "lora_path": str(path)})
+            assert r.status_code == 400
+            answers.append(r.json()["error"]["message"])
+    assert "TOPSECRET" not in answers[0] and "r: must be a positive integer" in answers[0]
+    assert answers[1].replace(str(tmp_path / "absent"), "P") == answers[2].replace(str(folder / "adapter_config.json"), "P")
