@@ -185,7 +185,7 @@ class Engine:
                 outputs.append(self._fail(req, errors[i]) if i in errors else self._append(req, token, lp))
             self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, len(reqs),
                                       distinct_adapters=len({c.request.adapter for c in chunks}),
-                                      adapters_loaded=len(tick.loaded))
+                                      adapters_loaded=len(tick.loaded), model_s=self.runner.last_model_s)
         self.counters.num_preemptions += len(plan.preempted)
         if self.config.debug_checks:
             self.check_integrity()
@@ -270,8 +270,10 @@ class Engine:
         return out
 
     def step_records(self) -> list[dict]:
-        """One dict per recent step: time_s, num_seqs, num_tokens, distinct_adapters,
-        adapters_loaded (switches: adapters that landed on the device for this step)."""
+        """One dict per recent step: time_s, host_s (the part outside the model's forward pass:
+        schedule, batch build, sampling, output processing), num_seqs, num_tokens,
+        num_generated, distinct_adapters, adapters_loaded (switches: adapters that landed on the
+        device for this step)."""
         return list(self.counters.steps)
 
     def close(self) -> None:

@@ -6,6 +6,8 @@ Row order of the flat batch: single-token chunks first (decode), then multi-toke
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -24,6 +26,7 @@ class ModelRunner:
         self.device = model.device
         self.kernel_weights = kernel_weights(kv.pool.tensor)  # None: torch reference only
         self.attention_kernel = attention_cpu.usable(kv.pool.tensor)
+        self.last_model_s = 0.0  # the model's forward pass in the last execute()
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:
@@ -93,7 +96,12 @@ class ModelRunner:
             meta.decode_kernel = self.attention_kernel
             if not self.attention_kernel:
                 meta.decode_mask = (torch.arange(width * bs, device=dev) < lens[:, None])[:, None, None, :]
-        return self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                          torch.from_numpy(positions).to(dev), meta, self.kv.cache,
-                          torch.arange(row, device=dev) if all_logits else
-                          torch.tensor(rows, dtype=torch.long, device=dev), lora)
+        ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(positions).to(dev)
+        rows = torch.arange(row, device=dev) if all_logits else torch.tensor(rows, dtype=torch.long, device=dev)
+        t0 = time.perf_counter()
+        logits = self.model(ids, positions, meta, self.kv.cache, rows, lora)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.last_model_s = time.perf_counter() - t0
+        return logits

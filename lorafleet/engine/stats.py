@@ -6,18 +6,22 @@ values live in bounded windows so a long-running daemon does not grow.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterable
 
 WINDOW = 1024
 STEP_LOG = 100_000  # per-step records kept for the switch regression (~100 bytes each)
 
 
-def _percentile(values, q: float) -> float | None:
-    if not values:
+def percentile(values: Iterable[float | None], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 1]) of the values that are not None; None if none.
+    The one definition: engine stats, /metrics and the bench all report through it."""
+    s = sorted(v for v in values if v is not None)
+    if not s:
         return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
 
 
 @dataclass
@@ -38,10 +42,12 @@ class EngineStats:
     num_adapter_loads: int = 0
 
     def record_step(self, seconds: float, num_seqs: int, prompt_tokens: int, generated: int,
-                    distinct_adapters: int = 0, adapters_loaded: int = 0) -> None:
-        self.steps.append({"time_s": seconds, "num_seqs": num_seqs, "num_tokens": prompt_tokens + generated,
-                           "num_generated": generated, "distinct_adapters": distinct_adapters,
-                           "adapters_loaded": adapters_loaded})
+                    distinct_adapters: int = 0, adapters_loaded: int = 0, model_s: float = 0.0) -> None:
+        """`model_s`: the model's forward pass (LoRA included); the rest of `seconds` is the
+        host-side work (schedule, batch build, sampling, output processing), `host_s`."""
+        self.steps.append({"time_s": seconds, "host_s": seconds - model_s, "num_seqs": num_seqs,
+                           "num_tokens": prompt_tokens + generated, "num_generated": generated,
+                           "distinct_adapters": distinct_adapters, "adapters_loaded": adapters_loaded})
         self.num_adapter_loads += adapters_loaded
         self.num_steps += 1
         self.step_times.append(seconds)
@@ -62,7 +68,7 @@ class EngineStats:
 
     def snapshot(self) -> dict:
         def summary(values):
-            return {"p50": _percentile(values, 0.5), "p99": _percentile(values, 0.99)}
+            return {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
         return {
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,
