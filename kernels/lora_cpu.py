@@ -12,7 +12,8 @@ Why it exists: with one token per adapter (decode over many adapters), the torch
 This kernel makes it one call per (layer, group), parallel over segments, memory-bound.
 It is compiled on first use with the machine's C++ compiler (torch's cpp_extension, cached);
 where that is impossible lorafleet falls back to the torch reference and says so once.
-Set LORAFLEET_CPU_KERNELS=0 to force the reference.
+Set LORAFLEET_CPU_KERNELS=0 to force the reference; LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) makes a
+kernel that cannot be loaded an error instead (`KernelUnavailableError`, with the build error).
 """
 
 from __future__ import annotations
@@ -84,31 +85,51 @@ void lora_segments(torch::Tensor x, torch::Tensor out, torch::Tensor w, torch::T
 
 _lock = threading.Lock()
 _modules: dict[str, object] = {}
+_why_not: dict[str, BaseException | str] = {}  # name -> the build error, for kernels that are None
+
+
+class KernelUnavailableError(RuntimeError):
+    """A CPU kernel could not be loaded while LORAFLEET_REQUIRE_CPU_KERNELS=1: where the kernels are
+    expected (CI), a broken build must fail the run, not pass as skipped tests on the torch path."""
 
 
 def compile_inline(name: str, source: str, function: str):
     """Build (once per machine, cached by torch) and load a C++ CPU kernel; None when that is
-    impossible here (reason logged once) or disabled with LORAFLEET_CPU_KERNELS=0."""
-    if name in _modules:
-        return _modules[name]
-    with _lock:
-        if name not in _modules:
-            module = None
-            if os.environ.get("LORAFLEET_CPU_KERNELS", "1") != "0":
-                try:
-                    from torch.utils.cpp_extension import load_inline
+    impossible here (reason logged once) or disabled with LORAFLEET_CPU_KERNELS=0, unless
+    LORAFLEET_REQUIRE_CPU_KERNELS=1, which raises KernelUnavailableError instead."""
+    if name not in _modules:
+        with _lock:
+            if name not in _modules:
+                module = None
+                if os.environ.get("LORAFLEET_CPU_KERNELS", "1") == "0":
+                    _why_not[name] = "disabled by LORAFLEET_CPU_KERNELS=0"
+                else:
+                    try:
+                        from torch.utils.cpp_extension import load_inline
 
-                    module = load_inline(name=name, cpp_sources=[source], functions=[function],
-                                         extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                         extra_ldflags=["-fopenmp"], verbose=False)
-                except Exception as e:  # no compiler, headers or ninja: the reference still works
-                    log.warning("CPU kernel %s unavailable (%s); using the torch reference", name, e)
-            _modules[name] = module
+                        module = load_inline(name=name, cpp_sources=[source], functions=[function],
+                                             extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                             extra_ldflags=["-fopenmp"], verbose=False)
+                    except Exception as e:  # no compiler, headers or ninja: the reference still works
+                        _why_not[name] = e
+                        if not required():
+                            log.warning("CPU kernel %s unavailable (%s); using the torch reference", name, e)
+                _modules[name] = module
+    if _modules[name] is None and required():
+        why = _why_not[name]
+        cause = why if isinstance(why, BaseException) else None
+        raise KernelUnavailableError(f"CPU kernel {name} unavailable and LORAFLEET_REQUIRE_CPU_KERNELS=1: {why}") from cause
     return _modules[name]
 
 
+def required() -> bool:
+    """LORAFLEET_REQUIRE_CPU_KERNELS=1: every CPU kernel must load (`compile_inline` raises)."""
+    return os.environ.get("LORAFLEET_REQUIRE_CPU_KERNELS", "0") == "1"
+
+
 def load():
-    """The compiled LoRA kernel, or None when it cannot be built here."""
+    """The compiled LoRA kernel, or None when it cannot be built here (an error instead with
+    LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
     return compile_inline("lorafleet_lora_cpu_v2", _SOURCE, "lora_segments")
 
 

@@ -9,7 +9,8 @@ K_t = kv[tables[b, t // block], 0, t % block], V_t likewise at 1:
 Why it exists: the torch path gathers every sequence's context into a padded tensor per layer
 per step, which on long contexts costs more than the attention itself (40% of the step time in
 the mixed-lengths profile). Compiled on first use like the LoRA kernel; falls back to the
-reference when it cannot be built. LORAFLEET_CPU_KERNELS=0 forces the reference.
+reference when it cannot be built (an error instead with LORAFLEET_REQUIRE_CPU_KERNELS=1).
+LORAFLEET_CPU_KERNELS=0 forces the reference.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
 
 
 def load():
+    """The compiled decode kernel, or None when it cannot be built here (an error instead with
+    LORAFLEET_REQUIRE_CPU_KERNELS=1: see `lora_cpu.compile_inline`)."""
     return compile_inline("lorafleet_attn_cpu_v1", _SOURCE, "paged_decode")
 
 

@@ -23,6 +23,14 @@ class PrefillSeq:
     num_tokens: int
     start_pos: int
     block_table: torch.Tensor  # [blocks] long
+    mask: torch.Tensor | None = None  # [n, start_pos + n] bool, True = attend; None when start_pos == 0
+
+    def __post_init__(self):
+        """The causal mask over cached + new keys, built once per step (not once per layer)."""
+        if self.start_pos and self.mask is None:
+            ctx, dev = self.start_pos + self.num_tokens, self.block_table.device
+            qpos = torch.arange(self.start_pos, ctx, device=dev).unsqueeze(1)
+            self.mask = torch.arange(ctx, device=dev).unsqueeze(0) <= qpos
 
 
 @dataclass
@@ -89,9 +97,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
             ctx = seq.start_pos + seq.num_tokens
             ks, vs = gather_kv(kv, seq.block_table.unsqueeze(0))
             ks, vs = ks[:, :, :ctx], vs[:, :, :ctx]
-            qpos = torch.arange(seq.start_pos, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos      # [n, ctx]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out.view(t, h * d)
 

@@ -50,10 +50,6 @@ def pidfile_path(socket: Path) -> Path:
     return socket.with_name(socket.name + ".pid")
 
 
-def models_dir() -> Path:
-    return home() / "models"
-
-
 def logs_dir() -> Path:
     return home() / "logs"
 

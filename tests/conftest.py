@@ -26,8 +26,14 @@ from tests.daemons import adapter_dirs, chat_model_dir, served  # noqa: E402,F40
 
 def pytest_configure(config):
     """Build the compiled CPU kernels once, up front, in this process: on a fresh machine that
-    takes a minute, which must not be spent inside a daemon a test is waiting for."""
+    takes a minute, which must not be spent inside a daemon a test is waiting for. With
+    LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) a kernel that does not build stops the run here, with
+    the build error, before any test could skip or quietly take the torch path."""
     from lorafleet.kernels import lora_cpu, paged_attention_cpu
 
-    lora_cpu.load()
-    paged_attention_cpu.load()
+    try:
+        lora_cpu.load()
+        paged_attention_cpu.load()
+    except lora_cpu.KernelUnavailableError as e:
+        pytest.exit(f"{e}\n(unset LORAFLEET_REQUIRE_CPU_KERNELS to test the torch fallback instead)",
+                    returncode=pytest.ExitCode.INTERNAL_ERROR)

@@ -81,16 +81,29 @@ class Daemon:
         with self.http() as c:
             return c.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}).raise_for_status().json()
 
-    def wait_idle(self, timeout: float = 10.0) -> dict:
-        """Stats once nothing runs, waits or holds a KV page (or the last ones seen)."""
+    def wait_stats(self, done, what: str, timeout: float = 60.0, interval: float = 0.02) -> dict:
+        """Poll /v1/stats until `done(stats)` and return them; past `timeout`, fail the test saying
+        what did not happen (a daemon that never gets there must fail a test, not hang it)."""
         deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
+        while not done(stats := self.stats()):
+            if time.monotonic() > deadline:
+                eng = stats["engine"]
+                pytest.fail(f"{what}: not within {timeout:g}s (running {eng['num_running']}, waiting "
+                            f"{eng['num_waiting']}, KV pages {eng['pool']['kv_pages']}, pending "
+                            f"{stats['server']['pending']})")
+            time.sleep(interval)
+        return stats
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Stats once nothing runs, waits or holds a KV page."""
+        def idle(stats):
             eng = stats["engine"]
-            idle = not (eng["num_running"] or eng["num_waiting"] or eng["pool"]["kv_pages"] or stats["server"]["pending"])
-            if idle or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
+            return not (eng["num_running"] or eng["num_waiting"] or eng["pool"]["kv_pages"] or stats["server"]["pending"])
+        return self.wait_stats(idle, "the daemon going idle", timeout, interval=0.05)
+
+    def wait_running(self, timeout: float = 60.0) -> dict:
+        """Stats once a request runs (polled often: short requests run for well under a second)."""
+        return self.wait_stats(lambda s: s["engine"]["num_running"] > 0, "a request running", timeout, interval=0.01)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -122,3 +122,15 @@ def build_chat_model(folder: Path, family: str = "llama", seed: int = 0) -> Path
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}))
     return folder
+
+
+def stepping(engine, until=None, timeout: float = 120.0):
+    """Step `engine` until `until()` holds (default: nothing left unfinished), yielding each
+    step's outputs; the test fails, instead of hanging, past `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    done = until or (lambda: not engine.has_unfinished())
+    while not done():
+        assert time.monotonic() < deadline, f"the engine did not get there within {timeout:.0f}s"
+        yield engine.step()

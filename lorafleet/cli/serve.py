@@ -45,6 +45,7 @@ def _parse_adapters(specs: list[str] | None) -> dict[str, Path]:
 
 
 def serve(
+    ctx: typer.Context,
     model: Annotated[Path | None, typer.Argument(
         help="A Hugging Face model folder (config.json, safetensors, tokenizer.json). Default: the "
              "bundled demo fleet (a tiny echo model and its skill adapters: upper, reverse, ...).",
@@ -95,9 +96,8 @@ def serve(
                           "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
         adapters = _parse_adapters(adapter)
         if detach:
-            argv = _rebuild_argv(model, sock, host, port, served_model_name, adapter, device, pool_bytes,
-                                 dtype, max_num_seqs, max_model_len, max_pending, max_body_bytes, drain_timeout,
-                                 access_log)
+            model_path = str(model.expanduser().resolve()) if model else None
+            argv = _rebuild_argv(ctx.command, ctx.params, model=model_path, socket=str(sock))
             return _detach(argv, sock, log_file, api_key)
         _setup_logging()
         try:
@@ -143,20 +143,29 @@ def _setup_logging() -> None:
         logging.getLogger(name).propagate = True
 
 
-def _rebuild_argv(model, sock, host, port, served_model_name, adapter, device, pool_bytes, dtype,
-                  max_num_seqs, max_model_len, max_pending, max_body_bytes, drain_timeout, access_log) -> list[str]:
-    """The same daemon's command line (the API key travels in the environment, not in ps)."""
-    argv = ["serve"] + ([str(model.expanduser().resolve())] if model else []) + ["--socket", str(sock)]
-    for flag, value in (("--host", host), ("--port", port), ("--served-model-name", served_model_name),
-                        ("--device", device), ("--pool-bytes", pool_bytes), ("--dtype", dtype),
-                        ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len),
-                        ("--max-pending", max_pending), ("--max-body-bytes", max_body_bytes),
-                        ("--drain-timeout", drain_timeout)):
-        if value is not None:
-            argv += [flag, str(value)]
-    for spec in adapter or []:
-        argv += ["--adapter", spec]
-    return argv + (["--access-log"] if access_log else [])
+# not forwarded to the detached daemon: it runs in the foreground and logs to stdout (the parent
+# points that at the log file); the key travels in the environment, where `ps` does not show it
+_NOT_FORWARDED = {"detach", "log_file", "api_key"}
+
+
+def _rebuild_argv(command, params: dict, **overrides) -> list[str]:
+    """`serve` argv that parses back to `params` (with `overrides`), built from the command's own
+    parameter list so that a new option reaches the detached daemon without an edit here."""
+    options, arguments = [], []
+    for param in command.params:
+        if param.name in _NOT_FORWARDED:
+            continue
+        value = overrides.get(param.name, params.get(param.name))
+        values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+        if param.param_type_name == "argument":
+            arguments += [str(v) for v in values]
+        elif param.is_flag:  # on: its name; off: its --no- name, or nothing (then off is its default)
+            options += [name for name in (param.opts if value else param.secondary_opts)[:1]]
+        else:
+            name = max(param.opts, key=len)
+            for v in values:  # `--name=value`, one token: a value that starts with '-' stays a value
+                options += [f"{name}={v}"] if name.startswith("--") else [name, str(v)]
+    return ["serve", *options, *(["--", *arguments] if arguments else [])]
 
 
 def _detach(argv: list[str], sock: Path, log_file: Path | None, api_key: str | None,

@@ -7,6 +7,7 @@ requests in through a queue).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -30,20 +31,12 @@ from lorafleet.lora.adapter import BaseShapes
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.prefetch import Prefetcher
 from lorafleet.memory.residency import AdapterResidency
-from lorafleet.model.loader import load_model
+from lorafleet.model.loader import load_model, resolve_device
 from lorafleet.model.sampler import sample
 from lorafleet.model.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 log = logging.getLogger("lorafleet.engine")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} asked for, but torch sees no CUDA device")
-    return torch.device(name)
 
 
 class Engine:
@@ -76,6 +69,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.counters = EngineStats()
         self._ids = itertools.count()
+        self._deadlines: list = []  # heap of (deadline, tiebreak, request); finished ones dropped lazily
+        self._ids_by_deadline = itertools.count()
         self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
 
     def _pool_bytes(self) -> int:
@@ -112,17 +107,18 @@ class Engine:
         req = Request(rid, ids, params, adapter)
         if deadline_s is not None:
             req.deadline = req.arrival_time + deadline_s
-        if adapter is not None:
-            req.lora = self.adapters.acquire(adapter)  # AdapterNotFoundError; released at the end
-            if not req.lora.ready:
-                wanted = set(self.scheduler.wanted_adapters()) | {req.lora}
-                self.prefetcher.want(req.lora, wanted, self.scheduler.watermark_pages)  # starts now
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder(context_ids=ids)
+        if adapter is not None:  # last: nothing after it can fail, so the reference is never leaked
+            req.lora = self.adapters.acquire(adapter)  # AdapterNotFoundError; released at the end
         self.requests[rid] = req
         self.scheduler.add(req)
+        if req.lora is not None and not req.lora.ready:  # its load starts now, sparing what others wait for
+            self.prefetcher.want(req.lora, self.scheduler.waiting_loras, self.scheduler.watermark_pages)
+        if req.deadline is not None:
+            heapq.heappush(self._deadlines, (req.deadline, next(self._ids_by_deadline), req))
         return rid
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -161,35 +157,41 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that produced a token
         or finished in this step. A request can fail only itself: a row that cannot be sampled
-        or processed ends that request with finish_reason "error"."""
+        or processed ends that request with finish_reason "error".
+
+        The request path, in order: adapters that landed or failed and deadlines; 1. schedule;
+        2. build the batch (rows ordered decode-first and by adapter, the LoRA segments);
+        3. run the model; 4. sample; 5. process outputs (text, stops, finishes)."""
         t0 = time.perf_counter()
         tick = self.prefetcher.tick(self.scheduler.wanted_adapters(), self.scheduler.watermark_pages)
         outputs = self._fail_adapter_requests(tick.failed) if tick.failed else []
         outputs += self._expire_deadlines()
         self.adapters.step += 1
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()                                            # 1
         outputs += [self._finish(req, "length") for req in plan.finished]
-        if not plan.chunks and self.prefetcher.busy:
-            self.prefetcher.wait_any(0.005)  # nothing runnable until a load lands: don't spin
+        self.counters.num_preemptions += len(plan.preempted)
         if plan.chunks:
-            chunks = self.runner.order(plan.chunks)
-            sampling = [c for c in chunks if c.samples]
-            logits = self.runner.execute(chunks, self.runner.lora_batch(chunks, self.adapters))
-            reqs = [c.request for c in sampling]
-            tokens, lps, errors = sample(logits, [r.params for r in reqs],
+            chunks = self.runner.order(plan.chunks)                                 # 2
+            logits = self.runner.execute(chunks, self.runner.lora_batch(chunks, self.adapters))  # 3
+            reqs = [c.request for c in chunks if c.samples]
+            tokens, lps, errors = sample(logits, [r.params for r in reqs],          # 4
                                          [r.generator or self._generator for r in reqs])
-            prompt_tokens = sum(c.num_tokens for c in chunks if not (c.samples and c.num_tokens == 1))
             for c in chunks:
                 c.request.num_computed += c.num_tokens
-            for i, (req, token, lp) in enumerate(zip(reqs, tokens, lps)):
+            for i, (req, token, lp) in enumerate(zip(reqs, tokens, lps)):          # 5
                 outputs.append(self._fail(req, errors[i]) if i in errors else self._append(req, token, lp))
-            self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, len(reqs),
-                                      distinct_adapters=len({c.request.adapter for c in chunks}),
-                                      adapters_loaded=len(tick.loaded), model_s=self.runner.last_model_s)
-        self.counters.num_preemptions += len(plan.preempted)
+            self._record(t0, chunks, len(reqs), len(tick.loaded))
+        elif self.prefetcher.busy:
+            self.prefetcher.wait_any(0.005)  # nothing runnable until a load lands: don't spin
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
+
+    def _record(self, t0: float, chunks, generated: int, loaded: int) -> None:
+        prompt_tokens = sum(c.num_tokens for c in chunks if not (c.samples and c.num_tokens == 1))
+        self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, generated,
+                                  distinct_adapters=len({c.request.adapter for c in chunks}),
+                                  adapters_loaded=loaded, model_s=self.runner.last_model_s)
 
     def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
         try:
@@ -212,9 +214,13 @@ class Engine:
                 for req in [r for r in self.scheduler.waiting if r.lora in failed]]
 
     def _expire_deadlines(self) -> list[RequestOutput]:
-        now = time.monotonic()
-        expired = [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]
-        return [self._finish(req, "deadline") for req in expired]
+        """Requests past their deadline end (a heap: the step looks at the earliest only)."""
+        now, expired = time.monotonic(), []
+        while self._deadlines and self._deadlines[0][0] < now:
+            req = heapq.heappop(self._deadlines)[2]
+            if req.status is not Status.FINISHED:
+                expired.append(self._finish(req, "deadline"))
+        return expired
 
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None) -> RequestOutput:
         """Every way a request ends comes here: out of the queues, pages and adapter back, its
@@ -323,8 +329,8 @@ class Engine:
             assert entry.pins == pins.pop(entry, 0), f"adapter {entry.name!r}: pin count is off"
         assert not users, "requests hold adapters the registry does not know"
         live = {r.request_id for r in self.scheduler.running}
-        assert live <= set(self.kv.tables), "a running request has no block table"
-        assert set(self.kv.tables) <= live, "pages held by a request that is not running"
+        assert live <= set(self.kv.rows), "a running request has no block table"
+        assert set(self.kv.rows) <= live, "pages held by a request that is not running"
 
     def stats(self) -> dict:
         pool = self.pool.stats()
@@ -338,6 +344,6 @@ class Engine:
             "scheduler": self.scheduler.policy.snapshot(),
             "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": self.scheduler.num_waiting,
             **self.counters.snapshot(),
         }

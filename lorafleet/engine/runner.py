@@ -56,52 +56,55 @@ class ModelRunner:
                 row += c.num_tokens
         return batch.finish()
 
-    @torch.inference_mode()
-    def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False) -> torch.Tensor:
-        """`chunks` must already be in `order()`. Returns logits [S, V] for the chunks that
-        sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
-        dev, bs = self.device, self.kv.block_size
-        ids, pos, pages, rows = [], [], [], []
-        decode_tables, decode_lens, prefills = [], [], []
-        row = 0
-        for c in chunks:
-            r, start = c.request, c.request.num_computed
-            ids.extend(r.token_at(start, start + c.num_tokens))
-            p = np.arange(start, start + c.num_tokens)
-            table = np.asarray(self.kv.table(r.request_id), dtype=np.int64)
-            pos.append(p)
-            pages.append(table[p // bs])                   # the page receiving each new K/V
-            if c.num_tokens == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                prefills.append(PrefillSeq(row, c.num_tokens, start, torch.from_numpy(table).to(dev)))
-            row += c.num_tokens
-            if c.samples:
-                rows.append(row - 1)
-        positions = np.concatenate(pos)
-        pages = np.concatenate(pages)
+    def prepare(self, chunks: list[Chunk], all_logits: bool = False):
+        """The step's flat-batch tensors, built with array operations over per-sequence numbers
+        (block tables come from the KV manager's array, one gather for every decode row).
+        Returns (input_ids [T], positions [T], AttentionMetadata, logits rows [S])."""
+        dev, bs, kv = self.device, self.kv.block_size, self.kv
+        n = len(chunks)
+        reqs = [c.request for c in chunks]
+        ntok = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
+        start = np.fromiter((r.num_computed for r in reqs), np.int64, n)
+        rows = np.fromiter((kv.rows[r.request_id] for r in reqs), np.int64, n)
+        first = np.cumsum(ntok) - ntok                                   # each chunk's first flat row
+        total = int(ntok.sum())
+        pos = np.arange(total) - np.repeat(first - start, ntok)          # [T]
+        table = kv.block_table
+        ids = []
+        for r, s, k in zip(reqs, start.tolist(), ntok.tolist()):
+            ids.extend(r.token_at(s, s + k))
         meta = AttentionMetadata(
-            slot_pages=torch.from_numpy(pages).to(dev),
-            slot_offsets=torch.from_numpy(positions % bs).to(dev),
-            num_decode=len(decode_tables), prefills=prefills)
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
-            for i, t in enumerate(decode_tables):
-                padded[i, :len(t)] = t
-            lens = torch.tensor(decode_lens, device=dev)
-            meta.decode_block_tables = torch.from_numpy(padded).to(dev)
+            slot_pages=torch.from_numpy(table[np.repeat(rows, ntok), pos // bs]).to(dev),
+            slot_offsets=torch.from_numpy(pos % bs).to(dev))
+        nd = int(np.searchsorted(ntok > 1, True))                       # decode rows come first
+        if nd:
+            drows = rows[:nd]
+            width = int(kv.num_blocks[drows].max())
+            lens = torch.from_numpy(start[:nd] + 1).to(dev)
+            meta.num_decode = nd
+            meta.decode_block_tables = torch.from_numpy(table[drows, :width]).to(dev)
             meta.decode_context_lens = lens
             meta.decode_kernel = self.attention_kernel
             if not self.attention_kernel:
                 meta.decode_mask = (torch.arange(width * bs, device=dev) < lens[:, None])[:, None, None, :]
-        ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(positions).to(dev)
-        rows = torch.arange(row, device=dev) if all_logits else torch.tensor(rows, dtype=torch.long, device=dev)
+        for i in range(nd, n):
+            pages = table[rows[i], :kv.num_blocks[rows[i]]]
+            meta.prefills.append(PrefillSeq(int(first[i]), int(ntok[i]), int(start[i]), torch.from_numpy(pages).to(dev)))
+        if all_logits:
+            out_rows = torch.arange(total, device=dev)
+        else:
+            samples = np.fromiter((c.samples for c in chunks), bool, n)
+            out_rows = torch.from_numpy((first + ntok - 1)[samples]).to(dev)
+        return torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(pos).to(dev), meta, out_rows
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False) -> torch.Tensor:
+        """`chunks` must already be in `order()`. Returns logits [S, V] for the chunks that
+        sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
+        ids, positions, meta, rows = self.prepare(chunks, all_logits)
         t0 = time.perf_counter()
         logits = self.model(ids, positions, meta, self.kv.cache, rows, lora)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.last_model_s = time.perf_counter() - t0
         return logits

@@ -46,36 +46,79 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # could not grow even alone
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
 
 class Scheduler:
+    """Waiting requests sit in one FCFS queue per policy key (adapter name, "" for the base), kept
+    across steps; the policy picks among the queues' heads. Every queue operation is O(1) per
+    request (a finished waiting request is dropped lazily, when it reaches its queue's head);
+    the per-key counts the policy and the prefetcher need are kept up to date as requests move."""
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  residency=None, policy=None, watermark: float = 0.01):
         self.kv = kv
-        self.residency = residency  # None: no adapters (every adapter is "ready")
+        self.residency = residency  # None: no adapters
         self.policy = policy or FCFS()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_pages = int(kv.pool.num_pages * watermark)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.queues: dict[str, deque[Request]] = {}   # key -> waiting requests, FCFS (preempted first)
+        self.preempted: dict[Request, None] = {}      # waiting after preemption, oldest first
+        self.running: dict[Request, None] = {}        # in admission order
+        self.num_waiting = 0
+        self.active: dict[str, int] = {}              # key -> waiting + running requests
+        self.waiting_loras: dict = {}                 # adapter entry -> waiting requests, first come first
 
+    # -- the queues --------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        active = {key(r) for r in self.waiting} | {key(r) for r in self.running}
-        self.policy.on_arrival(request, active)
-        self.waiting.append(request)
+        self.policy.on_arrival(request, self.active)
+        k = key(request)
+        self.active[k] = self.active.get(k, 0) + 1
+        self.queues.setdefault(k, deque()).append(request)
+        self._enter_waiting(request)
+
+    def requeue(self, request: Request) -> None:
+        """A preempted request waits again, at the front of its queue."""
+        self.queues.setdefault(key(request), deque()).appendleft(request)
+        self.preempted[request] = None
+        self._enter_waiting(request)
+
+    def _enter_waiting(self, req: Request) -> None:
+        req.status = Status.WAITING
+        self.num_waiting += 1
+        if req.lora is not None:
+            self.waiting_loras[req.lora] = self.waiting_loras.get(req.lora, 0) + 1
+
+    def _leave_waiting(self, req: Request) -> None:
+        self.num_waiting -= 1
+        self.preempted.pop(req, None)
+        if req.lora is not None:
+            left = self.waiting_loras[req.lora] - 1
+            if left:
+                self.waiting_loras[req.lora] = left
+            else:
+                del self.waiting_loras[req.lora]
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Every waiting request (stats, failures, tests; not the hot path)."""
+        return [r for q in self.queues.values() for r in q if r.status is Status.WAITING]
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.num_waiting or self.running)
 
     def wanted_adapters(self) -> list:
-        """Adapters (registry entries) of waiting requests, in queue order, without repeats (for
-        the prefetcher)."""
-        return list(dict.fromkeys(r.lora for r in self.waiting if r.lora is not None))
+        """Adapters (registry entries) of waiting requests, without repeats, in the order their
+        first waiting request came (for the prefetcher)."""
+        return list(self.waiting_loras)
+
+    def _head(self, k: str) -> Request | None:
+        q = self.queues.get(k)
+        while q and q[0].status is not Status.WAITING:  # finished while waiting: dropped here
+            q.popleft()
+        if not q:
+            self.queues.pop(k, None)
+            return None
+        return q[0]
 
     def _ready(self, req: Request) -> bool:
         return req.lora is None or req.lora.ready
@@ -87,6 +130,7 @@ class Scheduler:
         keep = {protect} if protect is not None else set()
         return self.residency is not None and self.residency.make_room(pages, keep, for_kv=True)
 
+    # -- a step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -107,34 +151,34 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         now = time.monotonic()
-        queues: dict[str, deque[Request]] = {}
-        for req in self.waiting:
-            queues.setdefault(key(req), deque()).append(req)
-        preempted = [r for r in self.waiting if r.num_preemptions]
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            # readiness is re-read every time: admitting one request may evict another's adapter
-            heads = {k: q[0] for k, q in queues.items() if q and self._ready(q[0])}
-            if not heads:
-                break
-            req = next((r for r in preempted if self._ready(r) and heads.get(key(r)) is r), None)
+        heads = {k: h for k in list(self.queues) if (h := self._head(k)) is not None and self._ready(h)}
+        while budget > 0 and len(self.running) < self.max_num_seqs and heads:
+            req = next((r for r in self.preempted if heads.get(key(r)) is r), None)
             req = req or heads[self.policy.pick(heads)]
+            if not self._ready(req):  # admitting another request evicted its adapter
+                del heads[key(req)]
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.kv.extra_pages(req.request_id, req.num_computed + n)
             reserve = self.watermark_pages if self.running else 0  # alone, it may use the watermark
             if not self._room(need + reserve, protect=req.lora):
                 break  # admitted when pages come back
-            queues[key(req)].popleft()
-            if req in preempted:
-                preempted.remove(req)
-            self.waiting.remove(req)
+            k = key(req)
+            self.queues[k].popleft()
+            self._leave_waiting(req)
             self._start(req, now)
             self.kv.grow(req.request_id, req.num_computed + n)
             out.chunks.append(Chunk(req, n))
             budget -= n
+            if (h := self._head(k)) is not None and self._ready(h):
+                heads[k] = h
+            else:
+                heads.pop(k, None)
         if budget > 0 and len(self.running) < self.max_num_seqs:
-            for q in queues.values():  # heads that only lack their adapter: the exposed wait starts
-                if q and not self._ready(q[0]) and q[0].adapter_blocked_since is None:
-                    q[0].adapter_blocked_since = now
+            for k in list(self.queues):  # heads that only lack their adapter: the exposed wait starts
+                h = self._head(k)
+                if h is not None and not self._ready(h) and h.adapter_blocked_since is None:
+                    h.adapter_blocked_since = now
 
     def _start(self, req: Request, now: float) -> None:
         if req.first_scheduled_time is None:
@@ -144,7 +188,7 @@ class Scheduler:
             req.adapter_blocked_since = None
         self.policy.on_admit(req)
         req.status = Status.RUNNING
-        self.running.append(req)
+        self.running[req] = None
         if req.lora is not None:
             self.residency.pin(req.lora)
 
@@ -152,7 +196,7 @@ class Scheduler:
         """Idle adapters first, then the newest running sequences, until `req` can hold
         `num_tokens` positions. False when `req` itself had to go."""
         while not self._room(self.kv.extra_pages(req.request_id, num_tokens)):
-            victim = self.running[-1]
+            victim = next(reversed(self.running))
             if victim is req and len(self.running) == 1:
                 # alone and still no room: the pool cannot hold this sequence any longer
                 req.finish_reason = "length"
@@ -168,23 +212,25 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         self._stop(req)
         req.num_computed = 0
-        req.status = Status.WAITING
         req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.requeue(req)
 
     def _stop(self, req: Request) -> None:
-        self.running.remove(req)
+        del self.running[req]
         self.kv.free(req.request_id)
         if req.lora is not None:
             self.residency.unpin(req.lora)
 
     def finish(self, req: Request) -> None:
         """Take `req` out of the queues and free its pages (finished or aborted)."""
-        if req in self.running:
+        if req.status is Status.RUNNING:
             self._stop(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        elif req.status is Status.WAITING:
+            self._leave_waiting(req)  # its queue entry goes when it reaches the head
         self.kv.free(req.request_id)
+        k = key(req)
+        self.active[k] -= 1
+        if not self.active[k]:
+            del self.active[k]
         self.policy.on_finish(req)
         req.status = Status.FINISHED

@@ -9,13 +9,16 @@ Invariants (checked by `check_integrity()`, which tests run after every engine s
 
 Allocation is a predicate/action pair: `can_allocate(n)` then `allocate(n, owner)`; `allocate`
 raises when the predicate was false. KV pages are taken from the low end (one at a time, as
-sequences grow) and adapter pages from the high end as one contiguous run when one exists, so the
-two kinds rarely interleave and an adapter's weights are usually one zero-copy slice of the
-tensor. When no run is free an adapter still gets its pages (scattered): pages never fragment
-capacity, only contiguity.
+sequences grow: a min-heap of free pages, no scan of the owner table) and adapter pages from the
+high end as one contiguous run when one exists (a scan: adapter loads are rare next to KV
+growth), so the two kinds rarely interleave and an adapter's weights are usually one zero-copy
+slice of the tensor. When no run is free an adapter still gets its pages (scattered): pages
+never fragment capacity, only contiguity.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 import torch
@@ -40,6 +43,7 @@ class PagePool:
         self._next_owner = KV + 1
         self._pages_by_owner: dict[int, int] = {KV: 0}
         self.num_free = num_pages
+        self._free_heap = list(range(num_pages))  # a min-heap; entries may be stale (page taken)
 
     @property
     def page_bytes(self) -> int:
@@ -74,18 +78,26 @@ class PagePool:
                                      f"of {self.num_pages}")
         if n == 0:
             return []
-        free = np.flatnonzero(self._owner == FREE)
         if owner == KV:
-            pages = free[:n]
+            pages = self._lowest_free(n)
         else:
-            pages = self._contiguous_run(free, n)
+            pages = self._contiguous_run(np.flatnonzero(self._owner == FREE), n)
         self._owner[pages] = owner
         self._pages_by_owner[owner] += n
         self.num_free -= n
         return pages.tolist()
 
-    def free(self, pages: list[int]) -> None:
-        if not pages:
+    def _lowest_free(self, n: int) -> np.ndarray:
+        heap, owner, out = self._free_heap, self._owner, []
+        while len(out) < n:
+            p = heapq.heappop(heap)
+            if owner[p] == FREE and (not out or out[-1] != p):  # skip stale and repeated entries
+                out.append(p)
+        return np.asarray(out, dtype=np.int64)
+
+    def free(self, pages) -> None:
+        """Give back `pages` (a list or an int array)."""
+        if len(pages) == 0:
             return
         idx = np.asarray(pages, dtype=np.int64)
         owners = self._owner[idx]
@@ -95,6 +107,11 @@ class PagePool:
             self._pages_by_owner[int(oid)] -= int(count)
         self._owner[idx] = FREE
         self.num_free += len(idx)
+        if len(self._free_heap) + len(idx) > 2 * self.num_pages:  # too many stale entries: rebuild
+            self._free_heap = np.flatnonzero(self._owner == FREE).tolist()  # sorted: a valid heap
+        else:
+            for p in idx.tolist():
+                heapq.heappush(self._free_heap, p)
 
     def _contiguous_run(self, free: np.ndarray, n: int) -> np.ndarray:
         """The highest run of n consecutive free pages within the smallest free run that fits
@@ -151,6 +168,8 @@ class PagePool:
             assert int(counts.pop(oid, 0)) == n, f"owner {self._owner_names[oid]}: counter {n} wrong"
         assert not counts, f"pages owned by unknown owners {counts}"
         assert free + sum(self._pages_by_owner.values()) == self.num_pages
+        assert set(np.flatnonzero(self._owner == FREE).tolist()) <= set(self._free_heap), \
+            "a free page is missing from the free heap"
 
     def stats(self) -> dict:
         adapters: dict[str, int] = {}

@@ -32,6 +32,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Container
 
 import torch
 
@@ -79,7 +80,7 @@ class Prefetcher:
         result, self._result = self._result, TickResult()
         return result
 
-    def want(self, entry: AdapterEntry, protect: set[AdapterEntry] = frozenset(), reserve_pages: int = 0) -> bool:
+    def want(self, entry: AdapterEntry, protect: Container[AdapterEntry] = frozenset(), reserve_pages: int = 0) -> bool:
         """Move `entry` toward the device: from the host cache, take pages and start the copy;
         from disk, when pages can be had now, load and copy in one task (the size is known from
         the file header), else load to the host only. False when it waits for pages."""

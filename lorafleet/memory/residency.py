@@ -35,8 +35,10 @@ import contextlib
 import itertools
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Container
 
 import numpy as np
 import torch
@@ -121,6 +123,7 @@ class AdapterResidency:
         self.step = 0
         self.pin_host = pool.tensor.device.type == "cuda"
         self._copying: set[AdapterEntry] = set()
+        self._idle_lru: OrderedDict[AdapterEntry, None] = OrderedDict()  # ready, unpinned; LRU first
 
     # -- registry ----------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -224,11 +227,14 @@ class AdapterResidency:
         assert entry.ready, f"adapter {entry.name!r} pinned while not on the device"
         entry.pins += 1
         entry.last_used = time.monotonic()
+        self._idle_lru.pop(entry, None)
 
     def unpin(self, entry: AdapterEntry) -> None:
         assert entry.pins > 0, f"adapter {entry.name!r} unpinned more often than pinned"
         entry.pins -= 1
         entry.last_used = time.monotonic()
+        if not entry.pins:
+            self._idle_lru[entry] = None  # the most recently used end
 
     @staticmethod
     def is_ready(entry: AdapterEntry | None) -> bool:
@@ -291,19 +297,20 @@ class AdapterResidency:
         entry.ready_step = self.step
         entry.device_loads += 1
         entry.last_used = time.monotonic()
+        self._idle_lru[entry] = None
 
     # -- device tier -------------------------------------------------------------------
     def pages_needed(self, entry: AdapterEntry) -> int:
         numel = entry.host.layout.numel if entry.host is not None else entry.numel
         return -(-numel // self.pool.page_elems)
 
-    def allocate(self, entry: AdapterEntry, reserve: int = 0, protect: set[AdapterEntry] = frozenset(),
+    def allocate(self, entry: AdapterEntry, reserve: int = 0, protect: Container[AdapterEntry] = frozenset(),
                  for_kv: bool = False) -> bool:
-        """Give `entry` its device pages, evicting idle adapters if that makes room; False
-        (nothing evicted) when it cannot fit now. AdapterTooLargeError when it never can."""
+        """Give `entry` its device pages, evicting idle adapters not in `protect` if that makes
+        room; False (nothing evicted) when it cannot fit now. AdapterTooLargeError when it
+        never can."""
         need = self.pages_needed(entry)
         self.check_fits(entry.name, need * self.pool.page_elems)
-        protect = protect | {entry}
         if not self.make_room(need + reserve, protect, for_kv=for_kv):
             return False
         if self.pool.largest_free_run() < need:
@@ -311,7 +318,7 @@ class AdapterResidency:
         entry.pages = self.pool.allocate(need, entry.owner)
         return True
 
-    def _make_contiguous(self, need: int, protect: set[AdapterEntry], for_kv: bool) -> None:
+    def _make_contiguous(self, need: int, protect: Container[AdapterEntry], for_kv: bool) -> None:
         """Evict the idle adapters standing in the cheapest window of `need` pages, so the new
         adapter gets one run (zero-copy views, the fused CPU kernel) instead of scattered
         pages; when no window is free of KV and busy adapters, it will be scattered."""
@@ -319,15 +326,13 @@ class AdapterResidency:
         for oid in self.pool.cheapest_window(need, set(evictable)) or ():
             self._evict(evictable[oid])
 
-    def _idle(self, protect: set[AdapterEntry], for_kv: bool) -> list[AdapterEntry]:
-        """Adapters that may be evicted now, least recently used first."""
+    def _idle(self, protect: Container[AdapterEntry], for_kv: bool) -> list[AdapterEntry]:
+        """Adapters that may be evicted now, least recently used first (kept in that order as
+        adapters are pinned and unpinned: no sort, no scan of the registry)."""
         young = self.step - self.min_resident_steps
-        return sorted((e for e in itertools.chain(self.entries.values(), self.retired)
-                       if e.ready and e.pins == 0 and e.copying is None and e not in protect
-                       and (for_kv or e.ready_step <= young)),
-                      key=lambda e: e.last_used)
+        return [e for e in self._idle_lru if e not in protect and (for_kv or e.ready_step <= young)]
 
-    def make_room(self, pages: int, protect: set[AdapterEntry] = frozenset(), for_kv: bool = False) -> bool:
+    def make_room(self, pages: int, protect: Container[AdapterEntry] = frozenset(), for_kv: bool = False) -> bool:
         """Evict idle adapters (unpinned, not in `protect`, least recently used first; young ones
         only for KV) until `pages` are free. Evicts nothing when that would not suffice."""
         if self.pool.can_allocate(pages):
@@ -348,6 +353,7 @@ class AdapterResidency:
         self._drop_if_unused(entry)
 
     def _free_device(self, entry: AdapterEntry) -> None:
+        self._idle_lru.pop(entry, None)
         self.pool.free(entry.pages)
         entry.pages, entry.ready, entry.views, entry.kernel_meta, entry.layout = None, False, None, None, None
 
@@ -390,6 +396,9 @@ class AdapterResidency:
         for e in self.retired:
             assert e.users or e.loading is not None or e.copying is not None, \
                 f"retired adapter {e.name!r} kept with nothing using it"
+        idle = [e for e in itertools.chain(self.entries.values(), self.retired) if e.ready and not e.pins]
+        assert set(idle) == set(self._idle_lru), "the idle LRU disagrees with the adapters' state"
+        assert list(self._idle_lru) == sorted(self._idle_lru, key=lambda e: e.last_used), "idle LRU out of order"
         strays = set(by_owner) - {-1, 0}
         assert not strays, f"pages held by unknown adapter owners {sorted(strays)}"
 

@@ -10,12 +10,23 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from lorafleet.errors import ModelLoadError
+from lorafleet.errors import ConfigError, ModelLoadError
 from lorafleet.model.config import ModelConfig
 from lorafleet.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """auto: CUDA when torch sees a GPU, else the CPU. The one place a device name is read."""
+    if isinstance(name, torch.device):
+        return name
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for, but torch sees no CUDA device")
+    return torch.device(name)
 
 
 def resolve_dtype(name: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:

@@ -51,7 +51,7 @@ def sample(logits: torch.Tensor, params: list, generators: list
     """logits: [S, V] float32; params[i]: SamplingParams; generators[i]: torch.Generator or None.
     Returns the chosen token ids, for rows that asked their logprob dicts, and {row: why} for
     rows that could not be sampled (their token is None; every other row is unaffected)."""
-    finite = torch.isfinite(logits).all(-1).tolist()
+    finite = torch.isfinite(logits.sum(-1)).tolist()  # one pass; NaN or Inf anywhere makes a row's sum so
     greedy_tokens = torch.argmax(logits, dim=-1).tolist()  # one batched call covers greedy rows
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprobs = logits[want_lp].log_softmax(-1) if want_lp else None

@@ -4,8 +4,8 @@ The Engine is not thread-safe. Everything crosses to its thread through one thre
 queue: `call(fn)` runs `fn(engine)` between two steps and answers through a future; `submit`
 adds a request and registers its `Sink`; `abort` drops one. Between steps the thread runs every
 queued command, so a request aborted (say, by a client that hung up) is gone before the next
-step and its pages are free. Outputs go back to each request's asyncio queue with
-`loop.call_soon_threadsafe`, one hop per request per step.
+step and its pages are free. A step's outputs go back to their requests' asyncio queues in one
+`loop.call_soon_threadsafe` hop for the whole step (not one per request).
 
 An exception out of `engine.step()` is a bug of ours, not of a request: it is logged, every
 in-flight request is answered with an error and aborted, and the thread keeps serving.
@@ -46,6 +46,23 @@ class Sink:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+
+def deliver(batch: list[tuple[Sink, Any]]) -> None:
+    """Hand (sink, item) pairs to their event loops: one cross-thread hop per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for sink, item in batch:
+        by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(items: list) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
 
 
 class EngineWorker:
@@ -137,10 +154,12 @@ class EngineWorker:
                 self._sinks[rid].put(failure)
                 self._abort(rid)
             return
+        batch = []
         for out in outputs:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if sink is not None:
-                sink.put(out)
+                batch.append((sink, out))
+        deliver(batch)
 
     def _abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)

@@ -7,10 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import time
+import types
+import typing
+from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
+from lorafleet.cli import serve as serve_cli
 from lorafleet.cli.main import app
 from tests.daemons import POOL
 
@@ -103,19 +109,63 @@ def test_serve_detach_then_stop(chat_model_dir, tmp_path):
     sock, home = tmp_path / "run" / "d.sock", tmp_path / "home"
     env = {**os.environ, "LORAFLEET_HOME": str(home), "LORAFLEET_SOCKET": str(sock), "COLUMNS": "200"}
     lf = [sys.executable, "-m", "lorafleet.cli.main"]
-    started = subprocess.run([*lf, "serve", str(chat_model_dir), "--detach", "--device", "cpu", "--pool-bytes", POOL],
-                             env=env, capture_output=True, text=True, timeout=120)
+    started = subprocess.run([*lf, "serve", str(chat_model_dir), "--detach", "--device", "cpu", "--pool-bytes", POOL,
+                              "--max-pending", "7"], env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr
     assert "started" in started.stderr and (home / "logs" / "daemon.log").is_file()
     try:
         status = subprocess.run([*lf, "status", "--json"], env=env, capture_output=True, text=True, timeout=60)
-        assert status.returncode == 0 and json.loads(status.stdout)["server"]["socket"] == str(sock)
+        assert status.returncode == 0, status.stderr
+        server = json.loads(status.stdout)["server"]
+        assert server["socket"] == str(sock) and server["max_pending"] == 7  # the options reached the daemon
         again = subprocess.run([*lf, "serve", "--detach"], env=env, capture_output=True, text=True, timeout=60)
         assert again.returncode == 1 and "already serves" in again.stderr
     finally:
         stopped = subprocess.run([*lf, "stop"], env=env, capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0, stopped.stderr
     assert "stopped" in stopped.stderr and not sock.exists()
+
+
+SERVE = typer.main.get_command(app).commands["serve"]
+
+
+def sample_tokens(param, hint) -> list[str]:
+    """Tokens that set `param` to a value other than its default (strings start with '-', paths are
+    absolute, lists get two items), by its Python type."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    many = typing.get_origin(hint) is list
+    kind = typing.get_args(hint)[0] if many else hint
+    samples = {bool: None, int: "7", float: "2.5", str: f"-{param.name}=x", Path: f"/somewhere/{param.name}"}
+    if kind not in samples:
+        pytest.fail(f"serve's {param.name}: no sample value for {hint} here; add one")
+    if kind is bool:
+        return [param.opts[0]]
+    values = [samples[kind], samples[kind] + "2"] if many else [samples[kind]]
+    if param.param_type_name == "argument":
+        return values
+    return [f"{max(param.opts, key=len)}={v}" for v in values]
+
+
+def test_every_serve_option_reaches_the_detached_daemon(monkeypatch):
+    """--detach re-runs `serve` with an argv rebuilt from the parsed parameters: every option, set to
+    a value other than its default, parses back the same from that argv, except the ones kept out
+    of it (the API key travels in the environment, where `ps` does not show it)."""
+    hints = typing.get_type_hints(serve_cli.serve)
+    options, arguments = [], []
+    for param in SERVE.params:
+        for var in [param.envvar] if isinstance(param.envvar, str) else param.envvar or []:
+            monkeypatch.delenv(var, raising=False)
+        (arguments if param.param_type_name == "argument" else options).extend(sample_tokens(param, hints[param.name]))
+    given = SERVE.make_context("serve", [*options, *arguments]).params
+    assert [p.name for p in SERVE.params if given[p.name] in (p.default, None, ())] == []  # all set
+
+    argv = serve_cli._rebuild_argv(SERVE, given)
+    assert argv[0] == "serve" and given["api_key"] not in " ".join(argv)
+    back = SERVE.make_context("serve", argv[1:]).params
+    left_out = {p.name: p.default for p in SERVE.params if p.name in serve_cli._NOT_FORWARDED}
+    assert back == {**given, **left_out}
+    assert left_out.keys() == {"detach", "log_file", "api_key"}
 
 
 def test_chat_on_a_terminal_is_a_repl_that_keeps_the_conversation(served, tmp_path):
@@ -140,11 +190,13 @@ def test_chat_on_a_terminal_is_a_repl_that_keeps_the_conversation(served, tmp_pa
     os.close(slave)
     seen = b""
 
-    def read_until_prompt(count: int) -> None:
+    def read_until_prompt(count: int, timeout: float = 60.0) -> None:
         nonlocal seen
+        deadline = time.monotonic() + timeout
         while seen.count(b">>> ") < count:
-            ready, _, _ = select.select([master], [], [], 60)
-            assert ready, f"no prompt; got {seen!r}"
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([master], [], [], max(left, 0))
+            assert ready and left > 0, f"no prompt #{count} within {timeout:.0f}s; got {seen!r}"
             seen += os.read(master, 4096)
     try:
         read_until_prompt(1)

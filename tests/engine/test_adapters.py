@@ -13,7 +13,7 @@ from lorafleet import Engine, SamplingParams
 from lorafleet.errors import (AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError,
                               PoolExhaustedError)
 from tests.engine.test_batching import random_prompts
-from tests.fixtures import ALL7, build_adapter
+from tests.fixtures import ALL7, build_adapter, stepping
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -99,8 +99,8 @@ def test_replacing_weights_in_use_finishes_running_requests_on_the_old_ones(llam
     assert engine.adapters.stats()["retired"] == 1
     after = engine.add_request(prompts[2], GREEDY, adapter="x")
     done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for outs in stepping(engine):
+        done.update({o.request_id: o for o in outs if o.finished})
     assert done[running].token_ids == old_tokens[0]
     assert done[waiting].token_ids == old_tokens[1]
     assert done[after].token_ids == new_tokens
@@ -224,8 +224,8 @@ def test_a_refused_adapter_changes_nothing_and_serving_goes_on(llama_dir, adapte
         engine.load_adapter("good", _broken(kind, adapter_bank[8], tmp_path / f"{kind}-2"))
     assert engine.stats()["pool"]["pages_by_adapter"] == pool_before["pages_by_adapter"]
     done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for outs in stepping(engine):
+        done.update({o.request_id: o for o in outs if o.finished})
     assert done[rid].token_ids == before
     assert engine.generate([prompt], GREEDY, adapters=["good"])[0].token_ids == before
 

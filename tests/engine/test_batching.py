@@ -8,6 +8,7 @@ import torch
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.errors import RequestNotFoundError
+from tests.fixtures import stepping
 
 
 def random_prompts(n, lo=4, hi=40, vocab=160, seed=0):
@@ -67,8 +68,8 @@ def test_abort_frees_pages_at_any_time(llama_dir):
     assert engine.pool.num_kv > 0
     engine.abort(ids[1])  # running
     finished = {}
-    while engine.has_unfinished():
-        for out in engine.step():
+    for outs in stepping(engine):
+        for out in outs:
             if out.finished:
                 finished[out.request_id] = out
     assert set(finished) == set(ids[2:])
@@ -82,8 +83,8 @@ def test_streaming_form_yields_one_token_per_step_per_running_request(llama_dir)
     engine = Engine(llama_dir, pool_bytes=4 << 20)
     rid = engine.add_request(random_prompts(1)[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     seen = []
-    while engine.has_unfinished():
-        for out in engine.step():
+    for outs in stepping(engine):
+        for out in outs:
             assert out.request_id == rid
             seen.extend(out.new_token_ids)
             last = out

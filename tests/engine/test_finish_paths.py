@@ -6,13 +6,13 @@ makes the expected text known."""
 from __future__ import annotations
 
 import shutil
-import time
 
 import pytest
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.demo import default_fleet
 from lorafleet.demo.evaluate import chat_prompt
+from tests.fixtures import stepping
 
 
 
@@ -29,12 +29,11 @@ def engine(fleet):
     engine.close()
 
 
-def run(engine, rid, deadline_s=60.0, abort_after: int | None = None):
+def run(engine, rid, abort_after: int | None = None):
     """Step until `rid` ends; every output it got (aborting it after `abort_after` outputs)."""
-    outs, stop = [], time.monotonic() + deadline_s
-    while not (outs and outs[-1].finished):
-        assert time.monotonic() < stop, "the request did not end"
-        outs += [o for o in engine.step() if o.request_id == rid]
+    outs = []
+    for step_outs in stepping(engine, until=lambda: bool(outs and outs[-1].finished), timeout=60):
+        outs += [o for o in step_outs if o.request_id == rid]
         if abort_after is not None and len(outs) >= abort_after and not outs[-1].finished:
             outs.append(engine.abort(rid))
     return outs
@@ -122,8 +121,8 @@ def test_a_row_that_cannot_be_sampled_ends_alone(engine, monkeypatch):
         return logits
     monkeypatch.setattr(runner, "execute", poisoned)
     got = {}
-    while engine.has_unfinished():
-        for o in engine.step():
+    for outs in stepping(engine):
+        for o in outs:
             got.setdefault(o.request_id, []).append(o)
     assert check_text_once(got[victim], "error").error.startswith("the model produced non-finite logits")
     for rid, expected in zip((rids[0], rids[2]), (alone[0], alone[2])):

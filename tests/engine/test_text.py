@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet import Engine, SamplingParams
-from tests.fixtures import build_chat_model
+from tests.fixtures import build_chat_model, stepping
 
 FREE = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -18,8 +18,8 @@ def engine(tmp_path_factory):
 def stream(engine, prompt, params):
     rid = engine.add_request(prompt, params)
     deltas, last = [], None
-    while engine.has_unfinished():
-        for out in engine.step():
+    for outs in stepping(engine):
+        for out in outs:
             assert out.request_id == rid
             deltas.append(out.new_text)
             last = out

@@ -12,6 +12,7 @@ import pytest
 from lorafleet import Engine, SamplingParams
 from lorafleet.bench.adapters import write_adapter
 from lorafleet.memory import host_cache
+from tests.fixtures import stepping
 from tests.engine.test_batching import random_prompts
 
 SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -30,8 +31,8 @@ def thousand(llama_dir, tmp_path_factory):
 def run_all(engine, prompts, params, adapters):
     ids = [engine.add_request(p, params, adapter=a) for p, a in zip(prompts, adapters)]
     done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for outs in stepping(engine):
+        done.update({o.request_id: o for o in outs if o.finished})
     return [done[i] for i in ids]
 
 
@@ -107,8 +108,8 @@ def test_a_slow_adapter_load_blocks_nobody_behind_it(llama_dir, thousand, monkey
     assert slow_id not in done and engine.adapters.get("slow").loading is not None
     time.sleep(0.05)
     release.set()
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for outs in stepping(engine):
+        done.update({o.request_id: o for o in outs if o.finished})
     slow_out = done[slow_id]
     assert slow_out.finish_reason == "length"
     assert slow_out.metrics["adapter_wait_s"] >= 0.05        # exposed load time is measured
@@ -133,8 +134,9 @@ def backlogged_token_spread(llama_dir, thousand, policy):
             engine.add_request(prompt, params, adapter=name)
     tokens = dict.fromkeys(names, 0)
     owner = {r.request_id: r.adapter for r in engine.scheduler.waiting}
-    while all(any(r.adapter == n for r in engine.scheduler.waiting) for n in names):
-        for out in engine.step():
+    for outs in stepping(engine, until=lambda: not all(any(r.adapter == n for r in engine.scheduler.waiting)
+                                                        for n in names)):
+        for out in outs:
             tokens[owner[out.request_id]] += len(out.new_token_ids)
     return max(tokens.values()) - min(tokens.values()), tokens
 
@@ -157,8 +159,8 @@ def test_eviction_never_takes_a_running_requests_adapter(llama_dir, thousand):
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     held = engine.add_request(random_prompts(1, seed=9)[0], long, adapter="r10")
     others = [engine.add_request(p, SHORT, adapter=f"r{11 + i % 19}") for i, p in enumerate(random_prompts(40))]
-    while engine.has_unfinished():
-        for out in engine.step():
+    for outs in stepping(engine):
+        for out in outs:
             if out.request_id == held and out.finished:
                 assert engine.adapters.get("r10").evictions == 0
         req = engine.requests.get(held)
@@ -234,8 +236,8 @@ def test_a_deadline_aborts_a_request_early(llama_dir, thousand, monkeypatch):
     slow_loads(monkeypatch, {str(thousand["t0030"])}, 0.5)
     rid = engine.add_request(random_prompts(1)[0], SHORT, adapter="slow", deadline_s=0.1)
     outs = []
-    while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.finished]
+    for step_outs in stepping(engine):
+        outs += [o for o in step_outs if o.finished]
     assert [o.request_id for o in outs] == [rid] and outs[0].finish_reason == "deadline"
     assert engine.pool.num_kv == 0
 

@@ -11,7 +11,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -138,8 +137,7 @@ def signal_during_long_request(d, sig, max_tokens: int, timeout: float):
             answers.append(e)
     t = threading.Thread(target=long_request)
     t.start()
-    while d.stats()["engine"]["num_running"] == 0:
-        time.sleep(0.02)
+    d.wait_running()
     d.signal(sig)
     return t, answers
 

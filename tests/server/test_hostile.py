@@ -260,7 +260,9 @@ def test_a_50_mb_body_is_refused_at_once_without_freezing_the_daemon(demo, chunk
         reply = b""
         while b"\r\n\r\n" not in reply:
             latencies.append(health_ms(demo))
-            reply += sock.recv(65536)
+            got = sock.recv(65536)  # a 1 s timeout; b"" if the daemon closed without answering
+            assert got, f"the connection closed after {reply[:200]!r}"
+            reply += got
         elapsed = time.monotonic() - t0
     finally:
         stop.set()
@@ -284,7 +286,9 @@ def test_an_eager_200_mb_load_does_not_stall_running_streams(tmp_path_factory, b
         async def run():
             async with daemon.async_http(timeout=120.0) as http:
                 streams = [asyncio.create_task(read_stream(http, b)) for b in bodies]
+                deadline = time.monotonic() + 60
                 while demo_running(await http.get("/v1/stats")) < len(bodies):
+                    assert time.monotonic() < deadline, "the streams did not start"
                     await asyncio.sleep(0.002)
                 await asyncio.sleep(0.1)
                 t0 = time.monotonic()

@@ -117,8 +117,7 @@ def test_a_client_that_hangs_up_before_a_whole_answer_is_aborted(served):
         s.connect(str(served.socket))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        while served.stats()["engine"]["num_running"] == 0:
-            time.sleep(0.01)
+        served.wait_running()
     stats = served.wait_idle()
     assert stats["engine"]["num_requests_aborted"] == before["num_requests_aborted"] + 1
     assert stats["engine"]["num_generated_tokens"] - before["num_generated_tokens"] < 400

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
+
+from tests.daemons import Daemon
 
 
 def test_openai_client_completes_text_and_token_prompts(served):
@@ -62,16 +65,27 @@ def test_seeded_sampling_repeats_and_logprobs_are_reported(served):
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
 
 
-def test_stop_strings_cut_the_text(served):
-    client = served.openai()
-    free = client.completions.create(model="base", prompt="hello", max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    if len(free) < 4:
-        pytest.skip("the random model wrote too little text to cut")
-    stop = free[2:4]
-    cut = client.completions.create(model="base", prompt="hello", max_tokens=12, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True}).choices[0]
-    assert cut.text == free[:free.index(stop)] and cut.finish_reason == "stop"
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory):
+    """`lorafleet serve` with no MODEL: the bundled demo fleet, whose base answers "echo: TEXT" with
+    TEXT, so a test knows what text is generated."""
+    daemon = Daemon.start(tmp_path_factory.mktemp("echo"))
+    yield daemon
+    daemon.kill()
+
+
+def test_stop_strings_cut_the_text_whole_and_streamed(echo):
+    client = echo.openai()
+
+    def ask(**kw):
+        return client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "echo: hello world"}],
+                                              max_tokens=20, temperature=0, **kw)
+    assert ask().choices[0].message.content == "hello world"  # holds the stop string below
+    cut = ask(stop=["zzz", "o w"]).choices[0]
+    assert (cut.message.content, cut.finish_reason) == ("hell", "stop")
+    chunks = list(ask(stop=["o w"], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "hell"
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_models_lists_the_base_and_adapters(served):
@@ -115,12 +129,13 @@ def test_lora_requests_info_names_running_adapters(served):
         done.set()
     t = threading.Thread(target=long_request)
     t.start()
-    seen = False
+    seen, deadline = False, time.monotonic() + 60
     with served.http() as c:
         while not done.is_set() and not seen:
+            assert time.monotonic() < deadline, "the 300-token request neither showed in /metrics nor ended in 60s"
             info = [line for line in c.get("/metrics").text.splitlines() if line.startswith("vllm:lora_requests_info{")]
             seen = any('running_lora_adapters="all-r8"' in line for line in info)
-    t.join()
+    t.join(60)
     assert seen
 
 

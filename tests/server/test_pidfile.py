@@ -29,7 +29,7 @@ def pidfile(sock):
 
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()  # reaped: no process has this pid (until the kernel reuses it, far off)
+    proc.wait(30)  # reaped: no process has this pid (until the kernel reuses it, far off)
     return proc.pid
 
 

@@ -53,9 +53,10 @@ def test_a_preempted_request_whose_adapter_was_just_evicted_waits():
     reqs = [Request(f"p{i}", list(range(1, n + 1)), params, adapter,   # 3, 3 and 1 pages of KV
                     lora=residency.entries[adapter] if adapter else None)
             for i, (adapter, n) in enumerate([(None, 40), ("b", 40), ("c", 16)])]
-    for r in reversed(reqs):  # as after preemption: at the front, oldest first
+    for r in reqs:  # as after preemption: at the front of their queues, oldest first
+        sched.add(r)
         r.num_preemptions = 1
-        sched.waiting.appendleft(r)
+        sched.preempted[r] = None
     sched.add(Request("new", [1, 2, 3], params, None))  # keeps a ready head in the queues
     out = sched.schedule()
     admitted = [c.request.adapter for c in out.chunks]

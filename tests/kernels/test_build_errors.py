@@ -1,0 +1,58 @@
+"""A CPU kernel that does not build: the torch fallback by default, an error carrying the build's
+message under LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), so a broken toolchain cannot pass as skips."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from lorafleet.kernels import lora_cpu, paged_attention_cpu
+
+BUILD_ERROR = "Error building extension: c++: error: unrecognized command-line option '-fbogus'"
+
+
+@pytest.fixture
+def broken_build(monkeypatch):
+    """Every kernel build fails as a bad compiler flag would; nothing built so far is remembered."""
+    from torch.utils import cpp_extension
+
+    def fail(**kwargs):
+        raise RuntimeError(BUILD_ERROR)
+    monkeypatch.setattr(cpp_extension, "load_inline", fail)
+    monkeypatch.setattr(lora_cpu, "_modules", {})
+    monkeypatch.setattr(lora_cpu, "_why_not", {})
+
+
+def test_a_failed_build_falls_back_to_the_torch_path_by_default(broken_build, monkeypatch, caplog):
+    monkeypatch.delenv("LORAFLEET_REQUIRE_CPU_KERNELS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="lorafleet.kernels"):
+        assert lora_cpu.load() is None and paged_attention_cpu.load() is None
+    assert "using the torch reference" in caplog.text and "-fbogus" in caplog.text
+
+
+def test_a_failed_build_raises_the_build_error_when_kernels_are_required(broken_build, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_REQUIRE_CPU_KERNELS", "1")
+    for load in (lora_cpu.load, paged_attention_cpu.load, lora_cpu.load):  # twice: not remembered as None
+        with pytest.raises(lora_cpu.KernelUnavailableError, match="-fbogus") as e:
+            load()
+        assert str(e.value.__cause__) == BUILD_ERROR
+
+
+def test_disabled_kernels_are_an_error_when_kernels_are_required(monkeypatch):
+    monkeypatch.setattr(lora_cpu, "_modules", {})
+    monkeypatch.setattr(lora_cpu, "_why_not", {})
+    monkeypatch.setenv("LORAFLEET_CPU_KERNELS", "0")
+    monkeypatch.setenv("LORAFLEET_REQUIRE_CPU_KERNELS", "1")
+    with pytest.raises(lora_cpu.KernelUnavailableError, match="LORAFLEET_CPU_KERNELS=0"):
+        lora_cpu.load()
+
+
+def test_the_test_session_stops_at_start_when_a_required_kernel_does_not_build(broken_build, monkeypatch):
+    from tests.conftest import pytest_configure
+
+    monkeypatch.setenv("LORAFLEET_REQUIRE_CPU_KERNELS", "1")
+    with pytest.raises(pytest.exit.Exception, match="-fbogus"):
+        pytest_configure(None)
+    monkeypatch.delenv("LORAFLEET_REQUIRE_CPU_KERNELS")
+    pytest_configure(None)  # without the variable: the run goes on (the kernel tests skip)
