@@ -1,5 +1,6 @@
-"""Torch references for every kernel: the CPU path, and the oracle the Triton kernels are tested
-against. Each function states its exact semantics; shapes are in the comments.
+"""Torch references for every kernel: the CPU path where no compiled kernel serves, and the
+oracle the compiled CPU kernels (`*_cpu.py`) are tested against. Each function states its exact
+semantics; shapes are in the comments.
 
 Paged KV layout (one layer's view of the unified pool): kv[page, 0|1, slot, kv_head, dim], K at
 0 and V at 1; a sequence's token at position p lives in page block_table[p // block] at slot

@@ -42,7 +42,7 @@ import torch
 
 from lorafleet.errors import AdapterError
 from lorafleet.lora.peft_config import (  # noqa: F401  MODULES, BaseShapes, read_adapter_config: re-exported
-    _BLOCK, CONFIG_NAME, MODULES, BaseShapes, _is_int, _pattern_key, _read_config, _targeted,
+    CONFIG_NAME, MODULE_BLOCK, MODULES, BaseShapes, _is_int, _pattern_key, _read_config, _targeted,
     _unreadable, _weights_file, read_adapter_config,
 )
 
@@ -52,7 +52,7 @@ _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 # index is canonical and short (a huge one would be echoed, and int() refuses over 4300 digits).
 _KEY_RE = re.compile(
     r"base_model\.model\.model\.layers\.(?P<layer>0|[1-9]\d{0,8})\."
-    rf"(?P<module>{'|'.join(re.escape(f'{b}.{m}') for m, b in _BLOCK.items())})"
+    rf"(?P<module>{'|'.join(re.escape(f'{b}.{m}') for m, b in MODULE_BLOCK.items())})"
     r"\.lora_(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.weight")
 _EXPECTED_KEY = ("'base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight' / lora_B, "
                  f"<proj> one of {', '.join(MODULES)}")
@@ -99,21 +99,8 @@ class LoraAdapter:
     weights: dict[tuple[int, str], LoraWeights]
 
     @property
-    def max_rank(self) -> int:
-        return max((w.rank for w in self.weights.values()), default=0)
-
-    @property
     def num_params(self) -> int:
         return sum(w.a.numel() + w.b.numel() for w in self.weights.values())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the weights take at the dtype they were loaded as."""
-        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
-                   for w in self.weights.values())
-
-    def modules(self) -> set[str]:
-        return {m for _, m in self.weights}
 
 
 def weights_numel(path: str | Path) -> int:
@@ -259,7 +246,7 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
             raise AdapterError(f"{st_path}: tensor keys carry several adapter names (expected one "
                                "adapter per file: the same '.lora_A.<name>.weight' throughout, or none)")
         shown = _tensor(key)
-        full = f"model.layers.{layer}.{_BLOCK[proj]}.{proj}"
+        full = f"model.layers.{layer}.{MODULE_BLOCK[proj]}.{proj}"
         if full not in targeted:
             raise AdapterError(f"{st_path}: {shown} is for module {full!r}, which {CONFIG_NAME} "
                                "does not target (target_modules, exclude_modules, layers_to_transform)")

@@ -4,8 +4,8 @@ either KV blocks or adapter weights.
 Invariants (checked by `check_integrity()`, which tests run after every engine step):
 - every page has exactly one owner: free, KV, or one adapter;
 - free + KV + adapter pages == total pages, and the counters agree with the owner table;
-- the tensor is never reallocated: its address is fixed for the life of the pool, so CUDA graphs
-  captured over it stay valid whatever moves in or out of its pages.
+- the tensor is never reallocated: its address is fixed for the life of the pool, whatever
+  moves in or out of its pages (what a captured CUDA graph will need: see the kernels issue).
 
 Allocation is a predicate/action pair: `can_allocate(n)` then `allocate(n, owner)`; `allocate`
 raises when the predicate was false. KV pages are taken from the low end (one at a time, as

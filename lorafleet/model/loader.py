@@ -139,8 +139,9 @@ def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if cfg.qk_norm:
             w[q + "q_norm"] = t[a + "q_norm.weight"]
             w[q + "k_norm"] = t[a + "k_norm.weight"]
-        for x in ("q", "k", "v", "o"):  # free the unfused copies as we go
-            t.pop(a + f"{x}_proj.weight", None)
+        for name in (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
+                     m + "gate_proj.weight", m + "up_proj.weight"):
+            del t[name]  # the fused copy replaces it: free the original layer by layer, not at the end
     return w
 
 

@@ -165,10 +165,8 @@ def test_matches_peft(variant, saved, base):
         assert w.scale == pytest.approx(mod.scaling["default"], rel=1e-12)
         assert w.a.dtype == torch.float32 and w.a.is_contiguous() and w.b.is_contiguous()
         assert torch.equal(w.a, a_ref.detach()) and torch.equal(w.b, b_ref.detach())
-    assert ad.modules() == {m for _, m in ref}
-    assert ad.max_rank == max(m.r["default"] for m in ref.values())
     n = sum(m.lora_A["default"].weight.numel() + m.lora_B["default"].weight.numel() for m in ref.values())
-    assert ad.num_params == n and ad.nbytes == 4 * n
+    assert ad.num_params == n
     assert read_adapter_config(folder, base) == ad.config == json.loads((folder / "adapter_config.json").read_text())
 
 
@@ -183,7 +181,7 @@ def test_variant_details(saved, base):
     assert set(load_adapter(saved("layers_list")[0], base).weights) == {(1, "q_proj"), (1, "down_proj")}
     assert set(load_adapter(saved("regex")[0], base).weights) == {(1, "q_proj"), (1, "v_proj"), (1, "down_proj")}
     assert len(load_adapter(saved("all_linear")[0], base).weights) == 2 * len(MODULES)
-    assert load_adapter(saved("mlp_r24")[0], base).max_rank == 24
+    assert {w.rank for w in load_adapter(saved("mlp_r24")[0], base).weights.values()} == {24}
 
 
 def test_delta_equals_peft_output(saved, base):
@@ -206,7 +204,7 @@ def test_dtype(saved, base):
     assert w.a.dtype == w.b.dtype == torch.bfloat16 and w.a.is_contiguous()
     ref = lora_modules(pm)[(0, "q_proj")].lora_A["default"].weight.detach()
     assert torch.equal(w.a, ref.to(torch.bfloat16))
-    assert ad.nbytes == 2 * ad.num_params
+    assert all(w.b.dtype == torch.bfloat16 for w in ad.weights.values())
     assert ad.digest == load_adapter(folder, base).digest  # the digest is of the files
     with pytest.raises(ValueError):
         load_adapter(folder, base, dtype=torch.int8)
