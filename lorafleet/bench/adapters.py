@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from lorafleet.bench.workloads import ALL_MODULES, Workload, adapter_name
+from lorafleet.lora.peft_config import MODULE_BLOCK
 from lorafleet.model.config import ModelConfig
 
-_BLOCK = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in ALL_MODULES}
+WARM_UP_SEED = 7919  # no workload uses it: the warm-up adapter is never one a request names
 
 
 def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, seed: int = 0,
@@ -29,7 +30,7 @@ def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, 
     for layer in range(cfg.num_layers):
         for m in targets:
             fin, fout = feats[m]
-            key = f"base_model.model.model.layers.{layer}.{_BLOCK[m]}.{m}"
+            key = f"base_model.model.model.layers.{layer}.{MODULE_BLOCK[m]}.{m}"
             tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fin, generator=g) / fin ** 0.5).to(dtype)
             tensors[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=g) * 0.02).to(dtype)
     config = {
@@ -72,3 +73,10 @@ def workload_adapters(base_dir: Path, workload: Workload) -> list[tuple[str, Pat
     if workload.num_adapters == 0:
         return []
     return build_adapters(base_dir, workload.num_adapters, workload.ranks, workload.targets, workload.seed)
+
+
+def warm_up_adapter(base_dir: Path) -> Path:
+    """The adapter the lorafleet systems load (and unload) in their warm-up: rank 8 on every
+    projection, built once next to the base, none of any workload's."""
+    [(_, path)] = build_adapters(base_dir, 1, ranks=(8,), seed=WARM_UP_SEED)
+    return path

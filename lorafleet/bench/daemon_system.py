@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -18,65 +17,78 @@ import tempfile
 import time
 from pathlib import Path
 
-from lorafleet.bench.systems import Job, Result, System, adapter_bytes, workload_pool_bytes
-from lorafleet.bench.workloads import FIRST_ORDINARY_ID as FIRST_ID
+from lorafleet.bench.jobs import WARM_UP_ADAPTER, WARM_UP_PROMPT, Job, Replayed, System, job_pool_bytes
 
 
 class LorafleetDaemon(System):
     name = "lorafleet-daemon"
     subject = True
     baseline = False
+    proc = None  # the daemon, once prepare started it
 
-    def run(self, job: Job) -> Result:
+    def prepare(self, job: Job) -> dict:
         from lorafleet.client import Client
 
-        device, dtype = self._setup()
-        root = Path(tempfile.mkdtemp(prefix="lorafleet-bench-"))
-        sock = root / "run" / "d.sock"
-        weights, fraction = adapter_bytes(job.adapters), job.pool_fraction
-        if fraction is not None:
-            pool = workload_pool_bytes(Path(job.model_dir), job.requests, dtype.itemsize,
-                                       int(weights * fraction), math.ceil(len(job.adapters) * fraction), floor=False)
-        else:
-            pool = workload_pool_bytes(Path(job.model_dir), job.requests, dtype.itemsize, weights, len(job.adapters))
-        cmd = [sys.executable, "-m", "lorafleet.cli.main", "serve", job.model_dir, "--socket", str(sock),
-               "--device", str(device), "--dtype", str(dtype).removeprefix("torch."),
+        self.root = Path(tempfile.mkdtemp(prefix="lorafleet-bench-"))
+        self.sock = self.root / "run" / "d.sock"
+        pool = job_pool_bytes(job, self.dtype.itemsize)
+        cmd = [sys.executable, "-m", "lorafleet.cli.main", "serve", job.model_dir, "--socket", str(self.sock),
+               "--device", str(self.device), "--dtype", str(self.dtype).removeprefix("torch."),
                "--pool-bytes", str(pool), "--max-num-seqs", "256", "--max-pending", "100000"]
-        env = {**os.environ, "LORAFLEET_HOME": str(root / "home"), "OMP_NUM_THREADS": str(self.threads)}
-        log = open(root / "daemon.log", "wb")
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            client = Client(sock)
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    client.health()
-                    break
-                except Exception:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"the daemon did not start: {(root / 'daemon.log').read_text()[-500:]}")
-                    time.sleep(0.2)
-            for name, path in job.adapters.items():
-                client.load_adapter(name, path, lazy=job.residency == "registered")
-            client.completion([FIRST_ID, FIRST_ID + 1, FIRST_ID + 2], max_tokens=2, temperature=0.0,
-                              ignore_eos=True)  # warm-up
-            seconds, metrics = asyncio.run(_replay(sock, job.requests))
-            stats = client.stats()
-            client.close()
-        finally:
-            proc.terminate()
+        env = {**os.environ, "LORAFLEET_HOME": str(self.root / "home"), "OMP_NUM_THREADS": str(self.threads)}
+        self.log = open(self.root / "daemon.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env)
+        self.client = Client(self.sock)
+        deadline = time.monotonic() + 300
+        while True:
             try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
-            shutil.rmtree(root, ignore_errors=True)
-        generated = sum(m["tokens"] for m in metrics)
-        details = {"device": str(device), "dtype": str(dtype), "pool_bytes": pool, "residency": job.residency,
-                   "daemon_stats": {k: v for k, v in stats.get("engine", stats).items()
-                                    if isinstance(v, (int, float, str))}}
-        return Result(self.name, num_requests=len(job.requests), generated_tokens=generated,
-                      seconds=seconds, details=details, requests=metrics)
+                self.client.health()
+                break
+            except Exception:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the daemon did not start: {(self.root / 'daemon.log').read_text()[-500:]}")
+                time.sleep(0.2)
+        for name, path in job.adapters.items():
+            self.client.load_adapter(name, path, lazy=job.residency == "registered")
+        return {"pool_bytes": pool, "residency": job.residency}
+
+    def warm_up(self, job: Job) -> dict:
+        """Through the socket: one adapter loaded (not one of the workload's), a completion on
+        it and one on the base; the daemon's engine loads its kernels on the way."""
+        t0 = time.perf_counter()
+        if job.warm_up_adapter:
+            self.client.load_adapter(WARM_UP_ADAPTER, job.warm_up_adapter)
+        for model in dict.fromkeys([WARM_UP_ADAPTER if job.warm_up_adapter else None, None]):
+            self.client.completion(WARM_UP_PROMPT, model=model, max_tokens=4, temperature=0.0, ignore_eos=True)
+        if job.warm_up_adapter:
+            self.client.unload_adapter(WARM_UP_ADAPTER)
+        return {"requests": 2 if job.warm_up_adapter else 1, "adapter_loaded": bool(job.warm_up_adapter),
+                "seconds": time.perf_counter() - t0}
+
+    def replay(self, job: Job) -> Replayed:
+        seconds, metrics = asyncio.run(_replay(self.sock, job.requests))
+        return Replayed(seconds, sum(m["tokens"] for m in metrics), metrics)
+
+    def pids(self) -> tuple[int, ...]:
+        return (self.proc.pid,)
+
+    def finish(self, job: Job) -> dict:
+        stats = self.client.stats()
+        return {"daemon_stats": {k: v for k, v in stats.get("engine", stats).items()
+                                 if isinstance(v, (int, float, str))}}
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 async def _replay(sock: Path, requests) -> tuple[float, list[dict]]:

@@ -2,17 +2,15 @@
 
 The replay loop adds each request when its arrival time comes (between steps) and steps while
 anything is unfinished (continuous batching), sleeping only when nothing is. Adapters start as
-the workload says: `loaded` (in the pool before the clock starts) or `registered` (on disk;
-`engine.register_adapter` when the engine has it, so its prefetcher loads them; otherwise the
-bench loads each synchronously when its first request arrives: what serving without a
-prefetcher costs, counted in the step that follows and in that request's exposed wait).
+the workload says: `loaded` (in the pool before the clock starts) or `registered` (on disk; the
+engine's prefetcher loads them when requests ask, the clock running).
 
 Measured by the bench for every request (the same way as for the baselines): TTFT and TPOT from
-the time each step returns its tokens. Per step that ran: wall time, tokens and sequences (the
-engine's counters), distinct adapters among the requests that produced tokens (not counting the
-base), pool pages in use. Where the engine reports them (`RequestOutput.metrics`,
-`engine.step_records()`), its queue time, exposed adapter-load time and per-step time, tokens,
-sequences and adapters loaded are taken instead.
+the time each step returns its tokens. Per step, the engine's own record (`step_records()`:
+time, host-side time, sequences, tokens, adapters loaded), with the bench's count of distinct
+adapters among the rows that produced tokens (the base not counted: the LoRA segments of a
+decode step) and pool pages in use. Per request, the engine's queue time and exposed
+adapter-load time (`RequestOutput.metrics`).
 
 On the CPU the pool is sized to hold the whole workload (KV at full length and every adapter),
 so no request is preempted; on a GPU it takes the engine's default. A workload with a
@@ -21,15 +19,13 @@ so no request is preempted; on a GPU it takes the engine's default. A workload w
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from pathlib import Path
 
-from lorafleet.bench.systems import Job, Result, System, adapter_bytes, sync, workload_pool_bytes
-from lorafleet.bench.workloads import FIRST_ORDINARY_ID as FIRST_ID
+from lorafleet.bench.jobs import (WARM_UP_ADAPTER, WARM_UP_PROMPT, Job, Replayed, System, adapter_bytes,
+                                  job_pool_bytes, sync)
 
-_ENGINE_STEP_KEYS = ("num_seqs", "num_tokens", "adapters_loaded")
+_OWN_STEP_KEYS = ("distinct_adapters", "kv_pages", "used_pages")  # the bench's; the rest is the engine's
 
 
 class LorafleetInProcess(System):
@@ -41,76 +37,76 @@ class LorafleetInProcess(System):
         super().__init__(*args, **kwargs)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.engine = None  # prepare builds it
 
-    def run(self, job: Job) -> Result:
+    def prepare(self, job: Job) -> dict:
+        from lorafleet import Engine
+
+        kwargs = dict(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+        if job.pool_fraction is not None or self.device.type != "cuda":
+            kwargs["pool_bytes"] = job_pool_bytes(job, self.dtype.itemsize)
+        if job.residency == "registered":  # every adapter fits the host tier: device residency is measured
+            kwargs["host_cache_bytes"] = max(adapter_bytes(job.adapters), 1 << 20)
+        self.engine = engine = Engine(job.model_dir, **kwargs)
+        details = {"pool_bytes": engine.pool.num_pages * engine.pool.page_bytes, "pool_pages": engine.pool.num_pages,
+                   "residency": job.residency, "pool_fraction": job.pool_fraction}
+        t0 = time.perf_counter()
+        for name, path in job.adapters.items():
+            if job.residency == "loaded":
+                engine.load_adapter(name, path)
+            else:
+                engine.register_adapter(name, path)
+        if job.residency == "loaded":
+            details["adapter_load_s"] = time.perf_counter() - t0  # before the clock
+        else:
+            details["adapters"] = "registered on disk; the engine's prefetcher loads them"
+        return details
+
+    def warm_up(self, job: Job) -> dict:
+        """The CPU kernels loaded, one adapter loaded (not one of the workload's, which may have
+        to start on disk) and two small requests, one on it, one on the base."""
         from lorafleet import SamplingParams
 
-        device, dtype = self._setup()
-        engine = self._engine(job, device, dtype)
-        engine.generate([[FIRST_ID, FIRST_ID + 1, FIRST_ID + 2]],
-                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        warm_preemptions = engine.stats().get("num_preemptions", 0)
-        details = {"device": str(device), "dtype": str(dtype), "threads": self.threads,
-                   "pool_bytes": engine.pool.num_pages * engine.pool.page_bytes,
-                   "pool_pages": engine.pool.num_pages, "residency": job.residency,
-                   "pool_fraction": job.pool_fraction}
-        lazy = self._place_adapters(engine, job, details)
-        replay = Replay(engine, lazy)
-        sync(device)
+        t0, engine, kernels = time.perf_counter(), self.engine, {}
+        if self.device.type == "cpu":
+            from lorafleet.kernels import lora_cpu, paged_attention_cpu
+
+            kernels = {"lora_cpu": lora_cpu.load() is not None,
+                       "paged_attention_cpu": paged_attention_cpu.load() is not None}
+        adapter = None
+        if job.warm_up_adapter:
+            engine.load_adapter(WARM_UP_ADAPTER, job.warm_up_adapter)
+            adapter = WARM_UP_ADAPTER
+        engine.generate([WARM_UP_PROMPT] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                        adapters=[adapter, None])
+        if adapter:
+            engine.unload_adapter(adapter)  # its pages back before the clock
+        self.warm_preemptions = engine.counters.num_preemptions
+        return {"requests": 2, "adapter_loaded": adapter is not None, "kernels_loaded": kernels,
+                "seconds": time.perf_counter() - t0}
+
+    def replay(self, job: Job) -> Replayed:
+        replay = Replay(self.engine)
+        sync(self.device)
         seconds = replay.run(job.requests)
-        sync(device)
-        details["pool"] = replay.pool_summary()
-        details["step_records"] = "engine" if replay.merge_engine_records() else "bench"
-        details["num_preemptions"] = engine.stats().get("num_preemptions") - warm_preemptions
-        if hasattr(engine, "close"):
-            engine.close()
-        return Result(self.name, num_requests=len(job.requests), generated_tokens=replay.generated,
-                      seconds=seconds, details=details, requests=replay.request_metrics(), steps=replay.steps)
+        sync(self.device)
+        return Replayed(seconds, replay.generated, replay.request_metrics(), replay.steps,
+                        {"pool": replay.pool_summary()})
 
-    def _engine(self, job: Job, device, dtype):
-        from lorafleet import Engine
-        from lorafleet.config import EngineConfig
+    def finish(self, job: Job) -> dict:
+        return {"num_preemptions": self.engine.counters.num_preemptions - self.warm_preemptions}
 
-        kwargs = dict(device=str(device), dtype=str(dtype).removeprefix("torch."),
-                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
-        weights, fraction = adapter_bytes(job.adapters), job.pool_fraction
-        if fraction is not None:  # room for that share of the adapters: the tiers at work
-            kwargs["pool_bytes"] = workload_pool_bytes(Path(job.model_dir), job.requests, dtype.itemsize,
-                                                       int(weights * fraction),
-                                                       math.ceil(len(job.adapters) * fraction), floor=False)
-        elif device.type != "cuda":
-            kwargs["pool_bytes"] = workload_pool_bytes(Path(job.model_dir), job.requests, dtype.itemsize,
-                                                       weights, len(job.adapters))
-        if job.residency == "registered" and "host_cache_bytes" in EngineConfig.__dataclass_fields__:
-            # every adapter fits the host tier: device residency is what the workload measures
-            kwargs["host_cache_bytes"] = max(weights, 1 << 20)
-        return Engine(job.model_dir, **kwargs)
-
-    @staticmethod
-    def _place_adapters(engine, job: Job, details: dict) -> dict[str, str]:
-        """Load or register the adapters; return those the bench must load on first use."""
-        t0 = time.perf_counter()
-        if job.residency == "loaded":
-            for name, path in job.adapters.items():
-                engine.load_adapter(name, path)
-            details["adapter_load_s"] = time.perf_counter() - t0  # before the clock
-            return {}
-        if hasattr(engine, "register_adapter"):
-            for name, path in job.adapters.items():
-                engine.register_adapter(name, path)
-            details["adapters"] = "registered on disk; the engine's prefetcher loads them"
-            return {}
-        details["adapters"] = ("this engine has no register_adapter: the bench loads each adapter "
-                               "synchronously when its first request arrives (no prefetch)")
-        return dict(job.adapters)
+    def close(self) -> None:
+        if self.engine is not None:  # None when prepare failed before it
+            self.engine.close()
 
 
 class Replay:
     """The streaming loop and what it measures."""
 
-    def __init__(self, engine, lazy: dict[str, str]):
+    def __init__(self, engine):
         self.engine = engine
-        self.lazy = dict(lazy)
         self.steps: list[dict] = []
         self.generated = 0
         self.arrival: dict[str, float] = {}
@@ -119,7 +115,6 @@ class Replay:
         self.tokens: dict[str, int] = {}
         self.adapter: dict[str, str | None] = {}
         self.engine_metrics: dict[str, dict] = {}
-        self.load_wait: dict[str, float] = {}
 
     def run(self, requests) -> float:
         from lorafleet import SamplingParams
@@ -128,37 +123,24 @@ class Replay:
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
         while pending or engine.has_unfinished():
             now = time.perf_counter() - start
-            load_s, loads = 0.0, 0
             while pending and pending[0].arrival_s <= now:
                 r = pending.popleft()
-                waited = self._load_on_first_use(r.adapter)
-                load_s, loads = load_s + waited, loads + (waited > 0)
                 params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
                 rid = engine.add_request(r.prompt, params, adapter=r.adapter)
                 self.arrival[rid], self.adapter[rid], self.tokens[rid] = r.arrival_s, r.adapter, 0
-                if waited:
-                    self.load_wait[rid] = waited
             if not engine.has_unfinished():
                 time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - start)))
                 continue
-            self._step(start, load_s, loads)
-        return time.perf_counter() - start
+            self._step(start)
+        seconds = time.perf_counter() - start
+        self._merge_engine_records()
+        return seconds
 
-    def _load_on_first_use(self, adapter: str | None) -> float:
-        path = self.lazy.pop(adapter, None) if adapter is not None else None
-        if path is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.engine.load_adapter(adapter, path)
-        return time.perf_counter() - t0
-
-    def _step(self, start: float, load_s: float, loads: int) -> None:
-        engine, counters = self.engine, self.engine.counters
-        before = (counters.num_steps, counters.num_prompt_tokens, counters.num_generated_tokens)
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        t1 = time.perf_counter()
-        now = t1 - start
+    def _step(self, start: float) -> None:
+        engine = self.engine
+        ran = engine.counters.num_steps
+        outputs = engine.step()  # waits inside for a landing adapter when nothing can run
+        now = time.perf_counter() - start
         adapters = set()
         for out in outputs:
             rid = out.request_id
@@ -168,49 +150,30 @@ class Replay:
                 self.tokens[rid] = self.tokens.get(rid, 0) + len(out.new_token_ids)
                 self.generated += len(out.new_token_ids)
                 adapters.add(out.adapter)
-            if out.finished and getattr(out, "metrics", None):
+            if out.finished:
                 self.engine_metrics[rid] = out.metrics
-        if counters.num_steps == before[0]:  # nothing ran: waiting for an adapter to land
-            if not outputs and not hasattr(engine, "step_records"):
-                time.sleep(0.001)  # an engine with a prefetcher waits on it inside step()
+        if engine.counters.num_steps == ran:  # nothing ran: no record
             return
-        self.steps.append({
-            "time_s": t1 - t0 + load_s,
-            "num_seqs": counters.step_batch_sizes[-1],
-            "num_tokens": (counters.num_prompt_tokens - before[1]) + (counters.num_generated_tokens - before[2]),
-            # the adapters of the rows that sampled: all of them in a decode step (the regression's)
-            "distinct_adapters": len(adapters - {None}),
-            # the bench's own loads; an engine that loads adapters itself reports its own (merge)
-            "adapters_loaded": None if hasattr(engine, "register_adapter") else loads,
-            "load_s": load_s,
-            "kv_pages": engine.pool.num_kv,
-            "used_pages": engine.pool.num_pages - engine.pool.num_free,
-        })
+        self.steps.append({"distinct_adapters": len(adapters - {None}), "kv_pages": engine.pool.num_kv,
+                           "used_pages": engine.pool.num_pages - engine.pool.num_free})
 
-    def merge_engine_records(self) -> bool:
-        """Take the engine's own per-step figures (issue 5: `step_records()`, one per step that
-        ran, like ours) for time, sequences, tokens and adapters loaded. False when it keeps none."""
-        if not hasattr(self.engine, "step_records") or not self.steps:
-            return False
-        records = self.engine.step_records()[-len(self.steps):]
-        if len(records) != len(self.steps):
-            return False
+    def _merge_engine_records(self) -> None:
+        """The engine keeps one record per step that ran, as we do: its figures join ours (read
+        once at the end: `step_records()` copies up to 100k records)."""
+        records = self.engine.step_records()[-len(self.steps):] if self.steps else []
         for ours, theirs in zip(self.steps, records):
-            ours.update({k: theirs[k] for k in _ENGINE_STEP_KEYS if k in theirs})
-            ours["time_s"] = theirs.get("time_s", ours["time_s"] - ours["load_s"]) + ours["load_s"]
-        return True
+            ours.update({k: v for k, v in theirs.items() if k not in _OWN_STEP_KEYS})
 
     def request_metrics(self) -> list[dict]:
         out = []
         for rid, arrival in self.arrival.items():
             n, first = self.tokens.get(rid, 0), self.first.get(rid)
-            engine = self.engine_metrics.get(rid, {})
+            engine = self.engine_metrics.get(rid) or {}
             out.append({
                 "arrival_s": arrival,
                 "ttft_s": first - arrival if first is not None else None,
                 "tpot_s": (self.last[rid] - first) / (n - 1) if n > 1 else None,
-                "queue_s": engine.get("queue_s"),
-                "adapter_wait_s": engine.get("adapter_wait_s", self.load_wait.get(rid, 0.0)),
+                "queue_s": engine.get("queue_s"), "adapter_wait_s": engine.get("adapter_wait_s"),
                 "tokens": n, "adapter": self.adapter[rid],
             })
         return out

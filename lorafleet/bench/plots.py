@@ -1,8 +1,8 @@
 """PNG plots (matplotlib, an optional extra: `pip install 'lorafleet[bench]'`).
 
-  switch  per-token latency of steps against the adapters a step switched to, one panel per x
-          (`metrics.SWITCH_XS`) that varies, one series per model: the steps (jittered), the
-          median per x, the fitted slope (within shape when it can be fitted) through the mean
+  switch  per-token latency of steps of one shape against the adapters a step switched to, one
+          panel per x (`metrics.SWITCH_XS`) that varies within a shape, one series per model:
+          the steps (jittered), the median per x, the within-shape slope through their mean
   sweep   generated tokens/s against the number of adapters, one line per (model, system)
 
 Each function returns the path written, or raises `PlotUnavailable` saying why not.
@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+
+from lorafleet.bench.metrics import comparable_groups
+from lorafleet.engine.stats import percentile
 
 
 class PlotUnavailable(Exception):
@@ -30,45 +33,51 @@ def _pyplot():
 
 
 def plot_switch(runs: list[dict], title: str, out: Path) -> Path:
-    """`runs`: [{"model", "steps" (records), "regressions" (metrics.switch_regressions)}]."""
-    xs = list(dict.fromkeys(r["x"] for run in runs for r in run["regressions"]))
-    varied = [x for x in xs if any(len(r["table"]) > 1 for run in runs for r in run["regressions"] if r["x"] == x)]
-    xs = varied or xs  # a panel whose x never varies says nothing
-    if not xs:
-        raise PlotUnavailable("no decode step to plot")
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(xs), figsize=(6 * len(xs), 4.5), squeeze=False)
-    jitter = random.Random(0)
-    for ax, x in zip(axes[0], xs):
-        tops = []  # the y range stops above the 95th percentile: a few stalls would flatten the rest
+    """`runs`: [{"model", "steps" (records), "regressions" (metrics.switch_regressions)}]. Per x,
+    per model, the steps of the one shape with the most steps among those whose steps differ in
+    x (a bigger batch mixes more adapters and costs less per token: across shapes the points
+    would draw batch size, not switches), the median per x, and the within-shape slope through
+    that shape's mean."""
+    panels = []
+    for x in dict.fromkeys(r["x"] for run in runs for r in run["regressions"]):
+        series = []
         for i, run in enumerate(runs):
             reg = next((r for r in run["regressions"] if r["x"] == x), None)
-            if reg is None:
-                continue
+            groups = comparable_groups(run["steps"], x)
+            if reg is not None and groups:
+                series.append((i, run["model"], reg, max(groups.items(), key=lambda kv: len(kv[1]))))
+        if series:
+            panels.append((x, series))
+    if not panels:
+        raise PlotUnavailable("no two steps of the same shape (sequences, tokens) differ in adapters loaded "
+                              "or distinct adapters: nothing to compare like for like")
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    jitter = random.Random(0)
+    for ax, (x, series) in zip(axes[0], panels):
+        tops = []  # the y range stops above the 95th percentile: a few stalls would flatten the rest
+        for i, model, reg, ((seqs, _), steps) in series:
             color = f"C{i}"
-            steps = [s for s in run["steps"] if s.get(x) is not None and s["num_tokens"] > 0]
             ys = [s["time_s"] / s["num_tokens"] * 1e3 for s in steps]
-            ax.scatter([s[x] + jitter.uniform(-0.15, 0.15) for s in steps], ys, s=6, alpha=0.3, color=color)
-            tops.append(max(sorted(ys)[int(0.95 * (len(ys) - 1))], *(r["per_token_ms_p50"] for r in reg["table"])))
-            ax.plot([row[x] for row in reg["table"]], [row["per_token_ms_p50"] for row in reg["table"]],
-                    "D", color=color, markeredgecolor="black", markersize=8, zorder=3,
-                    label=f"{run['model']}: median")
-            within, slope = reg["slope_within_shape_s"], reg["slope_s"]
-            if slope is not None:  # the within-shape slope when there is one, through the mean point
-                lo, hi = reg["table"][0][x], reg["table"][-1][x]
-                mx = sum(s[x] for s in steps) / len(steps)
-                line = within if within is not None else slope
-                fraction = reg["slope_within_shape_fraction" if within is not None else "slope_fraction"]
-                label = (f"{run['model']}: {line * 1e3:+.4f} ms/token per adapter ({fraction:+.1%})"
-                         + (" within shape" if within is not None else ""))
-                ax.plot([lo, hi], [(reg["mean_per_token_s"] + line * (v - mx)) * 1e3 for v in (lo, hi)],
-                        "-", color=color, linewidth=2, zorder=4, label=label)
+            tokens = sorted({s["num_tokens"] for s in steps})
+            shape = "decode" if tokens == [seqs] else f"{tokens[0]}-{tokens[-1]} tokens"
+            ax.scatter([s[x] + jitter.uniform(-0.15, 0.15) for s in steps], ys, s=6, alpha=0.3, color=color,
+                       label=f"{model}: {len(steps)} steps of {seqs} sequences, {shape}")
+            values = sorted({s[x] for s in steps})
+            medians = [percentile([y for s, y in zip(steps, ys) if s[x] == v], 0.5) for v in values]
+            ax.plot(values, medians, "D", color=color, markeredgecolor="black", markersize=8, zorder=3)
+            tops.append(max(sorted(ys)[int(0.95 * (len(ys) - 1))], *medians))
+            if reg["slope_s"] is not None:
+                mx, my, ends = sum(s[x] for s in steps) / len(steps), sum(ys) / len(ys), (values[0], values[-1])
+                ax.plot(ends, [my + reg["slope_s"] * 1e3 * (v - mx) for v in ends], "-", color=color, linewidth=2,
+                        zorder=4, label=f"{model}: {reg['slope_s'] * 1e3:+.4f} ms/token per adapter "
+                              f"({reg['slope_fraction']:+.1%}) within shape")
         ax.set_xlabel(x.replace("_", " ") + " in the step")
         ax.set_ylabel("step time / tokens in the step (ms)")
         ax.set_ylim(0, 1.5 * max(tops) if tops and max(tops) > 0 else None)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title + ": steps of one shape")
     return _save(fig, plt, out)
 
 

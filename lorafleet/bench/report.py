@@ -12,7 +12,13 @@ A run's document:
   switch    per model, the switch regressions of lorafleet's steps (see `metrics.py`)
   sweep     (when run) tokens/s against the number of adapters
   plots     the PNG files written, or why none was
+  warnings  figures not to trust as they stand: other processes busy while they were timed,
+            replays that disagree, neighbouring sweep points far apart
   workload, models, options, environment, created, duration_s
+
+Every timed figure is the median of a run's replays (`jobs.System.run`); `details.repeats`
+holds each replay's, `details.other_cores` the cores other processes kept busy meanwhile,
+`details.warm_up` what ran before the clock.
 """
 
 from __future__ import annotations
@@ -24,10 +30,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from lorafleet.bench.fixtures import Shape
+from lorafleet.bench.jobs import repeat_spread
 from lorafleet.bench.metrics import cold_warm_ttft, latency_summary, switch_regressions
 from lorafleet.bench.workloads import Workload
 
 SUBJECTS = ("lorafleet", "lorafleet-daemon")
+NOISY_SPREAD = 1.5     # replays of one run this far apart (fastest over slowest): the machine, not the system
+CONTENDED_CORES = 0.15  # cores other processes kept busy while a figure was timed (0.2 cost tiny 30%)
+SWEEP_JUMP = 2.0       # neighbouring sweep points this far apart: worth a second look
 
 
 def default_out_path() -> Path:
@@ -115,6 +125,42 @@ def memory(rows: list[dict]) -> list[dict]:
                     "lorafleet_peak_adapter_bytes": pool.get("peak_adapter_pages", 0) * page,
                     # what lorafleet needed, not what the bench allocated (the CPU pool has a floor)
                     "merged_over_lorafleet": d["memory_bytes"] / (d["base_bytes"] + pool.get("peak_used_pages", 0) * page)})
+    return out
+
+
+def noise_warnings(report: dict) -> list[str]:
+    """What makes this report's figures untrustworthy as they stand: other processes busy while
+    a figure was timed (`machine.py`), replays of one run that disagree, and neighbouring sweep
+    points far apart (the quick sweep once read 102 and 1,676 tokens/s over 1 and 4 adapters:
+    the machine, not the adapters)."""
+    env, out, contended = report["environment"], [], False
+    cores, threads = env.get("cpu_count"), env.get("threads")
+    runs = [(f"{r['model']} {r['system']}", r["details"]) for r in report["results"] if r["status"] == "ok"]
+    runs += [(f"{p['model']} {p['system']} @{p['num_adapters']} adapters", p) for p in report.get("sweep", [])]
+    for label, details in runs:
+        repeats, parts, mean = details.get("repeats", []), [], details.get("other_cores")
+        peak = max([r["other_cores"] for r in repeats if r.get("other_cores") is not None] or [mean or 0])
+        if max(mean or 0, peak) >= CONTENDED_CORES:
+            contended = True
+            parts.append(f"other processes kept {mean or 0:.1f} of {cores} cores busy while it was timed "
+                         f"(up to {peak:.1f} in one replay)")
+        spread = repeat_spread(details)
+        if spread and spread >= NOISY_SPREAD:
+            tps = [r["tokens_per_s"] for r in repeats]
+            parts.append(f"its {len(tps)} replays ranged {min(tps):.0f}-{max(tps):.0f} tokens/s ({spread:.1f}x); "
+                         "the median is reported")
+        if parts:
+            out.append(f"{label}: {'; '.join(parts)}")
+    for a, b in zip(report.get("sweep", []), report.get("sweep", [])[1:]):
+        if (a["model"], a["system"]) == (b["model"], b["system"]) and a["tokens_per_s"] and b["tokens_per_s"]:
+            jump = max(a["tokens_per_s"], b["tokens_per_s"]) / min(a["tokens_per_s"], b["tokens_per_s"])
+            if jump >= SWEEP_JUMP:
+                out.append(f"{a['model']} {a['system']}: {a['num_adapters']} -> {b['num_adapters']} adapters moved "
+                           f"tokens/s {jump:.1f}x ({a['tokens_per_s']:.0f} -> {b['tokens_per_s']:.0f}); read the "
+                           "lines above before reading it as the adapters' cost")
+    if contended and threads and threads > 1:
+        out.append(f"with {threads} torch threads on {cores} cores, a thread the OS deschedules stalls every parallel "
+                   "op: --threads 1, or an idle machine, steadies the figures")
     return out
 
 

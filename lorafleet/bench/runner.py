@@ -20,11 +20,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lorafleet.bench import plots
-from lorafleet.bench.adapters import workload_adapters
+from lorafleet.bench.adapters import warm_up_adapter, workload_adapters
 from lorafleet.bench.fixtures import build_base, get_shape
+from lorafleet.bench.jobs import MAX_REPEATS, MAX_TIMED_S, MIN_REPEATS, MIN_TIMED_S, Job
+from lorafleet.bench.machine import default_threads, load_average
 from lorafleet.bench.metrics import switch_regressions
-from lorafleet.bench.report import make_report, write_json
-from lorafleet.bench.systems import SYSTEM_NAMES, Job, default_threads, get_system
+from lorafleet.bench.report import CONTENDED_CORES, make_report, noise_warnings, write_json
+from lorafleet.bench.systems import SYSTEM_NAMES, get_system
 from lorafleet.bench.workloads import Workload, get_workload, make_requests
 from lorafleet.errors import ConfigError
 
@@ -55,7 +57,7 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
                   max_requests=max_baseline_requests or None)
     console = console or Console(stderr=True)
 
-    load_before = _load_average()
+    load_before = load_average()
     runs, points = [], []
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
@@ -80,12 +82,17 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
         progress.update(task, description="done")
 
     environment = {**_environment(device, dtype, common["threads"]), "load_average_before": load_before,
-                   "load_average_after": _load_average()}
+                   "load_average_after": load_average()}
     options = {"systems": systems, "max_baseline_requests": common["max_requests"], "batch_size": 16,
-               "sweep": list(sweep), "sweep_systems": list(SWEEP_SYSTEMS) if sweep else []}
+               "sweep": list(sweep), "sweep_systems": list(SWEEP_SYSTEMS) if sweep else [],
+               "warm_up": "every system: untimed small requests on the same model before the clock "
+                          "(lorafleet: CPU kernels and one adapter loaded too); see each run's details.warm_up",
+               "repeats": f"at least {MIN_REPEATS} replays and {MIN_TIMED_S:g} s of timed serving, at most "
+                          f"{MAX_REPEATS} or {MAX_TIMED_S:g} s (adapters on disk: one replay); the median is reported"}
     report = make_report(runs, load, models, environment, options)
     if sweep:
         report["sweep"] = points
+    report["warnings"] = noise_warnings(report)
     report["plots"] = _plots(runs, points, load.name, Path(out))
     report["duration_s"] = time.perf_counter() - started
     write_json(report, out)
@@ -123,7 +130,7 @@ def _across(reports: list[dict]) -> list[dict]:
 def _run(system: str, model_dir: Path, load: Workload, vocab_size: int, common: dict, scratch: Path) -> dict:
     adapters = workload_adapters(model_dir, load)
     job = Job(system, str(model_dir), make_requests(load, vocab_size), {n: str(p) for n, p in adapters},
-              load.residency, load.pool_fraction, **common)
+              load.residency, load.pool_fraction, warm_up_adapter=str(warm_up_adapter(model_dir)), **common)
     if not get_system(system).isolated:
         from lorafleet.bench.worker import run_job
 
@@ -145,9 +152,10 @@ def _run_isolated(job: Job, scratch: Path) -> dict:
 
 
 def _sweep_point(model: str, n: int, run: dict) -> dict:
-    ok = run["status"] == "ok" and run["seconds"] > 0
+    ok, details = run["status"] == "ok" and run["seconds"] > 0, run.get("details", {})
     return {"model": model, "system": run["system"], "num_adapters": n, "status": run["status"],
             "reason": run.get("reason", ""), "tokens_per_s": run["generated_tokens"] / run["seconds"] if ok else None,
+            "repeats": details.get("repeats", []), "other_cores": details.get("other_cores"),
             "peak_rss_bytes": run.get("peak_rss_bytes")}
 
 
@@ -173,16 +181,12 @@ def _summary(label: str, run: dict) -> str:
         return f"{label}: [yellow]{run['status']}[/] {escape(run['reason'])}"
     if not run["seconds"]:
         return f"{label}: {escape(run.get('reason') or 'ok')}"
+    tps, other = [r["tokens_per_s"] for r in run["details"].get("repeats", [])], run["details"].get("other_cores")
+    replays = f" (median of {len(tps)} replays: {min(tps):.1f}-{max(tps):.1f})" if len(tps) > 1 else ""
+    if other is not None and other >= CONTENDED_CORES:
+        replays += f" [yellow]other processes busy on {other:.1f} cores[/]"
     return (f"{label}: {run['generated_tokens']} tokens in {run['seconds']:.2f} s = "
-            f"[bold]{run['generated_tokens'] / run['seconds']:.1f} tokens/s[/]")
-
-
-def _load_average() -> float | None:
-    """The 1-minute load average: other work on the machine skews every figure."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return None
+            f"[bold]{run['generated_tokens'] / run['seconds']:.1f} tokens/s[/]{replays}")
 
 
 def _environment(device: str, dtype: str, threads: int) -> dict:

@@ -20,8 +20,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from lorafleet.bench.systems import Job, Result, System, sync
-from lorafleet.bench.workloads import FIRST_ORDINARY_ID as FIRST_ID
+from lorafleet.bench.jobs import WARM_UP_PROMPT, Job, Replayed, System, sync
 from lorafleet.bench.workloads import BenchRequest
 
 
@@ -41,23 +40,20 @@ class StaticBatchSystem(System):
             return f"{', '.join(missing)} not installed (pip install 'lorafleet[bench]')"
         return None
 
-    def prepare(self, job: Job, requests: list[BenchRequest]) -> dict:
-        """Load the model (and adapters); return details for the report."""
-        raise NotImplementedError
-
     def generate(self, batch: list[BenchRequest]) -> list[float]:
         """Run one static batch; return the perf_counter time of each generated token."""
         raise NotImplementedError
 
-    def run(self, job: Job) -> Result:
-        reason = self.skip_reason(job)
-        if reason:
-            return Result(self.name, status="skipped", reason=reason)
-        requests = self.served(job)
-        self.device, self.dtype = self._setup()
-        details = self.prepare(job, requests)
-        self.generate([BenchRequest([FIRST_ID, FIRST_ID + 1, FIRST_ID + 2], 2, requests[0].adapter)])
+    def warm_up(self, job: Job) -> dict:
+        """One small request on the first adapter the requests use, one on the base."""
+        t0 = time.perf_counter()
+        first = next((r.adapter for r in self.served(job) if r.adapter is not None), None)
+        for adapter in dict.fromkeys([first, None]):
+            self.generate([BenchRequest(WARM_UP_PROMPT, 2, adapter)])
+        return {"requests": len({first, None}), "seconds": time.perf_counter() - t0}
 
+    def replay(self, job: Job) -> Replayed:
+        requests = self.served(job)
         sync(self.device)
         start = time.perf_counter()
         pending, waiting, metrics, computed = deque(requests), [], [], 0
@@ -80,13 +76,8 @@ class StaticBatchSystem(System):
                                 "tokens": n, "adapter": r.adapter})
         sync(self.device)
         seconds = time.perf_counter() - start
-        details.update(device=str(self.device), dtype=str(self.dtype), threads=self.threads,
-                       batch_size=self.batch_size, computed_tokens=computed)
-        if len(requests) < len(job.requests):
-            details["capped"] = (f"served the first {len(requests)} of {len(job.requests)} "
-                                 "requests (--max-baseline-requests)")
-        return Result(self.name, num_requests=len(requests), generated_tokens=sum(r.max_tokens for r in requests),
-                      seconds=seconds, details=details, requests=metrics)
+        return Replayed(seconds, sum(r.max_tokens for r in requests), metrics,
+                        details={"batch_size": self.batch_size, "computed_tokens": computed})
 
     def _pick(self, waiting: list[BenchRequest]) -> list[BenchRequest]:
         """The next batch, oldest first; removed from `waiting`."""
@@ -145,9 +136,10 @@ class TransformersGenerate(StaticBatchSystem):
 
     name = "transformers"
 
-    def prepare(self, job: Job, requests: list[BenchRequest]) -> dict:
+    def prepare(self, job: Job) -> dict:
         import transformers
 
+        requests = self.served(job)
         self.model = self._load_base(Path(job.model_dir))
         ignored = sum(r.adapter is not None for r in requests)
         return {"transformers": transformers.__version__,
@@ -165,10 +157,10 @@ class _Peft(StaticBatchSystem):
             return "the workload has no adapters"
         return super().skip_reason(job)
 
-    def prepare(self, job: Job, requests: list[BenchRequest]) -> dict:
+    def prepare(self, job: Job) -> dict:
         import peft
 
-        names = list(dict.fromkeys(r.adapter for r in requests if r.adapter is not None))
+        names = list(dict.fromkeys(r.adapter for r in self.served(job) if r.adapter is not None))
         t0 = time.perf_counter()
         model = peft.PeftModel.from_pretrained(self._load_base(Path(job.model_dir)), job.adapters[names[0]],
                                                adapter_name=names[0])

@@ -6,7 +6,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from lorafleet.bench.report import SUBJECTS
+from lorafleet.bench.report import CONTENDED_CORES, SUBJECTS
 
 
 def render(report: dict) -> list[Table]:
@@ -98,16 +98,19 @@ def memory_table(report: dict) -> Table:
 
 
 def switch_table(entry: dict) -> Table:
-    """Per-token latency of steps by adapters per step, with the fitted slopes."""
+    """Per-token latency of steps by adapters per step, with the within-shape slope (the
+    headline) and the pooled one (confounded by batch shape) under it."""
     notes = []
     for reg in entry["regressions"]:
+        label = reg["x"].replace("_", " ")
+        pooled = (f" (all steps pooled: {reg['slope_pooled_s'] * 1e3:+.4f}, confounded by batch shape)"
+                  if reg["slope_pooled_s"] is not None else "")
         if reg["slope_s"] is None:
-            notes.append(f"{reg['x']}: {reg.get('note', 'no slope')}")
-            continue
-        within = reg["slope_within_shape_s"]
-        notes.append(f"{reg['x']}: {reg['slope_s'] * 1e3:+.4f} ms/token per adapter ({reg['slope_fraction']:+.1%} "
-                     "of the mean)" + (f", {within * 1e3:+.4f} within shape ({reg['slope_within_shape_fraction']:+.1%})"
-                                       if within is not None else f"; {reg.get('note', '')}"))
+            notes.append(f"{label}: {escape(reg.get('note', 'no slope'))}{pooled}")
+        else:
+            notes.append(f"{label}: {reg['slope_s'] * 1e3:+.4f} ms/token per adapter ({reg['slope_fraction']:+.1%} "
+                         f"of the mean) among {reg['comparable_steps']} steps of {reg['comparable_shapes']} "
+                         f"shape(s){pooled}")
     table = _table(f"switch regression, {entry['model']} · {entry['system']}",
                    ["x", "adapters\nper step", "steps", "decode\nsteps", "per-token\nms p50", "per-token\nms mean",
                     "mean\nseqs", "mean\ntokens"], "\n".join(notes), left=1)
@@ -121,14 +124,17 @@ def switch_table(entry: dict) -> Table:
 
 def sweep_table(report: dict) -> Table:
     table = _table("throughput against the number of adapters", ["model", "system", "adapters", "tokens/s",
-                                                                 "vs fewest", "peak RSS"])
+                                                                 "replays", "vs fewest", "peak RSS"],
+                   "tokens/s: the median replay; replays: the slowest and fastest")
     first: dict[tuple[str, str], float] = {}
     for p in report["sweep"]:
         tps = p["tokens_per_s"]
         ref = first.setdefault((p["model"], p["system"]), tps) if tps else None
+        each = [r["tokens_per_s"] for r in p.get("repeats", [])]
+        spread = f"{min(each):.0f}-{max(each):.0f}" if len(each) > 1 else ""
         table.add_row(p["model"], p["system"], str(p["num_adapters"]),
-                      f"{tps:.1f}" if tps else f"[yellow]{p['status']}[/]", f"{tps / ref:.2f}x" if ref else "",
-                      _mib(p["peak_rss_bytes"]))
+                      f"{tps:.1f}" if tps else f"[yellow]{p['status']}[/]", spread,
+                      f"{tps / ref:.2f}x" if ref else "", _mib(p["peak_rss_bytes"]))
     return table
 
 
@@ -155,6 +161,59 @@ def suite_summary(suite: dict) -> Table:
     for r in suite.get("across", []):
         table.add_row(r["workload"], r["model"], f"lorafleet on {r['versus']}", f"{r['tokens_per_s_ratio']:.2f}x", "")
     return table
+
+
+def lora_decode_table(results: list[dict]) -> Table:
+    table = _table("lora-decode: one decode step, fp32",
+                   ["shape", "batch", "step none\nms", "step 1\nadapter ms", "step distinct\nms", "1 adapter\n÷ none",
+                    "LoRA op\nms", "weights\nread ms", "efficiency", "vs PEFT\nmixed"], left=1)
+    for r in results:
+        ms, vs_peft = r["decode_step_ms"], r.get("lorafleet_vs_peft_mixed")
+        table.add_row(r["shape"], str(r["batch"]), f"{ms['none']:.1f}", f"{ms['one']:.1f}", f"{ms['distinct']:.1f}",
+                      f"{r['one_vs_none_throughput']:.2f}x", f"{r['lora_op_ms']:.1f}", f"{r['adapter_read_ms']:.1f}",
+                      f"{r['lora_efficiency']:.2f}x", f"{vs_peft:.2f}x" if vs_peft else "-")
+    return table
+
+
+def switch_cost_table(results: list[dict]) -> Table:
+    table = _table("switch: per-token latency of fixed-shape decode steps against adapters landed in the step",
+                   ["shape", "batch", "decode\nsteps", "adapters\nlanded", "per-token\nms mean", "slope ms\nper switch",
+                    "share of\nper-token"], "issue 5 asks < 2% per switch", left=1)
+    for r in results:
+        slope = r["slope_fraction"]
+        table.add_row(r["shape"], str(r["batch"]), str(r["decode_steps"]), str(r["adapters_landed"]),
+                      f"{r['mean_per_token_ms']:.3f}",
+                      f"{r['slope_ms_per_switch']:+.4f}" if slope is not None else escape(r.get("note", "-")),
+                      f"{slope:+.2%}" if slope is not None else "")
+    return table
+
+
+def overhead_table(results: list[dict]) -> Table:
+    """Each shape's two figures against their targets (judged only in the targets' setting)."""
+    table = _table("overhead: the engine's time around the model (its step records)",
+                   ["shape", "figure", "measured", "detail", "target", ""], left=2)
+    for r in results:
+        d, b = r["decode"], r["burst"]
+        table.add_row(r["shape"], f"host share of a decode step\n{r['running']} requests, {r['num_adapters']} adapters",
+                      f"{d['host_share']:.1%}", f"host {d['mean_host_ms']:.2f} of {d['mean_time_ms']:.2f} ms mean"
+                      f"\np50 {d['p50_host_ms']:.2f} of {d['p50_time_ms']:.2f} ms", f"<= {d['target']:.0%}",
+                      _verdict(d["target_met"]))
+        table.add_row(r["shape"], f"adding {b['requests']} requests at once", f"{b['add_s'] * 1e3:.1f} ms",
+                      f"{b['add_us_per_request']:.0f} us each; first step after\n{b['first_step_ms']:.1f} ms "
+                      f"({b['first_step_host_ms']:.1f} host, {b['first_step_seqs']} seqs)",
+                      f"< {b['target_s'] * 1e3:.0f} ms", _verdict(b["target_met"]))
+    setting = results[0]["target_setting"] if results else {}
+    table.caption = (f"targets judged for {setting.get('shape')}, {setting.get('running')} requests over "
+                     f"{setting.get('num_adapters')} adapters, {setting.get('burst')} at once")
+    busy = [f"{r['shape']} {part}: {o:.1f}" for r in results for part in ("decode", "burst")
+            if (o := r[part]["other_cores"]) is not None and o >= CONTENDED_CORES]
+    if busy:
+        table.caption += "\nother processes kept cores busy meanwhile (cores): " + ", ".join(busy)
+    return table
+
+
+def _verdict(met: bool | None) -> str:
+    return "-" if met is None else ("met" if met else "[bold]missed[/]")
 
 
 _X_LABELS = {"adapters_loaded": "loaded", "distinct_adapters": "distinct"}

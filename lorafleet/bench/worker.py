@@ -1,7 +1,7 @@
 """One system's run in a process of its own: `python -m lorafleet.bench.worker JOB.json OUT.json`.
 
 A fresh process per (model, system) keeps the runs from sharing memory, caches or threads, and
-makes the peak RSS it reports that system's alone. The job file holds a `systems.Job`; the
+makes the peak RSS it reports that system's alone. The job file holds a `jobs.Job`; the
 result file gets `Result`'s fields plus `peak_rss_bytes`. The same command runs under
 `python -m cProfile` for profiling.
 """
@@ -29,8 +29,9 @@ def peak_rss_bytes() -> int:
 
 
 def run_job(job) -> dict:
-    """Run a `systems.Job`; any exception becomes this system's "error" result."""
-    from lorafleet.bench.systems import Result, get_system
+    """Run a `jobs.Job`; any exception becomes this system's "error" result."""
+    from lorafleet.bench.jobs import Result
+    from lorafleet.bench.systems import get_system
 
     system = get_system(job.system)(device=job.device, dtype=job.dtype, threads=job.threads)
     try:
@@ -44,7 +45,7 @@ def run_job(job) -> dict:
 def main(argv: list[str]) -> int:
     import json
 
-    from lorafleet.bench.systems import Job
+    from lorafleet.bench.jobs import Job
 
     job_path, out_path = argv
     result = run_job(Job.from_json(Path(job_path).read_text()))

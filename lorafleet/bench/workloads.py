@@ -15,11 +15,12 @@ import random
 from dataclasses import dataclass
 
 from lorafleet.errors import ConfigError
+from lorafleet.lora.peft_config import MODULES
 
 ARRIVALS = ("all-at-once", "poisson")
 POPULARITIES = ("uniform", "zipf")
 RESIDENCIES = ("loaded", "registered")
-ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_MODULES = MODULES
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 FIRST_ORDINARY_ID = 3  # ids 0-2 are pad/bos/eos in the random bench models
 
@@ -89,10 +90,6 @@ class Workload:
             bad(f"residency {self.residency!r} is not one of {RESIDENCIES}")
         if self.pool_fraction is not None and not (0 < self.pool_fraction <= 1 and self.residency == "registered"):
             bad(f"pool_fraction must be in (0, 1] with registered residency, got {self.pool_fraction!r}")
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.prompt_len[1] + self.output_len[1]
 
     def with_adapters(self, n: int) -> Workload:
         """The same requests over n adapters (the adapter sweep)."""

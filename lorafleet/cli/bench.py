@@ -1,127 +1,192 @@
-"""`lorafleet bench`: run the benchmark workloads on random models of named shapes and report
-throughput against baselines. The bench code (and with it torch) is imported only when the
-command runs."""
+"""`lorafleet bench run|quick|full|lora-decode|switch|overhead`: one subcommand per benchmark,
+each with only the options it uses. The bench code (and with it torch) is imported only when a
+subcommand runs."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Annotated
+import time
+from typing import Annotated, Callable
 
 import typer
 
 from lorafleet.cli.common import err_console, fail, user_errors
 
-QUICK_MODELS = ["micro", "tiny"]
-DEFAULT_MODELS = ["tiny"]
 ALL_SYSTEMS = "lorafleet,transformers,peft-groups,peft-mixed,merged"
-QUICK_SWEEP = "1,4"
+
+app = typer.Typer(
+    help="Measure lorafleet, and the systems users would pick instead, on random models and "
+         "adapters built locally (cached in $LORAFLEET_HOME/bench).",
+    no_args_is_help=True, rich_markup_mode="markdown")
 
 
-def bench(
-    model: Annotated[list[str] | None, typer.Option(
-        "--model", "-m", metavar="SHAPE",
-        help="Model shape: micro, tiny, smol (SmolLM2-135M's shapes) or 1b (for GPUs). "
-             "Repeat for several. Default: tiny (micro and tiny with --quick).")] = None,
+def _models(default: str) -> object:
+    return typer.Option("--model", "-m", metavar="SHAPE",
+                        help=f"Model shape: micro, tiny, smol (SmolLM2-135M's shapes) or 1b (for GPUs). "
+                             f"Repeat for several. Default: {default}.")
+
+
+Systems = Annotated[str, typer.Option(
+    "--systems", help="Comma-separated systems to run: lorafleet, transformers (base model only), "
+                      "lorafleet-daemon (the same through `lorafleet serve` over its socket), "
+                      "peft-groups (set_adapter per adapter group), peft-mixed (adapter_names "
+                      "batches), merged (memory accounting only).")]
+MaxBaseline = Annotated[int | None, typer.Option(
+    "--max-baseline-requests", min=1, metavar="N",
+    help="Baselines serve only the first N requests (PEFT over hundreds of adapters would take "
+         "hours); the report says so.")]
+Out = Annotated[str | None, typer.Option(  # str: a Path would drop the trailing / that says "a directory"
+    "--out", "-o", metavar="PATH",
+    help="Where to write the JSON report (and any PNG plots next to it): a file, or a directory "
+         "(existing, or ending in /) to get TIMESTAMP.json. Default: ./bench-results/TIMESTAMP.json")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the JSON report on stdout instead of the tables.")]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:N].")]
+Threads = Annotated[int | None, typer.Option("--threads", min=1, help="torch threads. Default: all cores.")]
+Quick = Annotated[bool, typer.Option("--quick", help="A smoke run: the micro shape, fewer steps.")]
+
+
+@app.command("run")
+def run(
+    model: Annotated[list[str] | None, _models("tiny")] = None,
     workload: Annotated[list[str] | None, typer.Option(
         "--workload", "-w",
         help="Workload: uniform-8, uniform-1000, uniform-1000-tiered, zipf-1000, mixed-lengths, "
              "cold-start, base-only or quick. Repeat for several, run in turn, with lorafleet's "
              "tokens/s compared across uniform-1000 and uniform-8, uniform-1000-tiered and "
-             "uniform-1000. Default: base-only (quick with --quick).")] = None,
-    systems: Annotated[str, typer.Option(
-        "--systems", help="Comma-separated systems to run: lorafleet, transformers (base model only), "
-                          "lorafleet-daemon (the same through `lorafleet serve` over its socket), "
-                          "peft-groups (set_adapter per adapter group), peft-mixed (adapter_names "
-                          "batches), merged (memory accounting only).")] = ALL_SYSTEMS,
-    quick: Annotated[bool, typer.Option(
-        "--quick", help="A smoke run: the quick workload on the micro and tiny shapes, every "
-                        "system, and a sweep over 1 and 4 adapters.")] = False,
+             "uniform-1000. Default: base-only.")] = None,
+    systems: Systems = ALL_SYSTEMS,
     sweep: Annotated[str | None, typer.Option(
         "--sweep", metavar="N,N,...",
         help="Also run lorafleet on the workload's requests over each number of adapters and "
-             "plot throughput against it (e.g. 1,8,64,256). Default: none (1,4 with --quick).")] = None,
-    max_baseline_requests: Annotated[int | None, typer.Option(
-        "--max-baseline-requests", min=1, metavar="N",
-        help="Baselines serve only the first N requests (PEFT over hundreds of adapters would take "
-             "hours); the report says so. Default: all (64 with --suite full).")] = None,
-    out: Annotated[str | None, typer.Option(  # str: a Path would drop the trailing / that says "a directory"
-        "--out", "-o", metavar="PATH",
-        help="Where to write the JSON report, the PNG plots next to it: a file, or a directory "
-             "(existing, or ending in /) to get TIMESTAMP.json. Default: ./bench-results/TIMESTAMP.json")] = None,
-    as_json: Annotated[bool, typer.Option(
-        "--json", help="Print the JSON report on stdout instead of the tables.")] = False,
-    device: Annotated[str, typer.Option(
-        "--device", help="auto, cpu or cuda[:N]; every system runs there.")] = "auto",
-    threads: Annotated[int | None, typer.Option(
-        "--threads", min=1, help="torch threads for every system. Default: all cores.")] = None,
-    suite: Annotated[str, typer.Option(
-        "--suite", help="throughput (one workload, every system), full (every workload, every "
-                        "system, the adapter sweep 1,8,64,256,1000; states its duration) or lora-decode "
-                        "(the cost of a decode step over 1 and over BATCH distinct adapters, ranks "
-                        "8-64 on all 7 projections, against PEFT's mixed-adapter batch) or switch "
-                        "(per-token latency of a fixed decode batch against adapters landing in the "
-                        "step, loaded in the background for waiting requests).")] = "throughput",
-    batch: Annotated[int, typer.Option(
-        "--batch", min=1, help="lora-decode: requests (and distinct adapters) per decode step.")] = 32,
-    peft: Annotated[bool, typer.Option(
-        "--peft/--no-peft", help="lora-decode: also run PEFT's mixed-adapter batch.")] = True,
+             "plot throughput against it (e.g. 1,8,64,256).")] = None,
+    max_baseline_requests: MaxBaseline = None,
+    device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
-    """Measure lorafleet and baselines side by side on the same requests.
+    """Throughput: every system on the same workload's requests, side by side.
 
-    Models and adapters are random (seeded) and built once into the cache,
-    $LORAFLEET_HOME/bench (default ~/.cache/lorafleet/bench). Every system runs in a process
-    of its own; outputs are greedy and forced to their requested length; arrivals are replayed
-    in real time. Reports: tokens/s, requests/s, TTFT/TPOT p50/p99, exposed adapter-load time,
-    peak RSS, pool occupancy, ratios, the switch regression (table, slope, PNG) and the adapter
-    sweep (PNG).
+    Every system runs in a process of its own, warms up untimed, then replays the workload's
+    arrivals in real time, at least 3 times and 1 s of serving (at most 5 times or 5 s); the
+    median replay counts, and the CPU other processes took meanwhile is measured and flagged.
+    Reports tokens/s, requests/s, TTFT/TPOT p50/p99, exposed adapter-load time, peak RSS, pool
+    occupancy, ratios, memory against merged copies, the switch regression (table, slope among
+    steps of the same shape, PNG) and, with --sweep, throughput against the number of adapters.
     """
-    from lorafleet.bench.fixtures import SHAPES
+    _throughput(model or ["tiny"], workload or ["base-only"], systems, _parse_sweep(sweep or ""),
+                max_baseline_requests, device, threads, out, as_json)
+
+
+@app.command("quick")
+def quick(
+    model: Annotated[list[str] | None, _models("micro and tiny")] = None,
+    systems: Systems = ALL_SYSTEMS,
+    device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """A smoke run in a few minutes: the quick workload (8 short requests, 4 adapters and the
+    base) on every system, and lorafleet's throughput over 1 and 4 adapters."""
+    _throughput(model or ["micro", "tiny"], ["quick"], systems, (1, 4), None, device, threads, out, as_json)
+
+
+@app.command("full")
+def full(
+    model: Annotated[list[str] | None, _models("tiny")] = None,
+    systems: Systems = f"{ALL_SYSTEMS},lorafleet-daemon",
+    max_baseline_requests: Annotated[int, typer.Option(
+        "--max-baseline-requests", min=1, metavar="N",
+        help="Baselines serve only the first N requests of each workload; the report says so.")] = 64,
+    device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """Every workload except quick, every system, and the adapter sweep 1, 8, 64, 256, 1000 on
+    uniform-1000's requests: one report per workload and a summary; states its duration."""
+    _throughput(model or ["tiny"], None, systems, (), max_baseline_requests, device, threads, out, as_json)
+
+
+@app.command("lora-decode")
+def lora_decode(
+    model: Annotated[list[str] | None, _models("tiny (micro with --quick)")] = None,
+    batch: Annotated[int, typer.Option(
+        "--batch", min=1, help="Requests (and distinct adapters) per decode step.")] = 32,
+    peft: Annotated[bool, typer.Option("--peft/--no-peft", help="Also run PEFT's mixed-adapter batch.")] = True,
+    quick: Quick = False, threads: Threads = None, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """The cost of one decode step over BATCH requests: without adapters, all on one adapter and
+    on BATCH distinct adapters (ranks 8-64 on all 7 projections); the LoRA op against one read
+    of those adapters' weights at the bandwidth measured in the same run; tokens/s against
+    PEFT's mixed-adapter batch."""
+    def one(shape: str) -> dict:
+        from lorafleet.bench.lora_decode import run_lora_decode
+
+        return run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
+                               peft=peft and not quick, threads=threads, progress=_say)
+    _suite("lora-decode", model or (["micro"] if quick else ["tiny"]), one, "lora_decode_table", out, as_json)
+
+
+@app.command("switch")
+def switch(
+    model: Annotated[list[str] | None, _models("smol (micro with --quick)")] = None,
+    quick: Quick = False, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """The switch cost, isolated: per-token latency of a fixed-shape decode batch against the
+    adapters landing in each step, loaded in the background for waiting requests."""
+    def one(shape: str) -> dict:
+        from lorafleet.bench.switch_cost import run_switch_cost
+
+        return run_switch_cost(shape, batch=8 if quick else 32, cold=16 if quick else 96, steps=8 if quick else 48)
+    _suite("switch", model or (["micro"] if quick else ["smol"]), one, "switch_cost_table", out, as_json)
+
+
+@app.command("overhead")
+def overhead(
+    model: Annotated[list[str] | None, _models("tiny")] = None,
+    running: Annotated[int, typer.Option("--running", min=1, help="Requests decoding together.")] = 64,
+    adapters: Annotated[int, typer.Option("--adapters", min=1, help="Adapters they use, in turn.")] = 8,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Decode steps timed.")] = 32,
+    burst: Annotated[int, typer.Option("--burst", min=1, help="Requests added at once to a fresh engine.")] = 1000,
+    device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """The engine's time around the model, from its own step records: the host-side share of a
+    decode step (schedule, batch build, sampling, output processing; target <= 15% on tiny, 64
+    requests over 8 adapters) and the time to add 1,000 requests at once (target < 50 ms)."""
+    def one(shape: str) -> dict:
+        from lorafleet.bench.overhead import run_overhead
+
+        return run_overhead(shape, running=running, num_adapters=adapters, steps=steps, burst=burst, device=device,
+                            threads=threads, progress=_say)
+    _suite("overhead", model or ["tiny"], one, "overhead_table", out, as_json)
+
+
+# -- what the subcommands share ----------------------------------------------------------------
+
+def _throughput(shapes: list[str], loads: list[str] | None, systems: str, counts: tuple[int, ...],
+                max_baseline_requests: int | None, device: str, threads: int | None, out: str | None,
+                as_json: bool) -> None:
+    """run, quick and full: `loads` None is the full suite."""
     from lorafleet.bench.report import resolve_out_path
     from lorafleet.bench.systems import SYSTEM_NAMES
     from lorafleet.bench.workloads import WORKLOADS
 
-    out = resolve_out_path(out)
-    if suite == "switch":
-        return _switch(model or (["micro"] if quick else ["smol"]), quick, out, as_json)
-    if suite == "lora-decode":
-        return _lora_decode(model or (["micro"] if quick else ["tiny"]), batch, peft and not quick,
-                            quick, out, as_json, threads)
-    if suite not in ("throughput", "full"):
-        raise typer.BadParameter(f"{suite!r} (choose from throughput, full, lora-decode, switch)", param_hint="--suite")
-    if quick and workload not in (None, ["quick"]):
-        raise typer.BadParameter("--quick runs the quick workload; drop --quick or --workload",
-                                 param_hint="--workload")
-    if suite == "full" and (workload or quick):
-        raise typer.BadParameter("--suite full runs every workload", param_hint="--workload/--quick")
-    shapes = model or (QUICK_MODELS if quick else DEFAULT_MODELS)
-    loads = list(dict.fromkeys(workload or ["quick" if quick else "base-only"]))
     names = [s.strip() for s in systems.split(",") if s.strip()]
-    _check_choices("--model", shapes, SHAPES)
-    _check_choices("--workload", loads, WORKLOADS)
+    _check_shapes(shapes)
+    _check_choices("--workload", loads or [], WORKLOADS)
     _check_choices("--systems", names or [""], SYSTEM_NAMES)
-    counts = _parse_sweep(sweep if sweep is not None else (QUICK_SWEEP if quick else ""))
-
-    common = dict(device=device, threads=threads, console=err_console)
+    path = resolve_out_path(out)
+    common = dict(device=device, threads=threads, console=err_console, max_baseline_requests=max_baseline_requests)
     with user_errors():
-        from lorafleet.bench.runner import SUITE_MAX_BASELINE_REQUESTS, run_bench, run_suite
+        from lorafleet.bench.runner import run_bench, run_suite
 
-        if suite == "full":
-            report = run_suite(shapes, out, max_baseline_requests=max_baseline_requests or SUITE_MAX_BASELINE_REQUESTS,
-                               **common)
+        if loads is None:
+            report = run_suite(shapes, path, systems=tuple(names), **common)
         elif len(loads) > 1:
-            report = run_suite(shapes, out, workloads=tuple(loads), systems=tuple(names), name="workloads",
-                               sweeps={w: counts for w in loads}, max_baseline_requests=max_baseline_requests,
-                               **common)
+            loads = list(dict.fromkeys(loads))
+            report = run_suite(shapes, path, workloads=tuple(loads), systems=tuple(names), name="workloads",
+                               sweeps={w: counts for w in loads}, **common)
         else:
-            report = run_bench(shapes, loads[0], names, out, max_baseline_requests=max_baseline_requests,
-                               sweep=counts, **common)
+            report = run_bench(shapes, loads[0], names, path, sweep=counts, **common)
     _print(report, as_json)
-    err_console.print(f"wrote {out}", highlight=False)
+    err_console.print(f"wrote {path}", highlight=False)
     failed = [f"{r['workload']}/{r['model']}/{r['system']}" for rep in report.get("reports", [report])
               for r in rep["results"] if r["status"] == "error"]
     if failed:
-        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {out})")
+        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")
 
 
 def _print(report: dict, as_json: bool) -> None:
@@ -141,9 +206,39 @@ def _print(report: dict, as_json: bool) -> None:
             err_console.print(f"{kind} plot: {path}", highlight=False)
         for note in rep.get("plots", {}).get("notes", []):
             err_console.print(f"no plot: {note}", highlight=False)
+        for warning in rep.get("warnings", []):
+            err_console.print(f"[yellow]noisy:[/] {warning}", highlight=False)
     if "reports" in report:
         console.print(suite_summary(report))
     err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
+
+
+def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str, out: str | None,
+           as_json: bool) -> None:
+    """lora-decode, switch and overhead: one result per shape, `tables.<table>` of them, the
+    JSON report."""
+    from lorafleet.bench.report import resolve_out_path, write_json
+
+    _check_shapes(shapes)
+    path, started = resolve_out_path(out), time.perf_counter()
+    with user_errors():
+        results = [run_one(shape) for shape in dict.fromkeys(shapes)]
+    report = {"suite": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "duration_s": time.perf_counter() - started, "results": results}
+    write_json(report, path)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        from rich.console import Console
+
+        from lorafleet.bench import tables
+
+        Console().print(getattr(tables, table)(results))
+    err_console.print(f"wrote {path}", highlight=False)
+
+
+def _say(message: str) -> None:
+    err_console.print(message, highlight=False)
 
 
 def _parse_sweep(text: str) -> tuple[int, ...]:
@@ -156,63 +251,14 @@ def _parse_sweep(text: str) -> tuple[int, ...]:
     return counts
 
 
+def _check_shapes(shapes: list[str]) -> None:
+    from lorafleet.bench.fixtures import SHAPES
+
+    _check_choices("--model", shapes, SHAPES)
+
+
 def _check_choices(option: str, given: list[str], choices) -> None:
     unknown = [g for g in given if g not in choices]
     if unknown:
         raise typer.BadParameter(f"{', '.join(repr(u) for u in unknown)} (choose from {', '.join(choices)})",
                                  param_hint=option)
-
-
-def _lora_decode(shapes: list[str], batch: int, peft: bool, quick: bool, out: Path,
-                 as_json: bool, threads: int | None) -> None:
-    from lorafleet.bench.lora_decode import run_lora_decode
-
-    with user_errors():
-        results = [run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
-                                   peft=peft, threads=threads,
-                                   progress=lambda m: err_console.print(m, highlight=False))
-                   for shape in shapes]
-    report = {"suite": "lora-decode", "results": results}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    else:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="lora-decode: one decode step, fp32")
-        for col in ("shape", "batch", "step none ms", "step 1 adapter ms", "step distinct ms",
-                    "1 adapter / none", "LoRA op ms", "weights read ms", "efficiency", "vs PEFT mixed"):
-            table.add_column(col, justify="right")
-        for r in results:
-            ms = r["decode_step_ms"]
-            vs_peft = r.get("lorafleet_vs_peft_mixed")
-            table.add_row(r["shape"], str(r["batch"]), f"{ms['none']:.1f}", f"{ms['one']:.1f}",
-                          f"{ms['distinct']:.1f}", f"{r['one_vs_none_throughput']:.2f}x",
-                          f"{r['lora_op_ms']:.1f}", f"{r['adapter_read_ms']:.1f}",
-                          f"{r['lora_efficiency']:.2f}x", f"{vs_peft:.2f}x" if vs_peft else "-")
-        Console().print(table)
-    err_console.print(f"wrote {out}", highlight=False)
-
-
-def _switch(shapes: list[str], quick: bool, out: Path, as_json: bool) -> None:
-    """The isolated switch-cost regression (bench/switch_cost.py)."""
-    from lorafleet.bench.switch_cost import run_switch_cost
-
-    with user_errors():
-        results = [run_switch_cost(shape, batch=8 if quick else 32, cold=16 if quick else 96,
-                                   steps=8 if quick else 48) for shape in shapes]
-    report = {"suite": "switch", "results": results}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    for r in results:
-        slope = r["slope_fraction"]
-        err_console.print(f"{r['shape']}: {r['decode_steps']} decode steps of {r['batch']} rows, "
-                          f"{r['adapters_landed']} adapters landed; slope "
-                          + (f"{r['slope_ms_per_switch']:.3f} ms/token per switch = {100 * slope:.2f}% "
-                             f"of {r['mean_per_token_ms']:.3f} ms" if slope is not None else r.get("note", "-")),
-                          highlight=False)
-    err_console.print(f"wrote {out}", highlight=False)

@@ -28,7 +28,7 @@ app.command("status")(status.status)
 app.command("stop")(status.stop)
 app.command("chat")(chat.chat)
 app.add_typer(adapters.app, name="adapters")
-app.command("bench")(bench.bench)
+app.add_typer(bench.app, name="bench")
 
 
 def _print_version(value: bool) -> None:

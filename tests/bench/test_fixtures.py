@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.bench.adapters import build_adapters, workload_adapters
+from lorafleet.bench.adapters import build_adapters, warm_up_adapter, workload_adapters
 from lorafleet.bench.workloads import WORKLOADS
 
 
@@ -43,3 +43,10 @@ def test_a_workload_gets_one_adapter_per_name_its_requests_may_use(micro_dir):
     adapters = workload_adapters(micro_dir, WORKLOADS["quick"])
     assert [n for n, _ in adapters] == ["lora-0000", "lora-0001", "lora-0002", "lora-0003"]
     assert workload_adapters(micro_dir, WORKLOADS["base-only"]) == []
+
+
+def test_the_warm_up_adapter_is_none_of_a_workloads(micro_dir):
+    used = {p for name in WORKLOADS if WORKLOADS[name].num_adapters <= 8
+            for _, p in workload_adapters(micro_dir, WORKLOADS[name])}
+    path = warm_up_adapter(micro_dir)
+    assert (path / "adapter_model.safetensors").is_file() and path not in used

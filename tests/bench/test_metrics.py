@@ -1,4 +1,4 @@
-"""The switch regression's arithmetic: least squares, percentiles, the within-batch slope."""
+"""The switch regression's arithmetic: least squares, latency summaries, the within-shape slope."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lorafleet.bench.metrics import cold_warm_ttft, fit_slope, latency_summary, percentile, switch_regression
+from lorafleet.bench.metrics import cold_warm_ttft, comparable_groups, fit_slope, latency_summary, switch_regression
 
 
 def test_fit_slope_recovers_an_exact_line():
@@ -29,13 +29,7 @@ def test_fit_slope_refuses_data_without_a_slope(xs, ys):
         fit_slope(xs, ys)
 
 
-def test_percentiles_are_nearest_rank_and_skip_missing_values():
-    values = list(range(1, 101))
-    assert percentile(values, 0.5) == 50 and percentile(values, 0.99) == 99
-    assert percentile([None, 3.0], 0.5) == 3.0 and percentile([None], 0.5) is None
-
-
-def test_latency_summary_totals_the_exposed_adapter_wait():
+def test_latency_summary_is_nearest_rank_and_totals_the_exposed_adapter_wait():
     summary = latency_summary([{"ttft_s": 0.1, "tpot_s": 0.01, "queue_s": None, "adapter_wait_s": 0.5},
                                {"ttft_s": 0.3, "tpot_s": 0.02, "queue_s": None, "adapter_wait_s": 0.0}])
     assert summary["ttft_s"] == {"p50": 0.1, "p99": 0.3}
@@ -62,15 +56,16 @@ def synthetic_steps(per_adapter_s: float, seed: int = 0) -> list[dict]:
 def test_the_switch_regression_recovers_the_per_adapter_cost_within_shape():
     reg = switch_regression(synthetic_steps(per_adapter_s=2e-5), "distinct_adapters")
     assert reg["steps"] == 3001  # the step that computed nothing is left out
-    assert reg["slope_within_shape_s"] == pytest.approx(2e-5, rel=0.05)
-    assert reg["slope_s"] < 0  # the plain fit sees big batches (cheap tokens) with many adapters
+    assert reg["slope_s"] == pytest.approx(2e-5, rel=0.05)
+    assert reg["slope_pooled_s"] < 0  # pooled, big batches (cheap tokens) mix many adapters
+    assert reg["comparable_shapes"] == 4 and reg["comparable_steps"] == 3000  # the lone prefill compares to nothing
     assert [row["distinct_adapters"] for row in reg["table"]] == sorted({row["distinct_adapters"]
                                                                          for row in reg["table"]})
 
 
 def test_a_flat_switch_cost_fits_a_flat_line():
     reg = switch_regression(synthetic_steps(per_adapter_s=0.0, seed=1), "distinct_adapters")
-    assert abs(reg["slope_within_shape_s"]) < 1e-6
+    assert abs(reg["slope_s"]) < 1e-6
 
 
 def test_the_switch_regression_is_none_when_no_step_knows_the_x():
@@ -79,7 +74,23 @@ def test_the_switch_regression_is_none_when_no_step_knows_the_x():
 
 def test_the_slope_is_also_given_as_a_fraction_of_the_mean_per_token_latency():
     reg = switch_regression(synthetic_steps(per_adapter_s=2e-5), "distinct_adapters")
-    assert reg["slope_within_shape_fraction"] == pytest.approx(reg["slope_within_shape_s"] / reg["mean_per_token_s"])
+    assert reg["slope_fraction"] == pytest.approx(reg["slope_s"] / reg["mean_per_token_s"])
+
+
+def test_without_steps_of_one_shape_that_differ_there_is_no_headline_slope_and_it_says_why():
+    """Bigger batches mixing more adapters: the pooled slope is all batch size."""
+    steps = [{"time_s": 0.01 * b, "num_tokens": b, "num_seqs": b, "distinct_adapters": b // 2} for b in (2, 4, 8, 16)]
+    reg = switch_regression(steps, "distinct_adapters")
+    assert reg["slope_s"] is None and reg["comparable_steps"] == 0
+    assert "no two steps of the same shape" in reg["note"] and reg["slope_pooled_s"] is not None
+
+
+def test_steps_compare_within_sequences_and_a_power_of_two_bucket_of_tokens():
+    def step(seqs, tokens, x):
+        return {"time_s": 0.01, "num_seqs": seqs, "num_tokens": tokens, "distinct_adapters": x}
+    steps = [step(4, 4, 1), step(4, 4, 2), step(4, 100, 1), step(4, 120, 3), step(4, 130, 2), step(8, 8, 1)]
+    groups = comparable_groups(steps, "distinct_adapters")
+    assert sorted(len(g) for g in groups.values()) == [2, 2]  # 100 and 120 share a bucket; 130 and 8x8 alone
 
 
 def test_cold_requests_are_the_first_to_each_adapter_and_warm_ones_the_rest():

@@ -1,11 +1,12 @@
-"""The report: ratios between systems, memory against merged copies, cold against warm TTFT."""
+"""The report: ratios between systems, memory against merged copies, cold against warm TTFT,
+and warnings when the figures are noise."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from lorafleet.bench.fixtures import SHAPES
-from lorafleet.bench.report import make_report
+from lorafleet.bench.report import make_report, noise_warnings
 from lorafleet.bench.tables import render
 from lorafleet.bench.workloads import WORKLOADS
 
@@ -28,7 +29,7 @@ def report_for(load):
             run("peft-mixed", 4.0, requests([0.8] * 4)),
             {**run("merged", 0.0, []), "details": {"base_bytes": 1000, "num_adapters": 2, "memory_bytes": 3000}},
             {**run("peft-groups", 0.0, []), "status": "skipped", "reason": "peft is not installed"}]
-    return make_report(runs, load, {"micro": SHAPES["micro"]}, {})
+    return make_report(runs, load, {"micro": SHAPES["micro"]}, {"threads": 2, "cpu_count": 2})
 
 
 def test_lorafleet_is_divided_by_each_baseline_that_generated():
@@ -64,3 +65,20 @@ def test_every_table_renders(capsys):
     for heading in ("workload cold-start", "against each baseline", "latency", "cold start", "memory"):
         assert heading in text
     assert "skipped" in text and "peft is not installed" in text
+
+
+def test_contended_and_disagreeing_replays_and_sweep_jumps_are_flagged_not_trusted():
+    report = report_for(WORKLOADS["quick"])
+    assert noise_warnings(report) == []
+    report["results"][0]["details"].update(other_cores=0.3, repeats=[
+        {"seconds": 1.0, "tokens_per_s": t, "other_cores": c} for t, c in ((102.0, 0.9), (1676.0, 0.0), (1500.0, 0.1))])
+    report["sweep"] = [{"model": "micro", "system": "lorafleet", "num_adapters": n,
+                        "tokens_per_s": t, "other_cores": 0.0,
+                        "repeats": [{"seconds": 1.0, "tokens_per_s": t, "other_cores": 0.0}] * 3}
+                       for n, t in ((1, 102.0), (4, 1676.0), (8, 1600.0))]
+    lorafleet, jump, threads = noise_warnings(report)  # steady sweep points with nothing else running: no line
+    assert lorafleet == ("micro lorafleet: other processes kept 0.3 of 2 cores busy while it was timed (up to 0.9 "
+                         "in one replay); "
+                         "its 3 replays ranged 102-1676 tokens/s (16.4x); the median is reported")
+    assert jump.startswith("micro lorafleet: 1 -> 4 adapters moved tokens/s 16.4x (102 -> 1676)")
+    assert threads.startswith("with 2 torch threads on 2 cores")

@@ -1,5 +1,5 @@
-"""`lorafleet bench`: deterministic workloads, cached random models, an end-to-end quick run,
-and a CLI that answers without importing torch."""
+"""`lorafleet bench`: deterministic workloads, cached random models, one subcommand per
+benchmark run end to end, and a CLI that answers without importing torch."""
 
 from __future__ import annotations
 
@@ -93,11 +93,10 @@ def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_quick_runs_every_system_and_writes_the_json_report_and_plots(home, tmp_path, monkeypatch):
+def test_bench_quick_runs_every_system_warmed_up_and_writes_the_json_report_and_plots(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "report.json"
-    result = runner.invoke(app, ["bench", "--quick", "--model", "micro", "--threads", "1", "--out", str(out),
-                                 "--json"])
+    result = runner.invoke(app, ["bench", "quick", "--model", "micro", "--threads", "1", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(out.read_text())
     assert json.loads(result.stdout) == report
@@ -110,6 +109,7 @@ def test_bench_quick_runs_every_system_and_writes_the_json_report_and_plots(home
         assert row["model"] == "micro"
         if name != "merged":
             assert row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 0
+            assert row["details"]["warm_up"]["requests"] == 2 and row["details"]["repeats"]
             assert row["generated_tokens"] == wanted
             assert row["latency"]["ttft_s"]["p99"] >= row["latency"]["ttft_s"]["p50"] > 0
     assert rows["lorafleet"]["details"]["pool"]["peak_adapter_pages"] > 0
@@ -120,26 +120,27 @@ def test_bench_quick_runs_every_system_and_writes_the_json_report_and_plots(home
     [switch] = report["switch"]
     assert {r["x"] for r in switch["regressions"]} >= {"distinct_adapters"}
     assert [p["num_adapters"] for p in report["sweep"]] == [1, 4]
-    assert all(p["tokens_per_s"] > 0 for p in report["sweep"])
-    for kind in ("switch", "sweep"):
-        png = report["plots"][kind]
-        assert png.endswith(f"report-{kind}.png")
-        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert all(p["tokens_per_s"] > 0 and p["repeats"] for p in report["sweep"])
+    assert "warm_up" in report["options"] and isinstance(report["warnings"], list)
+    png = report["plots"]["sweep"]
+    assert png.endswith("report-sweep.png") and open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # the switch plot compares steps of one shape, or says there are none to compare
+    assert report["plots"].get("switch") or any("same shape" in n for n in report["plots"]["notes"])
 
 
 def test_the_tables_render_a_quick_report_for_people(home, tmp_path, monkeypatch):
     """Also: --out naming a directory (here a new one, ending in /) gets the report and PNGs inside."""
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
-    result = runner.invoke(app, ["bench", "--quick", "--model", "micro", "--threads", "1", "--systems",
-                                 "lorafleet,merged", "--sweep", "2", "--out", f"{tmp_path / 'results'}/"],
+    result = runner.invoke(app, ["bench", "run", "--workload", "quick", "--model", "micro", "--threads", "1",
+                                 "--systems", "lorafleet,merged", "--sweep", "2", "--out", f"{tmp_path / 'results'}/"],
                            env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.stderr
     for heading in ("workload quick", "latency", "memory", "switch regression", "throughput against"):
         assert heading in result.stdout
-    assert "switch plot:" in result.stderr and "took" in result.stderr
+    assert "sweep plot:" in result.stderr and "took" in result.stderr
     [report] = (tmp_path / "results").glob("*.json")
-    assert sorted(p.name for p in report.parent.iterdir()) == sorted(
-        [report.name, f"{report.stem}-switch.png", f"{report.stem}-sweep.png"])
+    assert {p.name for p in report.parent.iterdir()} - {f"{report.stem}-switch.png"} == {
+        report.name, f"{report.stem}-sweep.png"}
 
 
 def test_out_may_name_a_file_or_a_directory_for_a_report_named_like_the_default(tmp_path):
@@ -170,18 +171,27 @@ def test_version_prints_the_package_version():
     assert result.stdout.strip() == f"lorafleet {__version__}"
 
 
-def test_bench_help_names_every_shape_and_workload():
-    result = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+def test_bench_run_help_names_every_shape_and_workload():
+    result = runner.invoke(app, ["bench", "run", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     for name in [*SHAPES, *WORKLOADS]:
         assert name in result.stdout
 
 
-@pytest.mark.parametrize("args", [["--model", "huge"], ["--workload", "nope"], ["--systems", "vllm"],
-                                  ["--quick", "--workload", "base-only"], ["--sweep", "0"], ["--sweep", "a,b"],
-                                  ["--suite", "full", "--workload", "quick"], ["--suite", "nope"],
-                                  ["--max-baseline-requests", "0"]])
-def test_bad_choices_are_usage_errors(args):
+def test_bench_lists_one_subcommand_per_benchmark():
+    result = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for name in ("run", "quick", "full", "lora-decode", "switch", "overhead"):
+        assert re.search(rf"^\W*{name}\s+\w", result.stdout, flags=re.M), name
+
+
+@pytest.mark.parametrize("args", [["run", "--model", "huge"], ["run", "--workload", "nope"],
+                                  ["run", "--systems", "vllm"], ["run", "--sweep", "0"], ["run", "--sweep", "a,b"],
+                                  ["run", "--max-baseline-requests", "0"], ["quick", "--workload", "base-only"],
+                                  ["quick", "--sweep", "1"], ["full", "--workload", "quick"], ["nope"],
+                                  ["lora-decode", "--model", "huge"], ["switch", "--batch", "8"],
+                                  ["overhead", "--running", "0"], ["overhead", "--model", "huge"]])
+def test_bad_choices_and_options_of_another_subcommand_are_usage_errors(args):
     result = runner.invoke(app, ["bench", *args])
     assert result.exit_code == 2
 
@@ -192,17 +202,16 @@ def test_a_lorafleet_error_prints_one_line_and_exits_with_its_code(tmp_path, mon
     def refuse(*args, **kwargs):
         raise ConfigError("pool_bytes=1 holds no page")
     monkeypatch.setattr(lorafleet.bench.runner, "run_bench", refuse)
-    result = runner.invoke(app, ["bench", "--quick", "--out", str(tmp_path / "r.json")])
+    result = runner.invoke(app, ["bench", "quick", "--out", str(tmp_path / "r.json")])
     assert result.exit_code == ConfigError.exit_code
     assert result.stderr.strip() == "error: pool_bytes=1 holds no page"
     assert "Traceback" not in result.output
 
 
-def test_lora_decode_suite_quick_reports_the_ratios_issue_3_asks_for(home, tmp_path, monkeypatch):
+def test_lora_decode_quick_reports_the_ratios_issue_3_asks_for(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "lora.json"
-    result = runner.invoke(app, ["bench", "--suite", "lora-decode", "--quick", "--batch", "8",
-                                 "--out", str(out), "--json"])
+    result = runner.invoke(app, ["bench", "lora-decode", "--quick", "--batch", "8", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.stderr
     [row] = json.loads(out.read_text())["results"]
     assert row["shape"] == "micro" and row["batch"] == 8
@@ -212,24 +221,57 @@ def test_lora_decode_suite_quick_reports_the_ratios_issue_3_asks_for(home, tmp_p
     assert row["one_vs_none_throughput"] > 0
 
 
-def test_switch_suite_quick_regresses_latency_on_adapters_landed(home, tmp_path, monkeypatch):
+def test_switch_quick_regresses_latency_on_adapters_landed(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "switch.json"
-    result = runner.invoke(app, ["bench", "--suite", "switch", "--quick", "--out", str(out)])
+    result = runner.invoke(app, ["bench", "switch", "--quick", "--out", str(out)], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.stderr
     [row] = json.loads(out.read_text())["results"]
     assert row["shape"] == "micro" and row["decode_steps"] > 0
     assert row["adapters_landed"] >= 1  # cold adapters landed while the batch decoded
     assert sum(r["steps"] for r in row["table"]) == row["decode_steps"]
+    assert "adapters landed" in result.stdout
 
 
 def test_the_daemon_system_serves_the_same_requests_through_the_socket(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "daemon.json"
-    result = runner.invoke(app, ["bench", "--model", "micro", "--workload", "quick",
+    result = runner.invoke(app, ["bench", "run", "--model", "micro", "--workload", "quick",
                                  "--systems", "lorafleet,lorafleet-daemon", "--out", str(out)])
     assert result.exit_code == 0, result.stderr
     rows = {r["system"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["lorafleet-daemon"]["status"] == "ok", rows["lorafleet-daemon"]["reason"]
     wanted = sum(r.max_tokens for r in make_requests(WORKLOADS["quick"], SHAPES["micro"].vocab_size))
     assert rows["lorafleet-daemon"]["generated_tokens"] == rows["lorafleet"]["generated_tokens"] == wanted
+    assert rows["lorafleet-daemon"]["details"]["warm_up"]["adapter_loaded"]
+
+
+def test_overhead_reports_the_host_share_of_decode_steps_and_the_cost_of_a_burst(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAFLEET_HOME", str(home))
+    out = tmp_path / "overhead.json"
+    result = runner.invoke(app, ["bench", "overhead", "--model", "micro", "--running", "8", "--adapters", "2",
+                                 "--steps", "4", "--burst", "50", "--threads", "1", "--out", str(out)],
+                           env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.stderr
+    [row] = json.loads(out.read_text())["results"]
+    decode, burst = row["decode"], row["burst"]
+    assert 0 < decode["host_share"] < 1 and 0 < decode["p50_host_ms"] <= decode["p50_time_ms"]
+    assert burst["requests"] == 50 and burst["add_s"] > 0 and burst["first_step_seqs"] > 0
+    assert decode["target_met"] is None and burst["target_met"] is None  # targets are for tiny, 64 x 8, 1000
+    assert "host share" in result.stdout and "adding 50 requests" in result.stdout
+
+
+def test_full_runs_every_workload_and_system_with_baselines_capped_at_64(tmp_path, monkeypatch):
+    import lorafleet.bench.runner
+
+    seen = {}
+
+    def suite(shapes, out, **kwargs):
+        seen.update(kwargs, shapes=shapes)
+        return {"suite": "full", "reports": [], "across": [], "duration_s": 1.0}
+    monkeypatch.setattr(lorafleet.bench.runner, "run_suite", suite)
+    result = runner.invoke(app, ["bench", "full", "--out", str(tmp_path / "r.json"), "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert seen["shapes"] == ["tiny"] and seen["max_baseline_requests"] == 64 and "workloads" not in seen
+    assert set(seen["systems"]) == {"lorafleet", "lorafleet-daemon", "transformers", "peft-groups", "peft-mixed",
+                                    "merged"}
