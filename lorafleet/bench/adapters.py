@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from lorafleet.bench.workloads import ALL_MODULES, Workload, adapter_name
-from lorafleet.lora.peft_config import MODULE_BLOCK
+from lorafleet.model.config import MODULE_BLOCK
 from lorafleet.model.config import ModelConfig
 
 WARM_UP_SEED = 7919  # no workload uses it: the warm-up adapter is never one a request names

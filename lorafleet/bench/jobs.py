@@ -120,9 +120,10 @@ class System:
         """Set the thread count; return (torch.device, torch.dtype)."""
         import torch
 
+        from lorafleet.model.loader import resolve_device
+
         torch.set_num_threads(self.threads)
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
-                              if self.device_name == "auto" else self.device_name)
+        device = resolve_device(self.device_name)
         if self.dtype_name == "auto":  # fp32 on CPUs (their bf16 matmuls are slow), bf16 on GPUs
             dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         else:

@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import AdapterError
+from lorafleet.model.config import MODULE_BLOCK
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The block each projection lives in, in HF Llama module names (`model.layers.{i}.<block>.<proj>`).
-MODULE_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # Llama modules that exist but cannot carry a LoRA here (named so refusals can say so).
 _OTHER_BASE_MODULES = ("model.embed_tokens", "lm_head")
 CONFIG_NAME = "adapter_config.json"

@@ -12,6 +12,11 @@ from pathlib import Path
 
 from lorafleet.errors import ModelLoadError, UnsupportedModelError
 
+# The block each projection lives in, in HF Llama module names (`model.layers.{i}.<block>.<proj>`):
+# the one table the loader, the adapter checks and the bench's adapters all read.
+MODULE_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
 # architecture name in config.json -> family, and what each family adds to plain Llama
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

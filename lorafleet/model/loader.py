@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lorafleet.errors import ConfigError, ModelLoadError
-from lorafleet.model.config import ModelConfig
+from lorafleet.model.config import MODULE_BLOCK, ModelConfig
 from lorafleet.model.llama import LlamaModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -104,7 +104,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         for mod, (fin, fout) in feats.items():
-            block = "self_attn" if mod in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            block = MODULE_BLOCK[mod]
             shapes[f"{p}{block}.{mod}.weight"] = (fout, fin)
             has_bias = (cfg.qkv_bias if mod in ("q_proj", "k_proj", "v_proj") else
                         cfg.o_bias if mod == "o_proj" else cfg.mlp_bias)
