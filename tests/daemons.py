@@ -8,6 +8,7 @@ session on that model, with debug checks (pool integrity after every step) on.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -118,6 +119,18 @@ class Daemon:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+async def sse_events(http: httpx.AsyncClient, path: str, body: dict):
+    """The events of one streamed request, parsed, as they arrive (200 and no error event asserted).
+    Leaving the loop early closes the connection: the client has hung up."""
+    async with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                yield event
 
 
 @pytest.fixture(scope="session")

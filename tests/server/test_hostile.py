@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from lorafleet.demo import default_fleet
 from lorafleet.demo.skills import held_out_texts
-from tests.daemons import Daemon
+from tests.daemons import Daemon, sse_events
 
 MAX_PENDING = 1024
 STREAM = {"model": "reverse", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
@@ -79,16 +79,10 @@ def solo_answers(demo):
 async def read_stream(http, body) -> tuple[str, str | None, list[float]]:
     """Text, finish_reason and arrival times of one streamed completion."""
     text, reason, times = [], None, []
-    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            times.append(time.monotonic())
-            text.append(event["choices"][0]["text"])
-            reason = event["choices"][0]["finish_reason"] or reason
+    async for event in sse_events(http, "/v1/completions", body):
+        times.append(time.monotonic())
+        text.append(event["choices"][0]["text"])
+        reason = event["choices"][0]["finish_reason"] or reason
     return "".join(text), reason, times
 
 

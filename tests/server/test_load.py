@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 
+from tests.daemons import sse_events
+
 N_REQUESTS, N_ADAPTERS, HANG_UP_EVERY = 200, 50, 5
 MAX_TOKENS, HANG_UP_MAX_TOKENS = 6, 400
 
@@ -55,20 +57,14 @@ def expected_texts(chat_model_dir, fleet):
 async def one_client(http: httpx.AsyncClient, i: int) -> tuple[int, str | None]:
     """Stream request i; a hang-up client leaves after its second text chunk."""
     hang_up = i % HANG_UP_EVERY == 0
-    body = {"model": name_of(i), "prompt": prompt_of(i), "stream": True, "temperature": 0,
+    body = {"model": name_of(i), "prompt": prompt_of(i), "temperature": 0,
             "ignore_eos": True, "max_tokens": HANG_UP_MAX_TOKENS if hang_up else MAX_TOKENS}
     text, chunks = [], 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            text.append(event["choices"][0]["text"])
-            chunks += 1
-            if hang_up and chunks == 2:
-                return i, None  # leaving the block closes the connection mid-stream
+    async for event in sse_events(http, "/v1/completions", body):
+        text.append(event["choices"][0]["text"])
+        chunks += 1
+        if hang_up and chunks == 2:
+            return i, None  # leaving the loop closes the connection mid-stream
     return i, "".join(text)
 
 
