@@ -25,6 +25,7 @@ Only the engine thread touches the pool's allocator; workers only fill pages alr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -38,6 +39,8 @@ import torch
 
 from lorafleet.errors import AdapterError, AdapterTooLargeError, PoolExhaustedError, ShuttingDownError
 from lorafleet.memory import host_cache
+from lorafleet.memory.host_cache import HostAdapter
+from lorafleet.memory.pool import PagePool
 from lorafleet.memory.residency import AdapterEntry, AdapterResidency, check_name
 
 log = logging.getLogger("lorafleet.prefetch")
@@ -91,7 +94,7 @@ class Prefetcher:
             if entry.host is not None:
                 if not r.allocate(entry, reserve=reserve_pages, protect=protect):
                     return False
-                r.copy_started(entry, self.executor.submit(r.copy_in, entry.host, entry.pages, self.stream))
+                r.copy_started(entry, self.executor.submit(copy_in, r.pool, entry.host, entry.pages, self.stream))
                 self._copying.append(entry)
                 return True
             with_pages = entry.numel > 0 and r.allocate(entry, reserve=reserve_pages, protect=protect)
@@ -168,7 +171,7 @@ class Prefetcher:
             return self._eager_refused(entry, done, PoolExhaustedError(
                 f"adapter {entry.name!r} needs {r.pages_needed(entry)} pages; {pool.num_free} of "
                 f"{pool.num_pages} are free and running requests hold the rest; retry later"))
-        r.copy_started(entry, self.executor.submit(r.copy_in, entry.host, entry.pages, self.stream))
+        r.copy_started(entry, self.executor.submit(copy_in, r.pool, entry.host, entry.pages, self.stream))
 
     def _eager_refused(self, entry: AdapterEntry, done: Future, error: Exception) -> None:
         self._eager_done(entry, done)
@@ -235,5 +238,23 @@ def _load(residency: AdapterResidency, path, pages: list[int] | None, stream):
     if pages is not None:
         if host.layout.numel > len(pages) * residency.pool.page_elems:
             raise AdapterError(f"{path}: the weights are larger than the file's header says")
-        residency.copy_in(host, pages, stream)
+        copy_in(residency.pool, host, pages, stream)
     return host, time.perf_counter() - t0
+
+
+def copy_in(pool: PagePool, host: HostAdapter, pages: list[int], stream=None) -> None:
+    """Worker: host buffer -> its (already allocated) device pages. On CUDA the copy runs on the
+    side `stream` and is complete when this returns, so the adapter is marked ready only after
+    its bytes landed."""
+    buf, n = host.buffer, host.layout.numel
+    assert n <= len(pages) * pool.page_elems, "adapter larger than its pages"
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        if pages == list(range(pages[0], pages[0] + len(pages))):
+            pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)[:n].copy_(buf, non_blocking=stream is not None)
+        else:
+            per = pool.page_elems
+            for i, p in enumerate(pages):
+                part = buf[i * per:(i + 1) * per]
+                pool.tensor[p, :part.numel()].copy_(part, non_blocking=stream is not None)
+    if stream is not None:
+        stream.synchronize()

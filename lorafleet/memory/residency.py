@@ -31,7 +31,6 @@ holds, no adapter owner is unknown, pins <= users, pinned adapters are ready.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import re
 import time
@@ -41,7 +40,6 @@ from pathlib import Path
 from typing import Container
 
 import numpy as np
-import torch
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config, weights_numel
@@ -356,24 +354,6 @@ class AdapterResidency:
         self._idle_lru.pop(entry, None)
         self.pool.free(entry.pages)
         entry.pages, entry.ready, entry.views, entry.kernel_meta, entry.layout = None, False, None, None, None
-
-    def copy_in(self, host: HostAdapter, pages: list[int], stream=None) -> None:
-        """Host -> device pages (runs on a prefetch worker; the pages are already allocated).
-        On CUDA the copy runs on the side `stream` and is complete when this returns, so the
-        adapter is marked ready only after its bytes landed."""
-        buf, n = host.buffer, host.layout.numel
-        assert n <= len(pages) * self.pool.page_elems, "adapter larger than its pages"
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if pages == list(range(pages[0], pages[0] + len(pages))):
-                dst = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)[:n]
-                dst.copy_(buf, non_blocking=stream is not None)
-            else:
-                per = self.pool.page_elems
-                for i, p in enumerate(pages):
-                    part = buf[i * per:(i + 1) * per]
-                    self.pool.tensor[p, :part.numel()].copy_(part, non_blocking=stream is not None)
-        if stream is not None:
-            stream.synchronize()
 
     def step_views(self, entry: AdapterEntry) -> list[dict[str, GroupView]]:
         """The views for this step: the cached zero-copy ones, or a gather of scattered pages."""
