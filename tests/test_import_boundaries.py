@@ -1,5 +1,5 @@
-"""DESIGN.md's import boundaries: the CLI starts without torch; the engine never pulls in the
-front ends."""
+"""The import boundaries of docs/structures.md: the CLI starts without torch; the engine never
+pulls in the front ends."""
 
 from __future__ import annotations
 

@@ -50,7 +50,6 @@ class Engine:
         self.model.cos, self.model.sin = self.model.cos[:self.max_model_len], self.model.sin[:self.max_model_len]
         self.tokenizer = (Tokenizer.from_pretrained(self.model_path)
                           if (self.model_path / "tokenizer.json").is_file() else None)
-        self.eos_token_ids = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
 
         page_elems = kv_page_elems(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         page_bytes = page_elems * self.model.dtype.itemsize
@@ -65,12 +64,12 @@ class Engine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    residency=self.adapters, policy=POLICIES[cfg.policy]())
         self.runner = ModelRunner(self.model, self.kv)
-        self.outputs = OutputProcessor(self.eos_token_ids, self.max_model_len)
+        eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
+        self.outputs = OutputProcessor(eos, self.max_model_len)  # the one owner of the stop tokens
         self.requests: dict[str, Request] = {}
         self.counters = EngineStats()
         self._ids = itertools.count()
-        self._deadlines: list = []  # heap of (deadline, tiebreak, request); finished ones dropped lazily
-        self._ids_by_deadline = itertools.count()
+        self._deadlines: list = []  # heap of (deadline, request id, request); finished ones dropped lazily
         self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
 
     def _pool_bytes(self) -> int:
@@ -118,7 +117,7 @@ class Engine:
         if req.lora is not None and not req.lora.ready:  # its load starts now, sparing what others wait for
             self.prefetcher.want(req.lora, self.scheduler.waiting_loras, self.scheduler.watermark_pages)
         if req.deadline is not None:
-            heapq.heappush(self._deadlines, (req.deadline, next(self._ids_by_deadline), req))
+            heapq.heappush(self._deadlines, (req.deadline, rid, req))
         return rid
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -233,7 +232,8 @@ class Engine:
             self.adapters.release(req.lora)
             req.lora = None
         self.requests.pop(req.request_id, None)
-        self.counters.record_finished(req)
+        if reason != "abort":  # aborts are counted apart (num_requests_aborted), as they always were
+            self.counters.record_finished(req)
         self.outputs.close_text(req)
         return self.outputs.output(req, new_tokens or [])
 

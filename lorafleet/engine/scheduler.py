@@ -44,7 +44,7 @@ class Chunk:
 class SchedulerOutput:
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # could not grow even alone
+    finished: list[Request] = field(default_factory=list)  # could not grow even alone: "length"
 
 
 class Scheduler:
@@ -198,8 +198,8 @@ class Scheduler:
         while not self._room(self.kv.extra_pages(req.request_id, num_tokens)):
             victim = next(reversed(self.running))
             if victim is req and len(self.running) == 1:
-                # alone and still no room: the pool cannot hold this sequence any longer
-                req.finish_reason = "length"
+                # alone and still no room: the pool cannot hold this sequence any longer (the
+                # engine ends it with "length")
                 self.finish(req)
                 out.finished.append(req)
                 return False

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Container, Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -60,9 +60,9 @@ class HostCache:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, key: Hashable, item: HostAdapter, keep: Container = frozenset()) -> list:
-        """Insert; evict least recently used entries not in `keep` while over budget. Returns the
-        keys evicted."""
+    def put(self, key: Hashable, item: HostAdapter, evictable: Callable[[Hashable], bool] = lambda k: True) -> list:
+        """Insert; evict least recently used entries for which `evictable(key)` holds while over
+        budget. Returns the keys evicted."""
         self.drop(key)
         self._items[key] = item
         self.nbytes += item.nbytes
@@ -70,7 +70,7 @@ class HostCache:
         for victim in list(self._items):
             if self.nbytes <= self.capacity:
                 break
-            if victim is not key and victim not in keep:
+            if victim is not key and evictable(victim):
                 self.drop(victim)
                 evicted.append(victim)
         return evicted

@@ -94,7 +94,7 @@ class Prefetcher:
             if entry.host is not None:
                 if not r.allocate(entry, reserve=reserve_pages, protect=protect):
                     return False
-                r.copy_started(entry, self.executor.submit(copy_in, r.pool, entry.host, entry.pages, self.stream))
+                self._start_copy(entry)
                 self._copying.append(entry)
                 return True
             with_pages = entry.numel > 0 and r.allocate(entry, reserve=reserve_pages, protect=protect)
@@ -171,6 +171,11 @@ class Prefetcher:
             return self._eager_refused(entry, done, PoolExhaustedError(
                 f"adapter {entry.name!r} needs {r.pages_needed(entry)} pages; {pool.num_free} of "
                 f"{pool.num_pages} are free and running requests hold the rest; retry later"))
+        self._start_copy(entry)
+
+    def _start_copy(self, entry: AdapterEntry) -> None:
+        """Host copy -> the pages `entry` was just given, on a worker."""
+        r = self.residency
         r.copy_started(entry, self.executor.submit(copy_in, r.pool, entry.host, entry.pages, self.stream))
 
     def _eager_refused(self, entry: AdapterEntry, done: Future, error: Exception) -> None:

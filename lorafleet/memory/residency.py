@@ -3,7 +3,7 @@ pages of the unified pool.
 
 This module is the only writer of adapter state (the fields of `AdapterEntry`). The others call
 its interface: the engine `acquire`/`release` for a request's life; the scheduler `pin`/`unpin`,
-`is_ready` and `make_room`; the prefetcher the load transitions (`load_started`, `loaded`,
+and `make_room`; the prefetcher the load transitions (`load_started`, `loaded`,
 `load_failed`, `copy_started`, `copied`), `allocate`, and `stage`/`install` for eager loads.
 Moving data between tiers ahead of need is `prefetch.py`; the host tier's LRU is `host_cache.py`.
 
@@ -77,7 +77,6 @@ class AdapterEntry:
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy
     error: str | None = None             # the last load failed with this message
-    retired: bool = False                # no longer under its name; goes when unused
     users: int = 0
     pins: int = 0
     last_used: float = 0.0
@@ -120,7 +119,6 @@ class AdapterResidency:
         self.min_resident_steps = min_resident_steps
         self.step = 0
         self.pin_host = pool.tensor.device.type == "cuda"
-        self._copying: set[AdapterEntry] = set()
         self._idle_lru: OrderedDict[AdapterEntry, None] = OrderedDict()  # ready, unpinned; LRU first
 
     # -- registry ----------------------------------------------------------------------
@@ -145,11 +143,7 @@ class AdapterResidency:
         old = self.entries.get(name)
         if old is not None and old.path == path and old.error is None:
             return old
-        entry = AdapterEntry(name, path, self.pool.new_owner(name), numel=numel)
-        self.entries[name] = entry
-        if old is not None:
-            self._retire(old)
-        return entry
+        return self._take_name(AdapterEntry(name, path, self.pool.new_owner(name), numel=numel))
 
     def unregister(self, name: str) -> None:
         entry = self.get(name)
@@ -178,6 +172,10 @@ class AdapterResidency:
         """A staged entry whose pages hold its weights takes over its name."""
         assert entry.ready and entry in self.staged
         self.staged.discard(entry)
+        return self._take_name(entry)
+
+    def _take_name(self, entry: AdapterEntry) -> AdapterEntry:
+        """`entry` is what its name means from now on; the entry it replaces is retired."""
         old = self.entries.get(entry.name)
         self.entries[entry.name] = entry
         if old is not None:
@@ -190,12 +188,11 @@ class AdapterResidency:
         self._retire(entry)
 
     def _retire(self, entry: AdapterEntry) -> None:
-        entry.retired = True
         self.retired.add(entry)
         self._drop_if_unused(entry)
 
     def _drop_if_unused(self, entry: AdapterEntry) -> None:
-        if not entry.retired or entry.users or entry.loading is not None or entry.copying is not None:
+        if entry not in self.retired or entry.users or entry.loading is not None or entry.copying is not None:
             return
         if entry.pages is not None:
             self._free_device(entry)
@@ -234,10 +231,6 @@ class AdapterResidency:
         if not entry.pins:
             self._idle_lru[entry] = None  # the most recently used end
 
-    @staticmethod
-    def is_ready(entry: AdapterEntry | None) -> bool:
-        return entry is None or entry.ready
-
     # -- load transitions (the prefetcher) -----------------------------------------------
     def load_started(self, entry: AdapterEntry, future) -> None:
         entry.loading = future
@@ -267,18 +260,16 @@ class AdapterResidency:
 
     def copy_started(self, entry: AdapterEntry, future) -> None:
         entry.copying = future
-        self._copying.add(entry)
 
     def copied(self, entry: AdapterEntry) -> None:
         entry.copying = None
-        self._copying.discard(entry)
         self._mark_ready(entry)
         self._drop_if_unused(entry)
 
     def _put_host(self, entry: AdapterEntry, host: HostAdapter) -> None:
         """Into the host cache, dropping LRU others (never one that is being copied)."""
         entry.host = host
-        for evicted in self.host.put(entry, host, keep=self._copying):
+        for evicted in self.host.put(entry, host, evictable=lambda e: e.copying is None):
             evicted.host = None
 
     def _mark_ready(self, entry: AdapterEntry) -> None:

@@ -42,10 +42,7 @@ class Sink:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        deliver([(self, item)])
 
 
 def deliver(batch: list[tuple[Sink, Any]]) -> None:

@@ -67,4 +67,4 @@ def test_chat_template_renders_and_generates(engine):
 
 
 def test_eos_from_the_tokenizer_config_stops_generation(engine):
-    assert engine.tokenizer.token_to_id("</s>") in engine.eos_token_ids
+    assert engine.tokenizer.token_to_id("</s>") in engine.outputs.eos_token_ids
