@@ -18,9 +18,8 @@ import threading
 import time
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
+from lorafleet.bench.adapters import write_adapter
 from lorafleet.demo import default_fleet
 from lorafleet.demo.skills import held_out_texts
 from tests.daemons import Daemon, sse_events
@@ -39,28 +38,7 @@ def demo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def big_adapter(tmp_path_factory):
     """A 200 MB PEFT adapter for the demo base (rank 3,866 on all seven projections)."""
-    return write_adapter(tmp_path_factory.mktemp("big") / "big", rank=3866)
-
-
-def write_adapter(folder, rank: int):
-    """A PEFT LoRA folder for the demo base, written directly (small random weights)."""
-    base = json.loads((default_fleet().model / "config.json").read_text())
-    h, inter, kv = base["hidden_size"], base["intermediate_size"], base["num_key_value_heads"] * base["head_dim"]
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for layer in range(base["num_hidden_layers"]):
-        for proj, (fin, fout) in shapes.items():
-            block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{block}.{proj}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=gen) * 1e-3
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=gen) * 1e-3
-    folder.mkdir(parents=True)
-    save_file(tensors, folder / "adapter_model.safetensors")
-    cfg = json.loads((default_fleet().adapters["upper"] / "adapter_config.json").read_text())
-    (folder / "adapter_config.json").write_text(json.dumps({**cfg, "r": rank, "lora_alpha": rank}))
-    return folder
+    return write_adapter(default_fleet().model, tmp_path_factory.mktemp("big") / "big", rank=3866)
 
 
 # -- 10 streams beside each hostile request -------------------------------------------------------
