@@ -1,81 +1,119 @@
-"""The CPU LoRA kernel: fused shrink + expand for many small segments in one call per projection
-group, reading adapter weights straight from the pool tensor by element offset.
+"""The CPU LoRA kernel: shrink + expand for every segment of a projection group in one call,
+reading adapter weights straight from the pool's pages through each adapter's page table.
 
-Semantics (identical to `reference.lora_shrink_expand`): for every segment s, every row i in
-[start_s, end_s) and every module slot m with rank r > 0:
-    t = A_m(s) @ x[i]                    A_m: r rows of `in` at pool offset a_off
-    out[i, col_m : col_m + n_out] += t @ Bt_m(s)      Bt_m: [r, n_out] at pool offset b_off
-(Bt is B transposed and pre-scaled, as residency stores it.)
+Semantics (identical to `reference.lora_paged`, whose contract it keeps): for every segment s,
+row i in [seg[s, 0], seg[s, 1]) and module slot m with rank r > 0:
+    out[i, col_m : col_m + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
+with A_m [r, in] at logical offset a_off and Bt_m [r, n_out] at b_off of the adapter's buffer;
+logical element o lives in pool page tables[s, o // E] at o % E. A row of A or Bt that crosses a
+page boundary is read in two pieces, so an adapter's pages may lie anywhere in the pool: no
+contiguous run, no per-step gather.
 
 Why it exists: with one token per adapter (decode over many adapters), the torch path issues
 ~11 tiny matmuls per adapter per layer, and the time goes to dispatch, not to reading weights.
-This kernel makes it one call per (layer, group), parallel over segments, memory-bound.
-It is compiled on first use with the machine's C++ compiler (torch's cpp_extension, cached);
-where that is impossible lorafleet falls back to the torch reference and says so once.
+This kernel makes it one call per (layer, group), parallel over (segment, block of 4 rows)
+tasks: each weight row is read once per 4 rows of a segment (decode: once), so decode is
+memory-bound and prefill segments need no BLAS call on gathered copies.
+It is compiled on first use with the machine's C++ compiler and cached (see `build.py`); where
+that is impossible lorafleet falls back to the torch reference and says so once.
 Set LORAFLEET_CPU_KERNELS=0 to force the reference; LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) makes a
 kernel that cannot be loaded an error instead (`KernelUnavailableError`, with the build error).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-log = logging.getLogger("lorafleet.kernels")
-
-# meta[s, m] = (a_off, r, b_off, n_out, col_off); r == 0: the segment's adapter lacks module m
-META_FIELDS = 5
+from lorafleet.kernels.build import KernelUnavailableError, compile_inline, required  # noqa: F401  re-exported
 
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <vector>
 
-static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+:acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+constexpr int64_t RB = 4;  // rows of a segment per task: each weight row serves up to 4 rows
+
+// calls f(pointer, first element, length) for each piece of logical elements [o, o + n) that
+// lies in one page
+template <class F>
+static inline void pieces(const float* w, const int64_t* table, int64_t E, int64_t o, int64_t n, F f) {
+  for (int64_t done = 0; done < n;) {
+    const int64_t page = (o + done) / E, off = (o + done) % E, len = std::min(n - done, E - off);
+    f(w + table[page] * E + off, done, len);
+    done += len;
+  }
 }
 
-static inline void axpy(float* __restrict y, float alpha, const float* __restrict x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
-void lora_segments(torch::Tensor x, torch::Tensor out, torch::Tensor w, torch::Tensor meta,
-                   torch::Tensor seg) {
+void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, torch::Tensor seg,
+                torch::Tensor meta, torch::Tensor tables) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-              w.scalar_type() == at::kFloat, "lora_segments: float32 only");
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(), "lora_segments: layout");
-  TORCH_CHECK(meta.is_contiguous() && seg.is_contiguous(), "lora_segments: metadata layout");
+              w.scalar_type() == at::kFloat, "lora_paged: float32 only");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(), "lora_paged: layout");
+  TORCH_CHECK(meta.is_contiguous() && seg.is_contiguous() && tables.is_contiguous(),
+              "lora_paged: metadata layout");
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const int64_t* mp = meta.data_ptr<int64_t>();
   const int64_t* sp = seg.data_ptr<int64_t>();
-  const int64_t S = seg.size(0), M = meta.size(1), in = x.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t S = seg.size(0), M = meta.size(1), in = x.size(1), maxp = tables.size(1);
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+  std::vector<int64_t> tasks;  // (segment, first row) pairs
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t row = sp[2 * s]; row < sp[2 * s + 1]; row += RB) { tasks.push_back(s); tasks.push_back(row); }
+  at::parallel_for(0, (int64_t)tasks.size() / 2, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> t;
-    for (int64_t s = s0; s < s1; ++s) {
-      for (int64_t row = sp[2 * s]; row < sp[2 * s + 1]; ++row) {
-        const float* xi = xp + row * ldx;
-        float* yi = op + row * ldo;
-        for (int64_t m = 0; m < M; ++m) {
-          const int64_t* f = mp + (s * M + m) * 5;
-          const int64_t r = f[1];
-          if (r == 0) continue;
-          const float* a = wp + f[0];
-          const float* bt = wp + f[2];
-          const int64_t n_out = f[3];
-          float* y = yi + f[4];
-          t.resize(r);
-          for (int64_t k = 0; k < r; ++k) t[k] = dot(a + k * in, xi, in);
-          for (int64_t k = 0; k < r; ++k) axpy(y, t[k], bt + k * n_out, n_out);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t s = tasks[2 * task], row0 = tasks[2 * task + 1];
+      const int64_t nb = std::min(RB, sp[2 * s + 1] - row0);
+      const int64_t* table = tp + s * maxp;
+      const float* xr[RB];
+      float* yr[RB];
+      for (int64_t b = 0; b < RB; ++b) {  // rows past the block repeat its first (never stored)
+        xr[b] = xp + (row0 + (b < nb ? b : 0)) * ldx;
+        yr[b] = op + (row0 + (b < nb ? b : 0)) * ldo;
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t* f = mp + (s * M + m) * 5;
+        const int64_t a_off = f[0], r = f[1], b_off = f[2], n_out = f[3], col = f[4];
+        if (r == 0) continue;
+        t.assign(RB * r, 0.f);
+        for (int64_t k = 0; k < r; ++k) {  // shrink: t[b, k] = A[k] . x[b]
+          float acc[RB] = {0.f, 0.f, 0.f, 0.f};
+          pieces(wp, table, E, a_off + k * in, in, [&](const float* a, int64_t d0, int64_t len) {
+            const float *x0 = xr[0] + d0, *x1 = xr[1] + d0, *x2 = xr[2] + d0, *x3 = xr[3] + d0;
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+:s0, s1, s2, s3)
+            for (int64_t d = 0; d < len; ++d) {
+              const float av = a[d];
+              s0 += av * x0[d]; s1 += av * x1[d]; s2 += av * x2[d]; s3 += av * x3[d];
+            }
+            acc[0] += s0; acc[1] += s1; acc[2] += s2; acc[3] += s3;
+          });
+          for (int64_t b = 0; b < RB; ++b) t[b * r + k] = acc[b];
+        }
+        for (int64_t k = 0; k < r; ++k) {  // expand: y[b] += t[b, k] * Bt[k]
+          const float c0 = t[k], c1 = t[r + k], c2 = t[2 * r + k], c3 = t[3 * r + k];
+          pieces(wp, table, E, b_off + k * n_out, n_out, [&](const float* bt, int64_t d0, int64_t len) {
+            float* y0 = yr[0] + col + d0;
+            if (nb == RB) {
+              float *y1 = yr[1] + col + d0, *y2 = yr[2] + col + d0, *y3 = yr[3] + col + d0;
+#pragma omp simd
+              for (int64_t d = 0; d < len; ++d) {
+                const float bv = bt[d];
+                y0[d] += c0 * bv; y1[d] += c1 * bv; y2[d] += c2 * bv; y3[d] += c3 * bv;
+              }
+            } else {
+              const float c[RB] = {c0, c1, c2, c3};
+              for (int64_t b = 0; b < nb; ++b) {
+                float* y = yr[b] + col + d0;
+#pragma omp simd
+                for (int64_t d = 0; d < len; ++d) y[d] += c[b] * bt[d];
+              }
+            }
+          });
         }
       }
     }
@@ -83,58 +121,14 @@ void lora_segments(torch::Tensor x, torch::Tensor out, torch::Tensor w, torch::T
 }
 """
 
-_lock = threading.Lock()
-_modules: dict[str, object] = {}
-_why_not: dict[str, BaseException | str] = {}  # name -> the build error, for kernels that are None
-
-
-class KernelUnavailableError(RuntimeError):
-    """A CPU kernel could not be loaded while LORAFLEET_REQUIRE_CPU_KERNELS=1: where the kernels are
-    expected (CI), a broken build must fail the run, not pass as skipped tests on the torch path."""
-
-
-def compile_inline(name: str, source: str, function: str):
-    """Build (once per machine, cached by torch) and load a C++ CPU kernel; None when that is
-    impossible here (reason logged once) or disabled with LORAFLEET_CPU_KERNELS=0, unless
-    LORAFLEET_REQUIRE_CPU_KERNELS=1, which raises KernelUnavailableError instead."""
-    if name not in _modules:
-        with _lock:
-            if name not in _modules:
-                module = None
-                if os.environ.get("LORAFLEET_CPU_KERNELS", "1") == "0":
-                    _why_not[name] = "disabled by LORAFLEET_CPU_KERNELS=0"
-                else:
-                    try:
-                        from torch.utils.cpp_extension import load_inline
-
-                        module = load_inline(name=name, cpp_sources=[source], functions=[function],
-                                             extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                             extra_ldflags=["-fopenmp"], verbose=False)
-                    except Exception as e:  # no compiler, headers or ninja: the reference still works
-                        _why_not[name] = e
-                        if not required():
-                            log.warning("CPU kernel %s unavailable (%s); using the torch reference", name, e)
-                _modules[name] = module
-    if _modules[name] is None and required():
-        why = _why_not[name]
-        cause = why if isinstance(why, BaseException) else None
-        raise KernelUnavailableError(f"CPU kernel {name} unavailable and LORAFLEET_REQUIRE_CPU_KERNELS=1: {why}") from cause
-    return _modules[name]
-
-
-def required() -> bool:
-    """LORAFLEET_REQUIRE_CPU_KERNELS=1: every CPU kernel must load (`compile_inline` raises)."""
-    return os.environ.get("LORAFLEET_REQUIRE_CPU_KERNELS", "0") == "1"
-
-
 def load():
     """The compiled LoRA kernel, or None when it cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
-    return compile_inline("lorafleet_lora_cpu_v2", _SOURCE, "lora_segments")
+    return compile_inline("lorafleet_lora_cpu_v3", _SOURCE, "lora_paged")
 
 
-def lora_segments(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, meta: torch.Tensor,
-                  seg: torch.Tensor) -> None:
-    """x: [T, in] f32; out: [T, sum n_out] f32 (updated in place); weights: flat f32 (the pool);
-    meta: [S, M, 5] int64 (see META_FIELDS); seg: [S, 2] int64 row ranges."""
-    load().lora_segments(x, out, weights, meta, seg)
+def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,
+               meta: torch.Tensor, tables: torch.Tensor) -> None:
+    """x: [T, in] f32; out: [T, N] f32 (updated in place); w: the pool, flat f32; seg [S, 2],
+    meta [S, M, 5], tables [S, maxp] int64 (the contract in `reference.py`)."""
+    load().lora_paged(x, out, w, page_elems, seg, meta, tables)

@@ -1,7 +1,7 @@
 """The CPU decode attention kernel: one query token per sequence attends to its keys read
 straight from the KV pages of the unified pool, with no gathered copy of the context.
 
-Semantics (identical to the decode branch of `reference.paged_attention`): for sequence b and
+Semantics (identical to `reference.paged_decode`): for sequence b and
 query head h (kv head h // (H / KVH)), over positions t < lens[b] with
 K_t = kv[tables[b, t // block], 0, t % block], V_t likewise at 1:
     out[b, h] = softmax_t(scale * q[b, h] . K_t) @ V_t
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.kernels.lora_cpu import compile_inline
+from lorafleet.kernels.build import compile_inline
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -147,12 +147,8 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
 
 def load():
     """The compiled decode kernel, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1: see `lora_cpu.compile_inline`)."""
+    LORAFLEET_REQUIRE_CPU_KERNELS=1: see `build.compile_inline`)."""
     return compile_inline("lorafleet_attn_cpu_v4", _SOURCE, "paged_decode")
-
-
-def usable(kv: torch.Tensor) -> bool:
-    return kv.device.type == "cpu" and kv.dtype == torch.float32 and load() is not None
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

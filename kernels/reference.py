@@ -1,5 +1,5 @@
-"""Torch references for every kernel: the CPU path where no compiled kernel serves, and the
-oracle the compiled CPU kernels (`*_cpu.py`) are tested against. Each function states its exact
+"""Torch references for every kernel: the path where no compiled kernel serves, and the oracle
+the C++ CPU kernels (`*_cpu.py`) and the Triton kernels (`*_triton.py`) are tested against. Each function states its exact
 semantics; shapes are in the comments.
 
 Paged KV layout (one layer's view of the unified pool): kv[page, 0|1, slot, kv_head, dim], K at
@@ -40,22 +40,27 @@ class AttentionMetadata:
 
     Rows [0, num_decode) are single-token queries (decode, or a one-token chunk), attending to
     `decode_context_lens[i]` keys through `decode_block_tables[i]`; the remaining rows belong to
-    the `prefills`, in order.
+    the `prefills`, in order, described twice: as `PrefillSeq`s (the per-sequence torch path) and
+    as tensors (`prefill_*`, the one-launch Triton path).
     """
 
     slot_pages: torch.Tensor            # [T] long: page receiving each token's K/V
     slot_offsets: torch.Tensor          # [T] long: slot inside that page
     num_decode: int = 0
     decode_block_tables: torch.Tensor | None = None  # [Bd, maxb] long (padding: any valid page)
-    decode_mask: torch.Tensor | None = None          # [Bd, 1, 1, maxb*block] bool, True = attend
     decode_context_lens: torch.Tensor | None = None  # [Bd] long
-    decode_kernel: bool = False                      # use the CPU paged-decode kernel
     prefills: list[PrefillSeq] = field(default_factory=list)
+    prefill_starts: torch.Tensor | None = None       # [Sp] long: first flat row of each prefill
+    prefill_lens: torch.Tensor | None = None         # [Sp] long: its query rows
+    prefill_positions: torch.Tensor | None = None    # [Sp] long: position of its first row
+    prefill_block_tables: torch.Tensor | None = None  # [Sp, maxb] long (padding: any valid page)
+    max_prefill_len: int = 0
 
 
-def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pages: torch.Tensor,
+             slot_offsets: torch.Tensor) -> None:
     """kv[slot_pages[t], 0, slot_offsets[t]] = k[t]; same for v at 1.  kv: [P, 2, B, KVH, D]."""
-    idx = (meta.slot_pages, meta.slot_offsets)
+    idx = (slot_pages, slot_offsets)
     kv[:, 0].index_put_(idx, k)
     kv[:, 1].index_put_(idx, v)
 
@@ -70,23 +75,25 @@ def gather_kv(kv: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tenso
     return k, v
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of every query row over its own sequence's keys, with this step's K/V
-    first written into the pages.  q: [T, H, D]; k, v: [T, KVH, D]; kv: [P, 2, B, KVH, D].
-    Returns [T, H*D]."""
-    write_kv(kv, k, v, meta)
-    t, h, d = q.shape
-    out = q.new_empty(t, h, d)
-    nd = meta.num_decode
-    if nd and meta.decode_kernel:  # reads the pages in place (kernels/paged_attention_cpu.py)
-        from lorafleet.kernels.paged_attention_cpu import paged_decode
-        out[:nd] = paged_decode(q[:nd], kv, meta.decode_block_tables, meta.decode_context_lens, scale)
-    elif nd:
-        keys, values = gather_kv(kv, meta.decode_block_tables)       # [Bd, KVH, S, D]
-        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values,
-                                           attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[:nd] = o.squeeze(2)                                      # [Bd, H, D]
+def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Semantics: for sequence b and query head h (kv head h // (H / KVH)), over positions
+    t < lens[b] with K_t = kv[tables[b, t // block], 0, t % block] and V_t likewise at 1:
+        out[b, h] = softmax_t(scale * q[b, h] . K_t) @ V_t
+    q: [B, H, D]; tables: [B, maxb] long; lens: [B] long (>= 1). Returns [B, H, D]. (A padded
+    gather of every context and a mask: the simple form the kernels are checked against.)"""
+    keys, values = gather_kv(kv, tables)                            # [B, KVH, S, D]
+    mask = (torch.arange(keys.shape[2], device=q.device) < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(2)
+
+
+def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                  meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Semantics: for each prefill sequence, causal attention of its query rows (positions
+    start_pos ..) over its keys at positions [0, start_pos + n), the cached ones read from its
+    pages; written into `out` [T, H, D] at its rows. One SDPA call per sequence."""
     for seq in meta.prefills:
         rows = slice(seq.row, seq.row + seq.num_tokens)
         qs = q[rows].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
@@ -100,34 +107,60 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
             ks, vs = ks[:, :, :ctx], vs[:, :, :ctx]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of every query row over its own sequence's keys, with this step's K/V
+    first written into the pages.  q: [T, H, D]; k, v: [T, KVH, D]; kv: [P, 2, B, KVH, D].
+    Returns [T, H*D]. (The three reference ops in sequence; `kernels.backend.Kernels.attention`
+    composes each backend's own.)"""
+    write_kv(kv, k, v, meta.slot_pages, meta.slot_offsets)
+    t, h, d = q.shape
+    out = q.new_empty(t, h, d)
+    nd = meta.num_decode
+    if nd:
+        out[:nd] = paged_decode(q[:nd], kv, meta.decode_block_tables, meta.decode_context_lens, scale)
+    paged_prefill(q, k, v, kv, meta, scale, out)
     return out.view(t, h * d)
 
 
-# -- LoRA ------------------------------------------------------------------------------------
+# -- LoRA over pool pages ---------------------------------------------------------------------------
+# The contract every page-addressed LoRA kernel keeps (torch reference below, C++ in
+# `lora_cpu.py`, Triton in `lora_triton.py`):
+#   w       the pool as one flat tensor [pages * E] (fp32, bf16 or fp16); E = elements per page
+#   x       [T, in] the group's input; out [T, N] the group's fused projection output (in place)
+#   seg     [S, 2] int64 row ranges [start, end) of the flat batch (end >= start: may be empty)
+#   meta    [S, M, 5] int64, one row per module slot m of the group:
+#           (a_off, r, b_off, n_out, col); r == 0: the segment's adapter lacks module m
+#   tables  [S, maxp] int64: the segment's adapter's pages; logical page j is pool page tables[s, j]
+# Offsets are *logical*: element o of an adapter's buffer is w[tables[s, o // E] * E + o % E], so
+# an adapter needs no contiguous run of pages. A_m is [r, in] row-major at a_off; Bt_m = (scale *
+# B_m)^T is [r, n_out] row-major at b_off (the scale is folded in when the adapter is laid out).
+META_FIELDS = 5
 
-@dataclass
-class LoraSegment:
-    """Rows [start, end) of the flat batch use one adapter. For one projection group (modules
-    sharing an input, e.g. q/k/v), `a` stacks the A matrices of the modules the adapter targets,
-    [sum r_m, in]; `bs[j]` = (output column of module m, row offset of r_m in `a`, Bt_m), where
-    Bt_m = (scale * B_m)^T, [r_m, out_m]."""
 
-    start: int
-    end: int
-    a: torch.Tensor
-    bs: list[tuple[int, int, torch.Tensor]]
+def page_gather(w: torch.Tensor, table: torch.Tensor, page_elems: int, offset: int, numel: int) -> torch.Tensor:
+    """The `numel` elements at logical `offset` of the adapter whose pages are `table` (a copy)."""
+    o = torch.arange(offset, offset + numel, device=w.device)
+    return w[table[o // page_elems] * page_elems + o % page_elems]
 
 
-def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, segments: list[LoraSegment]) -> None:
-    """Semantics: for every segment s, every row i in it, every module m that s targets:
-        out[i, col_m : col_m + out_m] += (A_m(s) @ x[i]) @ Bt_m(s)
-    x: [T, in]; out: [T, sum out_m], the group's fused projection output, updated in place.
-    Rows in no segment are untouched: a request without an adapter pays nothing.
-    The shrink of all modules of a group is one matmul (`a` stacks them); each expand is one
-    matmul accumulated into its output columns."""
-    for seg in segments:
-        t = x[seg.start:seg.end] @ seg.a.t()                          # [n, sum r_m]
-        for col, off, bt in seg.bs:
-            r, n_out = bt.shape
-            o = out[seg.start:seg.end, col:col + n_out]
-            o.addmm_(t[:, off:off + r], bt)                           # [n, out_m] += [n, r] @ [r, out_m]
+def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,
+               meta: torch.Tensor, tables: torch.Tensor) -> None:
+    """Semantics: for every segment s, row i in [seg[s, 0], seg[s, 1]) and module slot m with r > 0:
+        out[i, col : col + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
+    accumulated in fp32 and rounded once to out's dtype. Rows in no segment are untouched: a
+    request without an adapter pays nothing."""
+    for s in range(seg.shape[0]):
+        start, end = int(seg[s, 0]), int(seg[s, 1])
+        if end <= start:
+            continue
+        xs = x[start:end].float()
+        for a_off, r, b_off, n_out, col in meta[s].tolist():
+            if r == 0:
+                continue
+            a = page_gather(w, tables[s], page_elems, a_off, r * x.shape[1]).view(r, -1).float()
+            bt = page_gather(w, tables[s], page_elems, b_off, r * n_out).view(r, n_out).float()
+            o = out[start:end, col:col + n_out]
+            o.copy_((o.float() + (xs @ a.t()) @ bt).to(out.dtype))

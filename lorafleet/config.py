@@ -29,6 +29,8 @@ class EngineConfig:
     min_resident_steps: int = 4         # an adapter just loaded is not evicted for another one
     seed: int = 0                       # the generator of requests that bring no seed
     debug_checks: bool = False          # check_integrity() after every step (tests turn it on)
+    decode_graphs: str = "auto"         # auto (on with CUDA + Triton), on, off, fixed (the same
+                                        # fixed-shape decode steps without capture: CPU tests)
 
     def __post_init__(self):
         if self.policy not in ("vtc", "fcfs"):
@@ -43,6 +45,8 @@ class EngineConfig:
             raise ConfigError(f"pool_bytes must be a positive integer, got {self.pool_bytes!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if self.decode_graphs not in ("auto", "on", "off", "fixed"):
+            raise ConfigError(f"decode_graphs must be auto, on, off or fixed, got {self.decode_graphs!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random models in real Hugging Face formats, built per test session.
 
 Every engine built in the tests checks the pool's integrity after each step
-(LORAFLEET_DEBUG_CHECKS=1).
+(LORAFLEET_DEBUG_CHECKS=1). Without a GPU, Triton kernels run interpreted (TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -9,6 +9,13 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("LORAFLEET_DEBUG_CHECKS", "1")
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # the Triton kernels run interpreted on the CPU; triton reads this when a kernel module is
+    # first imported, so it is set before any test could import one
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
@@ -29,11 +36,11 @@ def pytest_configure(config):
     takes a minute, which must not be spent inside a daemon a test is waiting for. With
     LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) a kernel that does not build stops the run here, with
     the build error, before any test could skip or quietly take the torch path."""
-    from lorafleet.kernels import lora_cpu, paged_attention_cpu
+    from lorafleet.kernels import build, lora_cpu, paged_attention_cpu
 
     try:
         lora_cpu.load()
         paged_attention_cpu.load()
-    except lora_cpu.KernelUnavailableError as e:
+    except build.KernelUnavailableError as e:
         pytest.exit(f"{e}\n(unset LORAFLEET_REQUIRE_CPU_KERNELS to test the torch fallback instead)",
                     returncode=pytest.ExitCode.INTERNAL_ERROR)

@@ -73,7 +73,7 @@ def lora_op_time(engine, adapter_names: list[str], repeats: int = 20) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        batch = engine.runner.lora_batch(chunks, engine.adapters)  # per-step metadata included
+        batch = engine.runner.lora_batch(chunks)  # per-step metadata included
         for layer in range(engine.model.cfg.num_layers):
             for g in GROUPS:
                 batch.apply(layer, g, xs[g], outs[g])
@@ -134,7 +134,7 @@ def run_lora_decode(shape: str = "smol", batch: int = 32, ranks=(8, 16, 32, 64),
     step = {k: statistics.median(v) for k, v in samples.items()}
     bandwidth = measure_bandwidth()
     elem = engine.pool.tensor.element_size()
-    distinct_bytes = sum(engine.adapters.get(n).layout.numel * elem for n, _ in adapters)
+    distinct_bytes = sum(engine.adapters.get(n).numel * elem for n, _ in adapters)
     read_time = distinct_bytes / bandwidth
     added = step["distinct"] - step["none"]
     op_time = lora_op_time(engine, configs["distinct"])

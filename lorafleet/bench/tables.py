@@ -225,3 +225,29 @@ def _ms(seconds: float | None) -> str:
 
 def _mib(n: int | None) -> str:
     return "" if n is None else f"{n / (1 << 20):.0f} MiB"
+
+
+GPU_GOALS = {"1 adapter r16 / no adapter": 0.9, "adapters / 8 adapters": 0.9, "mixed ranks / uniform rank": 0.95}
+
+
+def gpu_table(results: list[dict]) -> Table:
+    """`bench gpu`: each kernel against the copy bandwidth, then the engine's decode throughput
+    and the ratios the kernels issue sets goals for."""
+    table = _table("gpu: kernels and decode throughput", ["shape", "figure", "measured", "detail", "goal", ""], left=2)
+    for r in results:
+        kernels = r["kernels"]
+        copy = kernels[0]["copy_GB/s"]
+        for k in kernels[1:]:
+            table.add_row(r["engine"]["shape"], f"{k['kernel']} ({k['backend']})", f"{k['GB/s']:.0f} GB/s",
+                          f"{k['us']:.1f} us, {k['of_copy_bw']:.0%} of copy {copy:.0f} GB/s",
+                          ">= 70%" if k["kernel"].startswith("lora") else "", "")
+        for label, case in r["engine"]["cases"].items():
+            g = case["decode_graphs"]
+            graphs = (f"{g['captures']} captures, {g['replays']} replays, {g['recaptures']} re-captures"
+                      if g.get("enabled") else "no decode graphs")
+            table.add_row(r["engine"]["shape"], f"decode, {label}", f"{case['tokens_per_s']:.0f} tok/s",
+                          f"{case['kernels']} kernels; {graphs}", "", "")
+        for label, ratio in r["engine"]["ratios"].items():
+            goal = next(v for k, v in GPU_GOALS.items() if label.endswith(k))
+            table.add_row(r["engine"]["shape"], label, f"{ratio:.2f}x", "", f">= {goal}x", _verdict(ratio >= goal))
+    return table

@@ -154,6 +154,26 @@ def overhead(
     _suite("overhead", model or ["tiny"], one, "overhead_table", out, as_json)
 
 
+@app.command("gpu")
+def gpu(
+    model: Annotated[list[str] | None, _models("1b (micro with --quick)")] = None,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests decoding together.")] = 64,
+    many: Annotated[int, typer.Option("--many", min=9, help="Adapters in the many-adapters case.")] = 1000,
+    device: Device = "auto", quick: Quick = False, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """The GPU path's figures (kernels/gpu_check.sh runs this): the LoRA and decode-attention
+    kernels against the device's copy bandwidth; decode throughput with no adapter, one rank-16
+    adapter, 8 and MANY adapters, mixed ranks 8-256 against their uniform mean; decode-graph
+    captures, replays and re-captures. Runs on the CPU too (small shapes)."""
+    def one(shape: str) -> dict:
+        from lorafleet.bench.gpu import run_gpu_bench
+        from lorafleet.model.loader import resolve_device
+
+        small = dict(batch=min(batch, 8), max_tokens=4, many=min(many, 12), context=64) if quick else {}
+        return run_gpu_bench(shape, str(resolve_device(device)), **{"batch": batch, "many": many, **small})
+    _suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json)
+
+
 # -- what the subcommands share ----------------------------------------------------------------
 
 def _throughput(shapes: list[str], loads: list[str] | None, systems: str, counts: tuple[int, ...],

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from lorafleet.config import DEFAULT_CPU_POOL_BYTES, EngineConfig
+from lorafleet.engine.graphs import DecodeGraphs
 from lorafleet.engine.output import OutputProcessor
 from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status
 from lorafleet.engine.policy import POLICIES
@@ -63,7 +64,7 @@ class Engine:
         self.prefetcher = Prefetcher(self.adapters, cfg.prefetch_workers)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    residency=self.adapters, policy=POLICIES[cfg.policy]())
-        self.runner = ModelRunner(self.model, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, self._decode_graphs())
         eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
         self.outputs = OutputProcessor(eos, self.max_model_len)  # the one owner of the stop tokens
         self.requests: dict[str, Request] = {}
@@ -71,6 +72,17 @@ class Engine:
         self._ids = itertools.count()
         self._deadlines: list = []  # heap of (deadline, request id, request); finished ones dropped lazily
         self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        mode = self.config.decode_graphs
+        if mode == "auto":
+            mode = "on" if self.device.type == "cuda" and self.model.kernels.name == "triton" else "off"
+        if mode == "on" and self.device.type != "cuda":
+            raise ConfigError("decode_graphs=on needs a CUDA device (use fixed to test the fixed-shape path)")
+        if mode == "off":
+            return None
+        return DecodeGraphs(self.model, self.kv, self.adapters.base, self.config.max_num_seqs, self.max_model_len,
+                            capture=mode == "on")
 
     def _pool_bytes(self) -> int:
         if self.config.pool_bytes is not None:
@@ -171,7 +183,7 @@ class Engine:
         self.counters.num_preemptions += len(plan.preempted)
         if plan.chunks:
             chunks = self.runner.order(plan.chunks)                                 # 2
-            logits = self.runner.execute(chunks, self.runner.lora_batch(chunks, self.adapters))  # 3
+            logits = self.runner.execute(chunks, self.runner.lora_batch(chunks))  # 3
             reqs = [c.request for c in chunks if c.samples]
             tokens, lps, errors = sample(logits, [r.params for r in reqs],          # 4
                                          [r.generator or self._generator for r in reqs])
@@ -345,5 +357,7 @@ class Engine:
             "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
             "num_running": len(self.scheduler.running),
             "num_waiting": self.scheduler.num_waiting,
+            "kernels": self.model.kernels.name,
+            "decode_graphs": self.runner.graphs.stats() if self.runner.graphs else {"enabled": False},
             **self.counters.snapshot(),
         }

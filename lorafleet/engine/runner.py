@@ -11,22 +11,20 @@ import time
 import numpy as np
 import torch
 
+from lorafleet.engine.graphs import DecodeGraphs
 from lorafleet.engine.scheduler import Chunk
-from lorafleet.kernels import paged_attention_cpu as attention_cpu
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
-from lorafleet.lora.batch import LoraBatch, kernel_weights
+from lorafleet.lora.batch import LoraBatch
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCacheManager):
+    def __init__(self, model: LlamaModel, kv: KVCacheManager, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv = kv
         self.device = model.device
-        self.kernel_weights = kernel_weights(kv.pool.tensor)  # None: torch reference only
-        self.attention_kernel = attention_cpu.usable(kv.pool.tensor)
-        self.last_model_s = 0.0  # the model's forward pass in the last execute()
+        self.graphs = graphs  # pure decode steps at fixed shapes (CUDA graphs), or None        self.last_model_s = 0.0  # the model's forward pass in the last execute()
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:
@@ -39,18 +37,18 @@ class ModelRunner:
         return (sorted((c for c in chunks if c.num_tokens == 1), key=key)
                 + sorted((c for c in chunks if c.num_tokens > 1), key=key))
 
-    def lora_batch(self, chunks: list[Chunk], residency) -> LoraBatch | None:
+    def lora_batch(self, chunks: list[Chunk]) -> LoraBatch | None:
         """Segments of consecutive rows sharing an adapter; None when no row has one (then the
         model runs without any LoRA work)."""
         if all(c.request.lora is None for c in chunks):
             return None
-        batch = LoraBatch(self.kernel_weights)
+        batch = LoraBatch(self.model.kernels, self.kv.pool.tensor)
         row, start, current = 0, 0, None
         for c in chunks + [None]:
             lora = c.request.lora if c is not None else None
             if c is None or lora is not current:
                 if current is not None and row > start:
-                    batch.add_rows(start, row, residency.step_views(current), current.kernel_meta)
+                    batch.add_rows(start, row, current.kernel_meta, current.page_table)
                 start, current = row, lora
             if c is not None:
                 row += c.num_tokens
@@ -84,12 +82,17 @@ class ModelRunner:
             meta.num_decode = nd
             meta.decode_block_tables = torch.from_numpy(table[drows, :width]).to(dev)
             meta.decode_context_lens = lens
-            meta.decode_kernel = self.attention_kernel
-            if not self.attention_kernel:
-                meta.decode_mask = (torch.arange(width * bs, device=dev) < lens[:, None])[:, None, None, :]
-        for i in range(nd, n):
-            pages = table[rows[i], :kv.num_blocks[rows[i]]]
-            meta.prefills.append(PrefillSeq(int(first[i]), int(ntok[i]), int(start[i]), torch.from_numpy(pages).to(dev)))
+        if nd < n:
+            prow = rows[nd:]
+            ptable = table[prow, :int(kv.num_blocks[prow].max())]
+            meta.prefill_starts = torch.from_numpy(first[nd:]).to(dev)
+            meta.prefill_lens = torch.from_numpy(ntok[nd:]).to(dev)
+            meta.prefill_positions = torch.from_numpy(start[nd:]).to(dev)
+            meta.prefill_block_tables = torch.from_numpy(ptable).to(dev)
+            meta.max_prefill_len = int(ntok[nd:].max())
+            for i in range(nd, n):
+                pages = meta.prefill_block_tables[i - nd, :kv.num_blocks[rows[i]]]
+                meta.prefills.append(PrefillSeq(int(first[i]), int(ntok[i]), int(start[i]), pages))
         if all_logits:
             out_rows = torch.arange(total, device=dev)
         else:
@@ -103,7 +106,10 @@ class ModelRunner:
         sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
         ids, positions, meta, rows = self.prepare(chunks, all_logits)
         t0 = time.perf_counter()
-        logits = self.model(ids, positions, meta, self.kv.cache, rows, lora)
+        if self.graphs is not None and not all_logits and self.graphs.fits(chunks, lora):
+            logits = self.graphs.run(ids, positions, meta, lora)[rows]
+        else:
+            logits = self.model(ids, positions, meta, self.kv.cache, rows, lora)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_model_s = time.perf_counter() - t0

@@ -1,23 +1,20 @@
 """Per-step LoRA metadata: which flat-batch rows use which resident adapter, as contiguous
 segments (the runner orders rows by adapter so each adapter of the step is one segment per
-phase), handed to the shrink/expand op for every projection group.
+phase), handed to the kernels' LoRA op for every projection group.
 
-Projection groups share an input, so their shrinks fuse into one matmul:
+Projection groups share an input:
   qkv -> (q_proj, k_proj, v_proj), o -> (o_proj,), gate_up -> (gate_proj, up_proj), down -> (down_proj,)
 
-Two paths, chosen per segment once per step: short segments (decode rows) of contiguous fp32
-adapters on the CPU go to the fused CPU kernel (`kernels/lora_cpu.py`: one call per layer and
-group for all of them); longer segments (prefill chunks), where a BLAS matmul is efficient, go to
-the torch reference.
+One path for every segment, decode or prefill: the op reads each adapter's weights from the
+pool's pages through the segment's page table (`kernels/reference.py` states the contract).
+Built once per step, for every layer and group at once: `meta` [L, G, S, slots, 5] (each
+adapter's metadata is fixed for its life, stacked here), `seg` [S, 2], `tables` [S, maxp].
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-
-from lorafleet.kernels import lora_cpu
-from lorafleet.kernels.reference import LoraSegment, lora_shrink_expand
 
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -26,45 +23,52 @@ GROUPS = {
     "down": ("down_proj",),
 }
 GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
-KERNEL_MAX_ROWS = 4  # longer segments amortise BLAS matmuls better than per-row kernels
-
-
-def kernel_weights(pool_tensor: torch.Tensor) -> torch.Tensor | None:
-    """The flat pool the CPU kernel reads, or None when the kernel cannot serve this pool."""
-    if pool_tensor.device.type != "cpu" or pool_tensor.dtype != torch.float32 or lora_cpu.load() is None:
-        return None
-    return pool_tensor.view(-1)
+MODULE_SLOTS = max(len(m) for m in GROUPS.values())  # module slots per group in the metadata
 
 
 class LoraBatch:
-    def __init__(self, weights: torch.Tensor | None = None):
-        """`weights`: the flat pool for the CPU kernel (see `kernel_weights`), or None."""
-        self.weights = weights
-        self.rows: list[tuple[int, int, list]] = []          # torch path: (start, end, views)
-        self._kernel_rows: list[tuple[int, int, np.ndarray]] = []
-        self.meta: torch.Tensor | None = None                # [L, G, S, 3, F] int64
-        self.seg: torch.Tensor | None = None                 # [S, 2] int64
+    def __init__(self, kernels, pool_tensor: torch.Tensor):
+        """`kernels`: the model's `kernels.backend.Kernels`; `pool_tensor` [pages, page_elems]."""
+        self.kernels = kernels
+        self.weights = pool_tensor.view(-1)
+        self.page_elems = pool_tensor.shape[1]
+        self._rows: list[tuple[int, int, np.ndarray, np.ndarray]] = []
+        self.meta: torch.Tensor | None = None     # [L, G, S, slots, 5] int64
+        self.seg: torch.Tensor | None = None      # [S, 2] int64
+        self.tables: torch.Tensor | None = None   # [S, maxp] int64
+        self.max_rows = self.max_rank = 0
+        self.host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (meta, seg, tables) in numpy
 
-    def add_rows(self, start: int, end: int, views, kernel_meta: np.ndarray | None = None) -> None:
-        """Rows [start, end) use one adapter: its per-(layer, group) views (residency's
-        `step_views`) and, when it is contiguous, its CPU-kernel offsets."""
-        if self.weights is not None and kernel_meta is not None and end - start <= KERNEL_MAX_ROWS:
-            self._kernel_rows.append((start, end, kernel_meta))
-        else:
-            self.rows.append((start, end, views))
+    @classmethod
+    def fixed(cls, kernels, pool_tensor: torch.Tensor, seg: torch.Tensor, meta: torch.Tensor, tables: torch.Tensor,
+              max_rows: int, max_rank: int) -> LoraBatch:
+        """A batch over fixed buffers with static bounds (a captured decode step: `engine/graphs.py`)."""
+        batch = cls(kernels, pool_tensor)
+        batch.seg, batch.meta, batch.tables, batch.max_rows, batch.max_rank = seg, meta, tables, max_rows, max_rank
+        return batch
+
+    def add_rows(self, start: int, end: int, meta: np.ndarray, pages: np.ndarray) -> None:
+        """Rows [start, end) use one adapter: its metadata [L, G, slots, 5] and its pages."""
+        self._rows.append((start, end, meta, pages))
 
     def finish(self) -> LoraBatch:
-        """Build the kernel's step tensors once, for every layer and group."""
-        if self._kernel_rows:
-            metas = np.stack([m for _, _, m in self._kernel_rows], axis=2)   # [L, G, S, 3, F]
-            self.meta = torch.from_numpy(np.ascontiguousarray(metas))
-            self.seg = torch.tensor([(s, e) for s, e, _ in self._kernel_rows], dtype=torch.long)
+        """The step's tensors, once, for every layer and group."""
+        dev = self.weights.device
+        metas = np.stack([m for _, _, m, _ in self._rows], axis=2)          # [L, G, S, slots, 5]
+        width = max(len(p) for *_, p in self._rows)
+        tables = np.zeros((len(self._rows), width), dtype=np.int64)
+        for i, (*_, pages) in enumerate(self._rows):
+            tables[i, :len(pages)] = pages
+        seg = np.array([(s, e) for s, e, _, _ in self._rows], dtype=np.int64)
+        self.max_rows = int((seg[:, 1] - seg[:, 0]).max())
+        self.max_rank = int(metas[..., 1].max())
+        self.host = (metas, seg, tables)
+        self.meta = torch.from_numpy(np.ascontiguousarray(metas)).to(dev)
+        self.seg = torch.from_numpy(seg).to(dev)
+        self.tables = torch.from_numpy(tables).to(dev)
         return self
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        if self.seg is not None:
-            lora_cpu.lora_segments(x, out, self.weights, self.meta[layer, GROUP_INDEX[group]], self.seg)
-        segs = [LoraSegment(start, end, *view) for start, end, views in self.rows
-                if (view := views[layer].get(group)) is not None]
-        if segs:
-            lora_shrink_expand(x, out, segs)
+        """out += each row's adapter delta for `group` of `layer` (rows in no segment untouched)."""
+        self.kernels.lora(x, out, self.weights, self.page_elems, self.seg, self.meta[layer, GROUP_INDEX[group]],
+                          self.tables, self.max_rows, self.max_rank)

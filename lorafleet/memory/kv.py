@@ -26,7 +26,7 @@ class KVCacheManager:
         assert pool.page_elems == kv_page_elems(num_layers, block_size, num_kv_heads, head_dim)
         self.pool = pool
         self.block_size = block_size
-        self.cache = pool.tensor.view(pool.num_pages, num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.cache = pool.tensor.view(pool.num_pages + 1, num_layers, 2, block_size, num_kv_heads, head_dim)
         self.rows: dict[str, int] = {}                        # request id -> its row
         self.block_table = np.zeros((16, 16), dtype=np.int64)  # [rows, blocks]: pages in position order
         self.num_blocks = np.zeros(16, dtype=np.int64)         # [rows]: pages each row holds

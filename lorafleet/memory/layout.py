@@ -1,10 +1,12 @@
 """How an adapter is laid out as one flat buffer, in host memory and in pool pages.
 
 Per layer and projection group (see `lora/batch.py`): the A matrices of the group's targeted
-modules back to back (so the group's shrink is one matmul over one [sum r, in] view), then each
-module's Bt = (scale * B)^T, [r, out] (the expand reads rows of Bt: long contiguous loops). The
-same layout serves the torch path (views), the CPU kernel (element offsets) and the host cache
-(one copy into pages moves the whole adapter).
+modules back to back, then each module's Bt = (scale * B)^T, [r, out] (the expand reads rows of
+Bt: long contiguous loops). Offsets are logical (from the buffer's start): in the pool the
+buffer is cut into pages that may lie anywhere, and every kernel finds element o in page
+o // page_elems of the adapter's page table (the contract in `kernels/reference.py`). So the
+host copy is one flat buffer (one copy per page moves it in) and the kernels' metadata is fixed
+for the adapter's life, wherever its pages are.
 """
 
 from __future__ import annotations
@@ -14,12 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lorafleet.kernels.lora_cpu import META_FIELDS
+from lorafleet.kernels.reference import META_FIELDS
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter
-from lorafleet.lora.batch import GROUP_INDEX, GROUPS
-
-# views[layer][group] = (A stacked [sum r, in], [(output column, row offset in A, Bt [r, out])])
-GroupView = tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]
+from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
 
 
 @dataclass
@@ -63,20 +62,12 @@ class Layout:
                 buf[a_off + row * fan_in: a_off + (row + r) * fan_in].copy_(w.a.reshape(-1))
                 buf[b_off: b_off + out * r].view(r, out).copy_((w.b * w.scale).t())
 
-    def views(self, buf: torch.Tensor, num_layers: int) -> list[dict[str, GroupView]]:
-        out: list[dict[str, GroupView]] = [{} for _ in range(num_layers)]
-        for (layer, group), (a_off, rows, fan_in, bs) in self.entries.items():
-            a = buf[a_off: a_off + rows * fan_in].view(rows, fan_in)
-            out[layer][group] = (a, [(col, row, buf[b_off: b_off + r * o].view(r, o))
-                                     for _, col, row, b_off, o, r in bs])
-        return out
-
-    def kernel_meta(self, base_offset: int, num_layers: int) -> np.ndarray:
-        """[layers, groups, 3 slots, META_FIELDS] int64 for the CPU kernel, offsets absolute in
-        the pool's flat tensor; rank 0 marks a module the adapter does not target."""
-        meta = np.zeros((num_layers, len(GROUPS), 3, META_FIELDS), dtype=np.int64)
+    def kernel_meta(self, num_layers: int) -> np.ndarray:
+        """[layers, groups, slots, META_FIELDS] int64: (a_off, r, b_off, n_out, col) per module
+        slot, offsets logical in the adapter's buffer; rank 0 marks a module it does not target."""
+        meta = np.zeros((num_layers, len(GROUPS), MODULE_SLOTS, META_FIELDS), dtype=np.int64)
         for (layer, group), (a_off, _, fan_in, bs) in self.entries.items():
             g = GROUP_INDEX[group]
             for j, col, row, b_off, o, r in bs:
-                meta[layer, g, j] = (base_offset + a_off + row * fan_in, r, base_offset + b_off, o, col)
+                meta[layer, g, j] = (a_off + row * fan_in, r, b_off, o, col)
         return meta

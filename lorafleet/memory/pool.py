@@ -5,15 +5,16 @@ Invariants (checked by `check_integrity()`, which tests run after every engine s
 - every page has exactly one owner: free, KV, or one adapter;
 - free + KV + adapter pages == total pages, and the counters agree with the owner table;
 - the tensor is never reallocated: its address is fixed for the life of the pool, whatever
-  moves in or out of its pages (what a captured CUDA graph will need: see the kernels issue).
+  moves in or out of its pages, so captured CUDA graphs stay valid (`engine/graphs.py`);
+- one extra row past the pages, `scratch_page`, is never allocated: padding rows of a captured
+  decode step write their K/V there, harming no sequence.
 
 Allocation is a predicate/action pair: `can_allocate(n)` then `allocate(n, owner)`; `allocate`
 raises when the predicate was false. KV pages are taken from the low end (one at a time, as
 sequences grow: a min-heap of free pages, no scan of the owner table) and adapter pages from the
-high end as one contiguous run when one exists (a scan: adapter loads are rare next to KV
-growth), so the two kinds rarely interleave and an adapter's weights are usually one zero-copy
-slice of the tensor. When no run is free an adapter still gets its pages (scattered): pages
-never fragment capacity, only contiguity.
+high end (a scan: adapter loads are rare next to KV growth), so the two kinds rarely interleave.
+Adapter pages need not be contiguous: every kernel reads an adapter through its page table, so
+pages never fragment anything, and no page ever moves.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ class PagePool:
         self.num_pages = num_pages
         self.page_elems = page_elems
         # zeros, not empty: on the CPU every page is touched (faulted in) now, not by the first
-        # adapter copied into it, whose page faults would stall the steps running beside it
-        self.tensor = torch.zeros(num_pages, page_elems, dtype=dtype, device=device)  # [P, E]
+        # adapter copied into it, whose page faults would stall the steps running beside it.
+        # One row more than the pages handed out: `scratch_page`, which no one owns, receives
+        # what the padding rows of a fixed-shape (graph-captured) decode step write
+        self.tensor = torch.zeros(num_pages + 1, page_elems, dtype=dtype, device=device)  # [P + 1, E]
+        self.scratch_page = num_pages
         self._owner = np.full(num_pages, FREE, dtype=np.int64)  # page -> owner id
         self._owner_names: dict[int, str] = {KV: "kv"}
         self._next_owner = KV + 1
@@ -81,7 +85,7 @@ class PagePool:
         if owner == KV:
             pages = self._lowest_free(n)
         else:
-            pages = self._contiguous_run(np.flatnonzero(self._owner == FREE), n)
+            pages = np.flatnonzero(self._owner == FREE)[-n:]
         self._owner[pages] = owner
         self._pages_by_owner[owner] += n
         self.num_free -= n
@@ -112,41 +116,6 @@ class PagePool:
         else:
             for p in idx.tolist():
                 heapq.heappush(self._free_heap, p)
-
-    def _contiguous_run(self, free: np.ndarray, n: int) -> np.ndarray:
-        """The highest run of n consecutive free pages within the smallest free run that fits
-        (best fit), else the n highest free pages."""
-        breaks = np.flatnonzero(np.diff(free) != 1) + 1
-        starts = np.concatenate([[0], breaks])
-        lengths = np.diff(np.concatenate([starts, [len(free)]]))
-        fits = np.flatnonzero(lengths >= n)
-        if len(fits) == 0:
-            return free[-n:]
-        best = fits[np.lexsort((-starts[fits], lengths[fits]))[0]]  # smallest run, highest first
-        end = starts[best] + lengths[best]
-        return free[end - n:end]
-
-    def largest_free_run(self) -> int:
-        free = np.concatenate([[False], self._owner == FREE, [False]])
-        edges = np.flatnonzero(np.diff(free.astype(np.int8)))
-        return int((edges[1::2] - edges[::2]).max()) if len(edges) else 0
-
-    def cheapest_window(self, n: int, evictable: set[int]) -> set[int] | None:
-        """The owners to evict so that n consecutive pages become free, choosing the window of
-        free or `evictable` pages that holds the fewest owned pages (ties: the highest); None
-        when no such window exists."""
-        if n > self.num_pages:
-            return None
-        owned = self._owner != FREE
-        blocked = owned & ~np.isin(self._owner, list(evictable))
-        nb = np.concatenate([[0], np.cumsum(blocked)])
-        no = np.concatenate([[0], np.cumsum(owned)])
-        valid = (nb[n:] - nb[:-n]) == 0
-        if not valid.any():
-            return None
-        cost = np.where(valid, no[n:] - no[:-n], np.iinfo(np.int64).max)
-        start = len(cost) - 1 - int(np.argmin(cost[::-1]))
-        return {int(o) for o in np.unique(self._owner[start:start + n]) if o != FREE}
 
     # -- views & checks -----------------------------------------------------------------
     def pages_of(self, owner: int) -> np.ndarray:

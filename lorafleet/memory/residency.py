@@ -23,8 +23,10 @@ Contracts:
   pages are needed (for KV or another adapter). An adapter made ready less than
   `min_resident_steps` steps ago is spared when another adapter wants its pages (hysteresis,
   so two hot sets do not thrash the pool); KV pressure may still take it.
-- Contiguous pages give zero-copy views fixed for the adapter's stay; scattered pages are
-  gathered once per step instead (correct, slower).
+- An adapter's pages may lie anywhere in the pool: the kernels read its weights through its
+  page table (`page_table`, fixed for its stay) and its metadata (`kernel_meta`, logical
+  offsets, fixed for its life), so nothing is gathered per step and no eviction is ever made
+  to find a contiguous run.
 Checked by `check_integrity()`: every adapter's pages are exactly the pool pages its owner id
 holds, no adapter owner is unknown, pins <= users, pinned adapters are ready.
 """
@@ -44,7 +46,6 @@ import numpy as np
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config, weights_numel
 from lorafleet.memory.host_cache import HostAdapter, HostCache
-from lorafleet.memory.layout import GroupView
 from lorafleet.memory.pool import PagePool
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
@@ -70,10 +71,9 @@ class AdapterEntry:
     numel: int = 0                       # elements of its weights, from the file header
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
     pages: list[int] | None = None       # device pages, allocated
-    ready: bool = False                  # pages hold the weights; views valid
-    views: list[dict[str, GroupView]] | None = None
-    kernel_meta: np.ndarray | None = None
-    layout: object = None                # memory.layout.Layout, kept while on the device
+    ready: bool = False                  # pages hold the weights
+    page_table: np.ndarray | None = None  # the pages in logical order, while ready
+    kernel_meta: np.ndarray | None = None  # [layers, groups, slots, 5]: Layout.kernel_meta, while ready
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy
     error: str | None = None             # the last load failed with this message
@@ -94,14 +94,10 @@ class AdapterEntry:
     def tier(self) -> str:
         return "device" if self.ready else "host" if self.host is not None else "disk"
 
-    @property
-    def contiguous(self) -> bool:
-        return self.views is not None
-
     def info(self) -> dict:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
                 "ranks": self.ranks, "modules": sorted(self.ranks), "params": self.num_params,
-                "pages": len(self.pages or ()), "contiguous": self.contiguous, "users": self.users,
+                "pages": len(self.pages or ()), "users": self.users,
                 "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
                 "loads": self.disk_loads, "device_loads": self.device_loads,
                 "evictions": self.evictions, "load_time_s": self.load_time_s, "error": self.error}
@@ -273,15 +269,11 @@ class AdapterResidency:
             evicted.host = None
 
     def _mark_ready(self, entry: AdapterEntry) -> None:
-        """After the copy: build the views the LoRA op reads (engine thread)."""
-        host, pages = entry.host, entry.pages
-        entry.ranks, entry.num_params, entry.layout = host.ranks, host.num_params, host.layout
-        if pages == list(range(pages[0], pages[0] + len(pages))):
-            buf = self.pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)
-            entry.views = host.layout.views(buf, self.base.num_layers)
-            entry.kernel_meta = host.layout.kernel_meta(pages[0] * self.pool.page_elems, self.base.num_layers)
-        else:
-            entry.views, entry.kernel_meta = None, None
+        """After the copy: what the LoRA op reads, its page table and metadata (engine thread)."""
+        host = entry.host
+        entry.ranks, entry.num_params = host.ranks, host.num_params
+        entry.page_table = np.asarray(entry.pages, dtype=np.int64)
+        entry.kernel_meta = host.layout.kernel_meta(self.base.num_layers)
         entry.ready = True
         entry.ready_step = self.step
         entry.device_loads += 1
@@ -302,18 +294,8 @@ class AdapterResidency:
         self.check_fits(entry.name, need * self.pool.page_elems)
         if not self.make_room(need + reserve, protect, for_kv=for_kv):
             return False
-        if self.pool.largest_free_run() < need:
-            self._make_contiguous(need, protect, for_kv)
         entry.pages = self.pool.allocate(need, entry.owner)
         return True
-
-    def _make_contiguous(self, need: int, protect: Container[AdapterEntry], for_kv: bool) -> None:
-        """Evict the idle adapters standing in the cheapest window of `need` pages, so the new
-        adapter gets one run (zero-copy views, the fused CPU kernel) instead of scattered
-        pages; when no window is free of KV and busy adapters, it will be scattered."""
-        evictable = {e.owner: e for e in self._idle(protect, for_kv)}
-        for oid in self.pool.cheapest_window(need, set(evictable)) or ():
-            self._evict(evictable[oid])
 
     def _idle(self, protect: Container[AdapterEntry], for_kv: bool) -> list[AdapterEntry]:
         """Adapters that may be evicted now, least recently used first (kept in that order as
@@ -344,14 +326,7 @@ class AdapterResidency:
     def _free_device(self, entry: AdapterEntry) -> None:
         self._idle_lru.pop(entry, None)
         self.pool.free(entry.pages)
-        entry.pages, entry.ready, entry.views, entry.kernel_meta, entry.layout = None, False, None, None, None
-
-    def step_views(self, entry: AdapterEntry) -> list[dict[str, GroupView]]:
-        """The views for this step: the cached zero-copy ones, or a gather of scattered pages."""
-        if entry.views is not None:
-            return entry.views
-        buf = self.pool.tensor[entry.pages].view(-1)
-        return entry.layout.views(buf, self.base.num_layers)
+        entry.pages, entry.ready, entry.page_table, entry.kernel_meta = None, False, None, None
 
     # -- checks & stats ----------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -13,7 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lorafleet.kernels.reference import AttentionMetadata, paged_attention
+from lorafleet.kernels import backend
+from lorafleet.kernels.reference import AttentionMetadata
 from lorafleet.model.config import ModelConfig
 
 
@@ -74,6 +75,7 @@ class LlamaModel(torch.nn.Module):
         self.dtype, self.device = t.dtype, t.device
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
+        self.kernels = backend.select(t.device, t.dtype)  # attention and LoRA ops for this device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
@@ -100,7 +102,7 @@ class LlamaModel(torch.nn.Module):
                 q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
                 k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = paged_attention(q, k, v, kv_cache[:, i], attn, self.scale)   # [T, Q]
+            o = self.kernels.attention(q, k, v, kv_cache[:, i], attn, self.scale)   # [T, Q]
             out = F.linear(o, w[p + "o"], w.get(p + "o_b"))
             if lora is not None:
                 lora.apply(i, "o", o, out)

@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet import Engine, SamplingParams
@@ -31,7 +32,7 @@ def test_pages_grow_with_rank_without_padding(llama_dir, adapter_bank):
     pages = {r: engine.load_adapter(f"a{r}", path)["pages"] for r, path in adapter_bank.items()}
     page = engine.pool.page_elems
     for r, n in pages.items():
-        numel = engine.adapters.get(f"a{r}").layout.numel
+        numel = engine.adapters.get(f"a{r}").numel
         assert n == -(-numel // page)  # exactly what the weights need, rounded up to one page
     assert pages[2] < pages[8] < pages[32]
     assert engine.stats()["pool"]["pages_by_adapter"] == {f"a{r}": n for r, n in pages.items()}
@@ -120,7 +121,7 @@ def test_unknown_adapter_and_bad_names_are_refused(llama_dir, adapter_bank):
     assert not engine.requests and engine.pool.num_free == engine.pool.num_pages
 
 
-def test_scattered_pages_compute_the_same_as_contiguous(llama_dir, adapter_bank):
+def test_an_adapter_on_scattered_pages_computes_the_same(llama_dir, adapter_bank):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = random_prompts(1)[0]
     roomy = Engine(llama_dir, pool_bytes=4 << 20)
@@ -137,7 +138,9 @@ def test_scattered_pages_compute_the_same_as_contiguous(llama_dir, adapter_bank)
     for name in fillers[::2]:  # free every other filler: no free run longer than one filler
         engine.unload_adapter(name)
     engine.load_adapter("a", adapter_bank[32])
-    assert not engine.adapters.get("a").contiguous
+    pages = engine.adapters.get("a").pages
+    assert pages != list(range(pages[0], pages[0] + len(pages)))   # scattered: nothing was evicted to avoid it
+    assert all(name in engine.adapters and engine.adapters.get(name).ready for name in fillers[1::2])
     for name in fillers[1::2]:  # room for the KV cache; "a" stays scattered
         engine.unload_adapter(name)
     assert engine.generate([prompt], params, adapters=["a"])[0].token_ids == expected
@@ -230,19 +233,20 @@ def test_a_refused_adapter_changes_nothing_and_serving_goes_on(llama_dir, adapte
     assert engine.generate([prompt], GREEDY, adapters=["good"])[0].token_ids == before
 
 
-def test_decode_rows_use_the_cpu_kernel_and_prefill_chunks_the_matmul_path(llama_dir, adapter_bank):
+def test_one_lora_batch_holds_decode_and_prefill_segments_with_their_page_tables(llama_dir, adapter_bank):
     from lorafleet.engine.request import Request
     from lorafleet.engine.scheduler import Chunk
-    from lorafleet.kernels import lora_cpu
     engine = Engine(llama_dir, pool_bytes=4 << 20)
-    if lora_cpu.load() is None or engine.device.type != "cpu":
-        pytest.skip("the CPU kernel serves CPU pools built with a C++ toolchain")
     engine.load_adapter("a", adapter_bank[8])
     engine.load_adapter("b", adapter_bank[2])
     def request(rid, n, adapter):
         return Request(rid, [5] * n, GREEDY, adapter, lora=engine.adapters.get(adapter) if adapter else None)
     decode = [Chunk(request(f"d{i}", 3, n), 1) for i, n in enumerate(["a", "b", None])]
     prefill = [Chunk(request("p", 20, "a"), 20)]
-    batch = engine.runner.lora_batch(engine.runner.order(decode + prefill), engine.adapters)
-    assert batch.seg.tolist() == [[1, 2], [2, 3]]      # rows of a and b (row 0: no adapter)
-    assert [(s, e) for s, e, _ in batch.rows] == [(3, 23)]
+    batch = engine.runner.lora_batch(engine.runner.order(decode + prefill))
+    assert batch.seg.tolist() == [[1, 2], [2, 3], [3, 23]]   # row 0 has no adapter: no segment
+    a, b = engine.adapters.get("a"), engine.adapters.get("b")
+    for row, entry in zip(batch.tables.tolist(), [a, b, a]):
+        assert row[:len(entry.pages)] == entry.pages
+    assert (batch.max_rows, batch.max_rank) == (20, 8)
+    assert torch.equal(batch.meta[:, :, 0], torch.from_numpy(a.kernel_meta))

@@ -42,7 +42,7 @@ def test_mixed_batch_logits_match_peft_per_adapter(fleet):
     for c in chunks:
         engine.kv.grow(c.request.request_id, c.num_tokens)
     try:
-        logits = engine.runner.execute(chunks, engine.runner.lora_batch(chunks, engine.adapters),
+        logits = engine.runner.execute(chunks, engine.runner.lora_batch(chunks),
                                        all_logits=True).cpu()
     finally:
         for r in reqs:

@@ -7,21 +7,23 @@ import logging
 
 import pytest
 
-from lorafleet.kernels import lora_cpu, paged_attention_cpu
+from lorafleet.kernels import build, lora_cpu, paged_attention_cpu
 
 BUILD_ERROR = "Error building extension: c++: error: unrecognized command-line option '-fbogus'"
 
 
 @pytest.fixture
-def broken_build(monkeypatch):
-    """Every kernel build fails as a bad compiler flag would; nothing built so far is remembered."""
+def broken_build(monkeypatch, tmp_path):
+    """Every kernel build fails as a bad compiler flag would; nothing built so far is remembered
+    (an empty kernel cache, no module loaded in this process)."""
     from torch.utils import cpp_extension
 
     def fail(**kwargs):
         raise RuntimeError(BUILD_ERROR)
     monkeypatch.setattr(cpp_extension, "load_inline", fail)
-    monkeypatch.setattr(lora_cpu, "_modules", {})
-    monkeypatch.setattr(lora_cpu, "_why_not", {})
+    monkeypatch.setenv("LORAFLEET_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_modules", {})
+    monkeypatch.setattr(build, "_why_not", {})
 
 
 def test_a_failed_build_falls_back_to_the_torch_path_by_default(broken_build, monkeypatch, caplog):
@@ -34,17 +36,17 @@ def test_a_failed_build_falls_back_to_the_torch_path_by_default(broken_build, mo
 def test_a_failed_build_raises_the_build_error_when_kernels_are_required(broken_build, monkeypatch):
     monkeypatch.setenv("LORAFLEET_REQUIRE_CPU_KERNELS", "1")
     for load in (lora_cpu.load, paged_attention_cpu.load, lora_cpu.load):  # twice: not remembered as None
-        with pytest.raises(lora_cpu.KernelUnavailableError, match="-fbogus") as e:
+        with pytest.raises(build.KernelUnavailableError, match="-fbogus") as e:
             load()
         assert str(e.value.__cause__) == BUILD_ERROR
 
 
 def test_disabled_kernels_are_an_error_when_kernels_are_required(monkeypatch):
-    monkeypatch.setattr(lora_cpu, "_modules", {})
-    monkeypatch.setattr(lora_cpu, "_why_not", {})
+    monkeypatch.setattr(build, "_modules", {})
+    monkeypatch.setattr(build, "_why_not", {})
     monkeypatch.setenv("LORAFLEET_CPU_KERNELS", "0")
     monkeypatch.setenv("LORAFLEET_REQUIRE_CPU_KERNELS", "1")
-    with pytest.raises(lora_cpu.KernelUnavailableError, match="LORAFLEET_CPU_KERNELS=0"):
+    with pytest.raises(build.KernelUnavailableError, match="LORAFLEET_CPU_KERNELS=0"):
         lora_cpu.load()
 
 

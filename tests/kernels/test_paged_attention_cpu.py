@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorafleet.kernels import paged_attention_cpu
-from lorafleet.kernels.reference import AttentionMetadata, paged_attention
+from lorafleet.kernels import reference
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="the kernel does not build here")
@@ -28,12 +28,6 @@ def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, b
     tables = torch.tensor(tables)
     lens_t = torch.tensor(lens)
     q = torch.randn(len(lens), heads, dim, generator=g)
-    no_new = torch.empty(0, dtype=torch.long)
-    meta = AttentionMetadata(slot_pages=no_new, slot_offsets=no_new, num_decode=len(lens),
-                             decode_block_tables=tables, decode_context_lens=lens_t,
-                             decode_mask=(torch.arange(4 * block) < lens_t[:, None])[:, None, None, :])
-    empty_kv = torch.empty(0, kv_heads, dim)
-    ref = paged_attention(q, empty_kv, empty_kv, kv, meta, dim ** -0.5)
-    meta.decode_kernel = True
-    got = paged_attention(q, empty_kv, empty_kv, kv, meta, dim ** -0.5)
+    ref = reference.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
+    got = paged_attention_cpu.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
     assert (got - ref).abs().max().item() < 1e-5

@@ -84,15 +84,12 @@ def test_the_tensor_is_never_reallocated():
     assert pool.tensor.data_ptr() == ptr
 
 
-def test_cheapest_window_names_the_fewest_evictable_owners():
+def test_adapter_pages_come_from_the_high_end_scattered_when_no_run_is_free():
     pool = make_pool(12)
     a, b, c = (pool.new_owner(n) for n in "abc")
-    pool.allocate(2, a)     # 10..11
-    pool.allocate(3, b)     # 7..9
-    pool.allocate(1, c)     # 6
-    pool.allocate(6, KV)    # 0..5
-    assert pool.largest_free_run() == 0
-    pool.free([6])          # c gone: one free page at 6
-    assert pool.cheapest_window(3, {a, b}) == {b}       # 7..9 (or 6..8): only b in the way
-    assert pool.cheapest_window(4, {a}) is None         # b is busy, KV blocks the rest
-    assert pool.cheapest_window(6, {a, b}) == {a, b}
+    assert pool.allocate(2, a) == [10, 11]
+    assert pool.allocate(3, b) == [7, 8, 9]
+    assert pool.allocate(2, KV) == [0, 1]
+    pool.free([8, 10])
+    assert pool.allocate(4, c) == [5, 6, 8, 10]   # the highest free pages, no run needed
+    pool.check_integrity()

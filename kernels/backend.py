@@ -1,0 +1,121 @@
+"""One interface over the three kernel sets, chosen once per model: Triton on CUDA, the compiled
+C++ kernels on the CPU, the torch reference otherwise (or where a compiled kernel cannot serve:
+a dtype it lacks, a build that failed). The model and the LoRA batch call `Kernels`; nothing
+else in lorafleet asks which device it runs on to pick a kernel.
+
+`LORAFLEET_KERNELS` overrides the choice: `auto` (default), `triton`, `cpu`, `torch`. `triton` on
+a CPU tensor needs `TRITON_INTERPRET=1` (the interpreter: how CI runs the Triton path against the
+references, slow but exact).
+
+Every op keeps the semantics of its reference in `reference.py`:
+- `lora(x, out, w, page_elems, seg, meta, tables, max_rows, max_rank)`: `reference.lora_paged`
+  (`max_rows`/`max_rank`: static bounds of the step, which fix the Triton launch grid; the
+  other backends ignore them);
+- `write_kv(kv, k, v, slot_pages, slot_offsets)`, `decode(q, kv, tables, lens, scale)`,
+  `prefill(q, k, v, kv, meta, scale, out)`: `reference.write_kv`, `paged_decode`,
+  `paged_prefill`; `attention()` runs the three for one layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lorafleet.errors import ConfigError
+from lorafleet.kernels import reference
+from lorafleet.kernels.reference import AttentionMetadata
+
+log = logging.getLogger("lorafleet.kernels")
+CHOICES = ("auto", "triton", "cpu", "torch")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str                 # "triton", "cpu" or "torch"
+    lora: Callable
+    write_kv: Callable
+    decode: Callable
+    prefill: Callable
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write this step's K/V into the pages, then decode rows, then prefill rows.
+        q: [T, H, D]; k, v: [T, KVH, D]; kv: one layer's view [P, 2, B, KVH, D]. Returns [T, H*D]."""
+        self.write_kv(kv, k, v, meta.slot_pages, meta.slot_offsets)
+        t, h, d = q.shape
+        out = q.new_empty(t, h, d)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self.decode(q[:nd], kv, meta.decode_block_tables, meta.decode_context_lens, scale)
+        if meta.prefills:
+            self.prefill(q, k, v, kv, meta, scale, out)
+        return out.view(t, h * d)
+
+
+def _lora_reference(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None) -> None:
+    reference.lora_paged(x, out, w, page_elems, seg, meta, tables)
+
+
+def torch_kernels() -> Kernels:
+    return Kernels("torch", _lora_reference, reference.write_kv, reference.paged_decode, reference.paged_prefill)
+
+
+def cpu_kernels(dtype: torch.dtype) -> Kernels:
+    """The C++ kernels where they serve (fp32, built), the reference for the rest."""
+    from lorafleet.kernels import lora_cpu, paged_attention_cpu
+
+    lora, decode = _lora_reference, reference.paged_decode
+    if dtype == torch.float32 and lora_cpu.load() is not None:
+        def lora(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None):
+            lora_cpu.lora_paged(x, out, w, page_elems, seg, meta, tables)
+    if dtype == torch.float32 and paged_attention_cpu.load() is not None:
+        decode = paged_attention_cpu.paged_decode
+    return Kernels("cpu", lora, reference.write_kv, decode, reference.paged_prefill)
+
+
+def triton_kernels() -> Kernels:
+    from lorafleet.kernels import attention_triton, lora_triton
+
+    def prefill(q, k, v, kv, meta, scale, out):
+        attention_triton.paged_prefill(q, kv, meta.prefill_starts, meta.prefill_lens, meta.prefill_positions,
+                                       meta.prefill_block_tables, scale, out, meta.max_prefill_len)
+
+    return Kernels("triton", lora_triton.lora_paged, attention_triton.write_kv, attention_triton.paged_decode,
+                   prefill)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select(device: torch.device, dtype: torch.dtype) -> Kernels:
+    """The kernels for a model on `device` at `dtype` (see the module doc for LORAFLEET_KERNELS)."""
+    want = os.environ.get("LORAFLEET_KERNELS", "auto")
+    if want not in CHOICES:
+        raise ConfigError(f"LORAFLEET_KERNELS={want!r}: use one of {', '.join(CHOICES)}")
+    if want == "auto":
+        if device.type == "cuda":
+            if triton_available():
+                return triton_kernels()
+            log.warning("triton is not installed: the GPU runs the torch reference kernels (slow)")
+            return torch_kernels()
+        return cpu_kernels(dtype) if device.type == "cpu" else torch_kernels()
+    if want == "triton":
+        if not triton_available():
+            raise ConfigError("LORAFLEET_KERNELS=triton but triton is not installed")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("LORAFLEET_KERNELS=triton on the CPU needs TRITON_INTERPRET=1 (the interpreter)")
+        return triton_kernels()
+    if want == "cpu":
+        if device.type != "cpu":
+            raise ConfigError(f"LORAFLEET_KERNELS=cpu but the model runs on {device.type}")
+        return cpu_kernels(dtype)
+    return torch_kernels()

@@ -1,0 +1,185 @@
+"""The GPU LoRA kernel: shrink + expand for many adapters of mixed ranks in one op per projection
+group, reading adapter weights straight from the pool's scattered pages.
+
+Semantics (identical to `reference.lora_paged`): for every segment s, row i in [seg[s, 0],
+seg[s, 1]) and module slot m with r > 0:
+    out[i, col : col + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
+accumulated in fp32 and rounded once to out's dtype. Rows in no segment are untouched: a request
+without an adapter pays nothing. Weights are read through the contract at the end of
+`reference.py`: element o of segment s's adapter buffer is w[tables[s, o // E] * E + o % E];
+A_m is [r, in] row-major at logical a_off, Bt_m is [r, n_out] row-major at logical b_off; meta
+[S, M, 5] holds (a_off, r, b_off, n_out, col), r == 0 meaning the adapter lacks module m.
+
+Why it exists: on a GPU, one segment-at-a-time torch loop costs a dozen launches per adapter per
+layer, and padding every adapter to the largest rank (or copying weights into a contiguous
+stack) wastes the memory bandwidth the op is bound by. Here two launches serve every adapter of
+the batch, whatever its rank (1..256, not only powers of two), and every weight element is read
+once per row block from wherever its page lies. Given `max_rows` and `max_rank`, the launch
+grid depends on nothing but them (no `.item()`, no host sync), so the op can be captured in a
+CUDA graph; the kernels skip programs past a segment's end or past an adapter's rank.
+
+Two kernels:
+  shrink  grid (S*M, cdiv(max_rows, BLOCK_M), cdiv(max_rank, BLOCK_R)):
+          t[i, m, k] = x[i] . A_m[k] for k < r, fp32, into a scratch t [T, M, RMAX]
+  expand  grid (S*M, cdiv(max_rows, BLOCK_M), cdiv(N, BLOCK_N)):
+          out[i, col + n] = round(out[i, col + n] + sum_{k<r} t[i, m, k] * Bt_m[k, n])
+
+Precision: fp32 inputs use `tl.dot(..., input_precision="ieee")` (no TF32); fp16/bf16 inputs
+multiply in their own dtype with fp32 accumulation in the shrink (products of two halves are
+exact in fp32); the expand multiplies the fp32 t by Bt upcast to fp32, as the reference does.
+Under the Triton interpreter (TRITON_INTERPRET=1) `tl.dot` on bf16 operands is wrong (it
+multiplies the raw uint16 bit patterns), so bf16 operands are upcast to fp32 there too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lorafleet.kernels.reference import META_FIELDS  # noqa: F401  (a_off, r, b_off, n_out, col)
+
+
+def _block(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
+
+
+@triton.jit
+def _page_addr(tables_row, o, E, mask):
+    """Pool element index of logical offsets `o` (int64) through one segment's page table."""
+    page = tl.load(tables_row + o // E, mask=mask, other=0)
+    return page * E + o % E
+
+
+@triton.jit
+def _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M: tl.constexpr):
+    """This program's segment s, module slot m, first row, the segment's end, its metadata row
+    and its page table (axis 0 of the grid is s * M + m, axis 1 the block of rows)."""
+    pid = tl.program_id(0)
+    s = pid // M
+    m = pid % M
+    row0 = tl.load(seg_ptr + 2 * s) + tl.program_id(1) * BLOCK_M
+    return s, m, row0, tl.load(seg_ptr + 2 * s + 1), meta_ptr + (s * M + m) * 5, tables_ptr + s * maxp
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, w_ptr, t_ptr, seg_ptr, meta_ptr, tables_ptr,
+                   E, IN, stride_x, maxp, M, RMAX,
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M)
+    a_off = tl.load(mrow)
+    r = tl.minimum(tl.load(mrow + 1), RMAX)  # a max_rank below the true rank: wrong, never out of bounds
+    k0 = tl.program_id(2) * BLOCK_R
+    if (row0 >= end) | (k0 >= r):
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    ks = k0 + tl.arange(0, BLOCK_R)
+    kmask = ks < r
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, IN, BLOCK_K):
+        cols = c0 + tl.arange(0, BLOCK_K)
+        cmask = cols < IN
+        xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                     mask=rmask[:, None] & cmask[None, :], other=0.0)
+        # A_m^T tile [BLOCK_K, BLOCK_R]: element (c, k) is A_m[k, c] at logical a_off + k*IN + c
+        amask = cmask[:, None] & kmask[None, :]
+        o = a_off + ks[None, :].to(tl.int64) * IN + cols[:, None]
+        at = tl.load(w_ptr + _page_addr(tables_row, o, E, amask), mask=amask, other=0.0)
+        if UPCAST:
+            acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, at)
+    tl.store(t_ptr + (rows[:, None].to(tl.int64) * M + m) * RMAX + ks[None, :], acc,
+             mask=rmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _expand_kernel(t_ptr, w_ptr, out_ptr, seg_ptr, meta_ptr, tables_ptr,
+                   E, stride_out, maxp, M, RMAX,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M)
+    r = tl.minimum(tl.load(mrow + 1), RMAX)
+    b_off = tl.load(mrow + 2)
+    n_out = tl.load(mrow + 3)
+    col = tl.load(mrow + 4)
+    n0 = tl.program_id(2) * BLOCK_N
+    if (row0 >= end) | (r == 0) | (n0 >= n_out):
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    ns = n0 + tl.arange(0, BLOCK_N)
+    nmask = ns < n_out
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, r, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < r
+        tt = tl.load(t_ptr + (rows[:, None].to(tl.int64) * M + m) * RMAX + ks[None, :],
+                     mask=rmask[:, None] & kmask[None, :], other=0.0)
+        bmask = kmask[:, None] & nmask[None, :]
+        o = b_off + ks[:, None].to(tl.int64) * n_out + ns[None, :]
+        bt = tl.load(w_ptr + _page_addr(tables_row, o, E, bmask), mask=bmask, other=0.0)
+        acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
+    optr = out_ptr + rows[:, None].to(tl.int64) * stride_out + col + ns[None, :]
+    omask = rmask[:, None] & nmask[None, :]
+    cur = tl.load(optr, mask=omask, other=0.0).to(tl.float32)
+    tl.store(optr, (cur + acc).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+def _interpreted() -> bool:
+    """Whether this module's kernels run under the interpreter: triton decides when a kernel is
+    decorated, i.e. when this module is first imported (TRITON_INTERPRET=1 must be set by then)."""
+    return type(_shrink_kernel).__name__ == "InterpretedFunction"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """Whether dot operands of this dtype are upcast to fp32 (ieee) rather than multiplied as is."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreted())
+
+
+def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,
+               meta: torch.Tensor, tables: torch.Tensor, max_rows: int | None = None,
+               max_rank: int | None = None) -> None:
+    """out[i, col:col+n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s) for every segment row and module slot
+    (see the module docstring). x: [T, in], out: [T, N] (row-strided views allowed, unit column
+    stride), w: the flat pool [pages * page_elems], all one dtype (fp32, bf16, fp16); seg [S, 2],
+    meta [S, M, 5], tables [S, maxp] int64 on x's device.
+
+    max_rows (the longest segment) and max_rank (the largest r in meta) are read from the data
+    when None (a host sync); passed explicitly (any upper bounds), the launch depends only on
+    them and the op is CUDA-graph capturable. Bounds below the data's give wrong results (rows
+    past max_rows and ranks past max_rank are skipped), never out-of-bounds accesses."""
+    if not (x.dtype == out.dtype == w.dtype):
+        raise TypeError(f"lora_paged: x, out and w must share a dtype (got {x.dtype}, {out.dtype}, {w.dtype})")
+    if x.stride(1) != 1 or out.stride(1) != 1 or not w.is_contiguous():
+        raise ValueError("lora_paged: x and out need unit column stride, w must be contiguous")
+    S = seg.shape[0]
+    M = meta.shape[1] if meta.dim() == 3 else 0
+    T, IN = x.shape
+    if S == 0 or M == 0 or T == 0:
+        return
+    seg = seg.contiguous()
+    meta = meta.contiguous()
+    tables = tables.contiguous()
+    if max_rows is None:
+        max_rows = int((seg[:, 1] - seg[:, 0]).max())
+    if max_rank is None:
+        max_rank = int(meta[:, :, 1].max())
+    if max_rows <= 0 or max_rank <= 0:
+        return
+    block_m = _block(max_rows, 16, 64)
+    block_r = _block(max_rank, 16, 64)
+    block_k = _block(IN, 16, 64)
+    rmax = triton.cdiv(max_rank, block_r) * block_r
+    t = torch.empty(T, M, rmax, dtype=torch.float32, device=x.device)
+    maxp = tables.shape[1]
+    row_blocks = triton.cdiv(max_rows, block_m)
+    _shrink_kernel[(S * M, row_blocks, triton.cdiv(max_rank, block_r))](
+        x, w, t, seg, meta, tables, page_elems, IN, x.stride(0), maxp, M, rmax,
+        UPCAST=_upcast(x.dtype), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r)
+    N = out.shape[1]
+    block_n = _block(N, 16, 64)
+    _expand_kernel[(S * M, row_blocks, triton.cdiv(N, block_n))](
+        t, w, out, seg, meta, tables, page_elems, out.stride(0), maxp, M, rmax,
+        BLOCK_M=block_m, BLOCK_K=_block(max_rank, 16, 64), BLOCK_N=block_n)

@@ -1,0 +1,47 @@
+"""Decode steps at fixed shapes (engine/graphs.py), the path CUDA graphs capture, run here
+without capture (`decode_graphs="fixed"`): padded batches give the eager path's tokens, adapters
+switching in and out (evicted, reloaded into other pages) change only the graph's input data,
+and the number of captures depends on the buckets used, never on the adapters."""
+
+from __future__ import annotations
+
+from lorafleet import Engine, SamplingParams
+from lorafleet.engine.graphs import buckets
+from tests.engine.test_batching import random_prompts
+from tests.fixtures import ALL7, build_adapter
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_buckets_cover_every_batch_size():
+    assert buckets(1) == [1]
+    assert buckets(6) == [1, 2, 4, 6]
+    assert buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def test_fixed_shapes_give_the_eager_tokens_and_captures_do_not_grow_with_adapters(llama_dir, tmp_path):
+    files = [build_adapter(llama_dir, tmp_path / f"r{r}", seed=r, r=r, lora_alpha=2 * r, target_modules=ALL7)
+             for r in (2, 8, 32)]
+    probe = Engine(llama_dir, pool_bytes=4 << 20)
+    per_adapter = probe.load_adapter("probe", files[2])["pages"]
+    pool = (4 * per_adapter + 24) * probe.pool.page_bytes  # room for ~4 adapters: rounds evict
+    eager = Engine(llama_dir, pool_bytes=pool, decode_graphs="off")
+    fixed = Engine(llama_dir, pool_bytes=pool, decode_graphs="fixed")
+    names = [f"a{i}" for i in range(12)]
+    prompts = random_prompts(3)  # 3 requests decoding together: bucket 4, one padding row every step
+    rounds = [names[0:3], names[3:6], [None] * 3, names[6:9], names[9:12], [names[0], None, names[11]]]
+    seen = []
+    for adapters in rounds:
+        for engine in (eager, fixed):  # loaded before the round (evicting earlier ones): in lockstep
+            for name in filter(None, adapters):
+                engine.load_adapter(name, files[names.index(name) % 3])
+        want = [o.token_ids for o in eager.generate(prompts, PARAMS, adapters=adapters)]
+        got = [o.token_ids for o in fixed.generate(prompts, PARAMS, adapters=adapters)]
+        assert got == want, f"round {adapters}"
+        seen.append(fixed.stats()["decode_graphs"]["captures"])
+    graphs = fixed.stats()["decode_graphs"]
+    assert seen == [1, 1, 2, 2, 2, 2]  # (4, with LoRA) then (4, base only): 12 adapters, 2 captures
+    assert graphs["recaptures"] == 0 and graphs["eager_fallbacks"] == 0
+    assert graphs["replays"] == len(rounds) * (PARAMS.max_tokens - 1)
+    assert sum(fixed.adapters.get(n).evictions for n in names) > 0  # adapters really moved pages
+    assert eager.stats()["decode_graphs"] == {"enabled": False}
