@@ -79,8 +79,7 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
         const int64_t* f = mp + (s * M + m) * 5;
         const int64_t a_off = f[0], r = f[1], b_off = f[2], n_out = f[3], col = f[4];
         if (r == 0) continue;
-        t.assign(RB * r, 0.f);
-        for (int64_t k = 0; k < r; ++k) {  // shrink: t[b, k] = A[k] . x[b]
+        auto one_row = [&](int64_t k) {  // t[b, k] for one rank row, in pieces across pages
           float acc[RB] = {0.f, 0.f, 0.f, 0.f};
           pieces(wp, table, E, a_off + k * in, in, [&](const float* a, int64_t d0, int64_t len) {
             const float *x0 = xr[0] + d0, *x1 = xr[1] + d0, *x2 = xr[2] + d0, *x3 = xr[3] + d0;
@@ -93,28 +92,66 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
             acc[0] += s0; acc[1] += s1; acc[2] += s2; acc[3] += s3;
           });
           for (int64_t b = 0; b < RB; ++b) t[b * r + k] = acc[b];
-        }
-        for (int64_t k = 0; k < r; ++k) {  // expand: y[b] += t[b, k] * Bt[k]
-          const float c0 = t[k], c1 = t[r + k], c2 = t[2 * r + k], c3 = t[3 * r + k];
+        };
+        auto one_expand = [&](int64_t k) {  // y[b] += t[b, k] * Bt[k], in pieces across pages
           pieces(wp, table, E, b_off + k * n_out, n_out, [&](const float* bt, int64_t d0, int64_t len) {
-            float* y0 = yr[0] + col + d0;
-            if (nb == RB) {
-              float *y1 = yr[1] + col + d0, *y2 = yr[2] + col + d0, *y3 = yr[3] + col + d0;
+            for (int64_t b = 0; b < nb; ++b) {
+              const float c = t[b * r + k];
+              float* y = yr[b] + col + d0;
 #pragma omp simd
-              for (int64_t d = 0; d < len; ++d) {
-                const float bv = bt[d];
-                y0[d] += c0 * bv; y1[d] += c1 * bv; y2[d] += c2 * bv; y3[d] += c3 * bv;
-              }
-            } else {
-              const float c[RB] = {c0, c1, c2, c3};
-              for (int64_t b = 0; b < nb; ++b) {
-                float* y = yr[b] + col + d0;
-#pragma omp simd
-                for (int64_t d = 0; d < len; ++d) y[d] += c[b] * bt[d];
-              }
+              for (int64_t d = 0; d < len; ++d) y[d] += c * bt[d];
             }
           });
+        };
+        t.assign(RB * r, 0.f);
+        // shrink: t[b, k] = A[k] . x[b]; two rank rows at a time when each lies in one page
+        // (8 running sums: each x element loaded serves two rows of A)
+        int64_t k = 0;
+        for (; k + 2 <= r; k += 2) {
+          const int64_t o0 = a_off + k * in, o1 = o0 + in;
+          if (o0 % E + in > E || o1 % E + in > E) {
+            one_row(k);
+            one_row(k + 1);
+            continue;
+          }
+          const float *a0 = wp + table[o0 / E] * E + o0 % E, *a1 = wp + table[o1 / E] * E + o1 % E;
+          const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
+          float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f, s20 = 0.f, s21 = 0.f, s30 = 0.f, s31 = 0.f;
+#pragma omp simd reduction(+:s00, s01, s10, s11, s20, s21, s30, s31)
+          for (int64_t d = 0; d < in; ++d) {
+            const float u = a0[d], v = a1[d];
+            s00 += u * x0[d]; s01 += v * x0[d]; s10 += u * x1[d]; s11 += v * x1[d];
+            s20 += u * x2[d]; s21 += v * x2[d]; s30 += u * x3[d]; s31 += v * x3[d];
+          }
+          t[k] = s00; t[k + 1] = s01; t[r + k] = s10; t[r + k + 1] = s11;
+          t[2 * r + k] = s20; t[2 * r + k + 1] = s21; t[3 * r + k] = s30; t[3 * r + k + 1] = s31;
         }
+        if (k < r) one_row(k);
+        // expand: y[b] += sum_k t[b, k] * Bt[k]; four rank rows at a time when each lies in
+        // one page (one pass over y per four rows of Bt instead of one per row)
+        k = 0;
+        for (; k + 4 <= r; k += 4) {
+          const float* bt[4];
+          bool in_page = true;
+          for (int64_t j = 0; j < 4; ++j) {
+            const int64_t o = b_off + (k + j) * n_out;
+            in_page = in_page && o % E + n_out <= E;
+            bt[j] = in_page ? wp + table[o / E] * E + o % E : nullptr;
+          }
+          if (!in_page) {
+            for (int64_t j = 0; j < 4; ++j) one_expand(k + j);
+            continue;
+          }
+          const float *b0 = bt[0], *b1 = bt[1], *b2 = bt[2], *b3 = bt[3];
+          for (int64_t b = 0; b < nb; ++b) {
+            const float* c = t.data() + b * r + k;
+            const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+            float* y = yr[b] + col;
+#pragma omp simd
+            for (int64_t d = 0; d < n_out; ++d) y[d] += c0 * b0[d] + c1 * b1[d] + c2 * b2[d] + c3 * b3[d];
+          }
+        }
+        for (; k < r; ++k) one_expand(k);
       }
     }
   });
@@ -124,7 +161,7 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
 def load():
     """The compiled LoRA kernel, or None when it cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
-    return compile_inline("lorafleet_lora_cpu_v3", _SOURCE, "lora_paged")
+    return compile_inline("lorafleet_lora_cpu_v4", _SOURCE, "lora_paged")
 
 
 def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,
