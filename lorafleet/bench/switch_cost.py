@@ -7,11 +7,17 @@ those decode steps. Each step records how many adapters landed in it. Since ever
 same shape, the slope of per-token latency against adapters landed is the cost of a switch
 (engine bookkeeping plus the workers' competition for the cores), free of the prefill work that
 confounds it in mixed workloads. Target: slope < 2% of the mean per-token latency per switch.
+
+`source`: "store" (default) pulls the adapters into a store beside the base, once, and registers
+them as the daemon's resolver does (with the pull's digest: loads map and lay out the weights,
+no hashing, no re-validation); "folder" registers the adapter folders themselves (every load
+reads, validates and hashes).
 """
 
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -20,19 +26,38 @@ from lorafleet.bench.fixtures import build_base
 from lorafleet.bench.metrics import fit_slope
 
 
+def stored(base: Path, adapters: list[tuple[str, Path]]) -> tuple[Path, dict[str, tuple[Path, str]]]:
+    """The base and the adapters in a store beside the base (pulled once): the base's folder and
+    name -> (folder, digest)."""
+    from lorafleet.store.pull import pull
+    from lorafleet.store.store import Store
+
+    store = Store(base.parent / f"{base.name}-store")
+    if not store.has("models", "base"):
+        pull(str(base), name="base", base=True, store=store)
+    out = {}
+    for name, path in adapters:
+        m = store.get("adapters", name) if store.has("adapters", name) else pull(str(path), name=name, store=store)
+        out[name] = (store.folder(m), m["digest"])
+    return store.folder(store.get("models", "base")), out
+
+
 def run_switch_cost(shape: str = "smol", batch: int = 32, cold: int = 96, steps: int = 48,
-                    ranks=(8, 16), progress=None) -> dict:
+                    ranks=(8, 16), source: str = "store", progress=None) -> dict:
     from lorafleet import Engine, SamplingParams
 
     base = build_base(shape)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj")
     adapters = build_adapters(base, batch + cold, ranks, targets)
+    folders = {name: (path, None) for name, path in adapters}
+    if source == "store":
+        base, folders = stored(base, adapters)
     engine = Engine(base, device="cpu", pool_bytes=6 << 30, max_num_seqs=batch,
                     host_cache_bytes=4 << 30)
-    for name, path in adapters[:batch]:
-        engine.load_adapter(name, path)          # the running batch's adapters: warm
-    for name, path in adapters[batch:]:
-        engine.register_adapter(name, path)      # the waiting requests' adapters: on disk
+    for name, _ in adapters[:batch]:
+        engine.load_adapter(name, folders[name][0])      # the running batch's adapters: warm
+    for name, _ in adapters[batch:]:
+        engine.register_adapter(name, *folders[name])    # the waiting requests' adapters: on disk
     vocab = engine.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = lambda: torch.randint(3, vocab, (16,), generator=g).tolist()  # noqa: E731
@@ -62,7 +87,7 @@ def run_switch_cost(shape: str = "smol", batch: int = 32, cold: int = 96, steps:
     for x in sorted(set(xs)):
         sel = [y for xx, y in zip(xs, ys) if xx == x]
         table.append({"adapters_loaded": x, "steps": len(sel), "per_token_ms_median": 1e3 * statistics.median(sel)})
-    result = {"benchmark": "switch-cost", "shape": shape, "batch": batch, "cold_adapters": cold,
+    result = {"benchmark": "switch-cost", "shape": shape, "source": source, "batch": batch, "cold_adapters": cold,
               "ranks": list(ranks), "targets": list(targets), "decode_steps": len(records),
               "adapters_landed": sum(xs), "mean_per_token_ms": 1e3 * mean, "table": table}
     try:

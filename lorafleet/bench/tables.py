@@ -178,10 +178,10 @@ def lora_decode_table(results: list[dict]) -> Table:
 def switch_cost_table(results: list[dict]) -> Table:
     table = _table("switch: per-token latency of fixed-shape decode steps against adapters landed in the step",
                    ["shape", "batch", "decode\nsteps", "adapters\nlanded", "per-token\nms mean", "slope ms\nper switch",
-                    "share of\nper-token"], "issue 5 asks < 2% per switch", left=1)
+                    "share of\nper-token"], "target: < 2% per switch", left=1)
     for r in results:
         slope = r["slope_fraction"]
-        table.add_row(r["shape"], str(r["batch"]), str(r["decode_steps"]), str(r["adapters_landed"]),
+        table.add_row(f"{r['shape']}\nloads from {r['source']}", str(r["batch"]), str(r["decode_steps"]), str(r["adapters_landed"]),
                       f"{r['mean_per_token_ms']:.3f}",
                       f"{r['slope_ms_per_switch']:+.4f}" if slope is not None else escape(r.get("note", "-")),
                       f"{slope:+.2%}" if slope is not None else "")
@@ -250,4 +250,15 @@ def gpu_table(results: list[dict]) -> Table:
         for label, ratio in r["engine"]["ratios"].items():
             goal = next(v for k, v in GPU_GOALS.items() if label.endswith(k))
             table.add_row(r["engine"]["shape"], label, f"{ratio:.2f}x", "", f">= {goal}x", _verdict(ratio >= goal))
+    return table
+
+
+def store_load_table(results: list[dict]) -> Table:
+    """`bench store-load`: CPU per adapter load from the store against the same files as a folder."""
+    table = _table("store-load: CPU of one adapter load, disk -> host -> pool pages",
+                   ["shape", "adapter", "from the store", "as a folder", "ratio", "target", ""], left=2)
+    for r in results:
+        table.add_row(r["shape"], f"rank {r['rank']} on {','.join(t.replace('_proj', '') for t in r['targets'])}\n"
+                      f"{r['bytes'] / 2**20:.1f} MiB", f"{r['store_cpu_ms']:.2f} ms", f"{r['folder_cpu_ms']:.2f} ms",
+                      f"{r['speedup']:.1f}x less", f"<= {r['target_ms']:.0f} ms", _verdict(r["target_met"]))
     return table

@@ -1,4 +1,4 @@
-"""`lorafleet adapters ls|show|load|unload`: the daemon's adapters."""
+"""`lorafleet adapters ls|show|load|unload|rm`: the daemon's adapters and the store's."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ from typing import Annotated
 
 import typer
 
+from lorafleet.cli import store as store_cli
+from lorafleet.errors import AdapterNotFoundError, DaemonUnreachableError, LorafleetError
 from lorafleet.cli.common import JsonOption, SocketOption, client, err_console, print_json, user_errors
 
-app = typer.Typer(help="List, inspect, load and unload the daemon's LoRA adapters.", no_args_is_help=True)
+app = typer.Typer(help="List, inspect, load, unload and remove LoRA adapters (the daemon's and the store's).",
+                  no_args_is_help=True)
 
 NameArg = Annotated[str, typer.Argument(help="The adapter's name (what requests put in `model`).", show_default=False)]
 
@@ -27,34 +30,60 @@ def _state(info: dict) -> str:
 
 @app.command("ls")
 def ls(socket: SocketOption = None, as_json: JsonOption = False) -> None:
-    """List the adapters the daemon knows, with rank, pages and users."""
-    with user_errors(), client(socket) as c:
-        models = c.models()
-    adapters = [m["lorafleet"] for m in models if m.get("parent")]
+    """List the adapters in the store and those a running daemon holds, side by side (rank,
+    state, pages, users); without a daemon, the store's alone."""
+    with user_errors():
+        stored = store_cli.adapters_in_store()
+    served = store_cli.daemon_models(socket)
+    held = {m["id"]: m["lorafleet"] for m in served or () if m.get("parent")}
+    rows = [{**held.get(n, {}), "name": n, "loaded": n in held, "in_store": n in stored, "store": stored.get(n)}
+            for n in sorted(set(stored) | set(held))]
     if as_json:
-        return print_json(adapters)
-    if not adapters:
-        err_console.print("no adapters loaded; load one with `lorafleet adapters load NAME PATH`", highlight=False)
+        return print_json(rows)
+    if served is None:
+        err_console.print("no lorafleet daemon running: the store's adapters only", highlight=False)
+    if not rows:
+        err_console.print("no adapters: pull one (`lorafleet pull SOURCE`) or load one into the daemon "
+                          "(`lorafleet adapters load NAME PATH`)", highlight=False)
         return
     from rich.console import Console
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
-    for col in ("NAME", "RANK", "MODULES", "STATE", "PAGES", "USERS", "PATH"):
+    for col in ("NAME", "RANK", "MODULES", "STORE", "STATE", "PAGES", "USERS", "PATH"):
         table.add_column(col, justify="right" if col in ("RANK", "PAGES", "USERS") else "left")
-    for a in adapters:
-        users = a.get("users", a.get("refcount", 0))
-        table.add_row(a["name"], _ranks(a), ",".join(m.replace("_proj", "") for m in a.get("modules", [])),
-                      _state(a), str(a.get("pages", "-")), str(users), str(a.get("path", "")))
+    for a in rows:
+        info = a if a["loaded"] else (a["store"] or {})
+        table.add_row(a["name"], _ranks(info), ",".join(m.replace("_proj", "") for m in info.get("modules", [])),
+                      "yes" if a["in_store"] else "", _state(a) if a["loaded"] else "-",
+                      str(a.get("pages", "-")), str(a.get("users", "-")), str(a.get("path", a["store"] and a["store"]["source"])))
     Console().print(table)
+
+
+def _daemon_card(socket, name: str) -> dict | None:
+    """The daemon's record of `name`, or None when no daemon runs or it does not hold it."""
+    try:
+        with client(socket) as c:
+            card = c.model(name)
+    except DaemonUnreachableError:
+        return None
+    except LorafleetError as e:
+        if e.http_status == 404:
+            return None
+        raise
+    return card.get("lorafleet", card)
 
 
 @app.command("show")
 def show(name: NameArg, socket: SocketOption = None, as_json: JsonOption = False) -> None:
-    """Show one adapter: its path, digest, ranks per module, pages and users."""
-    with user_errors(), client(socket) as c:
-        card = c.model(name)
-    info = card.get("lorafleet", card)
+    """Show one adapter: what the running daemon holds (path, digest, ranks per module, pages,
+    users) and its store record (digest, base, source, size), either alone when the other lacks it."""
+    with user_errors():
+        stored = store_cli.adapters_in_store().get(name)
+        info = _daemon_card(socket, name)
+        if info is None and stored is None:
+            raise AdapterNotFoundError(f"adapter {name!r} is neither in the store nor held by a running daemon")
+    info = {**info, "store": stored} if info is not None else {**stored, "loaded": False}
     if as_json:
         return print_json(info)
     from rich.console import Console
@@ -97,3 +126,10 @@ def unload(name: NameArg, socket: SocketOption = None) -> None:
     with user_errors(), client(socket) as c:
         c.unload_adapter(name)
     err_console.print(f"unloaded {name}", highlight=False)
+
+
+@app.command("rm")
+def rm(name: NameArg, socket: SocketOption = None) -> None:
+    """Remove an adapter from the store (refused while the running daemon has it registered:
+    unload it first). Its files go at once."""
+    store_cli.adapter_rm(name, socket)

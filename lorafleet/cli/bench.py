@@ -123,14 +123,20 @@ def lora_decode(
 @app.command("switch")
 def switch(
     model: Annotated[list[str] | None, _models("smol (micro with --quick)")] = None,
+    source: Annotated[str, typer.Option("--source", help="store: the adapters are pulled into a store and "
+                                        "loaded from it (no hashing, no re-validation); folder: loaded as "
+                                        "folders (read, validated, hashed).")] = "store",
     quick: Quick = False, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """The switch cost, isolated: per-token latency of a fixed-shape decode batch against the
     adapters landing in each step, loaded in the background for waiting requests."""
+    _check_choices("--source", [source], ("store", "folder"))
+
     def one(shape: str) -> dict:
         from lorafleet.bench.switch_cost import run_switch_cost
 
-        return run_switch_cost(shape, batch=8 if quick else 32, cold=16 if quick else 96, steps=8 if quick else 48)
+        return run_switch_cost(shape, batch=8 if quick else 32, cold=16 if quick else 96, steps=8 if quick else 48,
+                               source=source)
     _suite("switch", model or (["micro"] if quick else ["smol"]), one, "switch_cost_table", out, as_json)
 
 
@@ -152,6 +158,24 @@ def overhead(
         return run_overhead(shape, running=running, num_adapters=adapters, steps=steps, burst=burst, device=device,
                             threads=threads, progress=_say)
     _suite("overhead", model or ["tiny"], one, "overhead_table", out, as_json)
+
+
+@app.command("store-load")
+def store_load(
+    model: Annotated[list[str] | None, _models("smol")] = None,
+    rank: Annotated[int, typer.Option("--rank", min=1, help="The adapter's rank (on q/k/v/o_proj).")] = 16,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed loads of each kind.")] = 20,
+    out: Out = None, as_json: AsJson = False,
+) -> None:
+    """The CPU one adapter load costs (disk -> host -> pool pages) from the store, which trusts
+    the validation and digest of the pull, against the same files loaded as a folder (read,
+    validated, hashed); median CPU time of the loading thread, both in one run (target: <= 3 ms
+    for rank 16 on q/k/v/o of smol)."""
+    def one(shape: str) -> dict:
+        from lorafleet.bench.store_load import run_store_load
+
+        return run_store_load(shape, rank=rank, repeats=repeats)
+    _suite("store-load", model or ["smol"], one, "store_load_table", out, as_json)
 
 
 @app.command("gpu")

@@ -47,8 +47,9 @@ def _parse_adapters(specs: list[str] | None) -> dict[str, Path]:
 def serve(
     ctx: typer.Context,
     model: Annotated[Path | None, typer.Argument(
-        help="A Hugging Face model folder (config.json, safetensors, tokenizer.json). Default: the "
-             "bundled demo fleet (a tiny echo model and its skill adapters: upper, reverse, ...).",
+        help="A Hugging Face model folder (config.json, safetensors, tokenizer.json), or the name of "
+             "a base in the store (`lorafleet pull SOURCE --base`). Default: the bundled demo fleet "
+             "(a tiny echo model and its skill adapters: upper, reverse, ...).",
         show_default=False)] = None,
     socket: SocketOption = None,
     host: Annotated[str | None, typer.Option("--host", help="Also listen on TCP at this address (needs --port and --api-key).")] = None,
@@ -75,6 +76,9 @@ def serve(
     drain_timeout: Annotated[float, typer.Option(
         "--drain-timeout", min=0, help="Seconds SIGTERM/SIGINT waits for in-flight requests before exiting.")] = 30.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
+    resolve: Annotated[bool, typer.Option(
+        "--resolve/--no-resolve", help="Serve an adapter of the store on its first request by name, "
+                                      "without a load call (and its new weights after a re-pull).")] = True,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Start the daemon in the background and return once it answers.")] = False,
     log_file: Annotated[Path | None, typer.Option(
         "--log-file", metavar="PATH", help="With --detach: where the daemon logs. Default: $LORAFLEET_HOME/logs/daemon.log.")] = None,
@@ -88,6 +92,8 @@ def serve(
 
     with user_errors():
         sock = paths.socket_path(socket)
+        model, stored_name = _model_folder(model)
+        served_model_name = served_model_name or stored_name
         config = ServerConfig(socket=str(sock), host=host, port=port, api_key=api_key,
                               served_model_name=served_model_name, max_pending=max_pending,
                               max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
@@ -96,17 +102,36 @@ def serve(
                           "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
         adapters = _parse_adapters(adapter)
         if detach:
-            model_path = str(model.expanduser().resolve()) if model else None
-            argv = _rebuild_argv(ctx.command, ctx.params, model=model_path, socket=str(sock))
+            argv = _rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),
+                                 served_model_name=served_model_name)
             return _detach(argv, sock, log_file, api_key)
         _setup_logging()
         try:
-            _run(model, config, engine_options, adapters)
+            _run(model, config, engine_options, adapters, resolve)
         except KeyboardInterrupt:  # before the daemon took over the signals: nothing to drain
             raise fail("interrupted before the daemon started") from None
 
 
-def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, Path]) -> None:
+def _model_folder(model: Path | None) -> tuple[Path | None, str | None]:
+    """MODEL as a folder: a path that exists, else a base of the store by that name (then its
+    name too, the default served name); a path that is neither is a clear error."""
+    if model is None:
+        return None, None
+    folder = model.expanduser()
+    if folder.exists():
+        return folder.resolve(), None
+    from lorafleet.store.store import Store, StoreError
+
+    store = Store()
+    try:
+        manifest = store.get("models", str(model))
+    except StoreError:
+        raise fail(f"{model}: neither a model folder nor a base in the store ({store.root}); "
+                   "pull one with `lorafleet pull SOURCE --base --name NAME`") from None
+    return store.folder(manifest).resolve(), manifest["name"]
+
+
+def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, Path], resolve: bool = True) -> None:
     log = logging.getLogger("lorafleet.server")
     if model is None:
         from lorafleet.demo import default_fleet
@@ -117,7 +142,6 @@ def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, P
         log.info("no MODEL given: serving the bundled demo fleet (%s and the adapters %s); "
                  "try `lorafleet chat --adapter reverse \"hello world\"`", name, ", ".join(fleet.adapters))
     else:
-        model = model.expanduser().resolve()
         name = model.name
     name = config.served_model_name or name
 
@@ -130,7 +154,13 @@ def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, P
 
     from lorafleet.server.daemon import serve as run_daemon
 
-    run_daemon(build_engine, config, name, str(model), adapters)
+    resolver = None
+    if resolve:
+        from lorafleet.store.resolver import StoreResolver
+        from lorafleet.store.store import Store
+
+        resolver = StoreResolver(Store())
+    run_daemon(build_engine, config, name, str(model), adapters, resolver)
 
 
 def _setup_logging() -> None:

@@ -250,10 +250,12 @@ class Engine:
         return self.outputs.output(req, new_tokens or [])
 
     # -- adapters --------------------------------------------------------------------
-    def register_adapter(self, name: str, path: str | Path) -> dict:
+    def register_adapter(self, name: str, path: str | Path, trusted_digest: str | None = None) -> dict:
         """Record a PEFT adapter folder under `name` (disk tier): its config is checked now, its
-        weights are read when a request first needs it. Costs no device memory."""
-        return self.adapters.register(name, path).info()
+        weights are read when a request first needs it. Costs no device memory. `trusted_digest`
+        (the store's resolver): the files were validated against this base and hashed when they
+        were pulled, so their loads skip both."""
+        return self.adapters.register(name, path, trusted_digest).info()
 
     def load_adapter_async(self, name: str, path: str | Path) -> Future:
         """Start an eager load: files are read, validated and hashed on a worker while steps go

@@ -222,6 +222,52 @@ def _key_slot(key: str, base: BaseShapes, path: Path) -> tuple[int, str, str, st
     return layer, proj, m.group("ab"), m.group("name")
 
 
+def _scale(cfg: dict, full: str, r: int) -> float:
+    """PEFT's scale for module `full` of rank r: lora_alpha (or its alpha_pattern entry) / r, or
+    / sqrt(r) with use_rslora."""
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    key = _pattern_key(alpha_pattern, full)
+    alpha = alpha_pattern[key] if key is not None else cfg.get("lora_alpha", 8)
+    return alpha / math.sqrt(r) if cfg.get("use_rslora", False) else alpha / r
+
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def load_trusted(path: str | Path, base: BaseShapes, digest: str, dtype: torch.dtype = torch.float32) -> LoraAdapter:
+    """A stored adapter, whose files `load_adapter` validated and hashed when they were pulled
+    (lorafleet/store: content-addressed and read-only since): the file is memory-mapped and
+    every tensor is a view into it; nothing is checked or hashed again, tensor names are split
+    rather than matched. Only the config is parsed (targets, ranks and scales). The tensors are
+    views of the memory-mapped file (at `dtype` they are not copied until laid out)."""
+    folder = Path(path)
+    cfg = _read_config(folder)
+    st_path = _weights_file(folder)
+    import warnings
+
+    import numpy as np
+
+    mapped = np.memmap(st_path, mode="r")  # the page cache's pages, mapped: no read, no copy
+    (n,) = struct.unpack("<Q", mapped[:8].tobytes())
+    header = json.loads(mapped[8:8 + n].tobytes())
+    header.pop("__metadata__", None)
+    with warnings.catch_warnings():  # read-only memory: the tensors are only read (copied into the layout)
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(mapped[8 + n:])
+    slots: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, info in header.items():
+        parts = key.split(".")  # base_model.model.model.layers.<i>.<block>.<proj>.lora_<A|B>[.<name>].weight
+        start, end = info["data_offsets"]
+        t = raw[start:end].view(_TORCH_DTYPES[info["dtype"]]).view(info["shape"])
+        slots.setdefault((int(parts[4]), parts[6]), {})[parts[7][-1]] = t.to(dtype)
+    weights = {}
+    for (layer, proj), slot in sorted(slots.items(), key=lambda kv: (kv[0][0], MODULES.index(kv[0][1]))):
+        full = f"model.layers.{layer}.{MODULE_BLOCK[proj]}.{proj}"
+        a = slot["A"]
+        weights[(layer, proj)] = LoraWeights(a=a, b=slot["B"], scale=float(_scale(cfg, full, int(a.shape[0]))))
+    return LoraAdapter(path=folder, digest=digest, config=cfg, weights=weights)
+
+
 def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.float32) -> LoraAdapter:
     """Load and validate the PEFT LoRA adapter folder `path` against `base`; tensors come back
     contiguous, at `dtype`."""
@@ -263,7 +309,6 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
 
     digest = _digest(cfg, tensors)
     rank_pattern = cfg.get("rank_pattern") or {}
-    alpha_pattern = cfg.get("alpha_pattern") or {}
     weights: dict[tuple[int, str], LoraWeights] = {}
     for full, (layer, proj) in sorted(targeted.items(), key=lambda kv: (kv[1][0], MODULES.index(kv[1][1]))):
         slot = slots.get((layer, proj))
@@ -291,9 +336,7 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
             where = f"rank_pattern entry matching {full!r}" if r_key is not None else "r"
             raise AdapterError(f"{st_path}: {_tensor(a_key)}: its rank (rows) differs from "
                                f"{CONFIG_NAME}'s {where}")
-        a_key_alpha = _pattern_key(alpha_pattern, full)
-        alpha = alpha_pattern[a_key_alpha] if a_key_alpha is not None else cfg.get("lora_alpha", 8)
-        scale = alpha / math.sqrt(r) if cfg.get("use_rslora", False) else alpha / r
+        scale = _scale(cfg, full, r)
         a_out = a.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         b_out = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         for key, t in ((a_key, a_out), (b_key, b_out)):

@@ -14,7 +14,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from lorafleet.lora.adapter import BaseShapes, load_adapter
+from lorafleet.lora.adapter import BaseShapes, load_adapter, load_trusted
 from lorafleet.memory.layout import Layout
 
 
@@ -31,9 +31,13 @@ class HostAdapter:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def build_host_adapter(path: Path, base: BaseShapes, dtype: torch.dtype, pin: bool) -> HostAdapter:
-    """Disk -> host: parse and validate (AdapterError on any problem), lay out, done."""
-    adapter = load_adapter(path, base, dtype=dtype)
+def build_host_adapter(path: Path, base: BaseShapes, dtype: torch.dtype, pin: bool,
+                       trusted_digest: str | None = None) -> HostAdapter:
+    """Disk -> host: parse and validate (AdapterError on any problem), lay out, done. With
+    `trusted_digest` (a stored adapter, validated and hashed when it was pulled) the tensors are
+    read without checks or hashing."""
+    adapter = (load_trusted(path, base, trusted_digest, dtype=dtype) if trusted_digest
+               else load_adapter(path, base, dtype=dtype))
     layout = Layout.of(adapter, base)
     buffer = torch.empty(layout.numel, dtype=dtype, pin_memory=pin)
     layout.fill(buffer, adapter)

@@ -60,7 +60,7 @@ class Layout:
             for j, _, row, b_off, out, r in bs:
                 w = adapter.weights[(layer, modules[j])]
                 buf[a_off + row * fan_in: a_off + (row + r) * fan_in].copy_(w.a.reshape(-1))
-                buf[b_off: b_off + out * r].view(r, out).copy_((w.b * w.scale).t())
+                torch.mul(w.b.t(), w.scale, out=buf[b_off: b_off + out * r].view(r, out))
 
     def kernel_meta(self, num_layers: int) -> np.ndarray:
         """[layers, groups, slots, META_FIELDS] int64: (a_off, r, b_off, n_out, col) per module

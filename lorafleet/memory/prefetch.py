@@ -103,7 +103,7 @@ class Prefetcher:
             self._result.failed[entry] = str(e)
             return True
         r.load_started(entry, self.executor.submit(_load, r, entry.path, entry.pages if with_pages else None,
-                                                   self.stream))
+                                                   self.stream, entry.trusted_digest))
         self._loading.append(entry)
         return True
 
@@ -235,11 +235,12 @@ def _background_priority() -> None:
         pass
 
 
-def _load(residency: AdapterResidency, path, pages: list[int] | None, stream):
-    """Worker: disk -> host (read, validate, hash, lay out), and into `pages` when given."""
+def _load(residency: AdapterResidency, path, pages: list[int] | None, stream, trusted_digest: str | None = None):
+    """Worker: disk -> host (read, validate, hash, lay out; a stored adapter is read only, see
+    `AdapterEntry.trusted_digest`), and into `pages` when given."""
     t0 = time.perf_counter()
     host = host_cache.build_host_adapter(path, residency.base, residency.pool.tensor.dtype,
-                                         residency.pin_host)
+                                         residency.pin_host, trusted_digest)
     if pages is not None:
         if host.layout.numel > len(pages) * residency.pool.page_elems:
             raise AdapterError(f"{path}: the weights are larger than the file's header says")

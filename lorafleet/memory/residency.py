@@ -68,6 +68,7 @@ class AdapterEntry:
     owner: int                           # its pool owner id
     uid: int = field(default_factory=lambda: next(_uids))
     digest: str | None = None            # known once the weights have been read
+    trusted_digest: str | None = None    # from the store: validated and hashed at pull, not again
     numel: int = 0                       # elements of its weights, from the file header
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
     pages: list[int] | None = None       # device pages, allocated
@@ -127,10 +128,12 @@ class AdapterResidency:
         except KeyError:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered") from None
 
-    def register(self, name: str, path: str | Path) -> AdapterEntry:
+    def register(self, name: str, path: str | Path, trusted_digest: str | None = None) -> AdapterEntry:
         """Check the config against the base and the size against the pool (cheap: no tensor
         data is read) and record the adapter. Registering a name again with the same path
-        keeps it; with another path replaces it (the old one is retired)."""
+        keeps it; with another path replaces it (the old one is retired). `trusted_digest`: the
+        store's digest of these files, validated against this base when pulled; its loads then
+        read the tensors without checking or hashing them again."""
         check_name(name)
         path = Path(path)
         read_adapter_config(path, self.base)
@@ -139,7 +142,8 @@ class AdapterResidency:
         old = self.entries.get(name)
         if old is not None and old.path == path and old.error is None:
             return old
-        return self._take_name(AdapterEntry(name, path, self.pool.new_owner(name), numel=numel))
+        return self._take_name(AdapterEntry(name, path, self.pool.new_owner(name), numel=numel,
+                                            trusted_digest=trusted_digest))
 
     def unregister(self, name: str) -> None:
         entry = self.get(name)

@@ -226,9 +226,10 @@ class DaemonServer(uvicorn.Server):
 
 
 def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
-          adapters: dict[str, Path] | None = None) -> None:
+          adapters: dict[str, Path] | None = None, resolver=None) -> None:
     """Run the daemon until SIGTERM/SIGINT. `engine_factory()` builds the Engine (after the
-    socket is claimed, so a second daemon refuses before spending time on the model)."""
+    socket is claimed, so a second daemon refuses before spending time on the model).
+    `resolver`: serves store adapters on their first request (`store.resolver`), or None."""
     sock_path = check_socket_path(Path(config.socket))
     socket_dir(sock_path.parent)
     lock = PidLock(pidfile_path(sock_path)).acquire(sock_path)
@@ -243,7 +244,7 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
         sockets.append(bind_unix(sock_path))
         if config.host:
             sockets.append(bind_tcp(config.host, config.port))
-        worker = EngineWorker(engine)
+        worker = EngineWorker(engine, resolver=resolver)
         worker.start()
         state = ServerState(worker, config, base_name, model_path,
                             sampling_defaults=generation_defaults(Path(model_path)))

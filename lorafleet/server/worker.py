@@ -63,8 +63,11 @@ def _put_all(items: list) -> None:
 
 
 class EngineWorker:
-    def __init__(self, engine, idle_wait: float = 0.5):
+    def __init__(self, engine, idle_wait: float = 0.5, resolver=None):
+        """`resolver` (a `store.resolver.StoreResolver`, or None): adapters named by requests are
+        looked up in the store before the request is added."""
         self.engine = engine  # read only immutable things (tokenizer, max_model_len) off-thread
+        self.resolver = resolver
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._idle_wait = idle_wait
@@ -90,6 +93,8 @@ class EngineWorker:
         """Add a request whose outputs go to `sink`; the future holds its id, or the engine's
         refusal (InvalidRequestError, AdapterNotFoundError...)."""
         def add(engine):
+            if adapter is not None and self.resolver is not None:
+                self.resolver.resolve(engine, adapter)
             rid = engine.add_request(prompt, params, adapter=adapter, request_id=request_id)
             self._sinks[rid] = sink
             return rid

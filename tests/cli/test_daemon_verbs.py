@@ -24,7 +24,7 @@ runner = CliRunner()
 
 
 def cli(served, *args, input=None, socket=None):
-    env = {"LORAFLEET_SOCKET": str(socket or served.socket), "COLUMNS": "200"}
+    env = {"LORAFLEET_SOCKET": str(socket or served.socket), "LORAFLEET_HOME": str(served.home), "COLUMNS": "200"}
     return runner.invoke(app, list(args), env=env, input=input, catch_exceptions=False)
 
 
@@ -37,7 +37,7 @@ def test_status_shows_what_the_daemon_serves(served):
 
 
 @pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["stop"], ["chat", "hi"],
-                                  ["adapters", "ls"], ["adapters", "load", "x", "."]])
+                                  ["adapters", "load", "x", "."]])
 def test_no_daemon_is_one_friendly_line_and_exit_3(served, tmp_path, args):
     out = cli(served, *args, socket=tmp_path / "nobody.sock")
     assert out.exit_code == 3
@@ -102,7 +102,7 @@ def test_usage_errors_exit_2(served, args):
 def test_shell_completion_completes_verbs():
     env = {**os.environ, "_LORAFLEET_COMPLETE": "complete_bash", "COMP_WORDS": "lorafleet adapters ", "COMP_CWORD": "2"}
     out = subprocess.run([sys.executable, "-m", "lorafleet.cli.main"], env=env, capture_output=True, text=True, timeout=60)
-    assert set(out.stdout.split()) == {"ls", "show", "load", "unload"}
+    assert set(out.stdout.split()) == {"ls", "show", "load", "unload", "rm"}
 
 
 def test_serve_detach_then_stop(chat_model_dir, tmp_path):
@@ -139,8 +139,8 @@ def sample_tokens(param, hint) -> list[str]:
     samples = {bool: None, int: "7", float: "2.5", str: f"-{param.name}=x", Path: f"/somewhere/{param.name}"}
     if kind not in samples:
         pytest.fail(f"serve's {param.name}: no sample value for {hint} here; add one")
-    if kind is bool:
-        return [param.opts[0]]
+    if kind is bool:  # the switch that sets it away from its default
+        return [param.secondary_opts[0] if param.default else param.opts[0]]
     values = [samples[kind], samples[kind] + "2"] if many else [samples[kind]]
     if param.param_type_name == "argument":
         return values

@@ -170,7 +170,7 @@ def test_an_adapter_that_fits_only_once_requests_finish_is_refused_as_retryable(
     assert engine.load_adapter("big", adapter_bank[32])["pages"] == need
 
 
-def _broken(kind, src, dst):
+def broken_adapter(kind, src, dst):
     """Copy of a good adapter broken one way."""
     import shutil
     shutil.copytree(src, dst)
@@ -208,12 +208,16 @@ def _broken(kind, src, dst):
     return dst
 
 
-@pytest.mark.parametrize("kind, named", [
+# each way `broken_adapter` breaks an adapter, and what the refusal must name (tests/store reuses both)
+BROKEN = [
     ("dora", "use_dora"), ("bias", "bias"), ("modules_to_save", "modules_to_save"),
     ("unknown_target", "embed_tokens"), ("rank0", "r"), ("not_json", "adapter_config.json"),
     ("wrong_shape", "lora_A"), ("missing_pair", "lora_B"), ("non_finite", "lora_A"),
     ("truncated", "adapter_model.safetensors"), ("pickle", "adapter_model.bin"),
-])
+]
+
+
+@pytest.mark.parametrize("kind, named", BROKEN)
 def test_a_refused_adapter_changes_nothing_and_serving_goes_on(llama_dir, adapter_bank, tmp_path, kind, named):
     engine = Engine(llama_dir, pool_bytes=4 << 20)
     engine.load_adapter("good", adapter_bank[8])
@@ -222,9 +226,9 @@ def test_a_refused_adapter_changes_nothing_and_serving_goes_on(llama_dir, adapte
     pool_before = engine.stats()["pool"]
     rid = engine.add_request(prompt, GREEDY, adapter="good")  # in flight during the refusal
     with pytest.raises(AdapterError, match=named):
-        engine.load_adapter("broken", _broken(kind, adapter_bank[8], tmp_path / kind))
+        engine.load_adapter("broken", broken_adapter(kind, adapter_bank[8], tmp_path / kind))
     with pytest.raises(AdapterError, match=named):
-        engine.load_adapter("good", _broken(kind, adapter_bank[8], tmp_path / f"{kind}-2"))
+        engine.load_adapter("good", broken_adapter(kind, adapter_bank[8], tmp_path / f"{kind}-2"))
     assert engine.stats()["pool"]["pages_by_adapter"] == pool_before["pages_by_adapter"]
     done = {}
     for outs in stepping(engine):

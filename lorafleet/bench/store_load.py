@@ -1,0 +1,65 @@
+"""`lorafleet bench store-load`: the CPU one adapter load costs, disk -> host -> pool pages, for an
+adapter read from the store (validated and hashed at pull: `lora.adapter.load_trusted`) against
+the same files loaded as any folder is (read, validated, hashed: `load_adapter`). Rank 16 on
+q/k/v/o by default, the issue's setting; CPU time of the loading thread (torch on one thread, so
+that all the work is that thread's), median of the repeats, both in one run."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lorafleet.bench.adapters import write_adapter
+from lorafleet.bench.fixtures import build_base
+from lorafleet.lora.adapter import BaseShapes
+from lorafleet.memory import host_cache
+from lorafleet.memory.pool import PagePool
+from lorafleet.memory.prefetch import copy_in
+from lorafleet.model.config import ModelConfig
+from lorafleet.store.pull import pull
+from lorafleet.store.store import Store
+
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+TARGET_MS = 3.0
+
+
+def run_store_load(shape: str = "smol", rank: int = 16, repeats: int = 20, root=None) -> dict:
+    base_dir = build_base(shape, root)
+    folder = base_dir.parent / f"{base_dir.name}-store-load"
+    store = Store(folder / "store")
+    adapter_dir = folder / f"r{rank}"
+    if not adapter_dir.is_dir():
+        folder.mkdir(exist_ok=True)
+        write_adapter(base_dir, adapter_dir, rank, targets=QKVO, seed=rank)
+    if not store.has("models", "base"):
+        pull(str(base_dir), name="base", base=True, store=store)
+    manifest = pull(str(adapter_dir), name="a", store=store)
+    cfg = ModelConfig.from_folder(base_dir)
+    shapes = BaseShapes.from_model_config(cfg)
+    path = store.folder(manifest)
+    pages = -(-manifest["size"] // 4 // 65536) + 2
+    pool = PagePool(pages, 65536, torch.float32, "cpu")
+
+    def load(trusted: bool) -> float:
+        t0 = time.thread_time()
+        host = host_cache.build_host_adapter(path, shapes, torch.float32, False,
+                                             manifest["digest"] if trusted else None)
+        copy_in(pool, host, list(range(-(-host.layout.numel // pool.page_elems))))
+        return time.thread_time() - t0
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {"store": [], "folder": []}
+        for i in range(repeats + 2):
+            for kind in ("store", "folder") if i % 2 else ("folder", "store"):
+                s = load(kind == "store")
+                if i >= 2:  # two untimed rounds: page cache, allocator
+                    times[kind].append(s)
+    finally:
+        torch.set_num_threads(threads)
+    med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+    return {"shape": shape, "rank": rank, "targets": list(QKVO), "bytes": manifest["size"], "repeats": repeats,
+            "store_cpu_ms": med["store"], "folder_cpu_ms": med["folder"],
+            "speedup": med["folder"] / med["store"], "target_ms": TARGET_MS, "target_met": med["store"] <= TARGET_MS}

@@ -1,0 +1,182 @@
+"""`lorafleet pull`, `lorafleet models ls|rm`, `lorafleet store check|gc`, and the store half of
+`lorafleet adapters ls|show|rm`: the local store (lorafleet/store/), with or without a daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lorafleet.cli.common import JsonOption, SocketOption, client, err_console, print_json, user_errors
+from lorafleet.errors import DaemonUnreachableError
+
+models_app = typer.Typer(help="List and remove the base models in the store.", no_args_is_help=True)
+store_app = typer.Typer(help="Check the store's consistency and free unreferenced files.", no_args_is_help=True)
+
+
+def the_store():
+    from lorafleet.store.store import Store
+
+    return Store()
+
+
+def daemon_models(socket) -> list[dict] | None:
+    """What a running daemon serves (/v1/models), or None when no daemon answers."""
+    try:
+        with client(socket) as c:
+            return c.models()
+    except DaemonUnreachableError:
+        return None
+
+
+def served_base(socket) -> Path | None:
+    """The folder of the base a running daemon serves, resolved (None: no daemon)."""
+    base = next((m for m in daemon_models(socket) or () if not m.get("parent")), None)
+    return Path(base["root"]).resolve() if base and base.get("root") else None
+
+
+def size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def pull(
+    source: Annotated[str, typer.Argument(help="A Hugging Face repo id (org/name) or a local folder.", show_default=False)],
+    name: Annotated[str | None, typer.Option("--name", help="The name to store it under (default: the "
+                                             "folder's or repo's last component).")] = None,
+    base: Annotated[bool, typer.Option("--base", help="SOURCE is a base model, not an adapter.")] = False,
+    revision: Annotated[str | None, typer.Option("--revision", help="A Hub branch, tag or commit (default: main).")] = None,
+    for_model: Annotated[str | None, typer.Option("--for", metavar="MODEL", help="The stored base to validate "
+                                                  "the adapter against (default: the one its base_model_name_or_path "
+                                                  "names, else the only one).")] = None,
+    strict_base: Annotated[bool, typer.Option("--strict-base", help="Refuse an adapter whose "
+                                              "base_model_name_or_path names another base (default: a warning).")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Fetch a base or an adapter into the store, validated once.
+
+    Adapters are checked against a stored base exactly as a load would check them; only
+    safetensors and JSON files are fetched and stored, never pickles; installs are atomic and
+    content-addressed. Hub downloads honour HF_TOKEN and resume."""
+    from lorafleet.store.pull import pull as do_pull
+
+    def warn(message: str) -> None:
+        err_console.print(f"[yellow]warning:[/] {message}", highlight=False)
+    with user_errors():
+        manifest = do_pull(source, name=name, base=base, revision=revision, for_model=for_model,
+                           strict_base=strict_base, progress=not as_json, warn=warn)
+    if as_json:
+        return print_json(manifest)
+    what = "base" if base else f"adapter (ranks {_ranks(manifest)}, validated against {manifest['base']['name']})"
+    err_console.print(f"pulled {manifest['name']}: {what}, {size(manifest['size'])}, from {manifest['source']}",
+                      highlight=False)
+
+
+def _ranks(manifest: dict) -> str:
+    ranks = sorted(set((manifest.get("ranks") or {}).values()))
+    return "-" if not ranks else str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _table(columns, rows) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console().print(table)
+
+
+@models_app.command("ls")
+def models_ls(socket: SocketOption = None, as_json: JsonOption = False) -> None:
+    """List the stored bases (and mark the one a running daemon serves)."""
+    with user_errors():
+        stored = the_store().list("models")
+    store = the_store()
+    served = served_base(socket)
+    for m in stored:
+        m["served"] = served is not None and served == store.folder(m).resolve()
+    if as_json:
+        return print_json(stored)
+    if not stored:
+        err_console.print("no base models in the store; pull one with `lorafleet pull SOURCE --base`", highlight=False)
+        return
+    _table(("NAME", "ARCHITECTURE", "LAYERS", "SIZE", "SOURCE", "SERVED"),
+           [(m["name"], m.get("architecture", "-"), m.get("layers", "-"), size(m["size"]), m["source"],
+             "yes" if m["served"] else "") for m in stored])
+
+
+@models_app.command("rm")
+def models_rm(name: Annotated[str, typer.Argument(help="The stored base's name.", show_default=False)],
+              socket: SocketOption = None) -> None:
+    """Remove a base from the store (refused while a daemon serves it, or while stored adapters
+    were validated against it: remove them first). Its files go at once (gc)."""
+    store = the_store()
+    with user_errors():
+        m = store.get("models", name)
+        if served_base(socket) == store.folder(m).resolve():
+            raise _refuse(f"the running daemon serves {name!r}; stop it first (lorafleet stop)")
+        users = [a["name"] for a in store.list("adapters") if a["base"]["name"] == name]
+        if users:
+            raise _refuse(f"stored adapters were validated against {name!r}: {', '.join(users)}; "
+                          "remove them first (lorafleet adapters rm NAME)")
+        with store.lock():
+            store.remove("models", name)
+            store.gc()
+    err_console.print(f"removed {name}", highlight=False)
+
+
+def _refuse(message: str):
+    from lorafleet.store.store import StoreError
+
+    return StoreError(message)
+
+
+def adapters_in_store() -> dict[str, dict]:
+    return {m["name"]: m for m in the_store().list("adapters")}
+
+
+def adapter_rm(name: str, socket) -> None:
+    """`lorafleet adapters rm`: refused while the running daemon has the adapter registered."""
+    store = the_store()
+    with user_errors():
+        store.get("adapters", name)
+        served = daemon_models(socket) or []
+        if any(x.get("id") == name and x.get("parent") for x in served):
+            raise _refuse(f"the running daemon has {name!r} registered; unload it first "
+                          f"(lorafleet adapters unload {name})")
+        with store.lock():
+            store.remove("adapters", name)
+            store.gc()
+    err_console.print(f"removed {name}", highlight=False)
+
+
+@store_app.command("check")
+def check(deep: Annotated[bool, typer.Option("--deep", help="Also hash every file against its sha256.")] = False,
+          as_json: JsonOption = False) -> None:
+    """Verify every manifest against its files; exit 1 when anything is wrong."""
+    with user_errors():
+        problems = the_store().check(deep=deep)
+    if as_json:
+        print_json({"problems": problems})
+    else:
+        for p in problems:
+            err_console.print(p, highlight=False)
+        if not problems:
+            err_console.print("the store is consistent", highlight=False)
+    if problems:
+        raise typer.Exit(1)
+
+
+@store_app.command("gc")
+def gc(as_json: JsonOption = False) -> None:
+    """Remove what no manifest names: files left by interrupted pulls, removed items' files."""
+    store = the_store()
+    with user_errors(), store.lock():
+        removed = store.gc()
+    if as_json:
+        return print_json(removed)
+    err_console.print(f"removed {removed['blobs']} files ({size(removed['bytes'])}) and "
+                      f"{removed['snapshots']} snapshots", highlight=False)

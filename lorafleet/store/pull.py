@@ -1,0 +1,129 @@
+"""`lorafleet pull`: a base or an adapter from a local folder or the Hugging Face Hub into the
+store, validated once.
+
+An adapter is validated against a base already in the store with the very checks the engine
+applies when it loads one (`lora.adapter.load_adapter`: config, tensor names, shapes, ranks,
+layers, finite values), and its content digest is computed then, once; the base is the one named
+with `--for`, else the stored base whose name or Hub id its `base_model_name_or_path` names,
+else the only base in the store. A `base_model_name_or_path` naming another model is a warning
+(an error with `strict_base`): shapes decide what can be served, the name is a hint. A base is
+checked as the engine reads it (`model.config.ModelConfig`: the architecture and features it
+can serve) and must hold safetensors weights. Only the files lorafleet reads are stored; pickled
+weights (`*.bin`, `*.pt`) never are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+from lorafleet.store.store import Store, StoreError, StoreNotFoundError, check_name
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+MODEL_OPTIONAL = ("generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def model_files(folder: Path) -> list[str]:
+    weights = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not weights:
+        raise StoreError(f"{folder}: no *.safetensors weights (pickled weights are never loaded)")
+    return ["config.json", *weights, *(f for f in MODEL_OPTIONAL if (folder / f).is_file())]
+
+
+def _hub_id(manifest: dict) -> str | None:
+    source = manifest.get("source", "")
+    return source[3:] if source.startswith("hf:") else None
+
+
+def choose_base(store: Store, adapter_cfg: dict, for_model: str | None) -> dict:
+    if for_model is not None:
+        return store.get("models", for_model)
+    bases = store.list("models")
+    if not bases:
+        raise StoreError("the store holds no base model to validate the adapter against: pull one first "
+                         "(lorafleet pull SOURCE --base)")
+    wanted = adapter_cfg.get("base_model_name_or_path")
+    named = [b for b in bases if wanted and wanted in (b["name"], _hub_id(b))]
+    if len(named) == 1:
+        return named[0]
+    if len(bases) == 1:
+        return bases[0]
+    raise StoreError(f"the store holds {len(bases)} bases and the adapter's base_model_name_or_path names "
+                     "none of them: say which with --for MODEL")
+
+
+def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_base: bool,
+                      warn: Callable[[str], None]) -> dict:
+    from lorafleet.lora.adapter import BaseShapes, load_adapter, read_adapter_config
+    from lorafleet.model.config import ModelConfig
+
+    cfg = read_adapter_config(folder)
+    base = choose_base(store, cfg, for_model)
+    shapes = BaseShapes.from_model_config(ModelConfig.from_folder(store.folder(base)))
+    adapter = load_adapter(folder, shapes)  # AdapterError names what is wrong
+    wanted = cfg.get("base_model_name_or_path")
+    if wanted and wanted not in (base["name"], _hub_id(base)):
+        message = (f"the adapter says it was trained on {wanted!r}; validated against the stored base "
+                   f"{base['name']!r}, whose shapes it fits")
+        if strict_base:
+            raise StoreError(message + " (refused: --strict-base)")
+        warn(message)
+    ranks: dict[str, int] = {}
+    for (_, module), w in adapter.weights.items():
+        ranks[module] = max(ranks.get(module, 0), w.rank)
+    return {"digest": adapter.digest, "base": {"name": base["name"], "snapshot": base["snapshot"]},
+            "ranks": ranks, "modules": sorted(ranks), "params": sum(w.a.numel() + w.b.numel()
+                                                                    for w in adapter.weights.values())}
+
+
+def _validate_model(folder: Path) -> dict:
+    from lorafleet.model.config import ModelConfig
+
+    cfg = ModelConfig.from_folder(folder)  # UnsupportedModelError / ModelLoadError name the problem
+    raw = json.loads((folder / "config.json").read_text())
+    return {"architecture": (raw.get("architectures") or ["?"])[0], "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size}
+
+
+def default_name(source: str) -> str:
+    """A folder's or repo's last component, with characters a name cannot hold replaced by '-'."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", source.rstrip("/").split("/")[-1])[:128]
+
+
+def pull(source: str, *, name: str | None = None, base: bool = False, revision: str | None = None,
+         for_model: str | None = None, strict_base: bool = False, store: Store | None = None,
+         progress: bool = True, warn: Callable[[str], None] = lambda m: None) -> dict:
+    """Validate and store SOURCE (a folder, or a Hub repo id) as NAME; returns the manifest.
+    A refusal raises (StoreError, AdapterError, ModelLoadError...) and leaves the store as it was."""
+    store = store or Store()
+    kind = "models" if base else "adapters"
+    name = check_name(name if name is not None else default_name(source))
+    path = Path(source).expanduser()
+    origin: dict = {}
+    fetched: list[str] | None = None  # from the Hub: exactly the files it verified
+    if path.is_dir():
+        folder, origin["source"] = path, str(path.resolve())
+        if revision is not None:
+            raise StoreError("--revision is for Hub sources; SOURCE is a local folder")
+    else:
+        from lorafleet.store import hub
+
+        if not hub.is_repo_id(source):
+            raise StoreNotFoundError(f"{source!r} is neither a folder nor a Hugging Face repo id (org/name)")
+        folder, info = hub.download(source, revision=revision, kind="model" if base else "adapter",
+                                    progress=progress)
+        origin.update(source=f"hf:{source}", revision=info["revision"])
+        fetched = sorted(info["files"])
+    if base:
+        files, record = fetched or model_files(folder), _validate_model(folder)
+    else:
+        missing = [f for f in ADAPTER_FILES if not (folder / f).is_file()]
+        if missing:
+            raise StoreError(f"{folder}: not a PEFT adapter folder (missing {', '.join(missing)}; "
+                             "pickled adapter_model.bin files are never loaded)")
+        files, record = list(ADAPTER_FILES), _validate_adapter(store, folder, for_model, strict_base, warn)
+    with store.lock():
+        return store.install(kind, name, folder, files, {**record, **origin})

@@ -1,0 +1,51 @@
+"""The daemon's resolver: a request that names an adapter the engine does not hold, but the
+store does, is served without a load call or a restart (as vLLM's LoRA resolvers do).
+
+Before each request with an adapter is added (on the engine thread, `EngineWorker.submit`),
+`resolve()` looks at that name's manifest: one `stat` when nothing changed. Unknown to the engine
+and in the store: registered from the store's snapshot folder (the disk tier: config checked,
+no device memory), then prefetched like any other adapter. Registered by the resolver and
+re-pulled since (the manifest changed): registered again from the new snapshot, which replaces
+the old entry, so requests already running finish on the old weights and every later one gets
+the new (the registry's replacement rule: no state of the old weights is reused). A name the
+engine got otherwise (`--adapter`, the load endpoint) is never shadowed by the store. When the
+daemon serves the very base the adapter was validated against at pull, its loads trust the
+manifest (no hashing, no re-validation: `lora.adapter.load_trusted`); against another base they
+validate as any load does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from lorafleet.store.store import Store, StoreError, check_name
+
+log = logging.getLogger("lorafleet.server")
+
+
+class StoreResolver:
+    def __init__(self, store: Store):
+        self.store = store
+        self._known: dict[str, tuple[int, int]] = {}  # name -> its manifest's (mtime_ns, size) when registered
+
+    def resolve(self, engine, name: str) -> None:
+        try:
+            path = self.store.manifest_path("adapters", check_name(name))
+            st = path.stat()
+        except (StoreError, OSError):
+            return  # not a store name, or not in the store: the engine answers (404)
+        seen = (st.st_mtime_ns, st.st_size)
+        if name in engine.adapters and self._known.get(name) in (None, seen):
+            return  # the engine's own, or ours and unchanged
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return  # replaced while read: the next request sees the new one
+        base = self.store.snapshots / manifest["base"]["snapshot"]
+        same_base = base.resolve() == Path(engine.model_path).resolve()  # validated against this very base
+        engine.register_adapter(name, self.store.folder(manifest), manifest["digest"] if same_base else None)
+        self._known[name] = seen
+        log.info("adapter %s resolved from the store (%s, digest %s)", name, manifest.get("source"),
+                 str(manifest.get("digest"))[:12])

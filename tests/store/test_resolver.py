@@ -1,0 +1,56 @@
+"""A daemon serving a base from the store by name resolves store adapters on their first
+request (no load call, no restart), and after a re-pull under the same name serves the new
+weights: two demo-fleet skills swapped under one name change the answer's skill. With
+--no-resolve a store adapter is unknown (404)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.demo import default_fleet
+from lorafleet.store.pull import pull
+from lorafleet.store.store import Store
+from tests.daemons import Daemon
+
+
+def ask(daemon: Daemon, model: str, text: str) -> tuple[int, str]:
+    with daemon.http() as c:
+        r = c.post("/v1/chat/completions", json={"model": model, "max_tokens": 40,
+                                                  "messages": [{"role": "user", "content": text}]})
+    return r.status_code, (r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text)
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resolver")
+    fleet = default_fleet()
+    store = Store(root / "home" / "store")
+    pull(str(fleet.model), name="demo", base=True, store=store)
+    pull(str(fleet.adapters["reverse"]), name="skill", store=store)
+    return root, store, fleet
+
+
+def test_store_adapters_serve_on_first_request_and_a_repull_serves_the_new_weights(stored):
+    root, store, fleet = stored
+    daemon = Daemon.start(root / "a", model="demo", env={"LORAFLEET_HOME": str(store.root.parent)})
+    try:
+        with daemon.http() as c:
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["demo"]  # served by its store name
+        assert ask(daemon, "skill", "hello world") == (200, "dlrow olleh")
+        pull(str(fleet.adapters["upper"]), name="skill", store=store)              # re-pulled: other weights
+        assert ask(daemon, "skill", "hello world") == (200, "HELLO WORLD")
+        pull(str(fleet.adapters["title"]), name="fresh", store=store)              # pulled after the start
+        assert ask(daemon, "fresh", "hello world") == (200, "Hello World")
+        assert ask(daemon, "missing", "hello world")[0] == 404
+    finally:
+        daemon.kill()
+
+
+def test_no_resolve_leaves_store_adapters_unknown(stored):
+    root, store, _ = stored
+    daemon = Daemon.start(root / "b", "--no-resolve", model="demo", env={"LORAFLEET_HOME": str(store.root.parent)})
+    try:
+        status, body = ask(daemon, "skill", "hello world")
+        assert status == 404 and "skill" in body
+    finally:
+        daemon.kill()
