@@ -10,15 +10,10 @@ import typer
 
 from lorafleet.cli.common import JsonOption, SocketOption, client, err_console, print_json, user_errors
 from lorafleet.errors import DaemonUnreachableError
+from lorafleet.store.store import Store, StoreError
 
 models_app = typer.Typer(help="List and remove the base models in the store.", no_args_is_help=True)
 store_app = typer.Typer(help="Check the store's consistency and free unreferenced files.", no_args_is_help=True)
-
-
-def the_store():
-    from lorafleet.store.store import Store
-
-    return Store()
 
 
 def daemon_models(socket) -> list[dict] | None:
@@ -92,9 +87,9 @@ def _table(columns, rows) -> None:
 @models_app.command("ls")
 def models_ls(socket: SocketOption = None, as_json: JsonOption = False) -> None:
     """List the stored bases (and mark the one a running daemon serves)."""
+    store = Store()
     with user_errors():
-        stored = the_store().list("models")
-    store = the_store()
+        stored = store.list("models")
     served = served_base(socket)
     for m in stored:
         m["served"] = served is not None and served == store.folder(m).resolve()
@@ -113,14 +108,14 @@ def models_rm(name: Annotated[str, typer.Argument(help="The stored base's name."
               socket: SocketOption = None) -> None:
     """Remove a base from the store (refused while a daemon serves it, or while stored adapters
     were validated against it: remove them first). Its files go at once (gc)."""
-    store = the_store()
+    store = Store()
     with user_errors():
         m = store.get("models", name)
         if served_base(socket) == store.folder(m).resolve():
-            raise _refuse(f"the running daemon serves {name!r}; stop it first (lorafleet stop)")
+            raise StoreError(f"the running daemon serves {name!r}; stop it first (lorafleet stop)")
         users = [a["name"] for a in store.list("adapters") if a["base"]["name"] == name]
         if users:
-            raise _refuse(f"stored adapters were validated against {name!r}: {', '.join(users)}; "
+            raise StoreError(f"stored adapters were validated against {name!r}: {', '.join(users)}; "
                           "remove them first (lorafleet adapters rm NAME)")
         with store.lock():
             store.remove("models", name)
@@ -128,24 +123,18 @@ def models_rm(name: Annotated[str, typer.Argument(help="The stored base's name."
     err_console.print(f"removed {name}", highlight=False)
 
 
-def _refuse(message: str):
-    from lorafleet.store.store import StoreError
-
-    return StoreError(message)
-
-
 def adapters_in_store() -> dict[str, dict]:
-    return {m["name"]: m for m in the_store().list("adapters")}
+    return {m["name"]: m for m in Store().list("adapters")}
 
 
 def adapter_rm(name: str, socket) -> None:
     """`lorafleet adapters rm`: refused while the running daemon has the adapter registered."""
-    store = the_store()
+    store = Store()
     with user_errors():
         store.get("adapters", name)
         served = daemon_models(socket) or []
         if any(x.get("id") == name and x.get("parent") for x in served):
-            raise _refuse(f"the running daemon has {name!r} registered; unload it first "
+            raise StoreError(f"the running daemon has {name!r} registered; unload it first "
                           f"(lorafleet adapters unload {name})")
         with store.lock():
             store.remove("adapters", name)
@@ -158,7 +147,7 @@ def check(deep: Annotated[bool, typer.Option("--deep", help="Also hash every fil
           as_json: JsonOption = False) -> None:
     """Verify every manifest against its files; exit 1 when anything is wrong."""
     with user_errors():
-        problems = the_store().check(deep=deep)
+        problems = Store().check(deep=deep)
     if as_json:
         print_json({"problems": problems})
     else:
@@ -173,7 +162,7 @@ def check(deep: Annotated[bool, typer.Option("--deep", help="Also hash every fil
 @store_app.command("gc")
 def gc(as_json: JsonOption = False) -> None:
     """Remove what no manifest names: files left by interrupted pulls, removed items' files."""
-    store = the_store()
+    store = Store()
     with user_errors(), store.lock():
         removed = store.gc()
     if as_json:

@@ -24,7 +24,8 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = model.device
-        self.graphs = graphs  # pure decode steps at fixed shapes (CUDA graphs), or None        self.last_model_s = 0.0  # the model's forward pass in the last execute()
+        self.graphs = graphs  # pure decode steps at fixed shapes (CUDA graphs), or None
+        self.last_model_s = 0.0  # the model's forward pass in the last execute()
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:

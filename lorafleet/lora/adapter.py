@@ -35,9 +35,11 @@ import math
 import os
 import re
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lorafleet.errors import AdapterError
@@ -237,16 +239,12 @@ _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float1
 def load_trusted(path: str | Path, base: BaseShapes, digest: str, dtype: torch.dtype = torch.float32) -> LoraAdapter:
     """A stored adapter, whose files `load_adapter` validated and hashed when they were pulled
     (lorafleet/store: content-addressed and read-only since): the file is memory-mapped and
-    every tensor is a view into it; nothing is checked or hashed again, tensor names are split
-    rather than matched. Only the config is parsed (targets, ranks and scales). The tensors are
-    views of the memory-mapped file (at `dtype` they are not copied until laid out)."""
+    every tensor is a view into it (at the file's dtype nothing is copied until the layout);
+    nothing is checked or hashed again, tensor names are split rather than matched. Only the
+    config is parsed (ranks and scales)."""
     folder = Path(path)
     cfg = _read_config(folder)
     st_path = _weights_file(folder)
-    import warnings
-
-    import numpy as np
-
     mapped = np.memmap(st_path, mode="r")  # the page cache's pages, mapped: no read, no copy
     (n,) = struct.unpack("<Q", mapped[:8].tobytes())
     header = json.loads(mapped[8:8 + n].tobytes())

@@ -28,7 +28,8 @@ log = logging.getLogger("lorafleet.server")
 class StoreResolver:
     def __init__(self, store: Store):
         self.store = store
-        self._known: dict[str, tuple[int, int]] = {}  # name -> its manifest's (mtime_ns, size) when registered
+        # name -> (its manifest's (mtime_ns, size), the folder registered) when we registered it
+        self._known: dict[str, tuple[tuple[int, int], Path]] = {}
 
     def resolve(self, engine, name: str) -> None:
         try:
@@ -37,15 +38,18 @@ class StoreResolver:
         except (StoreError, OSError):
             return  # not a store name, or not in the store: the engine answers (404)
         seen = (st.st_mtime_ns, st.st_size)
-        if name in engine.adapters and self._known.get(name) in (None, seen):
-            return  # the engine's own, or ours and unchanged
+        if name in engine.adapters:
+            known = self._known.get(name)
+            if known is None or known[1] != engine.adapters.get(name).path or known[0] == seen:
+                return  # the engine's own (or loaded over ours since), or ours and unchanged
         try:
             manifest = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return  # replaced while read: the next request sees the new one
         base = self.store.snapshots / manifest["base"]["snapshot"]
         same_base = base.resolve() == Path(engine.model_path).resolve()  # validated against this very base
-        engine.register_adapter(name, self.store.folder(manifest), manifest["digest"] if same_base else None)
-        self._known[name] = seen
+        folder = self.store.folder(manifest)
+        engine.register_adapter(name, folder, manifest["digest"] if same_base else None)
+        self._known[name] = (seen, folder)
         log.info("adapter %s resolved from the store (%s, digest %s)", name, manifest.get("source"),
                  str(manifest.get("digest"))[:12])

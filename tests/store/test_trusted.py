@@ -59,3 +59,19 @@ def test_bench_store_load_measures_both_loads(tmp_path):
     r = run_store_load("micro", rank=4, repeats=3, root=tmp_path)
     assert r["store_cpu_ms"] > 0 and r["folder_cpu_ms"] > 0 and r["speedup"] == r["folder_cpu_ms"] / r["store_cpu_ms"]
     assert r["bytes"] > 0 and r["target_met"] == (r["store_cpu_ms"] <= 3.0)
+
+
+def test_the_resolver_never_shadows_an_adapter_loaded_by_other_means(llama_dir, tmp_path):
+    store = Store(tmp_path / "store")
+    base = pull(str(llama_dir), name="base", base=True, store=store)
+    first = build_adapter(llama_dir, tmp_path / "first", seed=1, r=2, target_modules=ALL7)
+    mine = build_adapter(llama_dir, tmp_path / "mine", seed=2, r=2, target_modules=ALL7)
+    pull(str(first), name="a", store=store)
+    engine = Engine(store.folder(base), pool_bytes=4 << 20)
+    resolver = StoreResolver(store)
+    resolver.resolve(engine, "a")
+    assert engine.adapters.get("a").path == store.folder(store.get("adapters", "a"))
+    engine.load_adapter("a", mine)                       # the user loads other weights over it
+    pull(str(build_adapter(llama_dir, tmp_path / "new", seed=3, r=2, target_modules=ALL7)), name="a", store=store)
+    resolver.resolve(engine, "a")
+    assert engine.adapters.get("a").path == mine        # the store does not take the name back
