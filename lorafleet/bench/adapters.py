@@ -75,6 +75,23 @@ def workload_adapters(base_dir: Path, workload: Workload) -> list[tuple[str, Pat
     return build_adapters(base_dir, workload.num_adapters, workload.ranks, workload.targets, workload.seed)
 
 
+def stored(base: Path, adapters: list[tuple[str, Path]]) -> tuple[Path, dict[str, tuple[Path, str]]]:
+    """The base and the adapters in a store beside the base (pulled once, validated then, as
+    `lorafleet pull` does): the base's folder in the store, and name -> (folder, digest) to
+    register each adapter with, as the daemon's resolver registers stored adapters."""
+    from lorafleet.store.pull import pull
+    from lorafleet.store.store import Store
+
+    store = Store(base.parent / f"{base.name}-store")
+    if not store.has("models", "base"):
+        pull(str(base), name="base", base=True, store=store)
+    out = {}
+    for name, path in adapters:
+        m = store.get("adapters", name) if store.has("adapters", name) else pull(str(path), name=name, store=store)
+        out[name] = (store.folder(m), m["digest"])
+    return store.folder(store.get("models", "base")), out
+
+
 def warm_up_adapter(base_dir: Path) -> Path:
     """The adapter the lorafleet systems load (and unload) in their warm-up: rank 8 on every
     projection, built once next to the base, none of any workload's."""

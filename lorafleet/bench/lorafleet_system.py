@@ -2,8 +2,10 @@
 
 The replay loop adds each request when its arrival time comes (between steps) and steps while
 anything is unfinished (continuous batching), sleeping only when nothing is. Adapters start as
-the workload says: `loaded` (in the pool before the clock starts) or `registered` (on disk; the
-engine's prefetcher loads them when requests ask, the clock running).
+the workload says: `loaded` (in the pool before the clock starts) or `registered` (on disk: in
+the store, pulled and validated once before the clock, as after `lorafleet pull`, and registered
+with the pull's digest as the daemon's resolver does; the engine's prefetcher loads them when
+requests ask, the clock running).
 
 Measured by the bench for every request (the same way as for the baselines): TTFT and TPOT from
 the time each step returns its tokens. Per step, the engine's own record (`step_records()`:
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from pathlib import Path
 
+from lorafleet.bench import adapters
 from lorafleet.bench.jobs import (WARM_UP_ADAPTER, WARM_UP_PROMPT, Job, Replayed, System, adapter_bytes,
                                   job_pool_bytes, sync)
 
@@ -48,7 +52,10 @@ class LorafleetInProcess(System):
             kwargs["pool_bytes"] = job_pool_bytes(job, self.dtype.itemsize)
         if job.residency == "registered":  # every adapter fits the host tier: device residency is measured
             kwargs["host_cache_bytes"] = max(adapter_bytes(job.adapters), 1 << 20)
-        self.engine = engine = Engine(job.model_dir, **kwargs)
+        model_dir, stored = job.model_dir, {}
+        if job.residency == "registered":  # on disk means in the store, pulled (validated) before the clock
+            model_dir, stored = adapters.stored(Path(job.model_dir), [(n, Path(p)) for n, p in job.adapters.items()])
+        self.engine = engine = Engine(model_dir, **kwargs)
         details = {"pool_bytes": engine.pool.num_pages * engine.pool.page_bytes, "pool_pages": engine.pool.num_pages,
                    "residency": job.residency, "pool_fraction": job.pool_fraction}
         t0 = time.perf_counter()
@@ -56,11 +63,12 @@ class LorafleetInProcess(System):
             if job.residency == "loaded":
                 engine.load_adapter(name, path)
             else:
-                engine.register_adapter(name, path)
+                engine.register_adapter(name, *stored[name])
         if job.residency == "loaded":
             details["adapter_load_s"] = time.perf_counter() - t0  # before the clock
         else:
-            details["adapters"] = "registered on disk; the engine's prefetcher loads them"
+            details["adapters"] = ("registered from the store (pulled before the clock); the engine's "
+                                   "prefetcher loads them")
         return details
 
     def warm_up(self, job: Job) -> dict:

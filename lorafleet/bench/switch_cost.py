@@ -17,29 +17,12 @@ reads, validates and hashes).
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import torch
 
-from lorafleet.bench.adapters import build_adapters
+from lorafleet.bench.adapters import build_adapters, stored
 from lorafleet.bench.fixtures import build_base
 from lorafleet.bench.metrics import fit_slope
-
-
-def stored(base: Path, adapters: list[tuple[str, Path]]) -> tuple[Path, dict[str, tuple[Path, str]]]:
-    """The base and the adapters in a store beside the base (pulled once): the base's folder and
-    name -> (folder, digest)."""
-    from lorafleet.store.pull import pull
-    from lorafleet.store.store import Store
-
-    store = Store(base.parent / f"{base.name}-store")
-    if not store.has("models", "base"):
-        pull(str(base), name="base", base=True, store=store)
-    out = {}
-    for name, path in adapters:
-        m = store.get("adapters", name) if store.has("adapters", name) else pull(str(path), name=name, store=store)
-        out[name] = (store.folder(m), m["digest"])
-    return store.folder(store.get("models", "base")), out
 
 
 def run_switch_cost(shape: str = "smol", batch: int = 32, cold: int = 96, steps: int = 48,
