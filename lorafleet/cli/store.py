@@ -116,7 +116,7 @@ def models_rm(name: Annotated[str, typer.Argument(help="The stored base's name."
         users = [a["name"] for a in store.list("adapters") if a["base"]["name"] == name]
         if users:
             raise StoreError(f"stored adapters were validated against {name!r}: {', '.join(users)}; "
-                          "remove them first (lorafleet adapters rm NAME)")
+                             "remove them first (lorafleet adapters rm NAME)")
         with store.lock():
             store.remove("models", name)
             store.gc()
@@ -135,7 +135,7 @@ def adapter_rm(name: str, socket) -> None:
         served = daemon_models(socket) or []
         if any(x.get("id") == name and x.get("parent") for x in served):
             raise StoreError(f"the running daemon has {name!r} registered; unload it first "
-                          f"(lorafleet adapters unload {name})")
+                             f"(lorafleet adapters unload {name})")
         with store.lock():
             store.remove("adapters", name)
             store.gc()
