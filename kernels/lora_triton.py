@@ -37,8 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.reference import META_FIELDS  # noqa: F401  (a_off, r, b_off, n_out, col)
-
 
 def _block(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))

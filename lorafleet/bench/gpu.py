@@ -24,6 +24,8 @@ import torch
 from lorafleet.bench.adapters import write_adapter
 from lorafleet.bench.fixtures import build_base
 from lorafleet.kernels import backend
+from lorafleet.kernels.reference import META_FIELDS
+from lorafleet.lora.batch import MODULE_SLOTS
 from lorafleet.model.config import ModelConfig
 
 QV = ("q_proj", "v_proj")
@@ -62,7 +64,7 @@ def _lora_case(cfg: ModelConfig, ranks: list[int], dtype, device, page_elems: in
     w = torch.randn(total * page_elems, dtype=dtype, device=device) * 0.01
     perm = torch.randperm(total, device=device)
     tables = torch.zeros(len(ranks), max(pages), dtype=torch.long, device=device)
-    meta = torch.zeros(len(ranks), 3, 5, dtype=torch.long)
+    meta = torch.zeros(len(ranks), MODULE_SLOTS, META_FIELDS, dtype=torch.long)
     at = 0
     for s, (r, k) in enumerate(zip(ranks, pages)):
         tables[s, :k] = perm[at:at + k]

@@ -9,19 +9,13 @@ import typer
 
 from lorafleet.cli import store as store_cli
 from lorafleet.errors import AdapterNotFoundError, DaemonUnreachableError, LorafleetError
-from lorafleet.cli.common import JsonOption, SocketOption, client, err_console, print_json, user_errors
+from lorafleet.cli.common import (JsonOption, SocketOption, client, err_console, print_json, ranks_text,
+                                  user_errors)
 
 app = typer.Typer(help="List, inspect, load, unload and remove LoRA adapters (the daemon's and the store's).",
                   no_args_is_help=True)
 
 NameArg = Annotated[str, typer.Argument(help="The adapter's name (what requests put in `model`).", show_default=False)]
-
-
-def _ranks(info: dict) -> str:
-    ranks = sorted(set((info.get("ranks") or {}).values()))
-    if not ranks:
-        return "-"
-    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
 def _state(info: dict) -> str:
@@ -54,7 +48,7 @@ def ls(socket: SocketOption = None, as_json: JsonOption = False) -> None:
         table.add_column(col, justify="right" if col in ("RANK", "PAGES", "USERS") else "left")
     for a in rows:
         info = a if a["loaded"] else (a["store"] or {})
-        table.add_row(a["name"], _ranks(info), ",".join(m.replace("_proj", "") for m in info.get("modules", [])),
+        table.add_row(a["name"], ranks_text(info), ",".join(m.replace("_proj", "") for m in info.get("modules", [])),
                       "yes" if a["in_store"] else "", _state(a) if a["loaded"] else "-",
                       str(a.get("pages", "-")), str(a.get("users", "-")), str(a.get("path", a["store"] and a["store"]["source"])))
     Console().print(table)
@@ -116,7 +110,7 @@ def load(
     if as_json:
         return print_json(answer["adapter"])
     info = answer["adapter"]
-    err_console.print(f"{'registered' if lazy else 'loaded'} {name} (rank {_ranks(info)}, "
+    err_console.print(f"{'registered' if lazy else 'loaded'} {name} (rank {ranks_text(info)}, "
                       f"{info.get('pages', 0)} pages) from {info.get('path', path)}", highlight=False)
 
 

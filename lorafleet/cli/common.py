@@ -50,5 +50,13 @@ def client(socket: Path | None):
     return Client(socket)
 
 
+def ranks_text(info: dict) -> str:
+    """An adapter's ranks (its `ranks`: module -> rank) as one rank or a range, '-' for none."""
+    ranks = sorted(set((info.get("ranks") or {}).values()))
+    if not ranks:
+        return "-"
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
 def print_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, ensure_ascii=False))

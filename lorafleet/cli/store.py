@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import JsonOption, SocketOption, client, err_console, print_json, user_errors
+from lorafleet.cli.common import (JsonOption, SocketOption, client, err_console, print_json, ranks_text,
+                                  user_errors)
 from lorafleet.errors import DaemonUnreachableError
 from lorafleet.store.store import Store, StoreError
 
@@ -62,14 +63,9 @@ def pull(
                            strict_base=strict_base, progress=not as_json, warn=warn)
     if as_json:
         return print_json(manifest)
-    what = "base" if base else f"adapter (ranks {_ranks(manifest)}, validated against {manifest['base']['name']})"
+    what = "base" if base else f"adapter (ranks {ranks_text(manifest)}, validated against {manifest['base']['name']})"
     err_console.print(f"pulled {manifest['name']}: {what}, {size(manifest['size'])}, from {manifest['source']}",
                       highlight=False)
-
-
-def _ranks(manifest: dict) -> str:
-    ranks = sorted(set((manifest.get("ranks") or {}).values()))
-    return "-" if not ranks else str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
 def _table(columns, rows) -> None:

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from lorafleet.kernels.reference import AttentionMetadata
+from lorafleet.kernels.reference import META_FIELDS, AttentionMetadata
 from lorafleet.lora.batch import GROUPS, MODULE_SLOTS, LoraBatch
 
 SEGMENT_ROWS = 16   # rows of one LoRA segment in a captured step (the kernels' row block)
@@ -64,7 +64,8 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
         self.logits_rows = torch.arange(n, device=dev)
         self.seg = torch.zeros(n, 2, dtype=torch.long, device=dev)
-        self.meta = torch.zeros(base.num_layers, len(GROUPS), n, MODULE_SLOTS, 5, dtype=torch.long, device=dev)
+        self.meta = torch.zeros(base.num_layers, len(GROUPS), n, MODULE_SLOTS, META_FIELDS, dtype=torch.long,
+                                device=dev)
         self.lora_tables = torch.zeros(n, self.max_adapter_pages, dtype=torch.long, device=dev)
         self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
