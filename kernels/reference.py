@@ -24,14 +24,18 @@ class PrefillSeq:
     num_tokens: int
     start_pos: int
     block_table: torch.Tensor  # [blocks] long
-    mask: torch.Tensor | None = None  # [n, start_pos + n] bool, True = attend; None when start_pos == 0
+    _mask: torch.Tensor | None = field(default=None, repr=False)
 
-    def __post_init__(self):
-        """The causal mask over cached + new keys, built once per step (not once per layer)."""
-        if self.start_pos and self.mask is None:
+    @property
+    def mask(self) -> torch.Tensor:
+        """[n, start_pos + n] bool, True = attend: the causal mask over cached + new keys, built
+        on first use and kept for the step (once per step, not once per layer; never on the
+        Triton path, which masks inside its kernel). Only for start_pos > 0."""
+        if self._mask is None:
             ctx, dev = self.start_pos + self.num_tokens, self.block_table.device
             qpos = torch.arange(self.start_pos, ctx, device=dev).unsqueeze(1)
-            self.mask = torch.arange(ctx, device=dev).unsqueeze(0) <= qpos
+            self._mask = torch.arange(ctx, device=dev).unsqueeze(0) <= qpos
+        return self._mask
 
 
 @dataclass

@@ -76,16 +76,14 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def fits(self, chunks, lora: LoraBatch | None) -> bool:
-        """Whether this pure decode step can run at a fixed shape (a decode step beyond a bound
-        runs eagerly and is counted; steps with prefill rows always run eagerly)."""
-        if not all(c.num_tokens == 1 for c in chunks):
+    def fits(self, meta: AttentionMetadata, lora: LoraBatch | None) -> bool:
+        """Whether this step (its metadata from `ModelRunner.prepare`) can run at a fixed shape:
+        a pure decode step within the bounds (one beyond a bound runs eagerly and is counted;
+        steps with prefill rows always run eagerly)."""
+        if meta.prefills:
             return False
-        ok = (len(chunks) <= self.buckets[-1]
+        ok = (meta.num_decode <= self.buckets[-1] and meta.decode_block_tables.shape[1] <= self.max_blocks
               and (lora is None or (lora.max_rank <= MAX_RANK and lora.host[2].shape[1] <= self.max_adapter_pages)))
-        if ok:
-            rows = np.fromiter((self.kv.rows[c.request.request_id] for c in chunks), np.int64, len(chunks))
-            ok = int(self.kv.num_blocks[rows].max()) <= self.max_blocks
         if not ok:
             self.eager_fallbacks += 1
         return ok

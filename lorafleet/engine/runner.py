@@ -107,7 +107,7 @@ class ModelRunner:
         sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
         ids, positions, meta, rows = self.prepare(chunks, all_logits)
         t0 = time.perf_counter()
-        if self.graphs is not None and not all_logits and self.graphs.fits(chunks, lora):
+        if self.graphs is not None and not all_logits and self.graphs.fits(meta, lora):
             logits = self.graphs.run(ids, positions, meta, lora)[rows]
         else:
             logits = self.model(ids, positions, meta, self.kv.cache, rows, lora)
