@@ -10,15 +10,13 @@ import time
 
 import torch
 
-from lorafleet.bench.adapters import write_adapter
+from lorafleet.bench.adapters import stored, write_adapter
 from lorafleet.bench.fixtures import build_base
 from lorafleet.lora.adapter import BaseShapes
 from lorafleet.memory import host_cache
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.prefetch import copy_in
 from lorafleet.model.config import ModelConfig
-from lorafleet.store.pull import pull
-from lorafleet.store.store import Store
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 TARGET_MS = 3.0
@@ -27,24 +25,21 @@ TARGET_MS = 3.0
 def run_store_load(shape: str = "smol", rank: int = 16, repeats: int = 20, root=None) -> dict:
     base_dir = build_base(shape, root)
     folder = base_dir.parent / f"{base_dir.name}-store-load"
-    store = Store(folder / "store")
     adapter_dir = folder / f"r{rank}"
     if not adapter_dir.is_dir():
         folder.mkdir(exist_ok=True)
         write_adapter(base_dir, adapter_dir, rank, targets=QKVO, seed=rank)
-    if not store.has("models", "base"):
-        pull(str(base_dir), name="base", base=True, store=store)
-    manifest = pull(str(adapter_dir), name="a", store=store)
-    cfg = ModelConfig.from_folder(base_dir)
-    shapes = BaseShapes.from_model_config(cfg)
-    path = store.folder(manifest)
-    pages = -(-manifest["size"] // 4 // 65536) + 2
-    pool = PagePool(pages, 65536, torch.float32, "cpu")
+    name = f"store-load-r{rank}"
+    _, in_store = stored(base_dir, [(name, adapter_dir)])
+    path, digest = in_store[name]
+    nbytes = sum(f.stat().st_size for f in path.iterdir())
+    shapes = BaseShapes.from_model_config(ModelConfig.from_folder(base_dir))
+    pool = PagePool(-(-nbytes // 4 // 65536) + 2, 65536, torch.float32, "cpu")
 
     def load(trusted: bool) -> float:
         t0 = time.thread_time()
         host = host_cache.build_host_adapter(path, shapes, torch.float32, False,
-                                             manifest["digest"] if trusted else None)
+                                             digest if trusted else None)
         copy_in(pool, host, list(range(-(-host.layout.numel // pool.page_elems))))
         return time.thread_time() - t0
 
@@ -60,6 +55,6 @@ def run_store_load(shape: str = "smol", rank: int = 16, repeats: int = 20, root=
     finally:
         torch.set_num_threads(threads)
     med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
-    return {"shape": shape, "rank": rank, "targets": list(QKVO), "bytes": manifest["size"], "repeats": repeats,
+    return {"shape": shape, "rank": rank, "targets": list(QKVO), "bytes": nbytes, "repeats": repeats,
             "store_cpu_ms": med["store"], "folder_cpu_ms": med["folder"],
             "speedup": med["folder"] / med["store"], "target_ms": TARGET_MS, "target_met": med["store"] <= TARGET_MS}
