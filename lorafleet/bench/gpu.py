@@ -4,8 +4,8 @@
    1 GiB, bytes read + written): the LoRA op in decode form (one token per adapter, rank 16, and
    ranks mixed 8-256) and paged decode attention; achieved bandwidth = the bytes each must read
    and write (adapter weights, KV, inputs, outputs) / its time.
-2. The engine's decode throughput (tokens/s in steps that only decode) on a random base of the
-   given shape: no adapter; one rank-16 adapter on every request; 8 and 1,000 adapters (ranks
+2. The engine's decode throughput (requests / the median step that only decodes, as
+   `lora_decode.decode_step_time` times it) on a random base of the given shape: no adapter; one rank-16 adapter on every request; 8 and 1,000 adapters (ranks
    8-64; the 1,000 are registered names over 16 distinct files, each loaded into its own pages;
    q/v targets, so the 1,000 fit a load budget of minutes); a batch mixing ranks 8-256 against
    one of the uniform mean rank. With the decode-graph statistics: captures, replays,
@@ -23,6 +23,7 @@ import torch
 
 from lorafleet.bench.adapters import write_adapter
 from lorafleet.bench.fixtures import build_base
+from lorafleet.bench.lora_decode import decode_step_time
 from lorafleet.kernels import backend
 from lorafleet.kernels.reference import META_FIELDS
 from lorafleet.lora.batch import MODULE_SLOTS
@@ -106,24 +107,6 @@ def kernel_figures(cfg: ModelConfig, device: torch.device, dtype, batch: int, co
     return [{"copy_GB/s": copy / 1e9}, *rows]
 
 
-def decode_throughput(engine, names: list[str | None], prompt_len: int, max_tokens: int) -> float:
-    """Tokens/s over the steps where every request only decodes."""
-    from lorafleet import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    g = torch.Generator().manual_seed(0)
-    for name in names:
-        engine.add_request(torch.randint(3, 200, (prompt_len,), generator=g).tolist(), params, adapter=name)
-    while any(r.num_computed < len(r.prompt_token_ids) for r in engine.requests.values()):
-        engine.step()
-    engine.step()  # the first decode step (graphs capture here)
-    tokens, t0 = 0, time.perf_counter()
-    while engine.has_unfinished():
-        outs = engine.step()
-        tokens += sum(1 for o in outs if o.token_ids)
-    return tokens / (time.perf_counter() - t0)
-
-
 def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: int, root: Path | None = None) -> dict:
     from lorafleet import Engine
 
@@ -146,6 +129,8 @@ def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: i
         "mixed ranks 8-256": ({f"x{r}": adapter(r, all7, r) for r in set(mixed)}, [f"x{r}" for r in mixed]),
         f"uniform rank {uniform}": ({"u": adapter(uniform, all7, 3)}, ["u"] * batch),
     }
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (32,), generator=g).tolist() for _ in range(batch)]
     out = {}
     for label, (adapters, names) in cases.items():
         engine = Engine(base, device=device, max_num_seqs=batch)
@@ -154,8 +139,9 @@ def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: i
             for name, path in adapters.items():
                 engine.load_adapter(name, path)
             load_s = time.perf_counter() - t0
-            decode_throughput(engine, names, 32, max_tokens)         # warm: kernels compiled, graphs captured
-            tps = decode_throughput(engine, names, 32, max_tokens)
+            # the median pure decode step (the first ones compile the kernels and capture the graphs)
+            step_s, _ = decode_step_time(engine, prompts, names, max_tokens)
+            tps = len(names) / step_s
             stats = engine.stats()
             out[label] = {"tokens_per_s": tps, "load_s": load_s, "kernels": stats["kernels"],
                           "decode_graphs": stats["decode_graphs"]}
