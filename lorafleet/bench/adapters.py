@@ -79,10 +79,11 @@ def stored(base: Path, adapters: list[tuple[str, Path]]) -> tuple[Path, dict[str
     """The base and the adapters in a store beside the base (pulled once, validated then, as
     `lorafleet pull` does): the base's folder in the store, and name -> (folder, digest) to
     register each adapter with, as the daemon's resolver registers stored adapters."""
+    from lorafleet.memory.layout import LAYOUT_VERSION
     from lorafleet.store.pull import pull
     from lorafleet.store.store import Store
 
-    store = Store(base.parent / f"{base.name}-store")
+    store = Store(base.parent / f"{base.name}-store-layout{LAYOUT_VERSION}")  # one per layout form: no stale pulls
     if not store.has("models", "base"):
         pull(str(base), name="base", base=True, store=store)
     out = {}

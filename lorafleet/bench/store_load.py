@@ -1,5 +1,5 @@
 """`lorafleet bench store-load`: the CPU one adapter load costs, disk -> host -> pool pages, for an
-adapter read from the store (validated and hashed at pull: `lora.adapter.load_trusted`) against
+adapter read from the store (validated, hashed and laid out at pull: `memory.layout.read_saved`) against
 the same files loaded as any folder is (read, validated, hashed: `load_adapter`). Rank 16 on
 q/k/v/o by default, the issue's setting; CPU time of the loading thread (torch on one thread, so
 that all the work is that thread's), median of the repeats, both in one run."""
@@ -32,7 +32,7 @@ def run_store_load(shape: str = "smol", rank: int = 16, repeats: int = 20, root=
     name = f"store-load-r{rank}"
     _, in_store = stored(base_dir, [(name, adapter_dir)])
     path, digest = in_store[name]
-    nbytes = sum(f.stat().st_size for f in path.iterdir())
+    nbytes = (path / "adapter_model.safetensors").stat().st_size
     shapes = BaseShapes.from_model_config(ModelConfig.from_folder(base_dir))
     pool = PagePool(-(-nbytes // 4 // 65536) + 2, 65536, torch.float32, "cpu")
 

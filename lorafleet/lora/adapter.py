@@ -35,11 +35,9 @@ import math
 import os
 import re
 import struct
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from lorafleet.errors import AdapterError
@@ -103,6 +101,14 @@ class LoraAdapter:
     @property
     def num_params(self) -> int:
         return sum(w.a.numel() + w.b.numel() for w in self.weights.values())
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        """module -> its largest rank over the layers."""
+        out: dict[str, int] = {}
+        for (_, module), w in self.weights.items():
+            out[module] = max(out.get(module, 0), w.rank)
+        return out
 
 
 def weights_numel(path: str | Path) -> int:
@@ -231,39 +237,6 @@ def _scale(cfg: dict, full: str, r: int) -> float:
     key = _pattern_key(alpha_pattern, full)
     alpha = alpha_pattern[key] if key is not None else cfg.get("lora_alpha", 8)
     return alpha / math.sqrt(r) if cfg.get("use_rslora", False) else alpha / r
-
-
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def load_trusted(path: str | Path, base: BaseShapes, digest: str, dtype: torch.dtype = torch.float32) -> LoraAdapter:
-    """A stored adapter, whose files `load_adapter` validated and hashed when they were pulled
-    (lorafleet/store: content-addressed and read-only since): the file is memory-mapped and
-    every tensor is a view into it (at the file's dtype nothing is copied until the layout);
-    nothing is checked or hashed again, tensor names are split rather than matched. Only the
-    config is parsed (ranks and scales)."""
-    folder = Path(path)
-    cfg = _read_config(folder)
-    st_path = _weights_file(folder)
-    mapped = np.memmap(st_path, mode="r")  # the page cache's pages, mapped: no read, no copy
-    (n,) = struct.unpack("<Q", mapped[:8].tobytes())
-    header = json.loads(mapped[8:8 + n].tobytes())
-    header.pop("__metadata__", None)
-    with warnings.catch_warnings():  # read-only memory: the tensors are only read (copied into the layout)
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(mapped[8 + n:])
-    slots: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, info in header.items():
-        parts = key.split(".")  # base_model.model.model.layers.<i>.<block>.<proj>.lora_<A|B>[.<name>].weight
-        start, end = info["data_offsets"]
-        t = raw[start:end].view(_TORCH_DTYPES[info["dtype"]]).view(info["shape"])
-        slots.setdefault((int(parts[4]), parts[6]), {})[parts[7][-1]] = t.to(dtype)
-    weights = {}
-    for (layer, proj), slot in sorted(slots.items(), key=lambda kv: (kv[0][0], MODULES.index(kv[0][1]))):
-        full = f"model.layers.{layer}.{MODULE_BLOCK[proj]}.{proj}"
-        a = slot["A"]
-        weights[(layer, proj)] = LoraWeights(a=a, b=slot["B"], scale=float(_scale(cfg, full, int(a.shape[0]))))
-    return LoraAdapter(path=folder, digest=digest, config=cfg, weights=weights)
 
 
 def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.float32) -> LoraAdapter:

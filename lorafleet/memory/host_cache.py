@@ -14,8 +14,9 @@ from typing import Callable, Hashable
 
 import torch
 
-from lorafleet.lora.adapter import BaseShapes, load_adapter, load_trusted
-from lorafleet.memory.layout import Layout
+from lorafleet.lora.adapter import BaseShapes, load_adapter
+from lorafleet.memory import layout as layout_mod
+from lorafleet.memory.layout import LAYOUT_FILE, Layout
 
 
 @dataclass(eq=False)
@@ -34,17 +35,29 @@ class HostAdapter:
 def build_host_adapter(path: Path, base: BaseShapes, dtype: torch.dtype, pin: bool,
                        trusted_digest: str | None = None) -> HostAdapter:
     """Disk -> host: parse and validate (AdapterError on any problem), lay out, done. With
-    `trusted_digest` (a stored adapter, validated and hashed when it was pulled) the tensors are
-    read without checks or hashing."""
-    adapter = (load_trusted(path, base, trusted_digest, dtype=dtype) if trusted_digest
-               else load_adapter(path, base, dtype=dtype))
+    `trusted_digest` (a stored adapter, validated, hashed and laid out when it was pulled) the
+    saved layout is memory-mapped instead (`memory.layout.read_saved`): on the CPU at float32
+    the host copy is that mapping (the page cache's pages, no copy at all). Either way the
+    buffer is laid out at float32 and rounded to `dtype` once, so both give the same bits."""
+    saved = layout_mod.read_saved(Path(path) / LAYOUT_FILE, trusted_digest) if trusted_digest else None
+    if saved is not None:
+        layout, buffer, ranks = saved
+        return HostAdapter(trusted_digest, layout, _host_copy(buffer, dtype, pin), ranks, layout.numel)
+    adapter = load_adapter(path, base)  # float32: laid out at float32, as stored adapters are
     layout = Layout.of(adapter, base)
-    buffer = torch.empty(layout.numel, dtype=dtype, pin_memory=pin)
+    buffer = torch.empty(layout.numel, dtype=torch.float32)
     layout.fill(buffer, adapter)
-    ranks: dict[str, int] = {}
-    for (_, module), w in adapter.weights.items():
-        ranks[module] = max(ranks.get(module, 0), w.rank)
-    return HostAdapter(adapter.digest, layout, buffer, ranks, adapter.num_params)
+    return HostAdapter(adapter.digest, layout, _host_copy(buffer, dtype, pin), adapter.ranks, adapter.num_params)
+
+
+def _host_copy(buffer: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """`buffer` (float32) as the host tier keeps it: itself at float32 unpinned, else one copy
+    at `dtype` (rounded once), pinned for the device's asynchronous copies when `pin`."""
+    if dtype == torch.float32 and not pin:
+        return buffer
+    out = torch.empty(buffer.numel(), dtype=dtype, pin_memory=pin)
+    out.copy_(buffer)
+    return out
 
 
 class HostCache:

@@ -7,11 +7,23 @@ buffer is cut into pages that may lie anywhere, and every kernel finds element o
 o // page_elems of the adapter's page table (the contract in `kernels/reference.py`). So the
 host copy is one flat buffer (one copy per page moves it in) and the kernels' metadata is fixed
 for the adapter's life, wherever its pages are.
+
+The store keeps each adapter's buffer laid out once, at pull (`save` / `read_saved`: the file
+`LAYOUT_FILE` beside the PEFT files, a safetensors file of one float32 tensor, the layout's
+entries and the adapter's ranks in its metadata). Loading a stored adapter is then a memory map
+and one copy into pages: no tensor is parsed, checked, hashed, scaled or transposed again. The
+buffer is float32 whatever the pool's dtype (the copy into a bf16 or fp16 pool rounds once, as a
+checked load does: `memory.host_cache`); a file of another `LAYOUT_VERSION` is not read (the
+adapter then loads as any folder does).
 """
 
 from __future__ import annotations
 
+import json
+import struct
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,6 +31,9 @@ import torch
 from lorafleet.kernels.reference import META_FIELDS
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter
 from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
+
+LAYOUT_FILE = "lorafleet-layout.safetensors"
+LAYOUT_VERSION = "1"  # bump when the buffer's arrangement or this file's form changes
 
 
 @dataclass
@@ -71,3 +86,45 @@ class Layout:
             for j, col, row, b_off, o, r in bs:
                 meta[layer, g, j] = (a_off + row * fan_in, r, b_off, o, col)
         return meta
+
+
+def save(path: Path, adapter: LoraAdapter, base: BaseShapes) -> None:
+    """Write `adapter` (validated: `load_adapter`) laid out, float32, as the file `path`."""
+    layout = Layout.of(adapter, base)
+    buf = torch.empty(layout.numel, dtype=torch.float32)
+    layout.fill(buf, adapter)
+    entries = [[layer, group, *head, bs] for (layer, group), (*head, bs) in layout.entries.items()]
+    meta = {"format": "lorafleet-layout", "version": LAYOUT_VERSION, "digest": adapter.digest,
+            "entries": json.dumps(entries, separators=(",", ":")), "ranks": json.dumps(adapter.ranks, sort_keys=True)}
+    header = json.dumps({"__metadata__": meta, "layout": {"dtype": "F32", "shape": [layout.numel],
+                                                          "data_offsets": [0, 4 * layout.numel]}},
+                        sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # safetensors' alignment of the data
+    # Written here rather than by safetensors' save_file, whose header order varies from call to
+    # call: the same adapter must give the same bytes (one blob, one snapshot in the store).
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        buf.numpy().tofile(f)
+
+
+def read_saved(path: Path, digest: str) -> tuple[Layout, torch.Tensor, dict[str, int]] | None:
+    """The layout, the float32 buffer (a read-only view of the memory-mapped file: nothing is
+    read until it is copied) and the ranks saved at `path` for the adapter of `digest`; None
+    when there is no such file, or it was written by another layout version or for other
+    weights. The file is the store's (written by `save` at pull, read-only since): trusted."""
+    try:
+        mapped = np.memmap(path, mode="r")
+    except (FileNotFoundError, ValueError):  # ValueError: an empty file
+        return None
+    (n,) = struct.unpack("<Q", mapped[:8].tobytes())
+    header = json.loads(mapped[8:8 + n].tobytes())
+    meta = header.get("__metadata__", {})
+    if meta.get("version") != LAYOUT_VERSION or meta.get("digest") != digest:
+        return None
+    start, end = header["layout"]["data_offsets"]
+    with warnings.catch_warnings():  # read-only memory: the buffer is only copied from
+        warnings.simplefilter("ignore", UserWarning)
+        buf = torch.from_numpy(mapped[8 + n + start: 8 + n + end]).view(torch.float32)
+    entries = {(layer, group): (a_off, rows, fan_in, [tuple(b) for b in bs])
+               for layer, group, a_off, rows, fan_in, bs in json.loads(meta["entries"])}
+    return Layout(entries, buf.numel()), buf, json.loads(meta["ranks"])

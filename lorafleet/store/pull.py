@@ -3,7 +3,9 @@ store, validated once.
 
 An adapter is validated against a base already in the store with the very checks the engine
 applies when it loads one (`lora.adapter.load_adapter`: config, tensor names, shapes, ranks,
-layers, finite values), and its content digest is computed then, once; the base is the one named
+layers, finite values), and its content digest is computed then, once, and its weights are
+laid out as the engine's pages hold them (`memory.layout.save`, stored beside the PEFT files as
+`lorafleet-layout.safetensors`: a load from the store maps it and copies it, nothing else); the base is the one named
 with `--for`, else the stored base whose name or Hub id its `base_model_name_or_path` names,
 else the only base in the store. A `base_model_name_or_path` naming another model is a warning
 (an error with `strict_base`): shapes decide what can be served, the name is a hint. A base is
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -56,8 +59,11 @@ def choose_base(store: Store, adapter_cfg: dict, for_model: str | None) -> dict:
 
 
 def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_base: bool,
-                      warn: Callable[[str], None]) -> dict:
+                      warn: Callable[[str], None], layout_file: Path) -> dict:
+    """Validate the adapter in `folder` (raises on any problem), write its laid-out weights to
+    `layout_file`, and return the manifest's adapter fields."""
     from lorafleet.lora.adapter import BaseShapes, load_adapter, read_adapter_config
+    from lorafleet.memory import layout
     from lorafleet.model.config import ModelConfig
 
     cfg = read_adapter_config(folder)
@@ -71,12 +77,10 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
         if strict_base:
             raise StoreError(message + " (refused: --strict-base)")
         warn(message)
-    ranks: dict[str, int] = {}
-    for (_, module), w in adapter.weights.items():
-        ranks[module] = max(ranks.get(module, 0), w.rank)
+    layout.save(layout_file, adapter, shapes)
+    ranks = adapter.ranks
     return {"digest": adapter.digest, "base": {"name": base["name"], "snapshot": base["snapshot"]},
-            "ranks": ranks, "modules": sorted(ranks), "params": sum(w.a.numel() + w.b.numel()
-                                                                    for w in adapter.weights.values())}
+            "ranks": ranks, "modules": sorted(ranks), "params": adapter.num_params}
 
 
 def _validate_model(folder: Path) -> dict:
@@ -119,11 +123,17 @@ def pull(source: str, *, name: str | None = None, base: bool = False, revision: 
         fetched = sorted(info["files"])
     if base:
         files, record = fetched or model_files(folder), _validate_model(folder)
-    else:
-        missing = [f for f in ADAPTER_FILES if not (folder / f).is_file()]
-        if missing:
-            raise StoreError(f"{folder}: not a PEFT adapter folder (missing {', '.join(missing)}; "
-                             "pickled adapter_model.bin files are never loaded)")
-        files, record = list(ADAPTER_FILES), _validate_adapter(store, folder, for_model, strict_base, warn)
-    with store.lock():
-        return store.install(kind, name, folder, files, {**record, **origin})
+        with store.lock():
+            return store.install(kind, name, {f: folder / f for f in files}, {**record, **origin})
+    missing = [f for f in ADAPTER_FILES if not (folder / f).is_file()]
+    if missing:
+        raise StoreError(f"{folder}: not a PEFT adapter folder (missing {', '.join(missing)}; "
+                         "pickled adapter_model.bin files are never loaded)")
+    from lorafleet.memory.layout import LAYOUT_FILE
+
+    with tempfile.TemporaryDirectory(prefix="lorafleet-pull-") as tmp:
+        laid_out = Path(tmp) / LAYOUT_FILE
+        record = _validate_adapter(store, folder, for_model, strict_base, warn, laid_out)
+        with store.lock():
+            return store.install(kind, name, {**{f: folder / f for f in ADAPTER_FILES}, LAYOUT_FILE: laid_out},
+                                 {**record, **origin})

@@ -10,8 +10,9 @@ the old entry, so requests already running finish on the old weights and every l
 the new (the registry's replacement rule: no state of the old weights is reused). A name the
 engine got otherwise (`--adapter`, the load endpoint) is never shadowed by the store. When the
 daemon serves the very base the adapter was validated against at pull, its loads trust the
-manifest (no hashing, no re-validation: `lora.adapter.load_trusted`); against another base they
-validate as any load does.
+manifest: they map the weights laid out at pull and copy them into pages (no parsing, hashing or
+re-validation: `memory.host_cache.build_host_adapter`); against another base they validate as any
+load does.
 """
 
 from __future__ import annotations

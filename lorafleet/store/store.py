@@ -163,13 +163,14 @@ class Store:
             _fsync_dir(self.blobs)
         return digest, size
 
-    def install(self, kind: str, name: str, folder: Path, files: list[str], record: dict) -> dict:
-        """Store `files` of `folder` under `name` with `record` (the kind's fields) as one atomic
-        install; returns the manifest. The caller holds `lock()`."""
+    def install(self, kind: str, name: str, files: dict[str, Path], record: dict) -> dict:
+        """Store `files` (file name in the item's folder -> the file to copy in) under `name`
+        with `record` (the kind's fields) as one atomic install; returns the manifest. The
+        caller holds `lock()`."""
         check_name(name)
         stage = self._staging()
         try:
-            entries = {f: dict(zip(("sha256", "size"), self.add_blob(folder / f, stage))) for f in sorted(files)}
+            entries = {f: dict(zip(("sha256", "size"), self.add_blob(files[f], stage))) for f in sorted(files)}
             snapshot = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:32]
             final = self.snapshots / snapshot
             if not final.is_dir():

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lorafleet.errors import LorafleetError
+from lorafleet.memory.layout import LAYOUT_FILE
 from lorafleet.store.hub import ADAPTER_FILES, HubError, download, is_repo_id
 from tests.fixtures import build_adapter
 from tests.store.hub_server import FAKE_COMMIT, StandInHub, git_blob_id, hub  # noqa: F401 (the fixture)
@@ -260,7 +261,7 @@ def test_pull_from_the_hub_lands_in_the_store_validated_and_a_second_pull_transf
     store_pull(str(llama_dir), name="base", base=True, store=store)
     m = store_pull(REPO, store=store, progress=False)
     assert (m["name"], m["source"], m["revision"]) == ("tiny-lora", f"hf:{REPO}", FAKE_COMMIT)
-    assert set(m["files"]) == set(ADAPTER_FILES) and m["ranks"] == {"q_proj": 2, "v_proj": 2}
+    assert set(m["files"]) == {*ADAPTER_FILES, LAYOUT_FILE} and m["ranks"] == {"q_proj": 2, "v_proj": 2}
     assert m["files"][WEIGHTS]["sha256"] == hashlib.sha256(repo[WEIGHTS]).hexdigest()
     assert store.check(deep=True) == []
     hub.clear_log()

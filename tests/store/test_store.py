@@ -11,6 +11,7 @@ import pytest
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.errors import AdapterError, LorafleetError
+from lorafleet.memory.layout import LAYOUT_FILE
 from lorafleet.store.pull import pull
 from lorafleet.store.store import Store, StoreError
 from tests.engine.test_adapters import BROKEN, broken_adapter
@@ -42,7 +43,8 @@ def snapshot(store: Store) -> dict:
 def test_a_pulled_adapter_is_listed_and_serves_what_its_folder_serves(store, llama_dir, bank):
     m = pull(str(bank[8]), name="r8", store=store)
     assert (m["kind"], m["name"], m["base"]["name"], m["ranks"]["q_proj"]) == ("adapter", "r8", "base", 8)
-    assert len(m["digest"]) == 64 and set(m["files"]) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert len(m["digest"]) == 64 and set(m["files"]) == {"adapter_config.json", "adapter_model.safetensors",
+                                                                   LAYOUT_FILE}
     assert [a["name"] for a in store.list("adapters")] == ["r8"]
     assert [b["name"] for b in store.list("models")] == ["base"]
     assert store.check(deep=True) == []
@@ -60,7 +62,7 @@ def test_the_same_content_twice_is_stored_once(store, bank):
     a = pull(str(bank[2]), name="one", store=store)
     b = pull(str(bank[2]), name="two", store=store)
     assert a["snapshot"] == b["snapshot"] and a["digest"] == b["digest"]
-    assert len(list(store.blobs.iterdir())) == len(store.get("models", "base")["files"]) + 2
+    assert len(list(store.blobs.iterdir())) == len(store.get("models", "base")["files"]) + 3
 
 
 @pytest.mark.parametrize("kind, named", BROKEN)
@@ -115,7 +117,7 @@ def test_rm_then_gc_frees_what_no_manifest_names(store, bank):
     with store.lock():
         store.remove("adapters", "a")
         removed = store.gc()
-    assert removed["blobs"] == 2 and removed["snapshots"] == 1
+    assert removed["blobs"] == 3 and removed["snapshots"] == 1  # config, weights, their layout
     assert [a["name"] for a in store.list("adapters")] == ["b"] and store.check(deep=True) == []
 
 

@@ -1,16 +1,25 @@
-"""Loads from the store trust the pull's validation and digest (`lora.adapter.load_trusted`):
-the same weights and scales as a checked load, for PEFT's rank/alpha patterns and rsLoRA too;
-the resolver trusts only when the daemon serves the base the adapter was validated against;
-`bench store-load` measures the difference."""
+"""Loads from the store trust the pull: its validation, its digest and its laid-out weights
+(`memory.layout.save` at pull, `read_saved` at load). A stored load gives the very bits a checked
+load of the same files gives, for PEFT's rank/alpha patterns and rsLoRA too, at float32 and
+bfloat16; it reads nothing but the saved layout; a layout of another version or for other
+weights is not used; the resolver trusts only when the daemon serves the base the adapter was
+validated against; `bench store-load` measures the difference."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
+import safetensors.torch
 import torch
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.bench.store_load import run_store_load
-from lorafleet.lora.adapter import BaseShapes, load_adapter, load_trusted
+from lorafleet.errors import AdapterError
+from lorafleet.lora.adapter import BaseShapes
+from lorafleet.memory import layout
+from lorafleet.memory.host_cache import build_host_adapter
 from lorafleet.model.config import ModelConfig
 from lorafleet.store.pull import pull
 from lorafleet.store.resolver import StoreResolver
@@ -25,18 +34,57 @@ VARIANTS = {
 }
 
 
+@pytest.fixture
+def stored(llama_dir, tmp_path):
+    """(store, shapes): a store holding the tiny llama as its base."""
+    store = Store(tmp_path / "store")
+    pull(str(llama_dir), name="base", base=True, store=store)
+    return store, BaseShapes.from_model_config(ModelConfig.from_folder(llama_dir))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_a_trusted_load_reads_what_a_checked_load_reads(llama_dir, tmp_path, variant, dtype):
-    folder = build_adapter(llama_dir, tmp_path / variant, seed=3, **VARIANTS[variant])
-    shapes = BaseShapes.from_model_config(ModelConfig.from_folder(llama_dir))
-    checked = load_adapter(folder, shapes, dtype=dtype)
-    trusted = load_trusted(folder, shapes, checked.digest, dtype=dtype)
-    assert trusted.digest == checked.digest and trusted.weights.keys() == checked.weights.keys()
-    for key, w in checked.weights.items():
-        t = trusted.weights[key]
-        assert t.scale == w.scale and t.a.dtype == dtype
-        assert torch.equal(t.a, w.a) and torch.equal(t.b, w.b), key
+def test_a_stored_load_gives_the_bits_a_checked_load_gives(llama_dir, tmp_path, stored, variant, dtype):
+    store, shapes = stored
+    m = pull(str(build_adapter(llama_dir, tmp_path / variant, seed=3, **VARIANTS[variant])), name="a", store=store)
+    assert layout.LAYOUT_FILE in m["files"]  # laid out at pull, a blob like the others
+    folder = store.folder(m)
+    checked = build_host_adapter(folder, shapes, dtype, False)
+    trusted = build_host_adapter(folder, shapes, dtype, False, m["digest"])
+    assert trusted.digest == checked.digest == m["digest"]
+    assert trusted.buffer.dtype == dtype and torch.equal(trusted.buffer, checked.buffer)
+    assert trusted.layout == checked.layout
+    assert (trusted.layout.kernel_meta(shapes.num_layers) == checked.layout.kernel_meta(shapes.num_layers)).all()
+    assert trusted.ranks == checked.ranks == m["ranks"] and trusted.num_params == checked.num_params == m["params"]
+
+
+def test_a_stored_load_reads_only_the_saved_layout(llama_dir, tmp_path, stored):
+    store, shapes = stored
+    m = pull(str(build_adapter(llama_dir, tmp_path / "src", r=4, target_modules=ALL7)), name="a", store=store)
+    folder = tmp_path / "copy"
+    shutil.copytree(store.folder(m), folder)
+    (folder / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError):
+        build_host_adapter(folder, shapes, torch.float32, False)  # a checked load reads the weights
+    host = build_host_adapter(folder, shapes, torch.float32, False, m["digest"])
+    assert host.digest == m["digest"] and host.layout.numel == host.buffer.numel() == m["params"]
+
+
+@pytest.mark.parametrize("change", ["version", "digest"])
+def test_a_layout_of_another_version_or_other_weights_is_not_used(llama_dir, tmp_path, stored, change):
+    store, shapes = stored
+    m = pull(str(build_adapter(llama_dir, tmp_path / "src", r=4, target_modules=ALL7)), name="a", store=store)
+    folder = tmp_path / "copy"
+    shutil.copytree(store.folder(m), folder)
+    saved = folder / layout.LAYOUT_FILE
+    with safetensors.safe_open(str(saved), "pt") as f:
+        meta, tensor = f.metadata(), f.get_tensor("layout")
+    meta[change] = "0" if change == "version" else "f" * 64
+    saved.unlink()
+    safetensors.torch.save_file({"layout": torch.zeros_like(tensor)}, str(saved), metadata=meta)
+    host = build_host_adapter(folder, shapes, torch.float32, False, m["digest"])
+    assert host.digest == m["digest"] and torch.equal(host.buffer, tensor)  # read and laid out again
+    assert json.loads(meta["ranks"]) == host.ranks
 
 
 def test_the_resolver_trusts_only_for_the_base_the_adapter_was_validated_against(llama_dir, tmp_path):
