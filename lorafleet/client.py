@@ -83,6 +83,9 @@ class Client:
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text
 
+    def reset_prefix_cache(self) -> dict:
+        return self._json("POST", "/reset_prefix_cache")
+
     def models(self) -> list[dict]:
         return self._json("GET", "/v1/models")["data"]
 

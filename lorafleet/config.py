@@ -31,6 +31,8 @@ class EngineConfig:
     debug_checks: bool = False          # check_integrity() after every step (tests turn it on)
     decode_graphs: str = "auto"         # auto (on with CUDA + Triton), on, off, fixed (the same
                                         # fixed-shape decode steps without capture: CPU tests)
+    prefix_cache: bool = True           # reuse the KV of full blocks of earlier prompts (memory/kv.py)
+    eviction: str = "cost"              # cached KV and idle adapters: cost (memory/eviction.py) or lru
 
     def __post_init__(self):
         if self.policy not in ("vtc", "fcfs"):
@@ -45,6 +47,10 @@ class EngineConfig:
             raise ConfigError(f"pool_bytes must be a positive integer, got {self.pool_bytes!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if self.eviction not in ("cost", "lru"):
+            raise ConfigError(f"eviction must be cost or lru, got {self.eviction!r}")
         if self.decode_graphs not in ("auto", "on", "off", "fixed"):
             raise ConfigError(f"decode_graphs must be auto, on, off or fixed, got {self.decode_graphs!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -67,6 +67,7 @@ class LorafleetDaemon(System):
                 "seconds": time.perf_counter() - t0}
 
     def replay(self, job: Job) -> Replayed:
+        self.client.reset_prefix_cache()  # every replay meets its prompts for the first time
         seconds, metrics = asyncio.run(_replay(self.sock, job.requests))
         return Replayed(seconds, sum(m["tokens"] for m in metrics), metrics)
 

@@ -36,6 +36,7 @@ class LorafleetInProcess(System):
     name = "lorafleet"
     subject = True
     baseline = False
+    engine_options: dict = {}  # what the variants below change
 
     def __init__(self, *args, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,7 +48,8 @@ class LorafleetInProcess(System):
         from lorafleet import Engine
 
         kwargs = dict(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                      **self.engine_options)
         if job.pool_fraction is not None or self.device.type != "cuda":
             kwargs["pool_bytes"] = job_pool_bytes(job, self.dtype.itemsize)
         if job.residency == "registered":  # every adapter fits the host tier: device residency is measured
@@ -95,6 +97,7 @@ class LorafleetInProcess(System):
                 "seconds": time.perf_counter() - t0}
 
     def replay(self, job: Job) -> Replayed:
+        self.engine.reset_prefix_cache()  # every replay meets its prompts for the first time
         replay = Replay(self.engine)
         sync(self.device)
         seconds = replay.run(job.requests)
@@ -195,3 +198,18 @@ class Replay:
                 "peak_adapter_pages": max(u - k for u, k in zip(used, kv)),
                 "peak_occupancy": max(used) / pool.num_pages,
                 "mean_occupancy": sum(used) / len(used) / pool.num_pages}
+
+
+class LorafleetNoPrefixCache(LorafleetInProcess):
+    """lorafleet with its prefix cache off (`Engine(prefix_cache=False)`): what the cache buys."""
+
+    name = "lorafleet-no-prefix-cache"
+    engine_options = {"prefix_cache": False}
+
+
+class LorafleetLRU(LorafleetInProcess):
+    """lorafleet evicting cached KV and idle adapters in plain LRU order (`eviction="lru"`): what
+    the cost order buys under pool pressure."""
+
+    name = "lorafleet-lru"
+    engine_options = {"eviction": "lru"}

@@ -99,10 +99,12 @@ def ratios(rows: list[dict]) -> list[dict]:
             if base["model"] != subject["model"] or base["system"] in SUBJECTS or not base["tokens_per_s"]:
                 continue
             ttft = (base["latency"]["ttft_s"]["p50"], subject["latency"]["ttft_s"]["p50"])
+            tail = (base["latency"]["ttft_s"]["p99"], subject["latency"]["ttft_s"]["p99"])
             out.append({"model": subject["model"], "workload": subject["workload"], "system": subject["system"],
                         "baseline": base["system"],
                         "tokens_per_s_ratio": subject["tokens_per_s"] / base["tokens_per_s"],
                         "ttft_p50_speedup": ttft[0] / ttft[1] if None not in ttft and ttft[1] > 0 else None,
+                        "ttft_p99_speedup": tail[0] / tail[1] if None not in tail and tail[1] > 0 else None,
                         "baseline_requests": base["num_requests"], "requests": subject["num_requests"]})
     return out
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lorafleet.bench.daemon_system import LorafleetDaemon
 from lorafleet.bench.jobs import Job, Result, System, weight_bytes
-from lorafleet.bench.lorafleet_system import LorafleetInProcess
+from lorafleet.bench.lorafleet_system import LorafleetInProcess, LorafleetLRU, LorafleetNoPrefixCache
 from lorafleet.bench.static_batch import PeftGroups, PeftMixed, TransformersGenerate
 
 
@@ -33,7 +33,7 @@ class MergedAccounting(System):
 
 
 SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (
-    LorafleetInProcess, LorafleetDaemon, TransformersGenerate, PeftGroups, PeftMixed, MergedAccounting)}
+    LorafleetInProcess, LorafleetNoPrefixCache, LorafleetLRU, LorafleetDaemon, TransformersGenerate, PeftGroups, PeftMixed, MergedAccounting)}
 SYSTEM_NAMES = tuple(SYSTEMS)
 
 

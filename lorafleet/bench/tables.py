@@ -60,10 +60,11 @@ def throughput_table(report: dict) -> Table:
 
 def ratio_table(report: dict) -> Table:
     table = _table("lorafleet against each baseline, same model and requests",
-                   ["model", "system", "baseline", "tokens/s\nratio", "TTFT p50\nspeedup"], left=3)
+                   ["model", "system", "baseline", "tokens/s\nratio", "TTFT p50\nspeedup", "TTFT p99\nspeedup"],
+                   left=3)
     for r in report["ratios"]:
-        ttft = f"{r['ttft_p50_speedup']:.2f}x" if r["ttft_p50_speedup"] else ""
-        table.add_row(r["model"], r["system"], r["baseline"], f"{r['tokens_per_s_ratio']:.2f}x", ttft)
+        ttft = [f"{r[k]:.2f}x" if r.get(k) else "" for k in ("ttft_p50_speedup", "ttft_p99_speedup")]
+        table.add_row(r["model"], r["system"], r["baseline"], f"{r['tokens_per_s_ratio']:.2f}x", *ttft)
     return table
 
 

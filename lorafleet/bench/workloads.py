@@ -42,6 +42,9 @@ class Workload:
     `pool_fraction`: the pool has room, beyond the KV cache, for that fraction of the adapters'
     bytes (so the rest are evicted and reloaded: the tiers at work); None: for all of them.
     Arrivals: `all-at-once` at time 0, or `poisson` at `rate` requests per second, the first at 0.
+    Shared prefixes: with `tenants` > 0, each tenant has a system prompt of `system_len` tokens,
+    and a request's prompt is its tenant's system prompt followed by a question of `prompt_len`
+    tokens; adapter i belongs to tenant i % tenants (a base request to a random tenant).
     """
 
     name: str
@@ -59,6 +62,8 @@ class Workload:
     base_fraction: float = 0.0
     residency: str = "loaded"
     pool_fraction: float | None = None
+    tenants: int = 0
+    system_len: int = 0
     description: str = ""
 
     def __post_init__(self):
@@ -88,6 +93,8 @@ class Workload:
             bad(f"base_fraction must be in [0, 1], got {self.base_fraction!r}")
         if self.residency not in RESIDENCIES:
             bad(f"residency {self.residency!r} is not one of {RESIDENCIES}")
+        if self.tenants < 0 or self.system_len < 0 or (self.tenants > 0) != (self.system_len > 0):
+            bad(f"tenants and system_len go together (both > 0, or both 0), got {self.tenants}, {self.system_len}")
         if self.pool_fraction is not None and not (0 < self.pool_fraction <= 1 and self.residency == "registered"):
             bad(f"pool_fraction must be in (0, 1] with registered residency, got {self.pool_fraction!r}")
 
@@ -123,6 +130,15 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("cold-start", 128, (64, 64), (32, 32), num_adapters=32, ranks=(8, 16), arrival="poisson",
              rate=4.0, residency="registered",
              description="32 adapters on disk, loaded on first use; Poisson arrivals at 4 req/s"),
+    Workload("shared-prefix", 200, (64, 64), (32, 32), num_adapters=100, popularity="zipf", zipf_alpha=1.0,
+             arrival="poisson", rate=2.0, ranks=(8, 16), targets=ATTENTION_MODULES, tenants=10, system_len=512,
+             description="10 tenants' 512-token system prompts + a 64-token question, 100 adapters (Zipf), "
+                         "Poisson 2 req/s"),
+    Workload("shared-prefix-pressure", 200, (64, 64), (32, 32), num_adapters=100, popularity="zipf",
+             zipf_alpha=1.0, arrival="poisson", rate=2.0, ranks=(8, 16), targets=ATTENTION_MODULES, tenants=10,
+             system_len=512, residency="registered", pool_fraction=0.1,
+             description="shared-prefix with adapters on disk and a pool for ~10% of them: cached KV and "
+                         "idle adapters compete for pages"),
     Workload("base-only", 64, (16, 256), (16, 256),
              description="base model only, 64 requests arriving at once"),
     Workload("quick", 8, (8, 32), (8, 32), num_adapters=4, ranks=(8, 16), base_fraction=0.25,
@@ -154,9 +170,21 @@ def make_requests(workload: Workload, vocab_size: int) -> list[BenchRequest]:
     lengths = [(rng.randint(*workload.prompt_len), rng.randint(*workload.output_len)) for _ in range(n)]
     prompts = [[rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(p)] for p, _ in lengths]
     adapters = _draw_adapters(workload, random.Random(f"{workload.seed}/adapters"))
+    if workload.tenants:
+        prompts = _with_system_prompts(workload, prompts, adapters, vocab_size)
     arrivals = _draw_arrivals(workload, random.Random(f"{workload.seed}/arrivals"))
     return [BenchRequest(prompt, out, adapter, arrival)
             for prompt, (_, out), adapter, arrival in zip(prompts, lengths, adapters, arrivals)]
+
+
+def _with_system_prompts(workload: Workload, questions: list[list[int]], adapters: list[str | None],
+                         vocab_size: int) -> list[list[int]]:
+    rng = random.Random(f"{workload.seed}/tenants")
+    systems = [[rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(workload.system_len)]
+               for _ in range(workload.tenants)]
+    names = {adapter_name(i): i % workload.tenants for i in range(workload.num_adapters)}
+    return [systems[names[a] if a is not None else rng.randrange(workload.tenants)] + q
+            for q, a in zip(questions, adapters)]
 
 
 def _draw_adapters(workload: Workload, rng: random.Random) -> list[str | None]:

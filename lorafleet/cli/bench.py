@@ -30,7 +30,8 @@ Systems = Annotated[str, typer.Option(
     "--systems", help="Comma-separated systems to run: lorafleet, transformers (base model only), "
                       "lorafleet-daemon (the same through `lorafleet serve` over its socket), "
                       "peft-groups (set_adapter per adapter group), peft-mixed (adapter_names "
-                      "batches), merged (memory accounting only).")]
+                      "batches), merged (memory accounting only), lorafleet-no-prefix-cache and "
+                      "lorafleet-lru (lorafleet with its prefix cache off; with plain LRU eviction).")]
 MaxBaseline = Annotated[int | None, typer.Option(
     "--max-baseline-requests", min=1, metavar="N",
     help="Baselines serve only the first N requests (PEFT over hundreds of adapters would take "
@@ -51,7 +52,7 @@ def run(
     workload: Annotated[list[str] | None, typer.Option(
         "--workload", "-w",
         help="Workload: uniform-8, uniform-1000, uniform-1000-tiered, zipf-1000, mixed-lengths, "
-             "cold-start, base-only or quick. Repeat for several, run in turn, with lorafleet's "
+             "cold-start, shared-prefix, shared-prefix-pressure, base-only or quick. Repeat for several, run in turn, with lorafleet's "
              "tokens/s compared across uniform-1000 and uniform-8, uniform-1000-tiered and "
              "uniform-1000. Default: base-only.")] = None,
     systems: Systems = ALL_SYSTEMS,

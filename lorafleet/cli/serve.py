@@ -79,6 +79,9 @@ def serve(
     resolve: Annotated[bool, typer.Option(
         "--resolve/--no-resolve", help="Serve an adapter of the store on its first request by name, "
                                       "without a load call (and its new weights after a re-pull).")] = True,
+    prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache", help="Reuse the KV of prompt prefixes computed before under the "
+                                                 "same adapter weights.")] = True,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Start the daemon in the background and return once it answers.")] = False,
     log_file: Annotated[Path | None, typer.Option(
         "--log-file", metavar="PATH", help="With --detach: where the daemon logs. Default: $LORAFLEET_HOME/logs/daemon.log.")] = None,
@@ -99,7 +102,8 @@ def serve(
                               max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
                               drain_timeout=drain_timeout, access_log=access_log)
         engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
-                          "max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
+                          "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+                          "prefix_cache": prefix_cache}
         adapters = _parse_adapters(adapter)
         if detach:
             argv = _rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),

@@ -58,9 +58,10 @@ class Engine:
         if num_pages < 1:
             raise ConfigError(f"pool_bytes={cfg.pool_bytes} holds no page ({page_bytes} bytes each)")
         self.pool = PagePool(num_pages, page_elems, self.model.dtype, self.device)
-        self.kv = KVCacheManager(self.pool, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv = KVCacheManager(self.pool, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                                 prefix_cache=cfg.prefix_cache)
         self.adapters = AdapterResidency(self.pool, BaseShapes.from_model_config(mc), cfg.host_cache_bytes,
-                                         cfg.min_resident_steps)
+                                         self.kv, cfg.min_resident_steps, cfg.eviction)
         self.prefetcher = Prefetcher(self.adapters, cfg.prefetch_workers)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    residency=self.adapters, policy=POLICIES[cfg.policy]())
@@ -189,6 +190,7 @@ class Engine:
                                          [r.generator or self._generator for r in reqs])
             for c in chunks:
                 c.request.num_computed += c.num_tokens
+                self.kv.commit(c.request)  # its full blocks can serve later prompts (prefix cache)
             for i, (req, token, lp) in enumerate(zip(reqs, tokens, lps)):          # 5
                 outputs.append(self._fail(req, errors[i]) if i in errors else self._append(req, token, lp))
             self._record(t0, chunks, len(reqs), len(tick.loaded))
@@ -200,6 +202,8 @@ class Engine:
 
     def _record(self, t0: float, chunks, generated: int, loaded: int) -> None:
         prompt_tokens = sum(c.num_tokens for c in chunks if not (c.samples and c.num_tokens == 1))
+        if prompt_tokens:  # what recomputing a cached block would cost (the eviction order)
+            self.adapters.order.observe_prefill(self.runner.last_model_s, sum(c.num_tokens for c in chunks))
         self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, generated,
                                   distinct_adapters=len({c.request.adapter for c in chunks}),
                                   adapters_loaded=loaded, model_s=self.runner.last_model_s)
@@ -276,6 +280,11 @@ class Engine:
     def unload_adapter(self, name: str) -> None:
         """Forget the adapter and free its pages; AdapterInUseError while requests use it."""
         self.adapters.unregister(name)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (benchmarks start each replay cold with it); returns the
+        pages given back. Running requests keep their KV."""
+        return self.kv.reset()
 
     def list_adapters(self) -> list[dict]:
         return [e.info() for e in self.adapters.entries.values()]
@@ -354,6 +363,8 @@ class Engine:
             "max_model_len": self.max_model_len,
             "pool": pool,
             "adapters": self.adapters.stats(),
+            "prefix_cache": self.kv.stats(),
+            "eviction": self.adapters.order.stats(),
             "adapter_details": {e.name: e.info() for e in self.adapters.entries.values()},
             "scheduler": self.scheduler.policy.snapshot(),
             "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],

@@ -89,4 +89,4 @@ def metrics(req: Request) -> dict:
             "ttft_s": first - req.arrival_time if first else None,
             "tpot_s": (req.finish_time - first) / (n - 1) if n > 1 else None,
             "e2e_s": req.finish_time - req.arrival_time,
-            "num_preemptions": req.num_preemptions}
+            "num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}

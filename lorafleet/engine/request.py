@@ -86,6 +86,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None

@@ -14,6 +14,8 @@ prefill), and a preempted sequence simply recomputes its prompt and output as on
 - A running sequence that needs a KV page first takes it from idle adapters (least recently
   used); only then is the newest running sequence preempted (pages freed, work recomputed).
 - Admission pins a request's adapter; preemption and finishing unpin it.
+- Admission first takes what the prefix cache holds of the request's leading blocks
+  (`KVCacheManager.adopt_prefix`) and computes only the rest.
 """
 
 from __future__ import annotations
@@ -158,11 +160,17 @@ class Scheduler:
             if not self._ready(req):  # admitting another request evicted its adapter
                 del heads[key(req)]
                 continue
+            cached = self.kv.adopt_prefix(req)  # the KV of its leading blocks, when cached
+            req.num_computed = cached
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.kv.extra_pages(req.request_id, req.num_computed + n)
             reserve = self.watermark_pages if self.running else 0  # alone, it may use the watermark
             if not self._room(need + reserve, protect=req.lora):
+                self.kv.unadopt(req, cached)
+                req.num_computed = 0
                 break  # admitted when pages come back
+            if not req.num_preemptions:  # what its prompt found cached (usage), not a recomputation's
+                req.num_cached_tokens = cached
             k = key(req)
             self.queues[k].popleft()
             self._leave_waiting(req)

@@ -1,4 +1,4 @@
-"""Sequence block tables over the KV pages of the unified pool.
+"""Sequence block tables over the KV pages of the unified pool, and the prefix cache.
 
 A KV page holds K and V of `block_size` consecutive positions of one sequence for every layer:
 the pool tensor viewed as [pages, layers, 2, block_size, kv_heads, head_dim]. A sequence of n
@@ -8,13 +8,49 @@ The block tables live in one int array, a row per sequence holding pages (`block
 up to date as sequences grow and free), so the runner gathers a step's tables with one indexing
 operation instead of converting a list per sequence per step. The array is host metadata: it
 grows (rows or columns doubled) when needed; the pool itself never moves.
+
+Prefix cache (on unless `prefix_cache=False`). Every full block a sequence has computed is
+named by a hash chain: block i's key is sha256(key of block i-1, or the sequence's KV salt for
+block 0, then the block's token ids). The salt is what decides the KV beyond the tokens: the
+adapter's content digest, or the base's salt for no adapter and for adapters that leave every
+K and V as the base computes it (`AdapterEntry.kv_salt`). A request being admitted takes the
+longest run of its prompt's leading blocks found under its chain (reference counts: a page may
+sit in several block tables), and computes only the rest. Shared blocks are full and never
+written again (a sequence writes positions past what it computed, and the run it takes stops
+one token short of its end, so that token is computed and yields the first logits), so no
+copy-on-write is needed. A hashed page no sequence holds any more is *cached*: owner `CACHED`
+in the pool, kept here in least-recently-released order (within one release, deepest block
+first: a chain's tail is useless without its head), and given back when the residency's one
+eviction order picks it (`memory/eviction.py`). Only this module writes the cache's state.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections import OrderedDict
+
 import numpy as np
 
-from lorafleet.memory.pool import KV, PagePool
+from lorafleet.memory.pool import CACHED, KV, PagePool
+
+BASE_SALT = b"lorafleet-kv:base"
+KV_PROJECTIONS = ("k_proj", "v_proj")
+
+
+def kv_salt(targets: set[tuple[int, str]], digest: str, num_layers: int) -> bytes:
+    """The salt of the KV an adapter computes: the base's when the adapter changes no K or V,
+    else its content digest. K and V of layer l are projections of the residual stream entering
+    layer l, which every module of every earlier layer writes to (q, k, v and o through the
+    attention output, gate/up/down through the MLP's). So an adapter leaves all K and V as the
+    base computes them only when it targets nothing in layers before the last, and neither
+    k_proj nor v_proj in the last (q, o and the MLP of the last layer shape only the logits).
+    An MLP-only or q/o-only adapter over all layers changes the K and V of every layer but the
+    first: it never shares the base's blocks."""
+    last = num_layers - 1
+    if all(layer == last and module not in KV_PROJECTIONS for layer, module in targets):
+        return BASE_SALT
+    return b"lorafleet-kv:" + digest.encode()
 
 
 def kv_page_elems(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -22,7 +58,8 @@ def kv_page_elems(num_layers: int, block_size: int, num_kv_heads: int, head_dim:
 
 
 class KVCacheManager:
-    def __init__(self, pool: PagePool, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, pool: PagePool, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 prefix_cache: bool = True):
         assert pool.page_elems == kv_page_elems(num_layers, block_size, num_kv_heads, head_dim)
         self.pool = pool
         self.block_size = block_size
@@ -31,6 +68,16 @@ class KVCacheManager:
         self.block_table = np.zeros((16, 16), dtype=np.int64)  # [rows, blocks]: pages in position order
         self.num_blocks = np.zeros(16, dtype=np.int64)         # [rows]: pages each row holds
         self._free_rows = list(range(15, -1, -1))
+        # the prefix cache
+        self.prefix_cache = prefix_cache
+        self.refs = np.zeros(pool.num_pages, dtype=np.int64)   # page -> block tables holding it
+        self.page_hash: dict[int, bytes] = {}                  # hashed page -> its key
+        self.by_hash: dict[bytes, int] = {}                    # key -> the page holding that block
+        self.cached: OrderedDict[int, float] = OrderedDict()   # evictable pages -> released at; LRU first
+        self.num_hashed = np.zeros(16, dtype=np.int64)         # [rows]: leading blocks looked at for hashing
+        self.chains: dict[str, list[bytes]] = {}               # request id -> keys of its full blocks so far
+        self.query_tokens = 0                                  # prompt tokens looked up at admission
+        self.hit_tokens = 0                                    # of which found cached
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -48,17 +95,32 @@ class KVCacheManager:
         extra = self.extra_pages(request_id, num_tokens)
         if extra:
             have = int(self.num_blocks[row])
-            if have + extra > self.block_table.shape[1]:
-                self._resize(cols=max(2 * self.block_table.shape[1], have + extra))
-            self.block_table[row, have:have + extra] = self.pool.allocate(extra, KV)
+            self._fit(have + extra)
+            pages = self.pool.allocate(extra, KV)
+            self.block_table[row, have:have + extra] = pages
+            self.refs[pages] = 1
             self.num_blocks[row] = have + extra
 
     def free(self, request_id: str) -> None:
+        """The sequence lets go of its pages: a page no other sequence holds is freed, or cached
+        when it holds a hashed block."""
         row = self.rows.pop(request_id, None)
+        self.chains.pop(request_id, None)
         if row is None:
             return
-        self.pool.free(self.block_table[row, :self.num_blocks[row]])
+        pages = self.block_table[row, :self.num_blocks[row]]
+        self.refs[pages] -= 1
+        idle = pages[self.refs[pages] == 0][::-1].tolist()  # deepest first: evicted first
+        to_cache = [p for p in idle if p in self.page_hash]
+        if to_cache:
+            now = time.monotonic()
+            for p in to_cache:
+                self.cached[p] = now
+            self.pool.retag(to_cache, CACHED)
+        if len(to_cache) < len(idle):
+            self.pool.free([p for p in idle if p not in self.page_hash])
         self.num_blocks[row] = 0
+        self.num_hashed[row] = 0
         self._free_rows.append(row)
 
     def table(self, request_id: str) -> np.ndarray:
@@ -66,6 +128,105 @@ class KVCacheManager:
         row = self.rows[request_id]
         return self.block_table[row, :self.num_blocks[row]]
 
+    # -- the prefix cache --------------------------------------------------------------
+    def _chain(self, req, blocks: int) -> list[bytes]:
+        """`req`'s block keys, extended to its first `blocks` blocks (all tokens known)."""
+        chain = self.chains.setdefault(req.request_id, [])
+        bs = self.block_size
+        if len(chain) < blocks:
+            tokens = np.asarray(req.token_at(len(chain) * bs, blocks * bs), dtype=np.int64)
+            prev = chain[-1] if chain else (req.lora.kv_salt if req.lora is not None else BASE_SALT)
+            for i in range(blocks - len(chain)):
+                prev = hashlib.sha256(prev + tokens[i * bs:(i + 1) * bs].tobytes()).digest()
+                chain.append(prev)
+        return chain
+
+    def adopt_prefix(self, req) -> int:
+        """At admission (nothing computed, no pages): take the cached pages of the longest run
+        of `req`'s leading blocks, stopping one token short of its end. Returns the tokens they
+        hold (0 when none, or with the cache off)."""
+        if not self.prefix_cache:
+            return 0
+        assert req.request_id not in self.rows and req.num_computed == 0
+        limit = (req.num_tokens - 1) // self.block_size
+        self.query_tokens += req.num_tokens
+        pages: list[int] = []
+        for key in self._chain(req, limit):
+            page = self.by_hash.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        if not pages:
+            return 0
+        row = self.rows[req.request_id] = self._new_row()
+        self._fit(len(pages))
+        self.block_table[row, :len(pages)] = pages
+        self.num_blocks[row] = self.num_hashed[row] = len(pages)
+        waking = [p for p in pages if self.refs[p] == 0]
+        for p in waking:
+            del self.cached[p]
+        self.pool.retag(waking, KV)
+        self.refs[pages] += 1
+        self.hit_tokens += len(pages) * self.block_size
+        return len(pages) * self.block_size
+
+    def unadopt(self, req, tokens: int) -> None:
+        """Admission failed after `adopt_prefix` gave `req` `tokens` cached tokens: they go back."""
+        if not self.prefix_cache:
+            return
+        self.free(req.request_id)
+        self.query_tokens -= req.num_tokens
+        self.hit_tokens -= tokens
+
+    def commit(self, req) -> None:
+        """After a step: the full blocks `req` has computed are named, so later requests can
+        find them (a block whose key another page already holds stays unnamed)."""
+        if not self.prefix_cache:
+            return
+        row = self.rows.get(req.request_id)
+        if row is None:
+            return
+        full = req.num_computed // self.block_size
+        start = int(self.num_hashed[row])
+        if full <= start:
+            return
+        chain = self._chain(req, full)
+        for i in range(start, full):
+            page = int(self.block_table[row, i])
+            if chain[i] not in self.by_hash and page not in self.page_hash:
+                self.by_hash[chain[i]] = page
+                self.page_hash[page] = chain[i]
+        self.num_hashed[row] = full
+
+    def oldest_cached(self) -> float | None:
+        """When the next cached page to evict was released (None: nothing cached)."""
+        return next(iter(self.cached.values()), None)
+
+    def evict_cached(self) -> None:
+        """Give the next cached page back to the pool (least recently released, deepest first)."""
+        page, _ = self.cached.popitem(last=False)
+        del self.by_hash[self.page_hash.pop(page)]
+        self.pool.free([page])
+
+    def reset(self) -> int:
+        """Forget every named block: cached pages go back to the pool, held ones stay with their
+        sequences unnamed. Returns the pages freed."""
+        freed = list(self.cached)
+        self.cached.clear()
+        self.page_hash.clear()
+        self.by_hash.clear()
+        self.pool.free(freed)
+        for rid, row in self.rows.items():  # held blocks are not named again either
+            self.num_hashed[row] = self.num_blocks[row]
+        return len(freed)
+
+    def stats(self) -> dict:
+        return {"enabled": self.prefix_cache, "cached_pages": len(self.cached),
+                "hashed_pages": len(self.page_hash), "query_tokens": self.query_tokens,
+                "hit_tokens": self.hit_tokens,
+                "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0}
+
+    # -- rows --------------------------------------------------------------------------
     def _new_row(self) -> int:
         if not self._free_rows:
             n = len(self.num_blocks)
@@ -73,18 +234,34 @@ class KVCacheManager:
             self._free_rows = list(range(2 * n - 1, n - 1, -1))
         return self._free_rows.pop()
 
+    def _fit(self, blocks: int) -> None:
+        if blocks > self.block_table.shape[1]:
+            self._resize(cols=max(2 * self.block_table.shape[1], blocks))
+
     def _resize(self, rows: int | None = None, cols: int | None = None) -> None:
         r, c = self.block_table.shape
         table = np.zeros((rows or r, cols or c), dtype=np.int64)
         table[:r, :c] = self.block_table
         self.block_table = table
         if rows:
-            self.num_blocks = np.concatenate([self.num_blocks, np.zeros(rows - r, dtype=np.int64)])
+            grow = np.zeros(rows - r, dtype=np.int64)
+            self.num_blocks = np.concatenate([self.num_blocks, grow])
+            self.num_hashed = np.concatenate([self.num_hashed, grow])
 
     def check_integrity(self) -> None:
-        owned = [p for row in self.rows.values() for p in self.block_table[row, :self.num_blocks[row]].tolist()]
-        assert len(owned) == len(set(owned)), "a KV page appears in two block tables"
-        assert sorted(owned) == self.pool.pages_of(KV).tolist(), "KV pages and block tables disagree"
+        held = np.zeros(self.pool.num_pages, dtype=np.int64)
+        for row in self.rows.values():
+            pages = self.block_table[row, :self.num_blocks[row]]
+            assert len(np.unique(pages)) == len(pages), "a page appears twice in one block table"
+            held[pages] += 1
+        assert (held == self.refs).all(), "page reference counts disagree with the block tables"
+        assert sorted(np.flatnonzero(held).tolist()) == self.pool.pages_of(KV).tolist(), \
+            "KV pages and block tables disagree"
+        assert sorted(self.cached) == self.pool.pages_of(CACHED).tolist(), "cached pages and the pool disagree"
+        assert all(p in self.page_hash for p in self.cached), "a cached page holds no named block"
+        assert {p: h for h, p in self.by_hash.items()} == self.page_hash, "the hash maps disagree"
+        assert all(held[p] or p in self.cached for p in self.page_hash), "a named page is neither held nor cached"
+        assert self.prefix_cache or not self.page_hash, "blocks named with the prefix cache off"
         used = set(self.rows.values())
         assert not used & set(self._free_rows), "a block-table row is both used and free"
         assert all(self.num_blocks[r] == 0 for r in self._free_rows), "a free row still holds pages"

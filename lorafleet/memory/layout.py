@@ -77,6 +77,10 @@ class Layout:
                 buf[a_off + row * fan_in: a_off + (row + r) * fan_in].copy_(w.a.reshape(-1))
                 torch.mul(w.b.t(), w.scale, out=buf[b_off: b_off + out * r].view(r, out))
 
+    def targets(self) -> set[tuple[int, str]]:
+        """The (layer, module) pairs the adapter has weights for."""
+        return {(layer, GROUPS[group][j]) for (layer, group), (*_, bs) in self.entries.items() for j, *_ in bs}
+
     def kernel_meta(self, num_layers: int) -> np.ndarray:
         """[layers, groups, slots, META_FIELDS] int64: (a_off, r, b_off, n_out, col) per module
         slot, offsets logical in the adapter's buffer; rank 0 marks a module it does not target."""

@@ -2,8 +2,10 @@
 either KV blocks or adapter weights.
 
 Invariants (checked by `check_integrity()`, which tests run after every engine step):
-- every page has exactly one owner: free, KV, or one adapter;
-- free + KV + adapter pages == total pages, and the counters agree with the owner table;
+- every page has exactly one owner: free, KV (held by one or more sequences' block tables),
+  cached (a full KV block no sequence holds, kept for prefix reuse and evictable: `memory/kv.py`
+  owns which), or one adapter;
+- free + KV + cached + adapter pages == total pages, and the counters agree with the owner table;
 - the tensor is never reallocated: its address is fixed for the life of the pool, whatever
   moves in or out of its pages, so captured CUDA graphs stay valid (`engine/graphs.py`);
 - one extra row past the pages, `scratch_page`, is never allocated: padding rows of a captured
@@ -27,6 +29,7 @@ import torch
 from lorafleet.errors import PoolExhaustedError
 
 FREE = -1
+CACHED = -2  # KV blocks kept for prefix reuse, held by no sequence (memory/kv.py)
 KV = 0  # owner ids >= 1 are adapters (see `new_owner`)
 
 
@@ -43,9 +46,9 @@ class PagePool:
         self.tensor = torch.zeros(num_pages + 1, page_elems, dtype=dtype, device=device)  # [P + 1, E]
         self.scratch_page = num_pages
         self._owner = np.full(num_pages, FREE, dtype=np.int64)  # page -> owner id
-        self._owner_names: dict[int, str] = {KV: "kv"}
+        self._owner_names: dict[int, str] = {KV: "kv", CACHED: "cached"}
         self._next_owner = KV + 1
-        self._pages_by_owner: dict[int, int] = {KV: 0}
+        self._pages_by_owner: dict[int, int] = {KV: 0, CACHED: 0}
         self.num_free = num_pages
         self._free_heap = list(range(num_pages))  # a min-heap; entries may be stale (page taken)
 
@@ -56,6 +59,10 @@ class PagePool:
     @property
     def num_kv(self) -> int:
         return self._pages_by_owner[KV]
+
+    @property
+    def num_cached(self) -> int:
+        return self._pages_by_owner[CACHED]
 
     def new_owner(self, label: str) -> int:
         """A new owner id (>= 1) for one adapter's pages; `label` (its name) is what stats show.
@@ -90,6 +97,19 @@ class PagePool:
         self._pages_by_owner[owner] += n
         self.num_free -= n
         return pages.tolist()
+
+    def retag(self, pages: list[int], owner: int) -> None:
+        """KV pages become cached (their last sequence let go of them) or cached pages KV again
+        (a sequence reuses them): the only moves between owners without a free."""
+        assert owner in (KV, CACHED)
+        if not pages:
+            return
+        idx = np.asarray(pages, dtype=np.int64)
+        other = CACHED if owner == KV else KV
+        assert (self._owner[idx] == other).all(), f"retag of pages not owned by {self._owner_names[other]}"
+        self._owner[idx] = owner
+        self._pages_by_owner[other] -= len(idx)
+        self._pages_by_owner[owner] += len(idx)
 
     def _lowest_free(self, n: int) -> np.ndarray:
         heap, owner, out = self._free_heap, self._owner, []
@@ -143,11 +163,11 @@ class PagePool:
     def stats(self) -> dict:
         adapters: dict[str, int] = {}
         for o, n in self._pages_by_owner.items():
-            if o != KV and n:
+            if o > KV and n:
                 label = self._owner_names[o]
                 adapters[label] = adapters.get(label, 0) + n
         return {
             "total_pages": self.num_pages, "page_bytes": self.page_bytes,
-            "free_pages": self.num_free, "kv_pages": self.num_kv,
+            "free_pages": self.num_free, "kv_pages": self.num_kv, "cached_pages": self.num_cached,
             "adapter_pages": sum(adapters.values()), "pages_by_adapter": adapters,
         }

@@ -19,8 +19,9 @@ Contracts:
   the old entry: requests that acquired it finish on its weights, and its pages and host copy go
   back when its last user releases it. A request never mixes two weights, and every request
   that arrives after the swap gets the new ones.
-- Eviction frees device pages of unpinned adapters, least recently used first, and only when
-  pages are needed (for KV or another adapter). An adapter made ready less than
+- Eviction frees device pages of unpinned adapters and cached KV blocks (`memory/kv.py`), in
+  one order (`memory/eviction.py`: least expected loss per byte, LRU within each kind), and
+  only when pages are needed (for KV or another adapter). An adapter made ready less than
   `min_resident_steps` steps ago is spared when another adapter wants its pages (hysteresis,
   so two hot sets do not thrash the pool); KV pressure may still take it.
 - An adapter's pages may lie anywhere in the pool: the kernels read its weights through its
@@ -45,8 +46,10 @@ import numpy as np
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config, weights_numel
+from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.memory.host_cache import HostAdapter, HostCache
-from lorafleet.memory.pool import PagePool
+from lorafleet.memory.kv import KVCacheManager, kv_salt
+from lorafleet.memory.pool import CACHED, PagePool
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _uids = itertools.count(1)
@@ -75,6 +78,7 @@ class AdapterEntry:
     ready: bool = False                  # pages hold the weights
     page_table: np.ndarray | None = None  # the pages in logical order, while ready
     kernel_meta: np.ndarray | None = None  # [layers, groups, slots, 5]: Layout.kernel_meta, while ready
+    kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy
     error: str | None = None             # the last load failed with this message
@@ -105,10 +109,12 @@ class AdapterEntry:
 
 
 class AdapterResidency:
-    def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int,
-                 min_resident_steps: int = 4):
+    def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int, kv: KVCacheManager,
+                 min_resident_steps: int = 4, eviction: str = "cost"):
         self.pool = pool
         self.base = base
+        self.kv = kv  # its cached blocks are the other kind of evictable page
+        self.order = EvictionOrder(eviction, kv.block_size, pool.page_bytes)
         self.host = HostCache(host_cache_bytes)
         self.entries: dict[str, AdapterEntry] = {}   # name -> its current entry
         self.retired: set[AdapterEntry] = set()      # replaced or unloaded, still in use or in flight
@@ -241,6 +247,7 @@ class AdapterResidency:
         entry.loading = None
         entry.disk_loads += 1
         entry.load_time_s += seconds
+        self.order.observe_load(seconds, host.nbytes)
         entry.digest = host.digest
         entry.numel = host.layout.numel
         self._put_host(entry, host)
@@ -278,6 +285,7 @@ class AdapterResidency:
         entry.ranks, entry.num_params = host.ranks, host.num_params
         entry.page_table = np.asarray(entry.pages, dtype=np.int64)
         entry.kernel_meta = host.layout.kernel_meta(self.base.num_layers)
+        entry.kv_salt = kv_salt(host.layout.targets(), host.digest, self.base.num_layers)
         entry.ready = True
         entry.ready_step = self.step
         entry.device_loads += 1
@@ -308,18 +316,25 @@ class AdapterResidency:
         return [e for e in self._idle_lru if e not in protect and (for_kv or e.ready_step <= young)]
 
     def make_room(self, pages: int, protect: Container[AdapterEntry] = frozenset(), for_kv: bool = False) -> bool:
-        """Evict idle adapters (unpinned, not in `protect`, least recently used first; young ones
-        only for KV) until `pages` are free. Evicts nothing when that would not suffice."""
+        """Evict idle adapters (unpinned, not in `protect`; young ones only for KV) and cached KV
+        blocks, in the eviction order, until `pages` are free. Evicts nothing when that would
+        not suffice."""
         if self.pool.can_allocate(pages):
             return True
         idle = self._idle(protect, for_kv)
         short = pages - self.pool.num_free
-        if sum(len(e.pages) for e in idle) < short:
+        if self.pool.num_cached + sum(len(e.pages) for e in idle) < short:
             return False
-        for e in idle:
-            if self.pool.can_allocate(pages):
-                break
-            self._evict(e)
+        now, i = time.monotonic(), 0
+        while not self.pool.can_allocate(pages):
+            adapter = idle[i] if i < len(idle) else None
+            if self.order.kv_first(self.kv.oldest_cached(), adapter.last_used if adapter else None, now):
+                self.kv.evict_cached()
+                self.order.evictions["kv_blocks"] += 1
+            else:
+                self._evict(adapter)
+                self.order.evictions["adapters"] += 1
+                i += 1
         return True
 
     def _evict(self, entry: AdapterEntry) -> None:
@@ -349,7 +364,7 @@ class AdapterResidency:
         idle = [e for e in itertools.chain(self.entries.values(), self.retired) if e.ready and not e.pins]
         assert set(idle) == set(self._idle_lru), "the idle LRU disagrees with the adapters' state"
         assert list(self._idle_lru) == sorted(self._idle_lru, key=lambda e: e.last_used), "idle LRU out of order"
-        strays = set(by_owner) - {-1, 0}
+        strays = set(by_owner) - {-1, 0, CACHED}
         assert not strays, f"pages held by unknown adapter owners {sorted(strays)}"
 
     def stats(self) -> dict:

@@ -2,8 +2,8 @@
 
 Routes: POST /v1/completions, /v1/chat/completions (completions.py); GET /v1/models,
 /v1/models/{name}; POST /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's bodies:
-{"lora_name", "lora_path"}); GET /v1/stats (JSON for `status` and `top`); GET /metrics
-(Prometheus); GET /health.
+{"lora_name", "lora_path"}); POST /reset_prefix_cache (vLLM's: forget cached prefixes); GET
+/v1/stats (JSON for `status` and `top`); GET /metrics (Prometheus); GET /health.
 
 Every error is OpenAI's body, {"error": {"message", "type", "param", "code"}}, with the status
 its LorafleetError class names (4xx for anything a client can cause). An unexpected exception
@@ -123,6 +123,14 @@ async def unload_lora_adapter(request: Request):
     await on_engine(request, lambda e: e.unload_adapter(name))
     log.info("adapter %s unloaded", name)
     return {"object": "lora_adapter", "message": f"Success: LoRA adapter '{name}' removed successfully."}
+
+
+@v1.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request):
+    """Forget every cached prefix (vLLM's route of the same name): the next prompts are computed
+    in full. Running requests keep their KV."""
+    pages = await on_engine(request, lambda e: e.reset_prefix_cache())
+    return {"object": "prefix_cache", "message": f"Success: {pages} cached pages freed.", "pages_freed": pages}
 
 
 @v1.get("/v1/stats")

@@ -10,7 +10,12 @@ The vLLM names LoRA-aware gateways read, with vLLM's meanings:
   label set is dropped at each scrape rather than left to pile up.
 - `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:num_preemptions_total`.
 
-lorafleet's own: `lorafleet_pool_pages{owner=free|kv|adapters}`, the server's admission
+- `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`: prompt tokens looked up in
+  the prefix cache at admission, and found there.
+
+lorafleet's own: `lorafleet_pool_pages{owner=free|kv|cached|adapters}`,
+`lorafleet_prefix_cache_hit_rate`, `lorafleet_evictions_total{kind=kv_blocks|adapters}` (what
+the one eviction order gave back, `memory/eviction.py`), the server's admission
 counters, and every numeric counter of `Engine.stats()` as `lorafleet_engine_<name>` (p50/p99
 summaries as a `quantile` label), so new engine counters (adapter loads, switch stalls) appear
 without touching this file.
@@ -28,7 +33,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # exported under their vLLM names, or rendered on their own below
 _MAPPED = {"num_running", "num_waiting", "kv_cache_usage", "num_prompt_tokens",
            "num_generated_tokens", "num_preemptions", "pool", "adapters", "lora", "num_adapters",
-           "max_num_seqs", "max_model_len"}
+           "max_num_seqs", "max_model_len", "prefix_cache", "eviction"}
 
 
 def lora_queues(engine) -> dict:
@@ -90,9 +95,20 @@ def render(snapshot: dict, server: dict, model_name: str) -> bytes:
     counter("vllm:num_preemptions", "Sequences preempted (their KV recomputed later).",
             snapshot.get("num_preemptions", 0))
 
+    prefix = snapshot["prefix_cache"]
+    counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix["query_tokens"])
+    counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix["hit_tokens"])
+    gauge("lorafleet_prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens.", prefix["hit_rate"])
+    evictions = CounterMetricFamily("lorafleet_evictions", "Pages given back by the eviction order, by kind.",
+                                    labels=[*label, "kind"])
+    for kind in ("kv_blocks", "adapters"):
+        evictions.add_metric([model_name, kind], snapshot["eviction"][f"evicted_{kind}"])
+    fams.append(evictions)
+
     pool = snapshot["pool"]
     pages = GaugeMetricFamily("lorafleet_pool_pages", "Pages of the unified pool by owner.", labels=["owner"])
-    for owner, key in (("free", "free_pages"), ("kv", "kv_pages"), ("adapters", "adapter_pages")):
+    for owner, key in (("free", "free_pages"), ("kv", "kv_pages"), ("cached", "cached_pages"),
+                       ("adapters", "adapter_pages")):
         pages.add_metric([owner], pool[key])
     fams.append(pages)
     gauge("lorafleet_pool_pages_total", "Pages in the unified pool.", pool["total_pages"])

@@ -30,7 +30,9 @@ def finish_reason(reason: str | None) -> str | None:
 def usage(outputs) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.metrics["cached_tokens"] for o in outputs if o.metrics)  # the prefix cache's part
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # -- logprobs ----------------------------------------------------------------------------------

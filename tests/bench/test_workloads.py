@@ -92,6 +92,22 @@ def test_base_fraction_sends_that_share_of_requests_to_the_base_model():
     assert sum(r.adapter is None for r in requests) / len(requests) == pytest.approx(0.25, abs=0.03)
 
 
+def test_shared_prefix_prompts_start_with_their_tenants_system_prompt():
+    load = WORKLOADS["shared-prefix"]
+    requests = make_requests(load, 8192)
+    by_tenant: dict[int, set] = {}
+    for r in requests:
+        assert len(r.prompt) == load.system_len + 64
+        tenant = int(r.adapter.removeprefix("lora-")) % load.tenants
+        by_tenant.setdefault(tenant, set()).add(tuple(r.prompt[:load.system_len]))
+    assert all(len(systems) == 1 for systems in by_tenant.values())         # one system prompt per tenant
+    assert len({next(iter(s)) for s in by_tenant.values()}) == len(by_tenant)  # and each its own
+    assert len({tuple(r.prompt[load.system_len:]) for r in requests}) == len(requests)  # distinct questions
+    popular = Counter(r.adapter for r in requests).most_common(1)[0][1]
+    assert popular > len(requests) / 10  # Zipf: the first adapter takes a large share
+    assert make_requests(load, 8192) == requests
+
+
 def test_requests_are_plain_data_that_round_trip_through_json():
     import json
 
@@ -104,7 +120,7 @@ def test_requests_are_plain_data_that_round_trip_through_json():
     (dict(popularity="pareto"), "popularity"), (dict(ranks=()), "ranks"),
     (dict(targets=("lm_head",)), "targets"), (dict(base_fraction=1.5), "base_fraction"),
     (dict(residency="host"), "residency"), (dict(num_adapters=-1), "num_adapters"),
-    (dict(pool_fraction=0.5), "pool_fraction"), (dict(residency="registered", pool_fraction=0.0), "pool_fraction"),
+    (dict(pool_fraction=0.5), "pool_fraction"), (dict(tenants=3), "system_len"), (dict(residency="registered", pool_fraction=0.0), "pool_fraction"),
 ])
 def test_a_bad_workload_is_refused_naming_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):

@@ -43,7 +43,7 @@ def test_requests_respect_the_workload_ranges_and_the_vocabulary(name):
     requests = make_requests(load, vocab_size=100)
     assert len(requests) == load.num_requests
     for r in requests:
-        assert load.prompt_len[0] <= len(r.prompt) <= load.prompt_len[1]
+        assert load.prompt_len[0] + load.system_len <= len(r.prompt) <= load.prompt_len[1] + load.system_len
         assert load.output_len[0] <= r.max_tokens <= load.output_len[1]
         assert all(3 <= t < 100 for t in r.prompt)
 

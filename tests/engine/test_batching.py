@@ -32,6 +32,7 @@ def test_output_is_the_same_alone_or_in_a_batch_of_16(llama_dir, params):
     batch = engine.generate([target] + others, mixed_params)
     assert batch[0].token_ids == alone.token_ids
     assert len(alone.token_ids) == 24
+    engine.reset_prefix_cache()
     assert engine.pool.num_free == engine.pool.num_pages
 
 
@@ -56,6 +57,7 @@ def test_preempted_requests_finish_with_the_same_output(llama_dir, params):
     got = [o.token_ids for o in tight.generate(prompts, params)]
     assert tight.stats()["num_preemptions"] > 0
     assert got == expected
+    tight.reset_prefix_cache()
     assert tight.pool.num_free == tight.pool.num_pages
 
 
@@ -73,6 +75,7 @@ def test_abort_frees_pages_at_any_time(llama_dir):
             if out.finished:
                 finished[out.request_id] = out
     assert set(finished) == set(ids[2:])
+    engine.reset_prefix_cache()
     assert engine.pool.num_free == engine.pool.num_pages
     assert engine.stats()["num_requests_aborted"] == 2
     with pytest.raises(RequestNotFoundError, match="req-0"):

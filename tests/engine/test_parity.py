@@ -62,6 +62,7 @@ def test_batched_greedy_tokens_match_transformers(family_model):
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, ids, 32)
         assert out.finish_reason == "length"
+    engine.reset_prefix_cache()
     assert engine.pool.num_free == engine.pool.num_pages
 
 

@@ -150,3 +150,24 @@ def test_a_lazily_registered_adapter_loads_on_first_use(served, adapter_dirs):
                                                 "ignore_eos": True}).json()
         assert out["choices"][0]["text"] == eager["choices"][0]["text"]
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "lazy-one"}).status_code == 200
+
+
+def test_usage_reports_the_prefix_caches_tokens_and_the_cache_resets(served):
+    client = served.openai()
+    prompt = [5 + (i * 7) % 200 for i in range(40)]  # token ids: two full blocks and a tail
+    with served.http() as c:
+        assert c.post("/reset_prefix_cache").raise_for_status().json()["object"] == "prefix_cache"
+
+    def cached():
+        out = client.completions.create(model="all-r8", prompt=prompt, max_tokens=2, temperature=0)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached() == 0
+    assert cached() == 32  # the two full blocks the first request computed, under the same adapter
+    with served.http() as c:
+        metrics = c.get("/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 32
+    with served.http() as c:
+        assert c.post("/reset_prefix_cache").raise_for_status().json()["pages_freed"] >= 2
+    assert cached() == 0

@@ -25,7 +25,7 @@ class StubResidency:
         self.pool, self.entries = pool, {}
         for name, n in adapters.items():
             pages = pool.allocate(n, pool.new_owner(name))
-            self.entries[name] = Entry(name=name, ready=True, pins=0, pages=pages)
+            self.entries[name] = Entry(name=name, ready=True, pins=0, pages=pages, kv_salt=name.encode())
 
     def make_room(self, pages, protect=frozenset(), for_kv=False):
         for e in self.entries.values():

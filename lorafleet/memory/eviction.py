@@ -1,0 +1,69 @@
+"""One eviction order for the two kinds of evictable pages in the unified pool: cached KV blocks
+(`memory/kv.py`; bringing one back means recomputing its tokens) and idle adapters
+(`memory/residency.py`; bringing one back means loading it again).
+
+A victim is the candidate with the smallest expected loss per byte freed:
+
+    score = (cost to bring it back, per byte) / (seconds it has been idle)
+
+The cost is per class, measured by the engine while it serves (`observe_prefill`: seconds of
+forward pass per token of the steps that computed prompts; `observe_load`: seconds per byte of
+the adapter loads the prefetcher ran), as exponential moving averages started from priors; the
+idle time stands for how unlikely a reuse is (a page idle twice as long is taken to be half as
+likely to be wanted soon). Within a class every candidate has the same cost, so the order is
+least recently used; across classes a page is kept longer the dearer its class is to bring
+back. With `policy="lru"` the cost is left out: plain LRU over both classes (the comparison the
+`shared-prefix-pressure` benchmark makes).
+
+This object decides and counts; the residency evicts adapters and the KV manager cached blocks.
+"""
+
+from __future__ import annotations
+
+POLICIES = ("cost", "lru")
+EWMA = 0.2
+PRIOR_RECOMPUTE_S_PER_TOKEN = 1e-4
+PRIOR_LOAD_S_PER_BYTE = 1e-9
+
+
+class EvictionOrder:
+    def __init__(self, policy: str, block_size: int, page_bytes: int):
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.block_size = block_size
+        self.page_bytes = page_bytes
+        self.recompute_s_per_token = PRIOR_RECOMPUTE_S_PER_TOKEN
+        self.load_s_per_byte = PRIOR_LOAD_S_PER_BYTE
+        self.evictions = {"kv_blocks": 0, "adapters": 0}
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        if tokens > 0 and seconds > 0:
+            self.recompute_s_per_token += EWMA * (seconds / tokens - self.recompute_s_per_token)
+
+    def observe_load(self, seconds: float, nbytes: int) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.load_s_per_byte += EWMA * (seconds / nbytes - self.load_s_per_byte)
+
+    @property
+    def kv_cost(self) -> float:
+        """Seconds per byte to recompute a cached block."""
+        return self.recompute_s_per_token * self.block_size / self.page_bytes
+
+    def score(self, cost_per_byte: float, idle_since: float, now: float) -> float:
+        """Lower goes first."""
+        age = max(now - idle_since, 1e-6)
+        return -age if self.policy == "lru" else cost_per_byte / age
+
+    def kv_first(self, kv_idle_since: float | None, adapter_idle_since: float | None, now: float) -> bool:
+        """Whether the oldest cached block goes before the oldest idle adapter (None: no such
+        candidate)."""
+        if kv_idle_since is None or adapter_idle_since is None:
+            return adapter_idle_since is None
+        return (self.score(self.kv_cost, kv_idle_since, now)
+                <= self.score(self.load_s_per_byte, adapter_idle_since, now))
+
+    def stats(self) -> dict:
+        return {"policy": self.policy, "recompute_s_per_token": self.recompute_s_per_token,
+                "load_s_per_byte": self.load_s_per_byte, "kv_cost_s_per_byte": self.kv_cost,
+                "evicted_kv_blocks": self.evictions["kv_blocks"], "evicted_adapters": self.evictions["adapters"]}
