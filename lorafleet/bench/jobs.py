@@ -49,6 +49,7 @@ class Job:
     adapters: dict[str, str] = field(default_factory=dict)
     residency: str = "loaded"
     pool_fraction: float | None = None
+    kv_fraction: float | None = None
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
@@ -232,14 +233,14 @@ def kv_page_bytes(model_dir: Path, itemsize: int) -> int:
 
 
 def workload_pool_bytes(model_dir: Path, requests: list[BenchRequest], itemsize: int,
-                        adapters: int = 0, num_adapters: int = 0, floor: bool = True) -> int:
-    """Bytes of KV pages for every request at its full length at once, plus room for
-    `num_adapters` adapters of `adapters` bytes in all (a page each for rounding); at least
-    64 MiB when `floor`."""
+                        adapters: int = 0, num_adapters: int = 0, floor: bool = True, kv_fraction: float = 1.0) -> int:
+    """Bytes of KV pages for every request at its full length at once (`kv_fraction` of that),
+    plus room for `num_adapters` adapters of `adapters` bytes in all (a page each for
+    rounding); at least 64 MiB when `floor`."""
     from lorafleet.config import EngineConfig
 
     page_bytes, block = kv_page_bytes(model_dir, itemsize), EngineConfig.block_size
-    pages = sum(math.ceil((len(r.prompt) + r.max_tokens) / block) for r in requests) + 8
+    pages = math.ceil(kv_fraction * sum(math.ceil((len(r.prompt) + r.max_tokens) / block) for r in requests)) + 8
     if adapters:
         pages += math.ceil(adapters / page_bytes) + num_adapters
     return max(pages * page_bytes, 64 << 20 if floor else 0)
@@ -247,11 +248,13 @@ def workload_pool_bytes(model_dir: Path, requests: list[BenchRequest], itemsize:
 
 def job_pool_bytes(job: Job, itemsize: int) -> int:
     """The pool the lorafleet systems get: the KV of the whole workload at full length and every
-    adapter (so nothing is preempted), or, with a `pool_fraction`, room for that share of them."""
+    adapter (so nothing is preempted), or, with a `pool_fraction`, room for that share of them
+    (and with a `kv_fraction`, KV room for that share of the workload's requests only)."""
     weights, fraction = adapter_bytes(job.adapters), job.pool_fraction
     if fraction is not None:  # room for that share of the adapters: the tiers at work
         return workload_pool_bytes(Path(job.model_dir), job.requests, itemsize, int(weights * fraction),
-                                   math.ceil(len(job.adapters) * fraction), floor=False)
+                                   math.ceil(len(job.adapters) * fraction), floor=False,
+                                   kv_fraction=job.kv_fraction or 1.0)
     return workload_pool_bytes(Path(job.model_dir), job.requests, itemsize, weights, len(job.adapters))
 
 

@@ -130,7 +130,8 @@ def _across(reports: list[dict]) -> list[dict]:
 def _run(system: str, model_dir: Path, load: Workload, vocab_size: int, common: dict, scratch: Path) -> dict:
     adapters = workload_adapters(model_dir, load)
     job = Job(system, str(model_dir), make_requests(load, vocab_size), {n: str(p) for n, p in adapters},
-              load.residency, load.pool_fraction, warm_up_adapter=str(warm_up_adapter(model_dir)), **common)
+              load.residency, load.pool_fraction, load.kv_fraction, warm_up_adapter=str(warm_up_adapter(model_dir)),
+              **common)
     if not get_system(system).isolated:
         from lorafleet.bench.worker import run_job
 

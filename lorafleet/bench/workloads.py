@@ -41,6 +41,8 @@ class Workload:
     starts; `registered` = they start on disk and load when first asked for (the clock runs).
     `pool_fraction`: the pool has room, beyond the KV cache, for that fraction of the adapters'
     bytes (so the rest are evicted and reloaded: the tiers at work); None: for all of them.
+    `kv_fraction` (with a `pool_fraction`): KV room for that share of the requests at full
+    length, not all of them (pages are short: cached KV and idle adapters compete).
     Arrivals: `all-at-once` at time 0, or `poisson` at `rate` requests per second, the first at 0.
     Shared prefixes: with `tenants` > 0, each tenant has a system prompt of `system_len` tokens,
     and a request's prompt is its tenant's system prompt followed by a question of `prompt_len`
@@ -62,6 +64,7 @@ class Workload:
     base_fraction: float = 0.0
     residency: str = "loaded"
     pool_fraction: float | None = None
+    kv_fraction: float | None = None
     tenants: int = 0
     system_len: int = 0
     description: str = ""
@@ -93,6 +96,8 @@ class Workload:
             bad(f"base_fraction must be in [0, 1], got {self.base_fraction!r}")
         if self.residency not in RESIDENCIES:
             bad(f"residency {self.residency!r} is not one of {RESIDENCIES}")
+        if self.kv_fraction is not None and not (0 < self.kv_fraction <= 1 and self.pool_fraction is not None):
+            bad(f"kv_fraction must be in (0, 1] with a pool_fraction, got {self.kv_fraction!r}")
         if self.tenants < 0 or self.system_len < 0 or (self.tenants > 0) != (self.system_len > 0):
             bad(f"tenants and system_len go together (both > 0, or both 0), got {self.tenants}, {self.system_len}")
         if self.pool_fraction is not None and not (0 < self.pool_fraction <= 1 and self.residency == "registered"):
@@ -131,14 +136,14 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              rate=4.0, residency="registered",
              description="32 adapters on disk, loaded on first use; Poisson arrivals at 4 req/s"),
     Workload("shared-prefix", 200, (64, 64), (32, 32), num_adapters=100, popularity="zipf", zipf_alpha=1.0,
-             arrival="poisson", rate=2.0, ranks=(8, 16), targets=ATTENTION_MODULES, tenants=10, system_len=512,
+             arrival="poisson", rate=0.5, ranks=(8, 16), targets=ATTENTION_MODULES, tenants=10, system_len=512,
              description="10 tenants' 512-token system prompts + a 64-token question, 100 adapters (Zipf), "
-                         "Poisson 2 req/s"),
+                         "Poisson 0.5 req/s"),
     Workload("shared-prefix-pressure", 200, (64, 64), (32, 32), num_adapters=100, popularity="zipf",
-             zipf_alpha=1.0, arrival="poisson", rate=2.0, ranks=(8, 16), targets=ATTENTION_MODULES, tenants=10,
-             system_len=512, residency="registered", pool_fraction=0.1,
-             description="shared-prefix with adapters on disk and a pool for ~10% of them: cached KV and "
-                         "idle adapters compete for pages"),
+             zipf_alpha=1.0, arrival="poisson", rate=0.5, ranks=(8, 16), targets=ATTENTION_MODULES, tenants=10,
+             system_len=512, residency="registered", pool_fraction=0.1, kv_fraction=0.1,
+             description="shared-prefix with adapters on disk, a pool for ~10% of them and KV room for 10% of "
+                         "the requests: cached KV and idle adapters compete for pages"),
     Workload("base-only", 64, (16, 256), (16, 256),
              description="base model only, 64 requests arriving at once"),
     Workload("quick", 8, (8, 32), (8, 32), num_adapters=4, ranks=(8, 16), base_fraction=0.25,

@@ -120,7 +120,8 @@ def test_requests_are_plain_data_that_round_trip_through_json():
     (dict(popularity="pareto"), "popularity"), (dict(ranks=()), "ranks"),
     (dict(targets=("lm_head",)), "targets"), (dict(base_fraction=1.5), "base_fraction"),
     (dict(residency="host"), "residency"), (dict(num_adapters=-1), "num_adapters"),
-    (dict(pool_fraction=0.5), "pool_fraction"), (dict(tenants=3), "system_len"), (dict(residency="registered", pool_fraction=0.0), "pool_fraction"),
+    (dict(pool_fraction=0.5), "pool_fraction"), (dict(tenants=3), "system_len"),
+    (dict(kv_fraction=0.5), "kv_fraction"), (dict(residency="registered", pool_fraction=0.0), "pool_fraction"),
 ])
 def test_a_bad_workload_is_refused_naming_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
