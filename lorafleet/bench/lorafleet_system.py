@@ -106,7 +106,9 @@ class LorafleetInProcess(System):
                         {"pool": replay.pool_summary()})
 
     def finish(self, job: Job) -> dict:
-        return {"num_preemptions": self.engine.counters.num_preemptions - self.warm_preemptions}
+        stats = self.engine.stats()
+        return {"num_preemptions": self.engine.counters.num_preemptions - self.warm_preemptions,
+                "prefix_cache": stats["prefix_cache"], "eviction": stats["eviction"]}
 
     def close(self) -> None:
         if self.engine is not None:  # None when prepare failed before it

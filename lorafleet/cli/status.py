@@ -52,9 +52,12 @@ def status(socket: SocketOption = None, as_json: JsonOption = False) -> None:
     grid.add_row("device", f"{eng['device']}, context {eng['max_model_len']} tokens")
     grid.add_row("requests", f"{eng['num_running']} running, {eng['num_waiting']} waiting, "
                              f"{srv['pending']} admitted of {srv['max_pending']}, {srv['num_rejected']} refused")
+    prefix = eng["prefix_cache"]
     grid.add_row("pool", f"{pool['total_pages']} pages x {_bytes(pool['page_bytes'])}: {pool['kv_pages']} KV, "
-                         f"{pool['adapter_pages']} adapters, {pool['free_pages']} free "
+                         f"{pool['cached_pages']} cached, {pool['adapter_pages']} adapters, {pool['free_pages']} free "
                          f"(KV usage {100 * eng['kv_cache_usage']:.0f}%)")
+    grid.add_row("prefix cache", (f"{100 * prefix['hit_rate']:.0f}% of {prefix['query_tokens']} prompt tokens found"
+                                  if prefix["enabled"] else "off"))
     grid.add_row("adapters", f"{eng['num_adapters']} known; "
                              f"{eng.get('num_requests_finished', 0)} requests served")
     Console().print(grid)

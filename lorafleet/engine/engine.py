@@ -125,6 +125,7 @@ class Engine:
             req.detokenizer = self.tokenizer.incremental_decoder(context_ids=ids)
         if adapter is not None:  # last: nothing after it can fail, so the reference is never leaked
             req.lora = self.adapters.acquire(adapter)  # AdapterNotFoundError; released at the end
+            req.adapter_cold = not req.lora.ready
         self.requests[rid] = req
         self.scheduler.add(req)
         if req.lora is not None and not req.lora.ready:  # its load starts now, sparing what others wait for

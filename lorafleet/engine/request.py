@@ -97,6 +97,7 @@ class Request:
     first_scheduled_time: float | None = None
     adapter_blocked_since: float | None = None  # skipped only because its adapter was not ready
     adapter_wait: float = 0.0                    # exposed adapter-load time, seconds
+    adapter_cold: bool = False                   # its adapter was not on the device when it arrived
     deadline: float | None = None                # monotonic time after which it is aborted
     error: str | None = None
     error_code: str | None = None                # the LorafleetError code of `error`

@@ -11,8 +11,9 @@ prefill), and a preempted sequence simply recomputes its prompt and output as on
   from the one pool, not by adapter slots.
 - A waiting request whose adapter is not on the device yet is skipped, never blocking those
   behind it (no head-of-line blocking); the prefetcher is bringing its adapter in.
-- A running sequence that needs a KV page first takes it from idle adapters (least recently
-  used); only then is the newest running sequence preempted (pages freed, work recomputed).
+- A running sequence that needs a KV page first takes it from idle adapters and cached KV
+  blocks (the residency's one eviction order, `memory/eviction.py`); only then is the newest
+  running sequence preempted (pages freed, work recomputed).
 - Admission pins a request's adapter; preemption and finishing unpin it.
 - Admission first takes what the prefix cache holds of the request's leading blocks
   (`KVCacheManager.adopt_prefix`) and computes only the rest.
@@ -194,6 +195,8 @@ class Scheduler:
         if req.adapter_blocked_since is not None:
             req.adapter_wait += now - req.adapter_blocked_since
             req.adapter_blocked_since = None
+        if req.adapter_cold and not req.num_preemptions:  # what a cold adapter cost it (the eviction order)
+            self.residency.order.observe_miss(req.adapter_wait, len(req.lora.pages) * self.kv.pool.page_bytes)
         self.policy.on_admit(req)
         req.status = Status.RUNNING
         self.running[req] = None

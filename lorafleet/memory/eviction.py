@@ -1,19 +1,22 @@
 """One eviction order for the two kinds of evictable pages in the unified pool: cached KV blocks
 (`memory/kv.py`; bringing one back means recomputing its tokens) and idle adapters
-(`memory/residency.py`; bringing one back means loading it again).
+(`memory/residency.py`; bringing one back means a request waiting for its load).
 
 A victim is the candidate with the smallest expected loss per byte freed:
 
     score = (cost to bring it back, per byte) / (seconds it has been idle)
 
-The cost is per class, measured by the engine while it serves (`observe_prefill`: seconds of
-forward pass per token of the steps that computed prompts; `observe_load`: seconds per byte of
-the adapter loads the prefetcher ran), as exponential moving averages started from priors; the
-idle time stands for how unlikely a reuse is (a page idle twice as long is taken to be half as
-likely to be wanted soon). Within a class every candidate has the same cost, so the order is
-least recently used; across classes a page is kept longer the dearer its class is to bring
-back. With `policy="lru"` the cost is left out: plain LRU over both classes (the comparison the
-`shared-prefix-pressure` benchmark makes).
+The cost is per kind, measured by the engine while it serves, as exponential moving averages
+started from priors: for a cached block, the forward-pass seconds per token of the steps that
+computed prompts, times the tokens of a block (`observe_prefill`); for an adapter, the time a
+request whose adapter was not on the device when it arrived was kept waiting for it, per byte of
+that adapter (`observe_miss`: the exposed wait, zero when the load finished before the request
+could have run anyway; not the load's CPU time: a load of 2 ms that misses a step boundary
+costs the request a whole step). The idle time stands for how unlikely a reuse is (a page idle
+twice as long is taken to be half as likely to be wanted soon). Within a kind every candidate
+has the same cost, so the order is least recently used; across kinds a page is kept longer the
+dearer its kind is to bring back. With `policy="lru"` the cost is left out: plain LRU over both
+kinds (the comparison the `shared-prefix-pressure` benchmark makes).
 
 This object decides and counts; the residency evicts adapters and the KV manager cached blocks.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 POLICIES = ("cost", "lru")
 EWMA = 0.2
 PRIOR_RECOMPUTE_S_PER_TOKEN = 1e-4
-PRIOR_LOAD_S_PER_BYTE = 1e-9
+PRIOR_MISS_S_PER_BYTE = 1e-9
 
 
 class EvictionOrder:
@@ -34,16 +37,18 @@ class EvictionOrder:
         self.block_size = block_size
         self.page_bytes = page_bytes
         self.recompute_s_per_token = PRIOR_RECOMPUTE_S_PER_TOKEN
-        self.load_s_per_byte = PRIOR_LOAD_S_PER_BYTE
+        self.miss_s_per_byte = PRIOR_MISS_S_PER_BYTE
         self.evictions = {"kv_blocks": 0, "adapters": 0}
 
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         if tokens > 0 and seconds > 0:
             self.recompute_s_per_token += EWMA * (seconds / tokens - self.recompute_s_per_token)
 
-    def observe_load(self, seconds: float, nbytes: int) -> None:
-        if nbytes > 0 and seconds > 0:
-            self.load_s_per_byte += EWMA * (seconds / nbytes - self.load_s_per_byte)
+    def observe_miss(self, waited_s: float, nbytes: int) -> None:
+        """A request whose adapter (of `nbytes`) was not on the device at its arrival was
+        admitted after waiting `waited_s` for it (0: it lost nothing)."""
+        if nbytes > 0 and waited_s >= 0:
+            self.miss_s_per_byte += EWMA * (waited_s / nbytes - self.miss_s_per_byte)
 
     @property
     def kv_cost(self) -> float:
@@ -61,9 +66,9 @@ class EvictionOrder:
         if kv_idle_since is None or adapter_idle_since is None:
             return adapter_idle_since is None
         return (self.score(self.kv_cost, kv_idle_since, now)
-                <= self.score(self.load_s_per_byte, adapter_idle_since, now))
+                <= self.score(self.miss_s_per_byte, adapter_idle_since, now))
 
     def stats(self) -> dict:
         return {"policy": self.policy, "recompute_s_per_token": self.recompute_s_per_token,
-                "load_s_per_byte": self.load_s_per_byte, "kv_cost_s_per_byte": self.kv_cost,
+                "miss_s_per_byte": self.miss_s_per_byte, "kv_cost_s_per_byte": self.kv_cost,
                 "evicted_kv_blocks": self.evictions["kv_blocks"], "evicted_adapters": self.evictions["adapters"]}

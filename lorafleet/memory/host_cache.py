@@ -15,8 +15,7 @@ from typing import Callable, Hashable
 import torch
 
 from lorafleet.lora.adapter import BaseShapes, load_adapter
-from lorafleet.memory import layout as layout_mod
-from lorafleet.memory.layout import LAYOUT_FILE, Layout
+from lorafleet.memory.layout import LAYOUT_FILE, Layout, read_saved
 
 
 @dataclass(eq=False)
@@ -39,7 +38,7 @@ def build_host_adapter(path: Path, base: BaseShapes, dtype: torch.dtype, pin: bo
     saved layout is memory-mapped instead (`memory.layout.read_saved`): on the CPU at float32
     the host copy is that mapping (the page cache's pages, no copy at all). Either way the
     buffer is laid out at float32 and rounded to `dtype` once, so both give the same bits."""
-    saved = layout_mod.read_saved(Path(path) / LAYOUT_FILE, trusted_digest) if trusted_digest else None
+    saved = read_saved(Path(path) / LAYOUT_FILE, trusted_digest) if trusted_digest else None
     if saved is not None:
         layout, buffer, ranks = saved
         return HostAdapter(trusted_digest, layout, _host_copy(buffer, dtype, pin), ranks, layout.numel)

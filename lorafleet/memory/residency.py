@@ -247,7 +247,6 @@ class AdapterResidency:
         entry.loading = None
         entry.disk_loads += 1
         entry.load_time_s += seconds
-        self.order.observe_load(seconds, host.nbytes)
         entry.digest = host.digest
         entry.numel = host.layout.numel
         self._put_host(entry, host)

@@ -32,6 +32,7 @@ def test_status_shows_what_the_daemon_serves(served):
     out = cli(served, "status")
     assert out.exit_code == 0, out.output
     assert f"pid {served.proc.pid}" in out.stdout and "base" in out.stdout and "pool" in out.stdout
+    assert "cached" in out.stdout and "prefix cache" in out.stdout
     stats = json.loads(cli(served, "status", "--json").stdout)
     assert stats["server"]["pid"] == served.proc.pid and stats["engine"]["pool"]["total_pages"] > 0
 

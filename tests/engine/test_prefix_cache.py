@@ -16,7 +16,7 @@ import torch
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.errors import ConfigError
-from lorafleet.memory.eviction import EvictionOrder
+from lorafleet.memory.eviction import PRIOR_MISS_S_PER_BYTE, EvictionOrder
 from lorafleet.memory.kv import BASE_SALT
 from lorafleet.memory.pool import CACHED, KV
 from tests.fixtures import ALL7, build_adapter
@@ -186,7 +186,7 @@ def test_check_integrity_covers_reference_counts_and_cached_pages(llama_dir):
 
 def test_one_eviction_order_over_cached_blocks_and_idle_adapters():
     order = EvictionOrder("cost", block_size=16, page_bytes=1 << 16)
-    order.recompute_s_per_token, order.load_s_per_byte = 1e-3, 1e-9  # recompute dear: keep blocks
+    order.recompute_s_per_token, order.miss_s_per_byte = 1e-3, 1e-9  # recompute dear: keep blocks
     now = time.monotonic()
     assert not order.kv_first(now - 10, now - 1, now)   # the younger adapter goes first
     assert order.kv_first(now - 10, None, now) and not order.kv_first(None, now - 1, now)
@@ -194,6 +194,8 @@ def test_one_eviction_order_over_cached_blocks_and_idle_adapters():
     assert lru.kv_first(now - 10, now - 1, now)         # LRU: the older block goes first
     order.observe_prefill(2.0, 1000)
     assert order.recompute_s_per_token == pytest.approx(1e-3 + 0.2 * (2e-3 - 1e-3))
+    order.observe_miss(0.5, 1 << 20)
+    assert order.miss_s_per_byte == pytest.approx(1e-9 + 0.2 * (0.5 / (1 << 20) - 1e-9))
     with pytest.raises(ValueError, match="eviction policy"):
         EvictionOrder("random", 16, 1)
 
@@ -215,6 +217,7 @@ def test_the_engine_evicts_in_its_order(llama_dir, adapters, policy):
     e.adapters.step += 100                        # no hysteresis in the way
     e.generate([[5, 6, 7]], GREEDY, adapters=["kv2"])
     ev = e.stats()["eviction"]
+    assert ev["miss_s_per_byte"] != PRIOR_MISS_S_PER_BYTE  # measured: both requests found their adapter cold
     if policy == "cost":
         assert ev["evicted_adapters"] == 1 and not e.adapters.get("kv").ready
     else:
