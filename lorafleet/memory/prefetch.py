@@ -13,7 +13,11 @@ an entry's fields).
    adapters wait too, so that pages go in queue order) and start the host -> device copy (a side
    CUDA stream on GPUs, a plain copy on CPU); when it is on disk, start its load, and when pages
    can be had now, copy it in the same task (its size is known from the file header): one
-   hand-off instead of two, so a cold adapter is ready one step sooner.
+   hand-off instead of two, so a cold adapter is ready one step sooner;
+3. when recent loads were short (a stored adapter: ~2 ms; at most `MAX_TICK_WAIT_S`), wait that
+   long for the wanted ones in flight and harvest again: a cold adapter then serves in the step
+   it arrived before, not one step later (a step can be a long prefill), at the price of a
+   few milliseconds of that step.
 The engine also calls `want` the moment a request arrives, so loads start before the next step.
 
 Eager loads (`load_eager`: `Engine.load_adapter`, `/v1/load_lora_adapter`) read, validate and
@@ -45,6 +49,11 @@ from lorafleet.memory.residency import AdapterEntry, AdapterResidency, check_nam
 
 log = logging.getLogger("lorafleet.prefetch")
 
+# `tick` waits for in-flight loads of wanted adapters when loads take this long at most (a
+# stored adapter: ~2 ms), for the moving average of recent loads' seconds
+MAX_TICK_WAIT_S = 0.01
+PRIOR_LOAD_S = 0.005
+
 
 @dataclass
 class TickResult:
@@ -63,6 +72,7 @@ class Prefetcher:
         self._copying: list[AdapterEntry] = []
         self._eager: dict[AdapterEntry, Future] = {}   # staged entry -> the caller's future
         self._result = TickResult()                    # harvested, not yet handed to a step
+        self.load_s = PRIOR_LOAD_S                     # recent loads' seconds (moving average)
 
     @property
     def busy(self) -> bool:
@@ -80,6 +90,11 @@ class Prefetcher:
         for entry in wanted:
             if not self.want(entry, protect, reserve_pages):
                 break  # no room now: pages go in queue order
+        if self.load_s <= MAX_TICK_WAIT_S and any(e in protect for e in self._loading + self._copying):
+            # a load this short is worth a wait: landed now, its requests run in this step
+            # instead of the next one (which may be a whole long prefill later)
+            self.wait_any(self.load_s)
+            self.harvest()
         result, self._result = self._result, TickResult()
         return result
 
@@ -130,6 +145,7 @@ class Prefetcher:
                 r.load_failed(entry, _reason(e, entry))
                 self._result.failed[entry] = entry.error
                 continue
+            self.load_s += 0.2 * (seconds - self.load_s)
             if r.loaded(entry, host, seconds):  # copied in the same task
                 self._result.loaded.append(entry.name)
         for entry in [e for e in self._copying if e.copying.done()]:

@@ -24,7 +24,7 @@ from lorafleet.model.config import ModelConfig
 from lorafleet.store.pull import pull
 from lorafleet.store.resolver import StoreResolver
 from lorafleet.store.store import Store
-from tests.fixtures import ALL7, build_adapter
+from tests.fixtures import ALL7, build_adapter, stepping
 
 VARIANTS = {
     "all7": dict(r=8, lora_alpha=16, target_modules=ALL7),
@@ -123,3 +123,22 @@ def test_the_resolver_never_shadows_an_adapter_loaded_by_other_means(llama_dir, 
     pull(str(build_adapter(llama_dir, tmp_path / "new", seed=3, r=2, target_modules=ALL7)), name="a", store=store)
     resolver.resolve(engine, "a")
     assert engine.adapters.get("a").path == mine        # the store does not take the name back
+
+
+@pytest.mark.parametrize("short_loads", [True, False])
+def test_a_cold_stored_adapter_serves_in_the_step_it_arrived_before(llama_dir, tmp_path, stored, monkeypatch, short_loads):
+    """Recent loads short: the tick waits for the wanted load in flight, so the request runs in
+    the first step; loads long: the step goes on without it (its adapter lands later)."""
+    from lorafleet.memory import prefetch
+
+    store, _ = stored
+    pull(str(build_adapter(llama_dir, tmp_path / "src", r=4, target_modules=ALL7)), name="a", store=store)
+    engine = Engine(store.folder(store.get("models", "base")), pool_bytes=4 << 20)
+    StoreResolver(store).resolve(engine, "a")
+    monkeypatch.setattr(prefetch, "MAX_TICK_WAIT_S", 5.0)  # a deadline the 2-core CI machine always meets
+    engine.prefetcher.load_s = 5.0 if short_loads else 6.0
+    rid = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), adapter="a")
+    first = engine.step()
+    assert [o.request_id for o in first] == ([rid] if short_loads else [])
+    done = [o for outs in stepping(engine) for o in outs if o.finished]
+    assert [o.request_id for o in done] == [rid] and len(done[0].token_ids) == 3
