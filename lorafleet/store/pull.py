@@ -5,13 +5,13 @@ An adapter is validated against a base already in the store with the very checks
 applies when it loads one (`lora.adapter.load_adapter`: config, tensor names, shapes, ranks,
 layers, finite values), and its content digest is computed then, once, and its weights are
 laid out as the engine's pages hold them (`memory.layout.save`, stored beside the PEFT files as
-`lorafleet-layout.safetensors`: a load from the store maps it and copies it, nothing else); the base is the one named
-with `--for`, else the stored base whose name or Hub id its `base_model_name_or_path` names,
-else the only base in the store. A `base_model_name_or_path` naming another model is a warning
-(an error with `strict_base`): shapes decide what can be served, the name is a hint. A base is
-checked as the engine reads it (`model.config.ModelConfig`: the architecture and features it
-can serve) and must hold safetensors weights. Only the files lorafleet reads are stored; pickled
-weights (`*.bin`, `*.pt`) never are.
+`lorafleet-layout.safetensors`: a load from the store maps it and copies it, nothing else). The
+base is the one named with `--for`, else the stored base whose name or Hub id its
+`base_model_name_or_path` names, else the only base in the store. A `base_model_name_or_path`
+naming another model is a warning (an error with `strict_base`): shapes decide what can be
+served, the name is a hint. A base is checked as the engine reads it (`model.config.ModelConfig`:
+the architecture and features it can serve) and must hold safetensors weights. Only the files
+lorafleet reads are stored; pickled weights (`*.bin`, `*.pt`) never are.
 """
 
 from __future__ import annotations
