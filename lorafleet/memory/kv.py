@@ -174,7 +174,10 @@ class KVCacheManager:
         """Admission failed after `adopt_prefix` gave `req` `tokens` cached tokens: they go back."""
         if not self.prefix_cache:
             return
+        chain = self.chains.get(req.request_id)
         self.free(req.request_id)
+        if chain is not None:  # kept for its next try
+            self.chains[req.request_id] = chain
         self.query_tokens -= req.num_tokens
         self.hit_tokens -= tokens
 
