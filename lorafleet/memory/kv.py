@@ -151,7 +151,7 @@ class KVCacheManager:
         limit = (req.num_tokens - 1) // self.block_size
         self.query_tokens += req.num_tokens
         pages: list[int] = []
-        for key in self._chain(req, limit):
+        for key in self._chain(req, limit)[:limit]:
             page = self.by_hash.get(key)
             if page is None:
                 break
