@@ -100,3 +100,27 @@ def test_the_fleet_is_small_and_in_standard_formats():
     assert len(SKILLS) >= 6 and len(ranks) >= 3
     assert frozenset(("q_proj", "k_proj", "v_proj", "o_proj")) in targets          # attention only
     assert frozenset(("gate_proj", "up_proj", "down_proj")) in targets             # MLP only
+
+
+def test_the_prefix_cache_never_serves_one_skill_anothers_kv(engine):
+    """Every skill gets the very same prompt tokens (the text alone): served one skill after
+    another, each finds the previous skill's blocks of those tokens cached, and must not use
+    them. Outputs equal a cacheless engine's; the same skill again does hit its own blocks."""
+    from lorafleet.demo.evaluate import chat_prompt
+
+    first = next(iter(SKILLS))
+    texts = [t for t in held_out_texts(200) if len(chat_prompt(engine, first, t)) > 16][:16]
+    assert len(texts) >= 8  # prompts of a full block and more
+    engine.reset_prefix_cache()  # what earlier tests left: every skill's own blocks of these texts
+    off = fleet_engine(prefix_cache=False)
+    try:
+        for task in [*SKILLS, None]:
+            jobs = [(task, t) for t in texts]
+            before = engine.kv.hit_tokens
+            got = [o.token_ids for o in run_greedy(engine, jobs)]
+            assert got == [o.token_ids for o in run_greedy(off, jobs)], task
+            assert engine.kv.hit_tokens == before, f"{task} reused KV computed under another skill"
+        run_greedy(engine, [(first, t) for t in texts])
+        assert engine.kv.hit_tokens > before  # its own blocks, from the first round
+    finally:
+        off.close()
