@@ -14,9 +14,12 @@ that adapter (`observe_miss`: the exposed wait, zero when the load finished befo
 could have run anyway; not the load's CPU time: a load of 2 ms that misses a step boundary
 costs the request a whole step). The idle time stands for how unlikely a reuse is (a page idle
 twice as long is taken to be half as likely to be wanted soon). Within a kind every candidate
-has the same cost, so the order is least recently used; across kinds a page is kept longer the
-dearer its kind is to bring back. With `policy="lru"` the cost is left out: plain LRU over both
-kinds (the comparison the `shared-prefix-pressure` benchmark makes).
+has the same cost, so the order is least recently used, except that cached blocks no admission
+has reused yet go before blocks that were reused (`reuse_aware`: a block reused once is a
+shared prefix, likely wanted again; most never-reused ones are one request's question and
+answer); across kinds a page is kept longer the dearer its kind is to bring back. With
+`policy="lru"` cost and reuse are left out: plain LRU over both kinds (the comparison the
+`shared-prefix-pressure` benchmark makes).
 
 This object decides and counts; the residency evicts adapters and the KV manager cached blocks.
 """
@@ -34,6 +37,7 @@ class EvictionOrder:
         if policy not in POLICIES:
             raise ValueError(f"eviction policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy = policy
+        self.reuse_aware = policy == "cost"  # cached blocks: never reused before reused
         self.block_size = block_size
         self.page_bytes = page_bytes
         self.recompute_s_per_token = PRIOR_RECOMPUTE_S_PER_TOKEN

@@ -20,8 +20,11 @@ written again (a sequence writes positions past what it computed, and the run it
 one token short of its end, so that token is computed and yields the first logits), so no
 copy-on-write is needed. A hashed page no sequence holds any more is *cached*: owner `CACHED`
 in the pool, kept here in least-recently-released order (within one release, deepest block
-first: a chain's tail is useless without its head), and given back when the residency's one
-eviction order picks it (`memory/eviction.py`). Only this module writes the cache's state.
+first: a chain's tail is useless without its head; blocks an admission has reused apart from
+those none has), and given back when the residency's one eviction order picks it
+(`memory/eviction.py`; its cost order takes never-reused blocks first: most are one request's
+question and answer, while a reused one is a shared prefix). Only this module writes the
+cache's state.
 """
 
 from __future__ import annotations
@@ -73,7 +76,11 @@ class KVCacheManager:
         self.refs = np.zeros(pool.num_pages, dtype=np.int64)   # page -> block tables holding it
         self.page_hash: dict[int, bytes] = {}                  # hashed page -> its key
         self.by_hash: dict[bytes, int] = {}                    # key -> the page holding that block
-        self.cached: OrderedDict[int, float] = OrderedDict()   # evictable pages -> released at; LRU first
+        # evictable pages -> when released, LRU first: blocks no admission has reused yet, and
+        # blocks reused at least once (a system prompt, not one request's question)
+        self.cold: OrderedDict[int, float] = OrderedDict()
+        self.hot: OrderedDict[int, float] = OrderedDict()
+        self.reused: set[int] = set()                          # named pages an admission has taken
         self.num_hashed = np.zeros(16, dtype=np.int64)         # [rows]: leading blocks looked at for hashing
         self.chains: dict[str, list[bytes]] = {}               # request id -> keys of its full blocks so far
         self.query_tokens = 0                                  # prompt tokens looked up at admission
@@ -115,7 +122,7 @@ class KVCacheManager:
         if to_cache:
             now = time.monotonic()
             for p in to_cache:
-                self.cached[p] = now
+                (self.hot if p in self.reused else self.cold)[p] = now
             self.pool.retag(to_cache, CACHED)
         if len(to_cache) < len(idle):
             self.pool.free([p for p in idle if p not in self.page_hash])
@@ -164,8 +171,10 @@ class KVCacheManager:
         self.num_blocks[row] = self.num_hashed[row] = len(pages)
         waking = [p for p in pages if self.refs[p] == 0]
         for p in waking:
-            del self.cached[p]
+            if self.cold.pop(p, None) is None:
+                del self.hot[p]
         self.pool.retag(waking, KV)
+        self.reused.update(pages)
         self.refs[pages] += 1
         self.hit_tokens += len(pages) * self.block_size
         return len(pages) * self.block_size
@@ -201,21 +210,39 @@ class KVCacheManager:
                 self.page_hash[page] = chain[i]
         self.num_hashed[row] = full
 
-    def oldest_cached(self) -> float | None:
-        """When the next cached page to evict was released (None: nothing cached)."""
-        return next(iter(self.cached.values()), None)
+    @property
+    def cached(self) -> dict[int, float]:
+        """Every cached page -> when it was released (checks, stats, tests: not the hot path)."""
+        return {**self.cold, **self.hot}
 
-    def evict_cached(self) -> None:
-        """Give the next cached page back to the pool (least recently released, deepest first)."""
-        page, _ = self.cached.popitem(last=False)
+    def _victims(self, reuse_aware: bool) -> OrderedDict[int, float]:
+        """Where the next page to evict comes from: never-reused blocks first when
+        `reuse_aware`, else whichever list holds the least recently released page."""
+        if not self.hot or (reuse_aware and self.cold):
+            return self.cold
+        if not self.cold:
+            return self.hot
+        return self.cold if next(iter(self.cold.values())) <= next(iter(self.hot.values())) else self.hot
+
+    def oldest_cached(self, reuse_aware: bool = False) -> float | None:
+        """When the next cached page to evict was released (None: nothing cached)."""
+        return next(iter(self._victims(reuse_aware).values()), None)
+
+    def evict_cached(self, reuse_aware: bool = False) -> None:
+        """Give the next cached page back to the pool: least recently released (deepest first
+        within a release), never-reused blocks before reused ones when `reuse_aware`."""
+        page, _ = self._victims(reuse_aware).popitem(last=False)
         del self.by_hash[self.page_hash.pop(page)]
+        self.reused.discard(page)
         self.pool.free([page])
 
     def reset(self) -> int:
         """Forget every named block: cached pages go back to the pool, held ones stay with their
         sequences unnamed. Returns the pages freed."""
         freed = list(self.cached)
-        self.cached.clear()
+        self.cold.clear()
+        self.hot.clear()
+        self.reused.clear()
         self.page_hash.clear()
         self.by_hash.clear()
         self.pool.free(freed)
@@ -224,7 +251,8 @@ class KVCacheManager:
         return len(freed)
 
     def stats(self) -> dict:
-        return {"enabled": self.prefix_cache, "cached_pages": len(self.cached),
+        return {"enabled": self.prefix_cache, "cached_pages": len(self.cold) + len(self.hot),
+                "reused_cached_pages": len(self.hot),
                 "hashed_pages": len(self.page_hash), "query_tokens": self.query_tokens,
                 "hit_tokens": self.hit_tokens,
                 "hit_rate": self.hit_tokens / self.query_tokens if self.query_tokens else 0.0}
@@ -260,10 +288,13 @@ class KVCacheManager:
         assert (held == self.refs).all(), "page reference counts disagree with the block tables"
         assert sorted(np.flatnonzero(held).tolist()) == self.pool.pages_of(KV).tolist(), \
             "KV pages and block tables disagree"
-        assert sorted(self.cached) == self.pool.pages_of(CACHED).tolist(), "cached pages and the pool disagree"
-        assert all(p in self.page_hash for p in self.cached), "a cached page holds no named block"
+        cached = self.cached
+        assert sorted(cached) == self.pool.pages_of(CACHED).tolist(), "cached pages and the pool disagree"
+        assert all(p in self.page_hash for p in cached), "a cached page holds no named block"
         assert {p: h for h, p in self.by_hash.items()} == self.page_hash, "the hash maps disagree"
-        assert all(held[p] or p in self.cached for p in self.page_hash), "a named page is neither held nor cached"
+        assert all(held[p] or p in cached for p in self.page_hash), "a named page is neither held nor cached"
+        assert not self.cold.keys() & self.hot.keys(), "a cached page in both lists"
+        assert set(self.hot) <= self.reused <= set(self.page_hash), "reuse marks on pages that are not named"
         assert self.prefix_cache or not self.page_hash, "blocks named with the prefix cache off"
         used = set(self.rows.values())
         assert not used & set(self._free_rows), "a block-table row is both used and free"

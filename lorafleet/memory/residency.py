@@ -327,8 +327,9 @@ class AdapterResidency:
         now, i = time.monotonic(), 0
         while not self.pool.can_allocate(pages):
             adapter = idle[i] if i < len(idle) else None
-            if self.order.kv_first(self.kv.oldest_cached(), adapter.last_used if adapter else None, now):
-                self.kv.evict_cached()
+            if self.order.kv_first(self.kv.oldest_cached(self.order.reuse_aware),
+                                   adapter.last_used if adapter else None, now):
+                self.kv.evict_cached(self.order.reuse_aware)
                 self.order.evictions["kv_blocks"] += 1
             else:
                 self._evict(adapter)

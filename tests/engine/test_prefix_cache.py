@@ -79,8 +79,8 @@ def test_outputs_with_the_cache_equal_outputs_without(llama_dir, adapters, setti
         assert hits >= 32
     else:                        # the second wave found at least its first two blocks
         assert hits >= len(prompts) * 32
-    assert off.stats()["prefix_cache"] == {"enabled": False, "cached_pages": 0, "hashed_pages": 0,
-                                           "query_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0}
+    assert off.stats()["prefix_cache"] == {"enabled": False, "cached_pages": 0, "reused_cached_pages": 0,
+                                           "hashed_pages": 0, "query_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0}
     if "pool_bytes" in options:
         assert on.stats()["num_preemptions"] > 0 and off.stats()["num_preemptions"] > 0
 
@@ -241,3 +241,20 @@ def test_finished_outputs_report_their_cached_tokens(llama_dir):
     second = e.generate([prompt], GREEDY)[0]
     assert first.metrics["cached_tokens"] == 0 and second.metrics["cached_tokens"] == 48
     assert np.isclose(e.stats()["prefix_cache"]["hit_rate"], 48 / (2 * len(prompt)))
+
+
+def test_the_cost_order_gives_back_never_reused_blocks_before_reused_ones(llama_dir):
+    """A system prompt reused by a second request, then a one-off prompt released later: the
+    cost order evicts the one-off's blocks first, LRU the older system prompt's."""
+    for policy, survivor in (("cost", "system"), ("lru", "one-off")):
+        e = engine(llama_dir, eviction=policy)
+        system = shared_prompts(1, prefix_len=48, tails=(4, 4))[0]
+        e.generate([system], GREEDY)
+        e.generate([system[:48] + [7, 8, 9, 10]], GREEDY)     # reuses the 3 system blocks
+        one_off = shared_prompts(1, prefix_len=48, seed=9, tails=(4, 4))[0]
+        e.generate([one_off], GREEDY)
+        assert len(e.kv.hot) == 3 and len(e.kv.cold) > 0
+        for _ in range(len(e.kv.cold)):
+            e.adapters.make_room(e.pool.num_free + 1)           # one page at a time, as a load would
+        hits = {name: hits_for(e, p, None)[0] for name, p in (("system", system), ("one-off", one_off))}
+        assert hits[survivor] == 48, (policy, hits)
