@@ -170,3 +170,25 @@ def test_other_cores_is_the_machines_busy_time_less_ours_over_the_wall_time():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_prefix_cache_variants_serve_the_same_requests_and_say_what_they_ran(micro_dir):
+    """Shared system prompts: lorafleet finds them cached (each replay starts with the cache
+    empty, so the hits are the replay's own); the cacheless variant finds nothing; the LRU one
+    runs its order."""
+    from lorafleet.bench.lorafleet_system import LorafleetLRU, LorafleetNoPrefixCache
+
+    load = Workload("sp", 8, (10, 20), (3, 4), num_adapters=2, ranks=(4,), tenants=2, system_len=40,
+                    arrival="poisson", rate=20.0, seed=3)
+    job = job_for(micro_dir, load)
+    runs = {cls.name: cls(threads=1).run(job) for cls in (LorafleetInProcess, LorafleetNoPrefixCache, LorafleetLRU)}
+    for result in runs.values():
+        check_served(result, job)
+    cache, replays = runs["lorafleet"].details["prefix_cache"], len(runs["lorafleet"].details["repeats"])
+    # at most the 2 system-prompt blocks of each request per replay: a replay that found the
+    # previous one's blocks would also hit each prompt's third block (its question's start)
+    assert cache["enabled"] and 0 < cache["hit_tokens"] <= replays * len(job.requests) * 32
+    assert runs["lorafleet-no-prefix-cache"].details["prefix_cache"]["hit_tokens"] == 0
+    assert not runs["lorafleet-no-prefix-cache"].details["prefix_cache"]["enabled"]
+    assert runs["lorafleet-lru"].details["eviction"]["policy"] == "lru"
+    assert runs["lorafleet"].details["eviction"]["policy"] == "cost"
