@@ -39,9 +39,11 @@ from lorafleet.errors import LorafleetError
 
 KINDS = ("adapter", "model")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-MODEL_PATTERNS = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 MODEL_INDEX = "model.safetensors.index.json"
+# what a base holds beside config.json and its safetensors weights, when it has them
+MODEL_OPTIONAL = ("generation_config.json", MODEL_INDEX, "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "chat_template.jinja")
+MODEL_PATTERNS = ("config.json", "*.safetensors", *MODEL_OPTIONAL)
 # pickled weights run code when loaded: never fetched, whatever the patterns say
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
 

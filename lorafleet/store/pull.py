@@ -22,11 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from lorafleet.store import hub
+from lorafleet.store.hub import ADAPTER_FILES, MODEL_OPTIONAL  # the files a folder gives, as a repo does
 from lorafleet.store.store import Store, StoreError, StoreNotFoundError, check_name
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-MODEL_OPTIONAL = ("generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def model_files(folder: Path) -> list[str]:
@@ -113,8 +111,6 @@ def pull(source: str, *, name: str | None = None, base: bool = False, revision: 
         if revision is not None:
             raise StoreError("--revision is for Hub sources; SOURCE is a local folder")
     else:
-        from lorafleet.store import hub
-
         if not hub.is_repo_id(source):
             raise StoreNotFoundError(f"{source!r} is neither a folder nor a Hugging Face repo id (org/name)")
         folder, info = hub.download(source, revision=revision, kind="model" if base else "adapter",
