@@ -240,13 +240,20 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(404, head, f"Invalid rev id: {unquote(quoted)}", code="RevisionNotFound")
         return False
 
-    def _api(self, rest: str, query: dict, head: bool) -> None:
-        found = self.hub._find_repo(rest, "/")
+    def _repo(self, rest: str, sep: str, head: bool) -> tuple[str, str] | None:
+        """(repo id, the rest of the path) for a known repo the caller may read; else the error
+        is answered and None returned."""
+        found = self.hub._find_repo(rest, sep)
         if found is None:
-            return self._error(404, head, "Repository not found", code="RepoNotFound")
-        repo_id, tail = found
-        if not self._gate(repo_id, head):
+            self._error(404, head, "Repository not found", code="RepoNotFound")
+            return None
+        return found if self._gate(found[0], head) else None
+
+    def _api(self, rest: str, query: dict, head: bool) -> None:
+        found = self._repo(rest, "/", head)
+        if found is None:
             return
+        repo_id, tail = found
         parts = tail.split("/")[1:]  # tail is "" or "/revision/<rev>" or "/tree/<rev>[/<path>]"
         if not parts:
             return self._json(self._info(repo_id, blobs=_true(query.get("blobs"))), head)
@@ -262,12 +269,10 @@ class _Handler(BaseHTTPRequestHandler):
         return self._error(404, head, "Not Found")
 
     def _resolve(self, rest: str, head: bool) -> None:
-        found = self.hub._find_repo(rest, "/resolve/")
+        found = self._repo(rest, "/resolve/", head)
         if found is None:
-            return self._error(404, head, "Repository not found", code="RepoNotFound")
-        repo_id, tail = found
-        if not self._gate(repo_id, head):
             return
+        repo_id, tail = found
         rev, _, quoted_name = tail[len("/resolve/"):].partition("/")
         if not self._revision(repo_id, rev, head):
             return
