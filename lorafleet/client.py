@@ -1,8 +1,9 @@
-"""A typed client for the daemon: httpx over the Unix socket, one method per endpoint.
+"""A typed client for the daemon: httpx over the Unix socket, or over TCP with an API key (a
+daemon started with `serve --host H --port P --api-key KEY`), one method per endpoint.
 
 The CLI and the TUI talk to the daemon only through this. It never imports torch or the engine.
 Errors come back as LorafleetErrors: `DaemonUnreachableError` (exit code 3) when nothing answers
-on the socket, `ServerError` carrying the daemon's status, code and message otherwise.
+at the socket or URL, `ServerError` carrying the daemon's status, code and message otherwise.
 """
 
 from __future__ import annotations
@@ -16,18 +17,34 @@ from typing import Any
 import httpx
 
 from lorafleet import paths
-from lorafleet.errors import DaemonUnreachableError, ServerError
+from lorafleet.errors import ConfigError, DaemonUnreachableError, ServerError
 
 # generation may take as long as it takes; everything else answers within a step or two
 _GENERATE_TIMEOUT = httpx.Timeout(10.0, read=None)
 _DEFAULT_TIMEOUT = httpx.Timeout(10.0, read=60.0)
+# nothing listens there, the daemon went away mid-answer, or no route to it
+_UNREACHABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 
 
 class Client:
-    def __init__(self, socket: str | os.PathLike | None = None):
-        self.socket = paths.socket_path(socket)
-        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)),
-                                  base_url="http://lorafleet", timeout=_DEFAULT_TIMEOUT)
+    """`Client(socket)` talks over the Unix socket (default: `paths.socket_path()`);
+    `Client(url=..., api_key=...)` over TCP, sending the key as `Authorization: Bearer KEY`.
+    `where` names the one it talks to, for messages."""
+
+    def __init__(self, socket: str | os.PathLike | None = None, url: str | None = None,
+                 api_key: str | None = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if url:
+            parsed = httpx.URL(url)
+            if parsed.scheme not in ("http", "https") or not parsed.host:
+                raise ConfigError(f"--url must be an http:// or https:// URL with a host, not {url!r}")
+            self.socket, self.where = None, url
+            self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=_DEFAULT_TIMEOUT)
+        else:
+            self.socket = paths.socket_path(socket)
+            self.where = str(self.socket)
+            self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), headers=headers,
+                                      base_url="http://lorafleet", timeout=_DEFAULT_TIMEOUT)
 
     def __enter__(self) -> Client:
         return self
@@ -40,13 +57,16 @@ class Client:
 
     # -- plumbing ----------------------------------------------------------------------------
     def unreachable(self) -> DaemonUnreachableError:
+        if self.socket is None:
+            return DaemonUnreachableError(f"no lorafleet daemon answers at {self.where}; start one with "
+                                          "`lorafleet serve --host H --port P --api-key KEY`")
         return DaemonUnreachableError(f"no lorafleet daemon is running on {self.socket}; "
                                       "start one with `lorafleet serve`")
 
     def _request(self, method: str, path: str, body: dict | None = None, timeout=None) -> httpx.Response:
         try:
             r = self._http.request(method, path, json=body, timeout=timeout or _DEFAULT_TIMEOUT)
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+        except _UNREACHABLE as e:
             raise self.unreachable() from e
         if r.status_code >= 400:
             raise _server_error(r.status_code, r.content)
@@ -70,7 +90,7 @@ class Client:
                     if "error" in event:
                         raise _server_error(500, json.dumps(event).encode())
                     yield event
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
+        except _UNREACHABLE as e:
             raise self.unreachable() from e
 
     # -- endpoints ---------------------------------------------------------------------------

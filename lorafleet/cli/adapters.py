@@ -9,8 +9,8 @@ import typer
 
 from lorafleet.cli import store as store_cli
 from lorafleet.errors import AdapterNotFoundError, DaemonUnreachableError, LorafleetError
-from lorafleet.cli.common import (JsonOption, SocketOption, client, err_console, print_json, ranks_text,
-                                  user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console,
+                                  print_json, ranks_text, user_errors)
 
 app = typer.Typer(help="List, inspect, load, unload and remove LoRA adapters (the daemon's and the store's).",
                   no_args_is_help=True)
@@ -23,12 +23,13 @@ def _state(info: dict) -> str:
 
 
 @app.command("ls")
-def ls(socket: SocketOption = None, as_json: JsonOption = False) -> None:
+def ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
+       as_json: JsonOption = False) -> None:
     """List the adapters in the store and those a running daemon holds, side by side (rank,
     state, pages, users); without a daemon, the store's alone."""
     with user_errors():
         stored = store_cli.adapters_in_store()
-    served = store_cli.daemon_models(socket)
+        served = store_cli.daemon_models(socket, url, api_key)  # a wrong key or URL: one line, no traceback
     held = {m["id"]: m["lorafleet"] for m in served or () if m.get("parent")}
     rows = [{**held.get(n, {}), "name": n, "loaded": n in held, "in_store": n in stored, "store": stored.get(n)}
             for n in sorted(set(stored) | set(held))]
@@ -54,10 +55,10 @@ def ls(socket: SocketOption = None, as_json: JsonOption = False) -> None:
     Console().print(table)
 
 
-def _daemon_card(socket, name: str) -> dict | None:
+def _daemon_card(socket, name: str, url: str | None = None, api_key: str | None = None) -> dict | None:
     """The daemon's record of `name`, or None when no daemon runs or it does not hold it."""
     try:
-        with client(socket) as c:
+        with client(socket, url, api_key) as c:
             card = c.model(name)
     except DaemonUnreachableError:
         return None
@@ -69,12 +70,13 @@ def _daemon_card(socket, name: str) -> dict | None:
 
 
 @app.command("show")
-def show(name: NameArg, socket: SocketOption = None, as_json: JsonOption = False) -> None:
+def show(name: NameArg, socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
+         as_json: JsonOption = False) -> None:
     """Show one adapter: what the running daemon holds (path, digest, ranks per module, pages,
     users) and its store record (digest, base, source, size), either alone when the other lacks it."""
     with user_errors():
         stored = store_cli.adapters_in_store().get(name)
-        info = _daemon_card(socket, name)
+        info = _daemon_card(socket, name, url, api_key)
         if info is None and stored is None:
             raise AdapterNotFoundError(f"adapter {name!r} is neither in the store nor held by a running daemon")
     info = {**info, "store": stored} if info is not None else {**stored, "loaded": False}
@@ -102,10 +104,12 @@ def load(
                                          show_default=False)],
     lazy: Annotated[bool, typer.Option("--lazy", help="Only register it; its weights load when a request first needs them.")] = False,
     socket: SocketOption = None,
+    url: UrlOption = None,
+    api_key: ApiKeyOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Load a PEFT adapter into the daemon under NAME (validated against the base first)."""
-    with user_errors(), client(socket) as c:
+    with user_errors(), client(socket, url, api_key) as c:
         answer = c.load_adapter(name, path, lazy=lazy)
     if as_json:
         return print_json(answer["adapter"])
@@ -115,15 +119,16 @@ def load(
 
 
 @app.command("unload")
-def unload(name: NameArg, socket: SocketOption = None) -> None:
+def unload(name: NameArg, socket: SocketOption = None, url: UrlOption = None,
+           api_key: ApiKeyOption = None) -> None:
     """Unload an adapter and free its pages (refused while requests use it)."""
-    with user_errors(), client(socket) as c:
+    with user_errors(), client(socket, url, api_key) as c:
         c.unload_adapter(name)
     err_console.print(f"unloaded {name}", highlight=False)
 
 
 @app.command("rm")
-def rm(name: NameArg, socket: SocketOption = None) -> None:
+def rm(name: NameArg, socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None) -> None:
     """Remove an adapter from the store (refused while the running daemon has it registered:
     unload it first). Its files go at once."""
-    store_cli.adapter_rm(name, socket)
+    store_cli.adapter_rm(name, socket, url, api_key)

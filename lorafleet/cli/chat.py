@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import JsonOption, SocketOption, client, err_console, print_json, user_errors
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console,
+                                  print_json, user_errors)
 
 REPL_HELP = "Ctrl-D or /exit quits, /reset forgets the conversation, Ctrl-C stops an answer."
 
@@ -26,13 +27,15 @@ def chat(
     seed: Annotated[int | None, typer.Option("--seed", min=0, help="Same seed, same answer.")] = None,
     as_json: JsonOption = False,
     socket: SocketOption = None,
+    url: UrlOption = None,
+    api_key: ApiKeyOption = None,
 ) -> None:
     """Chat with the base model or an adapter through the daemon."""
     params = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     start = [{"role": "system", "content": system}] if system else []
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    with user_errors(), client(socket) as c:
+    with user_errors(), client(socket, url, api_key) as c:
         if prompt is not None:
             messages = start + [{"role": "user", "content": prompt}]
             if as_json:
@@ -67,7 +70,7 @@ def _stream_answer(c, messages: list[dict], adapter: str | None, params: dict) -
 def _repl(c, start: list[dict], adapter: str | None, params: dict) -> None:
     history = _load_history()
     who = adapter or "the base model"
-    err_console.print(f"chatting with {who} on {c.socket}. {REPL_HELP}", highlight=False)
+    err_console.print(f"chatting with {who} on {c.where}. {REPL_HELP}", highlight=False)
     try:
         _converse(c, start, adapter, params)
     finally:

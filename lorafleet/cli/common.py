@@ -40,14 +40,22 @@ SocketOption = Annotated[Path | None, typer.Option(
     "--socket", envvar="LORAFLEET_SOCKET", metavar="PATH",
     help="The daemon's Unix socket. Default: $XDG_RUNTIME_DIR/lorafleet/lorafleet.sock, "
          "else $LORAFLEET_HOME/run/lorafleet.sock.")]
+UrlOption = Annotated[str | None, typer.Option(
+    "--url", envvar="LORAFLEET_URL", metavar="URL",
+    help="Reach the daemon over TCP instead (one started with `serve --host H --port P --api-key KEY`), "
+         "e.g. http://127.0.0.1:8000.")]
+ApiKeyOption = Annotated[str | None, typer.Option(
+    "--api-key", envvar="LORAFLEET_API_KEY", metavar="KEY",
+    help="The daemon's API key, sent as `Authorization: Bearer KEY` (needed with --url).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of text.")]
 
 
-def client(socket: Path | None):
-    """The daemon's client (imported here so that verbs that do not need it stay light)."""
+def client(socket: Path | None, url: str | None = None, api_key: str | None = None):
+    """The daemon's client: over `url` when given, else the socket (imported here so that verbs
+    that do not need it stay light)."""
     from lorafleet.client import Client
 
-    return Client(socket)
+    return Client(socket, url, api_key)
 
 
 def ranks_text(info: dict) -> str:

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import JsonOption, SocketOption, client, err_console, fail, print_json, user_errors
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, fail,
+                                  print_json, user_errors)
 
 
 def _duration(seconds: float) -> str:
@@ -28,9 +29,10 @@ def _bytes(n: float) -> str:
     return f"{n} B"
 
 
-def status(socket: SocketOption = None, as_json: JsonOption = False) -> None:
+def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
+           as_json: JsonOption = False) -> None:
     """Show whether the daemon runs, what it serves, its queues and its page pool."""
-    with user_errors(), client(socket) as c:
+    with user_errors(), client(socket, url, api_key) as c:
         stats = c.stats()
     if as_json:
         return print_json(stats)
@@ -68,7 +70,8 @@ def stop(
     timeout: Annotated[float, typer.Option(
         "--timeout", min=0, help="Seconds to wait for the daemon to drain and exit.")] = 60.0,
 ) -> None:
-    """Stop the daemon: in-flight requests finish first (SIGTERM), then it exits."""
+    """Stop the daemon: in-flight requests finish first (SIGTERM), then it exits. Socket only
+    (no --url): it signals the daemon's pid, so the daemon must run on this machine."""
     with user_errors(), client(socket) as c:
         pid = c.stats()["server"]["pid"]
         try:

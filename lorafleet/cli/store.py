@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import (JsonOption, SocketOption, client, err_console, print_json, ranks_text,
-                                  user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console,
+                                  print_json, ranks_text, user_errors)
 from lorafleet.errors import DaemonUnreachableError
 from lorafleet.store.store import Store, StoreError
 
@@ -17,18 +17,18 @@ models_app = typer.Typer(help="List and remove the base models in the store.", n
 store_app = typer.Typer(help="Check the store's consistency and free unreferenced files.", no_args_is_help=True)
 
 
-def daemon_models(socket) -> list[dict] | None:
+def daemon_models(socket, url: str | None = None, api_key: str | None = None) -> list[dict] | None:
     """What a running daemon serves (/v1/models), or None when no daemon answers."""
     try:
-        with client(socket) as c:
+        with client(socket, url, api_key) as c:
             return c.models()
     except DaemonUnreachableError:
         return None
 
 
-def served_base(socket) -> Path | None:
+def served_base(socket, url: str | None = None, api_key: str | None = None) -> Path | None:
     """The folder of the base a running daemon serves, resolved (None: no daemon)."""
-    base = next((m for m in daemon_models(socket) or () if not m.get("parent")), None)
+    base = next((m for m in daemon_models(socket, url, api_key) or () if not m.get("parent")), None)
     return Path(base["root"]).resolve() if base and base.get("root") else None
 
 
@@ -81,12 +81,13 @@ def _table(columns, rows) -> None:
 
 
 @models_app.command("ls")
-def models_ls(socket: SocketOption = None, as_json: JsonOption = False) -> None:
+def models_ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
+              as_json: JsonOption = False) -> None:
     """List the stored bases (and mark the one a running daemon serves)."""
     store = Store()
     with user_errors():
         stored = store.list("models")
-    served = served_base(socket)
+        served = served_base(socket, url, api_key)  # a wrong key or URL: one line, no traceback
     for m in stored:
         m["served"] = served is not None and served == store.folder(m).resolve()
     if as_json:
@@ -101,13 +102,13 @@ def models_ls(socket: SocketOption = None, as_json: JsonOption = False) -> None:
 
 @models_app.command("rm")
 def models_rm(name: Annotated[str, typer.Argument(help="The stored base's name.", show_default=False)],
-              socket: SocketOption = None) -> None:
+              socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None) -> None:
     """Remove a base from the store (refused while a daemon serves it, or while stored adapters
     were validated against it: remove them first). Its files go at once (gc)."""
     store = Store()
     with user_errors():
         m = store.get("models", name)
-        if served_base(socket) == store.folder(m).resolve():
+        if served_base(socket, url, api_key) == store.folder(m).resolve():
             raise StoreError(f"the running daemon serves {name!r}; stop it first (lorafleet stop)")
         users = [a["name"] for a in store.list("adapters") if a["base"]["name"] == name]
         if users:
@@ -123,12 +124,12 @@ def adapters_in_store() -> dict[str, dict]:
     return {m["name"]: m for m in Store().list("adapters")}
 
 
-def adapter_rm(name: str, socket) -> None:
+def adapter_rm(name: str, socket, url: str | None = None, api_key: str | None = None) -> None:
     """`lorafleet adapters rm`: refused while the running daemon has the adapter registered."""
     store = Store()
     with user_errors():
         store.get("adapters", name)
-        served = daemon_models(socket) or []
+        served = daemon_models(socket, url, api_key) or []
         if any(x.get("id") == name and x.get("parent") for x in served):
             raise StoreError(f"the running daemon has {name!r} registered; unload it first "
                              f"(lorafleet adapters unload {name})")
