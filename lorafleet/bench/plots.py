@@ -1,7 +1,7 @@
 """PNG plots (matplotlib, an optional extra: `pip install 'lorafleet[bench]'`).
 
   switch  per-token latency of steps of one shape against the adapters a step switched to, one
-          panel per x (`metrics.SWITCH_XS`) that varies within a shape, one series per model:
+          panel per x (`engine.regression.SWITCH_XS`) that varies within a shape, one series per model:
           the steps (jittered), the median per x, the within-shape slope through their mean
   sweep   generated tokens/s against the number of adapters, one line per (model, system)
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from lorafleet.bench.metrics import comparable_groups
+from lorafleet.engine.regression import comparable_groups
 from lorafleet.engine.stats import percentile
 
 
@@ -33,7 +33,7 @@ def _pyplot():
 
 
 def plot_switch(runs: list[dict], title: str, out: Path) -> Path:
-    """`runs`: [{"model", "steps" (records), "regressions" (metrics.switch_regressions)}]. Per x,
+    """`runs`: [{"model", "steps" (records), "regressions" (engine.regression.switch_regressions)}]. Per x,
     per model, the steps of the one shape with the most steps among those whose steps differ in
     x (a bigger batch mixes more adapters and costs less per token: across shapes the points
     would draw batch size, not switches), the median per x, and the within-shape slope through

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from lorafleet.bench.fixtures import Shape
 from lorafleet.bench.jobs import repeat_spread
-from lorafleet.bench.metrics import cold_warm_ttft, latency_summary, switch_regressions
+from lorafleet.bench.metrics import cold_warm_ttft, latency_summary
+from lorafleet.engine.regression import switch_regressions
 from lorafleet.bench.workloads import Workload
 
 SUBJECTS = ("lorafleet", "lorafleet-daemon")

@@ -24,7 +24,7 @@ from lorafleet.bench.adapters import warm_up_adapter, workload_adapters
 from lorafleet.bench.fixtures import build_base, get_shape
 from lorafleet.bench.jobs import MAX_REPEATS, MAX_TIMED_S, MIN_REPEATS, MIN_TIMED_S, Job
 from lorafleet.bench.machine import default_threads, load_average
-from lorafleet.bench.metrics import switch_regressions
+from lorafleet.engine.regression import switch_regressions
 from lorafleet.bench.report import CONTENDED_CORES, make_report, noise_warnings, write_json
 from lorafleet.bench.systems import SYSTEM_NAMES, get_system
 from lorafleet.bench.workloads import Workload, get_workload, make_requests

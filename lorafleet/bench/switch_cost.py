@@ -22,7 +22,7 @@ import torch
 
 from lorafleet.bench.adapters import build_adapters, stored
 from lorafleet.bench.fixtures import build_base
-from lorafleet.bench.metrics import fit_slope
+from lorafleet.engine.regression import fit_slope
 
 
 def run_switch_cost(shape: str = "smol", batch: int = 32, cold: int = 96, steps: int = 48,

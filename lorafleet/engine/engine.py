@@ -22,9 +22,10 @@ from lorafleet.engine.graphs import DecodeGraphs
 from lorafleet.engine.output import OutputProcessor
 from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status
 from lorafleet.engine.policy import POLICIES
+from lorafleet.engine.regression import live_switches
 from lorafleet.engine.runner import ModelRunner
 from lorafleet.engine.scheduler import Scheduler
-from lorafleet.engine.stats import EngineStats
+from lorafleet.engine.stats import EngineStats, summary
 from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, RequestFailedError,
                               RequestNotFoundError)
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
@@ -246,6 +247,8 @@ class Engine:
         if req.status is not Status.FINISHED:
             self.scheduler.finish(req)
         if req.lora is not None:
+            if reason != "abort":
+                self.adapters.record_wait(req.lora, req.adapter_wait)
             self.adapters.release(req.lora)
             req.lora = None
         self.requests.pop(req.request_id, None)
@@ -362,11 +365,13 @@ class Engine:
             "model": str(self.model_path),
             "device": str(self.device),
             "max_model_len": self.max_model_len,
-            "pool": pool,
+            "pool": {**pool, "page_map": self.pool.page_runs()},
             "adapters": self.adapters.stats(),
             "prefix_cache": self.kv.stats(),
             "eviction": self.adapters.order.stats(),
-            "adapter_details": {e.name: e.info() for e in self.adapters.entries.values()},
+            "adapter_details": {e.name: {**e.info(), "load_s": summary(e.recent_loads), "stall_s": summary(e.recent_waits)}
+                                for e in self.adapters.entries.values()},
+            "switches": live_switches(self.counters.steps),
             "scheduler": self.scheduler.policy.snapshot(),
             "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
             "num_running": len(self.scheduler.running),

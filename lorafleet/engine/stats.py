@@ -24,6 +24,11 @@ def percentile(values: Iterable[float | None], q: float) -> float | None:
     return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
 
 
+def summary(values: Iterable[float | None]) -> dict:
+    """{"p50", "p99"} of the values (None where there are none)."""
+    return {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
@@ -67,8 +72,6 @@ class EngineStats:
                 self.tpots.append((req.finish_time - req.first_token_time) / (n - 1))
 
     def snapshot(self) -> dict:
-        def summary(values):
-            return {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
         return {
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,

@@ -149,6 +149,15 @@ class PagePool:
         return {int(group_owners[0]): pages.tolist()
                 for group_owners, pages in zip(np.split(owners, cuts), np.split(order, cuts)) if len(pages)}
 
+    def page_runs(self) -> list[list]:
+        """The pool in page order as runs of one owner: [[label, pages], ...], labels "free", "kv",
+        "cached" or an adapter's name; the runs' pages sum to `num_pages`. What `lorafleet top`
+        draws as its pool map (a fragmented pool has many short runs)."""
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(self._owner)) + 1))
+        lengths = np.diff(np.concatenate((starts, [self.num_pages])))
+        names = {FREE: "free", **self._owner_names}
+        return [[names[o], n] for o, n in zip(self._owner[starts].tolist(), lengths.tolist())]
+
     def check_integrity(self) -> None:
         counts = dict(zip(*np.unique(self._owner, return_counts=True)))
         free = int(counts.pop(FREE, 0))

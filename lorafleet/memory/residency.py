@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Container
@@ -51,6 +51,7 @@ from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import KVCacheManager, kv_salt
 from lorafleet.memory.pool import CACHED, PagePool
 
+RECENT = 64  # per adapter: the last loads' seconds and requests' exposed waits kept (for p50/p99)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _uids = itertools.count(1)
 
@@ -94,6 +95,8 @@ class AdapterEntry:
     device_loads: int = 0
     evictions: int = 0
     load_time_s: float = 0.0
+    recent_loads: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # seconds of each disk load
+    recent_waits: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # finished requests' exposed waits
 
     @property
     def tier(self) -> str:
@@ -219,6 +222,10 @@ class AdapterResidency:
             entry.error = None  # a new request retries a load that failed before
         return entry
 
+    def record_wait(self, entry: AdapterEntry, seconds: float) -> None:
+        """A finished request on `entry` waited `seconds` for it beyond queueing (exposed load)."""
+        entry.recent_waits.append(seconds)
+
     def release(self, entry: AdapterEntry) -> None:
         assert entry.users > 0, f"adapter {entry.name!r} released more often than acquired"
         entry.users -= 1
@@ -247,6 +254,7 @@ class AdapterResidency:
         entry.loading = None
         entry.disk_loads += 1
         entry.load_time_s += seconds
+        entry.recent_loads.append(seconds)
         entry.digest = host.digest
         entry.numel = host.layout.numel
         self._put_host(entry, host)

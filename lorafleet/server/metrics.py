@@ -15,7 +15,9 @@ The vLLM names LoRA-aware gateways read, with vLLM's meanings:
 
 lorafleet's own: `lorafleet_pool_pages{owner=free|kv|cached|adapters}`,
 `lorafleet_prefix_cache_hit_rate`, `lorafleet_evictions_total{kind=kv_blocks|adapters}` (what
-the one eviction order gave back, `memory/eviction.py`), the server's admission
+the one eviction order gave back, `memory/eviction.py`), `lorafleet_switch_cost_fraction` and
+`..._seconds_per_token` (the live switch regression, `engine/regression.py`, once it has a
+slope), the server's admission
 counters, and every numeric counter of `Engine.stats()` as `lorafleet_engine_<name>` (p50/p99
 summaries as a `quantile` label), so new engine counters (adapter loads, switch stalls) appear
 without touching this file.
@@ -33,7 +35,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # exported under their vLLM names, or rendered on their own below
 _MAPPED = {"num_running", "num_waiting", "kv_cache_usage", "num_prompt_tokens",
            "num_generated_tokens", "num_preemptions", "pool", "adapters", "lora", "num_adapters",
-           "max_num_seqs", "max_model_len", "prefix_cache", "eviction"}
+           "max_num_seqs", "max_model_len", "prefix_cache", "eviction", "switches"}
 
 
 def lora_queues(engine) -> dict:
@@ -111,6 +113,12 @@ def render(snapshot: dict, server: dict, model_name: str) -> bytes:
                        ("adapters", "adapter_pages")):
         pages.add_metric([owner], pool[key])
     fams.append(pages)
+    reg = snapshot["switches"]["regression"] or {}
+    if reg.get("slope_s") is not None:
+        gauge("lorafleet_switch_cost_seconds_per_token", "Per-token latency one more adapter loaded in a step adds "
+              "(the switch regression within step shape, recent steps).", reg["slope_s"])
+        gauge("lorafleet_switch_cost_fraction", "lorafleet_switch_cost_seconds_per_token over the mean per-token "
+              "latency of the same steps.", reg["slope_fraction"])
     gauge("lorafleet_pool_pages_total", "Pages in the unified pool.", pool["total_pages"])
     gauge("lorafleet_pool_page_bytes", "Bytes per pool page.", pool["page_bytes"])
     gauge("lorafleet_adapters", "Adapters known to the daemon (any tier).", snapshot["num_adapters"])

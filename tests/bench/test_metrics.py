@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from lorafleet.bench.metrics import cold_warm_ttft, comparable_groups, fit_slope, latency_summary, switch_regression
+from lorafleet.bench.metrics import cold_warm_ttft, latency_summary
+from lorafleet.engine.regression import comparable_groups, fit_slope, switch_regression
 
 
 def test_fit_slope_recovers_an_exact_line():

@@ -254,3 +254,37 @@ def test_the_host_cache_stays_within_its_budget(llama_dir, thousand):
     assert 0 < len(cache) < 40
     stats = engine.stats()["adapter_details"]
     assert all(stats[n]["loads"] >= 1 and stats[n]["misses"] == 1 for n in names)
+
+
+def test_stats_report_per_adapter_load_and_stall_times_and_the_live_switch_regression(llama_dir, thousand):
+    """What `lorafleet top` draws: per adapter, its disk loads' seconds and its finished requests'
+    exposed waits (p50/p99); for the engine, loads per step and the switch regression over its
+    recent steps; the pool's owners page by page."""
+    engine = Engine(llama_dir, pool_bytes=8 << 20)
+    names = list(thousand)[:6]
+    for name in names:
+        engine.register_adapter(name, thousand[name])
+    before = engine.stats()["adapter_details"][names[0]]
+    assert before["load_s"] == {"p50": None, "p99": None} and before["stall_s"] == {"p50": None, "p99": None}
+    adapters = [names[i % 6] for i in range(18)]
+    run_all(engine, random_prompts(18, seed=3), SHORT, adapters)
+    stats = engine.stats()
+    for name in names:
+        info = stats["adapter_details"][name]
+        entry = engine.adapters.get(name)
+        assert info["loads"] >= 1 and list(entry.recent_loads) and info["load_s"]["p50"] > 0
+        assert info["load_s"]["p99"] == max(entry.recent_loads)  # nearest rank of <= 64 values
+        assert len(entry.recent_waits) == adapters.count(name)  # one per finished request on it
+        assert info["stall_s"]["p99"] == max(entry.recent_waits) >= 0
+    switches = stats["switches"]
+    assert switches["window_steps"] == stats["num_steps"]
+    hist = dict(switches["loaded_per_step"])
+    assert sum(hist.values()) == stats["num_steps"]
+    assert sum(k * v for k, v in hist.items()) == stats["num_adapter_loads"] >= 6
+    assert switches["regression"]["steps"] == sum(1 for s in engine.step_records() if s["num_tokens"])
+    runs = stats["pool"]["page_map"]
+    assert sum(n for _, n in runs) == stats["pool"]["total_pages"]
+    held = {}
+    for label, n in runs:
+        held[label] = held.get(label, 0) + n
+    assert {k: v for k, v in held.items() if k not in ("free", "kv", "cached")} == stats["pool"]["pages_by_adapter"]

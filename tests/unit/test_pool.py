@@ -93,3 +93,19 @@ def test_adapter_pages_come_from_the_high_end_scattered_when_no_run_is_free():
     pool.free([8, 10])
     assert pool.allocate(4, c) == [5, 6, 8, 10]   # the highest free pages, no run needed
     pool.check_integrity()
+
+
+def test_page_runs_are_the_owner_table_in_page_order():
+    pool = make_pool(20)
+    a, b = pool.new_owner("a"), pool.new_owner("b")
+    kv = pool.allocate(3, KV)                 # 0..2
+    pa = pool.allocate(4, a)                  # a high run
+    pb = pool.allocate(2, b)
+    pool.free(kv[1:2])                        # a hole inside the KV run
+    runs = pool.page_runs()
+    assert sum(n for _, n in runs) == pool.num_pages
+    expanded = [label for label, n in runs for _ in range(n)]
+    for page in range(pool.num_pages):
+        want = ("kv" if page in kv and page != kv[1] else "a" if page in pa else "b" if page in pb else "free")
+        assert expanded[page] == want, page
+    assert all(runs[i][0] != runs[i + 1][0] for i in range(len(runs) - 1)), "neighbouring runs must differ"
