@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from lorafleet import __version__
-from lorafleet.cli import adapters, bench, chat, serve, status, store
+from lorafleet.cli import adapters, bench, chat, serve, status, store, top
 from lorafleet.cli.common import fail
 from lorafleet.errors import LorafleetError
 
@@ -27,6 +27,7 @@ app.command("serve")(serve.serve)
 app.command("status")(status.status)
 app.command("stop")(status.stop)
 app.command("chat")(chat.chat)
+app.command("top")(top.top)
 app.command("pull")(store.pull)
 app.add_typer(adapters.app, name="adapters")
 app.add_typer(store.models_app, name="models")

@@ -1,0 +1,357 @@
+"""`lorafleet top`: a live view of one daemon's page pool, adapters and switch cost.
+
+The app reads snapshots from `source` (the CLI passes `Client.stats`: `/v1/stats`, the JSON
+`lorafleet status --json` prints) on a thread worker, every `interval` seconds, so a slow or
+vanished daemon never blocks the screen. When nothing answers before the first snapshot it
+says how to start a daemon and keeps trying; when a daemon it was showing goes away it keeps
+the last picture, says "reconnecting" and carries on when one answers again (a restarted
+daemon starts its rates afresh: `model.History`).
+
+Keys: `p` pause (stop polling, freeze the picture), `q` quit, `?` help, `/` filter the adapters
+by name, `s`/`S` sort by the next column / reverse, Enter an adapter's detail, Tab between the
+pool map and the table. `source=None` polls nothing: a test feeds snapshots through `ingest`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Footer, Input, Static
+
+from lorafleet.errors import LorafleetError
+from lorafleet.tui import model
+from lorafleet.tui.widgets import PoolMap, Rates, SwitchPanel, owner_style
+
+HELP = """\
+[b]lorafleet top[/b]: pool, adapters and switch cost, from /v1/stats
+
+[b]p[/b]        pause / resume (no polling while paused)
+[b]q[/b]        quit
+[b]?[/b]        this help
+[b]/[/b]        filter the adapters by name (Enter, Esc: done)
+[b]s[/b] [b]S[/b]      sort by the next column / reverse the order
+         (or click a column's header)
+[b]Enter[/b]    the highlighted adapter's detail (Esc closes)
+[b]Tab[/b]      between the adapters table and the pool map
+[b]arrows[/b]   move in the table, or over the pool map's cells
+
+Pool map: · free, [dodger_blue1]█[/] KV, [cyan3]▒[/] cached KV, a colour per
+adapter; the highlighted adapter's pages are inverted.
+Rates: per second of the daemon's clock.
+Switches: adapters loaded per step, and per-token latency
+against them with the slope fitted within step shape
+(the engine's last 1,000 steps).
+
+Esc closes this help."""
+
+
+class HelpScreen(ModalScreen):
+    BINDINGS = [Binding("escape,question_mark,q", "app.pop_screen", "close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll { width: 66; height: auto; max-height: 90%;
+                                  border: round $accent; background: $surface; padding: 0 1; }
+    """
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Static(HELP)
+
+
+class AdapterScreen(ModalScreen):
+    """One adapter's record: what the table shows and the rest of it (digest, path, per-module
+    ranks, evictions, totals), refreshed with each snapshot while open."""
+
+    BINDINGS = [Binding("escape,enter", "app.pop_screen", "close")]
+    DEFAULT_CSS = """
+    AdapterScreen { align: center middle; }
+    AdapterScreen > VerticalScroll { width: 90%; max-width: 96; height: auto; max-height: 90%;
+                                     border: round $accent; background: $surface; padding: 0 1; }
+    """
+
+    def __init__(self, name: str, row: dict | None):
+        super().__init__()
+        self.adapter, self.row = name, row
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Static(id="detail")
+
+    def on_mount(self) -> None:
+        self.show(self.row)
+
+    def show(self, row: dict | None) -> None:
+        self.row = row
+        out = Text()
+        out.append(f"{self.adapter}\n", style=f"bold {owner_style(self.adapter)}")
+        if row is None:
+            out.append("no longer known to the daemon (unloaded or replaced)\n", style="italic")
+        else:
+            info = row["info"]
+            fields = [
+                ("tier", row["tier"]), ("pinned", "yes" if info["pinned"] else "no"),
+                ("ranks", ", ".join(f"{m} {r}" for m, r in sorted((info.get("ranks") or {}).items())) or "-"),
+                ("parameters", f"{info['params']:,}"), ("pages", str(info["pages"])),
+                ("requests", f"{row['running']} running, {row['waiting']} waiting, {info['users']} holding it"),
+                ("hits / misses", f"{info['hits']} / {info['misses']}"),
+                ("loads", f"{info['loads']} from disk, {info['device_loads']} onto the device, "
+                          f"{info['evictions']} evictions"),
+                ("load time", f"p50 {model.ms(row['load_p50'])} ms, p99 {model.ms(row['load_p99'])} ms, "
+                              f"{info['load_time_s']:.3f} s in all"),
+                ("exposed stall", f"p50 {model.ms(info['stall_s']['p50'])} ms, p99 {model.ms(row['stall_p99'])} ms"),
+                ("digest", info.get("digest") or "(not read yet)"), ("path", info["path"]),
+            ]
+            if info.get("error"):
+                fields.append(("last error", info["error"]))
+            for k, v in fields:
+                out.append(f"{k:>14}  ", style="bold")
+                out.append(f"{v}\n")
+        out.append("Esc closes", style="dim")
+        self.query_one("#detail", Static).update(out)
+
+
+class TopApp(App):
+    CSS = """
+    Screen { layout: vertical; }
+    #status { height: 1; background: $boost; }
+    #nodaemon { height: 1fr; content-align: center middle; text-align: center; display: none; }
+    #body { height: 1fr; }
+    #upper { height: 9; }
+    #upper > * { border: round $primary-darken-2; padding: 0 1; }
+    #pool-box { width: 1fr; }
+    #rates-box { width: 1fr; }
+    #lower { height: 1fr; }
+    #table-box { width: 1fr; border: round $primary-darken-2; }
+    #switches { width: 34; border: round $primary-darken-2; padding: 0 1; }
+    #filter { dock: bottom; display: none; }
+    DataTable { height: 1fr; }
+    """
+    BINDINGS = [
+        Binding("q", "quit", "quit"), Binding("p", "pause", "pause"), Binding("question_mark", "help", "help"),
+        Binding("slash", "filter", "filter"), Binding("s", "sort(1)", "sort"),
+        Binding("S", "sort(0)", "reverse", show=False),
+    ]
+
+    def __init__(self, source: Callable[[], dict] | None, where: str, interval: float = 1.0):
+        super().__init__()
+        self.source, self.where, self.interval = source, where, interval
+        self.history = model.History()
+        self.stats: dict | None = None
+        self.rows: list[dict] = []
+        self.paused = False
+        self.error: str | None = None        # the last poll's failure, while it lasts
+        self.sort_key, self.sort_reverse = "running", True
+        self.filter_text = ""
+        self._wake = threading.Event()       # cuts the poller's sleep short (resume)
+
+    # -- layout ------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(id="status")
+        yield Static(id="nodaemon")
+        with Vertical(id="body"):
+            with Horizontal(id="upper"):
+                with Vertical(id="pool-box"):
+                    yield PoolMap(id="pool")
+                with Vertical(id="rates-box"):
+                    yield Rates(id="rates")
+            with Horizontal(id="lower"):
+                with Vertical(id="table-box"):
+                    yield DataTable(id="adapters", cursor_type="row", zebra_stripes=True)
+                    yield Input(placeholder="filter adapters by name", id="filter")
+                yield SwitchPanel(id="switches")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#pool-box").border_title = "pool"
+        self.query_one("#rates-box").border_title = "throughput · latency p50/p99"
+        self.query_one("#table-box").border_title = "adapters"
+        self.query_one("#switches").border_title = "switches"
+        table = self.query_one("#adapters", DataTable)
+        for col in model.COLUMNS:
+            table.add_column(col.label, key=col.key)
+        table.focus()
+        self._draw_status()
+        if self.source is not None:
+            self.poll()
+
+    # -- polling -----------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="poll")
+    def poll(self) -> None:
+        """Fetch a snapshot every `interval` seconds on this thread; hand each (or the error) to
+        the UI thread. Paused: no fetch."""
+        from textual.worker import get_current_worker
+
+        worker = get_current_worker()
+        while not worker.is_cancelled:
+            if not self.paused:
+                try:
+                    stats, error = self.source(), None
+                except LorafleetError as e:
+                    stats, error = None, str(e)
+                if worker.is_cancelled:
+                    return
+                self.call_from_thread(self.ingest, stats, error)
+            # sleep `interval` in short waits: a cancelled worker (the app quitting) ends
+            # within 0.1 s, and a resume (`_wake`) polls at once
+            until = time.monotonic() + self.interval
+            while not worker.is_cancelled and (left := until - time.monotonic()) > 0:
+                if self._wake.wait(min(left, 0.1)):
+                    break
+            self._wake.clear()
+
+    def ingest(self, stats: dict | None, error: str | None = None) -> None:
+        """A snapshot (or the error in its place) arrives: redraw what it changes."""
+        self.error = error
+        if stats is not None:
+            self.stats = stats
+            self.history.add(stats)
+            self._draw()
+        self._draw_status()
+
+    # -- drawing -----------------------------------------------------------------------
+    def _draw_status(self) -> None:
+        nodaemon, body = self.query_one("#nodaemon", Static), self.query_one("#body")
+        never = self.stats is None
+        nodaemon.display = never and self.error is not None
+        body.display = not nodaemon.display
+        if nodaemon.display:
+            nodaemon.update(Text.assemble(
+                ("No lorafleet daemon answers.\n\n", "bold"), f"{self.error}\n\n",
+                "Start one with `lorafleet serve` (the demo fleet), `lorafleet serve MODEL`,\n"
+                "or `lorafleet serve --detach` to keep it running in the background.\n\n",
+                (f"Trying again every {self.interval:g}s; q quits.", "dim")))
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append(" lorafleet top ", style="bold reverse")
+        if self.stats is not None:
+            srv = self.stats["server"]
+            line.append(f" {srv['model']} · pid {srv['pid']} · up {model.duration(srv['uptime_s'])} · ")
+        else:
+            line.append(f" {self.where} · ")
+        if self.paused:
+            line.append("PAUSED (p resumes)", style="bold yellow")
+        elif self.error is not None and not never:
+            line.append(f"reconnecting to {self.where}…", style="bold red")
+        elif self.stats is not None:
+            state = "draining" if self.stats["server"]["draining"] else "live"
+            line.append(f"{state}, every {self.interval:g}s", style="green")
+        else:
+            line.append("connecting…", style="dim")
+        self.query_one("#status", Static).update(line)
+
+    def _draw(self) -> None:
+        eng = self.stats["engine"]
+        self.query_one(PoolMap).show(eng["pool"])
+        self.query_one(Rates).show(self.history)
+        self.query_one(SwitchPanel).show(eng["switches"])
+        self.rows = model.adapter_rows(eng)
+        self._draw_table()
+        if isinstance(self.screen, AdapterScreen):
+            self.screen.show(self._row(self.screen.adapter))
+        box = self.query_one("#table-box")
+        box.border_subtitle = (f"{len(self.rows)} known · sorted by {self._sort_label()}"
+                               + (f" · filter '{self.filter_text}'" if self.filter_text else ""))
+
+    def _sort_label(self) -> str:
+        label = next(c.label for c in model.COLUMNS if c.key == self.sort_key)
+        return f"{label} {'↓' if self.sort_reverse else '↑'}"
+
+    def _row(self, name: str) -> dict | None:
+        return next((r for r in self.rows if r["name"] == name), None)
+
+    def _draw_table(self) -> None:
+        table = self.query_one("#adapters", DataTable)
+        selected = self.selected_adapter()
+        rows = model.sort_rows(model.filter_rows(self.rows, self.filter_text), self.sort_key, self.sort_reverse)
+        table.clear()
+        for r in rows:
+            tier_style = {"device": "green", "host": "yellow", "disk": "grey50"}[r["tier"]]
+            table.add_row(
+                Text(r["name"], style=owner_style(r["name"])), Text(r["tier"], style=tier_style),
+                model.ranks_cell(r["ranks"]), str(r["pages"]), str(r["running"]), str(r["waiting"]),
+                str(r["hits"]), str(r["misses"]), str(r["loads"]), model.ms(r["load_p50"]),
+                model.ms(r["load_p99"]), model.ms(r["stall_p99"]), key=r["name"])
+        if selected is not None and selected in table.rows:
+            table.move_cursor(row=table.get_row_index(selected), animate=False)
+        self.query_one(PoolMap).highlight = self.selected_adapter()
+
+    def selected_adapter(self) -> str | None:
+        table = self.query_one("#adapters", DataTable)
+        if not table.row_count:
+            return None
+        return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+
+    # -- actions -----------------------------------------------------------------------
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        if not self.paused:
+            self._wake.set()  # poll now, not at the end of the sleep
+        self._draw_status()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.focus()
+
+    def action_sort(self, advance: int) -> None:
+        if advance:
+            keys = model.COLUMN_KEYS
+            self.sort_key = keys[(keys.index(self.sort_key) + 1) % len(keys)]
+            self.sort_reverse = next(c.numeric for c in model.COLUMNS if c.key == self.sort_key)
+        else:
+            self.sort_reverse = not self.sort_reverse
+        self._redraw_table()
+
+    def _redraw_table(self) -> None:
+        if self.stats is not None:
+            self._draw()
+
+    # -- events ------------------------------------------------------------------------
+    @on(DataTable.HeaderSelected)
+    def sort_by_header(self, event: DataTable.HeaderSelected) -> None:
+        key = event.column_key.value
+        if key == self.sort_key:
+            self.sort_reverse = not self.sort_reverse
+        else:
+            self.sort_key = key
+            self.sort_reverse = next(c.numeric for c in model.COLUMNS if c.key == key)
+        self._redraw_table()
+
+    @on(DataTable.RowHighlighted)
+    def highlight_pages(self, event: DataTable.RowHighlighted) -> None:
+        self.query_one(PoolMap).highlight = event.row_key.value if event.row_key is not None else None
+
+    @on(DataTable.RowSelected)
+    def open_detail(self, event: DataTable.RowSelected) -> None:
+        name = event.row_key.value
+        self.push_screen(AdapterScreen(name, self._row(name)))
+
+    @on(Input.Changed, "#filter")
+    def filter_changed(self, event: Input.Changed) -> None:
+        self.filter_text = event.value
+        self._redraw_table()
+
+    @on(Input.Submitted, "#filter")
+    def filter_done(self, event: Input.Submitted) -> None:
+        self._close_filter()
+
+    def on_key(self, event) -> None:
+        if event.key == "escape" and self.query_one("#filter", Input).has_focus:
+            event.stop()
+            self._close_filter()
+
+    def _close_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = bool(self.filter_text)
+        self.query_one("#adapters", DataTable).focus()

@@ -1,0 +1,202 @@
+"""What `lorafleet top` shows, computed from `/v1/stats` snapshots: pure functions and one
+history, no Textual, so the numbers are tested apart from the screen.
+
+Everything comes from the snapshot (`Client.stats()`, the same JSON `lorafleet status --json`
+prints); rates are differences of the engine's counters between two snapshots over the
+daemon's own clock (`server.uptime_s`), so a replayed stream draws the same screen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+HISTORY = 600  # samples kept per series: 10 minutes at one poll per second
+
+# pool map owner classes, in the order the legend lists them
+FREE, KV, CACHED, ADAPTER = "free", "kv", "cached", "adapter"
+
+
+def owner_class(label: str) -> str:
+    """A page owner's class: `page_map` labels are free / kv / cached or an adapter's name."""
+    return label if label in (FREE, KV, CACHED) else ADAPTER
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the pool map: pages [first, first + count) and their owners by pages, the
+    largest first; `label` (the largest owner) decides its colour."""
+
+    first: int
+    count: int
+    owners: tuple[tuple[str, int], ...]
+
+    @property
+    def label(self) -> str:
+        return self.owners[0][0]
+
+
+def pool_cells(page_map: list[list], num_cells: int) -> list[Cell]:
+    """Group the pool's pages (`pool.page_map`: runs of [label, pages] in page order) into at
+    most `num_cells` cells of equal page counts (the last may hold fewer): one page per cell when
+    they fit. O(runs + cells)."""
+    total = sum(n for _, n in page_map)
+    if total == 0 or num_cells < 1:
+        return []
+    per_cell = max(1, math.ceil(total / num_cells))
+    cells: list[Cell] = []
+    owners: dict[str, int] = {}
+    first = filled = 0
+    for label, n in page_map:
+        while n:
+            take = min(n, per_cell - filled)
+            owners[label] = owners.get(label, 0) + take
+            filled += take
+            n -= take
+            if filled == per_cell:
+                cells.append(_cell(first, filled, owners))
+                first, filled, owners = first + filled, 0, {}
+    if filled:
+        cells.append(_cell(first, filled, owners))
+    return cells
+
+
+def _cell(first: int, count: int, owners: dict[str, int]) -> Cell:
+    return Cell(first, count, tuple(sorted(owners.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+
+def pool_totals(pool: dict) -> dict[str, float]:
+    """Share of the pool's pages per owner class (0..1)."""
+    total = pool["total_pages"] or 1
+    return {FREE: pool["free_pages"] / total, KV: pool["kv_pages"] / total,
+            CACHED: pool["cached_pages"] / total, ADAPTER: pool["adapter_pages"] / total}
+
+
+# -- the adapters table ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    label: str
+    numeric: bool = True
+
+
+COLUMNS = (
+    Column("name", "adapter", numeric=False), Column("tier", "tier", numeric=False), Column("rank", "rank"),
+    Column("pages", "pages"), Column("running", "run"), Column("waiting", "wait"), Column("hits", "hits"),
+    Column("misses", "miss"), Column("loads", "loads"), Column("load_p50", "load p50"),
+    Column("load_p99", "load p99"), Column("stall_p99", "stall p99"),
+)
+COLUMN_KEYS = tuple(c.key for c in COLUMNS)
+TIER_ORDER = {"device": 0, "host": 1, "disk": 2}
+
+
+def adapter_rows(engine: dict) -> list[dict]:
+    """One row per adapter the daemon knows: the table's columns as raw values (None: not
+    measured yet), plus `ranks` (module -> rank) and the adapter's whole record as `info`."""
+    lora = engine.get("lora") or {}
+    running, waiting = lora.get("running", {}), lora.get("waiting", {})
+    rows = []
+    for name, info in engine.get("adapter_details", {}).items():
+        ranks = sorted(set((info.get("ranks") or {}).values()))
+        rows.append({
+            "name": name, "tier": info["tier"], "rank": ranks[-1] if ranks else None, "ranks": ranks,
+            "pages": info["pages"], "running": running.get(name, 0), "waiting": waiting.get(name, 0),
+            "hits": info["hits"], "misses": info["misses"], "loads": info["loads"],
+            "load_p50": info["load_s"]["p50"], "load_p99": info["load_s"]["p99"],
+            "stall_p99": info["stall_s"]["p99"], "info": info,
+        })
+    return rows
+
+
+def sort_rows(rows: list[dict], key: str, reverse: bool) -> list[dict]:
+    """Rows by `key` (unmeasured values last either way), ties by name."""
+    if key == "name":
+        return sorted(rows, key=lambda r: r["name"], reverse=reverse)
+    by_name = sorted(rows, key=lambda r: r["name"])
+
+    def value(r):
+        v = r[key]
+        return TIER_ORDER.get(v, 3) if key == "tier" else v
+
+    measured = [r for r in by_name if r[key] is not None]
+    return sorted(measured, key=value, reverse=reverse) + [r for r in by_name if r[key] is None]
+
+
+def filter_rows(rows: list[dict], text: str) -> list[dict]:
+    """Rows whose name contains `text` (case-insensitive); all of them for no text."""
+    text = text.strip().lower()
+    return [r for r in rows if text in r["name"].lower()] if text else rows
+
+
+def ranks_cell(ranks: list[int]) -> str:
+    if not ranks:
+        return "-"
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds for a narrow column ('-': not measured)."""
+    if seconds is None:
+        return "-"
+    v = seconds * 1e3
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def duration(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return " ".join(f"{v}{u}" for v, u in ((d, "d"), (h, "h"), (m, "m"), (s, "s")) if v) or "0s"
+
+
+# -- the time series ---------------------------------------------------------------------------
+
+SERIES = ("tokens_per_s", "requests_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "queue")
+
+
+@dataclass
+class History:
+    """Series over the recent snapshots. Rates need two snapshots of the same daemon: a new pid
+    or a clock that went back (a restarted daemon) starts the rates afresh; the other series
+    go on."""
+
+    maxlen: int = HISTORY
+    series: dict[str, deque] = field(default_factory=dict)
+    last: dict | None = None
+
+    def __post_init__(self):
+        self.series = {k: deque(maxlen=self.maxlen) for k in SERIES}
+
+    def add(self, stats: dict) -> None:
+        srv, eng = stats["server"], stats["engine"]
+        prev = self.last
+        self.last = stats
+        same = (prev is not None and prev["server"]["pid"] == srv["pid"]
+                and srv["uptime_s"] > prev["server"]["uptime_s"])
+        if same:
+            dt = srv["uptime_s"] - prev["server"]["uptime_s"]
+            pe = prev["engine"]
+            self.series["tokens_per_s"].append(
+                (eng["num_generated_tokens"] - pe["num_generated_tokens"]) / dt)
+            self.series["requests_per_s"].append(
+                (eng["num_requests_finished"] - pe["num_requests_finished"]) / dt)
+        for key, src in (("ttft", "ttft_s"), ("tpot", "tpot_s")):
+            for q in ("p50", "p99"):
+                v = eng[src][q]
+                self.series[f"{key}_{q}"].append(v * 1e3 if v is not None else 0.0)
+        self.series["queue"].append(float(eng["num_waiting"]))
+
+    def latest(self, key: str) -> float | None:
+        s = self.series[key]
+        return s[-1] if s else None
