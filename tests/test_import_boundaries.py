@@ -16,7 +16,7 @@ def imported_after(code: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module", ["lorafleet", "lorafleet.cli.main", "lorafleet.errors", "lorafleet.client",
-                                    "lorafleet.paths", "lorafleet.config"])
+                                    "lorafleet.paths", "lorafleet.config", "lorafleet.tui.app"])
 def test_front_ends_do_not_import_torch(module):
     mods = imported_after(f"import {module}")
     assert not {"torch", "triton"} & mods, f"{module} imports torch/triton"
@@ -45,3 +45,10 @@ def test_lorafleet_status_runs_without_torch(tmp_path):
 def test_the_engine_does_not_import_front_ends():
     mods = imported_after("import lorafleet.engine.engine")
     assert not {"textual", "typer", "fastapi", "uvicorn", "lorafleet.server", "lorafleet.cli"} & mods
+
+
+def test_the_tui_talks_to_the_daemon_only():
+    """`lorafleet top` sees what /v1/stats says, through the client: no engine, server or store."""
+    mods = imported_after("import lorafleet.tui.app, lorafleet.cli.top")
+    assert not {m for m in mods if m.startswith(("lorafleet.engine", "lorafleet.server", "lorafleet.memory",
+                                                    "lorafleet.store"))}

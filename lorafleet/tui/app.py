@@ -124,11 +124,11 @@ class TopApp(App):
     #status { height: 1; background: $boost; }
     #nodaemon { height: 1fr; content-align: center middle; text-align: center; display: none; }
     #body { height: 1fr; }
-    #upper { height: 9; }
+    #upper { height: 2fr; min-height: 9; max-height: 18; }
     #upper > * { border: round $primary-darken-2; padding: 0 1; }
     #pool-box { width: 1fr; }
     #rates-box { width: 1fr; }
-    #lower { height: 1fr; }
+    #lower { height: 3fr; }
     #table-box { width: 1fr; border: round $primary-darken-2; }
     #switches { width: 34; border: round $primary-darken-2; padding: 0 1; }
     #filter { dock: bottom; display: none; }
