@@ -225,8 +225,8 @@ class TopApp(App):
         if nodaemon.display:
             nodaemon.update(Text.assemble(
                 ("No lorafleet daemon answers.\n\n", "bold"), f"{self.error}\n\n",
-                "Start one with `lorafleet serve` (the demo fleet), `lorafleet serve MODEL`,\n"
-                "or `lorafleet serve --detach` to keep it running in the background.\n\n",
+                "`lorafleet serve` serves the demo fleet, `lorafleet serve MODEL` a model of yours;\n"
+                "add --detach to keep it running in the background.\n\n",
                 (f"Trying again every {self.interval:g}s; q quits.", "dim")))
         line = Text(no_wrap=True, overflow="ellipsis")
         line.append(" lorafleet top ", style="bold reverse")
@@ -242,6 +242,8 @@ class TopApp(App):
         elif self.stats is not None:
             state = "draining" if self.stats["server"]["draining"] else "live"
             line.append(f"{state}, every {self.interval:g}s", style="green")
+        elif self.error is not None:
+            line.append("waiting for a daemon", style="bold yellow")
         else:
             line.append("connecting…", style="dim")
         self.query_one("#status", Static).update(line)
