@@ -1,6 +1,6 @@
-"""`lorafleet bench run|quick|full|lora-decode|switch|overhead`: one subcommand per benchmark,
-each with only the options it uses. The bench code (and with it torch) is imported only when a
-subcommand runs."""
+"""`lorafleet bench run|quick|full|lora-decode|switch|overhead|store-load|stats-cost|gpu`: one
+subcommand per benchmark, each with only the options it uses. The bench code (and with it torch)
+is imported only when a subcommand runs."""
 
 from __future__ import annotations
 
@@ -179,6 +179,37 @@ def store_load(
     _suite("store-load", model or ["smol"], one, "store_load_table", out, as_json)
 
 
+@app.command("stats-cost")
+def stats_cost(
+    model: Annotated[list[str] | None, _models("smol")] = None,
+    adapters: Annotated[int, typer.Option("--adapters", min=1, help="Adapters registered in the engine.")] = 1000,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests decoding together.")] = 16,
+    steps: Annotated[int, typer.Option(
+        "--steps", min=1, help="Steps in the engine's log before the polls are timed (its live switch "
+                               "regression covers the last 1,000).")] = 1000,
+    polls: Annotated[int, typer.Option("--polls", min=1, help="Polls timed between steps.")] = 50,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", min=1, help="Runs of the workload without polls, and as many with one a second.")] = 3,
+    device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """What `GET /v1/stats` costs the engine: ADAPTERS adapters registered, a decode workload
+    mixing them until the step log holds STEPS steps, then one poll (engine_snapshot on the engine
+    thread, then json.dumps) timed between steps: median and p99, and the median as a share of
+    the second between polls at one poll a second (target < 1%); the same workload without polls
+    and with one a second, interleaved, tokens/s of each and their ratio; a profile of a poll."""
+    def one(shape: str) -> dict:
+        from lorafleet.bench.stats_cost import run_stats_cost
+
+        return run_stats_cost(shape, num_adapters=adapters, batch=batch, min_steps=steps, polls=polls, rounds=rounds,
+                              device=device, threads=threads, progress=_say)
+
+    def table(results: list[dict]):
+        from lorafleet.bench.stats_cost import stats_cost_table
+
+        return stats_cost_table(results)
+    _suite("stats-cost", model or ["smol"], one, table, out, as_json)
+
+
 @app.command("gpu")
 def gpu(
     model: Annotated[list[str] | None, _models("1b (micro with --quick)")] = None,
@@ -258,10 +289,10 @@ def _print(report: dict, as_json: bool) -> None:
     err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
 
 
-def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str, out: str | None,
-           as_json: bool) -> None:
-    """lora-decode, switch and overhead: one result per shape, `tables.<table>` of them, the
-    JSON report."""
+def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str | Callable[[list[dict]], object],
+           out: str | None, as_json: bool) -> None:
+    """lora-decode, switch, overhead, store-load, stats-cost and gpu: one result per shape,
+    `tables.<table>` of them (or `table(results)`), the JSON report."""
     from lorafleet.bench.report import resolve_out_path, write_json
 
     _check_shapes(shapes)
@@ -278,7 +309,7 @@ def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: 
 
         from lorafleet.bench import tables
 
-        Console().print(getattr(tables, table)(results))
+        Console().print(table(results) if callable(table) else getattr(tables, table)(results))
     err_console.print(f"wrote {path}", highlight=False)
 
 

@@ -1,0 +1,288 @@
+"""`lorafleet bench stats-cost`: what `GET /v1/stats` costs the engine (issue 16: < 1% of its
+throughput at one poll per second).
+
+The daemon answers `/v1/stats` (and `/metrics`) with `server.metrics.engine_snapshot(engine)`,
+run on the engine thread between two steps, then serialises it to JSON (on the event loop's
+thread, which holds the GIL meanwhile: the engine thread waits either way). One engine, in-process:
+  setup  `num_adapters` adapters registered (on disk; ranks 8/16 on q/k/v/o, as the switch bench),
+         then a decode-heavy workload mixing adapters until the step log holds `min_steps` steps:
+         rounds of `requests` requests (default 3 x `batch`; `batch` decoding at once, `max_tokens`
+         tokens each) over `mix` adapters, another `mix` each round: adapters load in the
+         background, several stay resident, and the live switch regression over the last 1,000
+         steps has loads to fit.
+  poll   `polls` polls timed between steps of that workload, still running; a poll is
+         `engine_snapshot(engine)` plus `json.dumps({"engine": snapshot})`: median and p99, the
+         snapshot's part alone, the JSON's size. `cost_fraction`: the median poll over the
+         `interval_s` between polls (1 s: the issue's figure, target < 1%). `profile`: a few more
+         polls under cProfile, time per poll in each function `engine_snapshot` and `Engine.stats`
+         call (cProfile's overhead inflates the times: read the shares).
+  A/B    the same workload (same prompts, same adapters, resident by then) run `rounds` times
+         without polls and `rounds` times with one poll between steps whenever >= `interval_s`
+         has passed since the last began (one client polling at 1 Hz, as the engine thread sees
+         it), interleaved off, on, off, on, ...: generated tokens/s of each (medians) and their
+         ratio, also per pair (each polled run over the one before it). A noisy machine moves these
+         more than 1%: quote the ratio of one run, with `other_cores` (what other processes kept
+         busy meanwhile) and `steps_s_ratio` (the steps' own time, polled runs over the others:
+         where it follows the tokens/s ratio, the steps got slower, the polls did not take the time).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gc
+import json
+import os
+import pstats
+import random
+import statistics
+import time
+
+from lorafleet.bench.adapters import build_adapters
+from lorafleet.bench.fixtures import build_base, get_shape
+from lorafleet.bench.jobs import WARM_UP_PROMPT
+from lorafleet.bench.machine import cpu_seconds, load_average, other_cores, other_cpu_seconds
+from lorafleet.bench.workloads import ATTENTION_MODULES, FIRST_ORDINARY_ID
+
+TARGET_FRACTION = 0.01
+INTERVAL_S = 1.0          # one poll per second
+PROFILE_POLLS = 10
+WAVES = 3                 # requests per run: three batches' worth, by default
+RUN_TIMEOUT_S = 900.0     # one run of the workload that takes longer is stuck: give up
+
+
+def poll(engine) -> tuple[float, float, int]:
+    """One `/v1/stats` as the engine sees it: (seconds in all, seconds of the snapshot, JSON bytes)."""
+    from lorafleet.server.metrics import engine_snapshot
+
+    t0 = time.perf_counter()
+    snapshot = engine_snapshot(engine)
+    t1 = time.perf_counter()
+    body = json.dumps({"engine": snapshot})
+    return time.perf_counter() - t0, t1 - t0, len(body)
+
+
+def run_stats_cost(shape: str = "smol", num_adapters: int = 1000, batch: int = 16, requests: int | None = None,
+                   max_tokens: int = 48, mix: int = 16, min_steps: int = 1000, polls: int = 50, rounds: int = 3,
+                   interval_s: float = INTERVAL_S, prompt_len: int = 16, device: str = "auto",
+                   threads: int | None = None, pool_bytes: int | None = None, root=None, progress=None) -> dict:
+    import torch
+
+    from lorafleet import Engine, SamplingParams
+    from lorafleet.engine.stats import percentile
+    from lorafleet.server.metrics import engine_snapshot
+
+    if threads:
+        torch.set_num_threads(threads)
+    mix, requests = min(mix, num_adapters), requests or WAVES * batch
+    say = progress or (lambda message: None)
+    base = build_base(shape, root)
+    say(f"{shape}: building or reusing {num_adapters} adapters")
+    folders = dict(build_adapters(base, num_adapters, ranks=(8, 16), targets=ATTENTION_MODULES))
+    adapters = list(folders)
+    engine = Engine(base, device=device, max_num_seqs=batch, pool_bytes=pool_bytes)  # None: the daemon's default
+    try:
+        t0 = time.perf_counter()
+        for name in adapters:
+            engine.register_adapter(name, folders[name])
+        register_s = time.perf_counter() - t0
+        engine.generate([WARM_UP_PROMPT] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+
+        rng = random.Random(0)
+        vocab = get_shape(shape).vocab_size
+        prompts = [[rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(prompt_len)] for _ in range(requests)]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        stride = max(1, num_adapters // mix)
+
+        def mixed(k: int) -> list[str]:
+            """Round k's adapters: `mix` of them spread over the registry, another set each round."""
+            return [adapters[(j * stride + k) % num_adapters] for j in range(mix)]
+
+        def workload(k: int) -> list[tuple[list[int], str]]:
+            names = mixed(k)
+            return [(p, names[i % len(names)]) for i, p in enumerate(prompts)]
+
+        say(f"{shape}: filling the step log to {min_steps} steps")
+        t0, fill_rounds = time.perf_counter(), 0
+        while len(engine.step_records()) < min_steps:
+            fill_rounds += 1
+            _serve(engine, workload(fill_rounds), params)
+        fill_s = time.perf_counter() - t0
+
+        say(f"{shape}: {polls} polls between steps")
+        times, snaps, sizes, profiled = [], [], [], 0
+        profiler = cProfile.Profile()
+
+        def timed(engine):
+            nonlocal profiled
+            if len(times) < polls:
+                seconds, snapshot_s, size = poll(engine)
+                times.append(seconds)
+                snaps.append(snapshot_s)
+                sizes.append(size)
+            elif profiled < PROFILE_POLLS:
+                profiler.runcall(poll, engine)
+                profiled += 1
+        while len(times) < polls or profiled < PROFILE_POLLS:
+            _serve(engine, workload(0), params, between=timed)
+        snapshot = engine_snapshot(engine)
+        log_steps = len(engine.step_records())
+
+        say(f"{shape}: A/B, {rounds} runs without polls and {rounds} with one a second, interleaved")
+        runs = []
+        gc.collect()
+        for i in range(2 * rounds):
+            polling, polled = i % 2 == 1, []
+            cpu, before = cpu_seconds(), engine.counters.num_steps
+            between = _every(interval_s, polled) if polling else None
+            seconds, tokens = _serve(engine, workload(0), params, between=between)
+            steps = engine.step_records()[before - engine.counters.num_steps:]
+            runs.append({"polling": polling, "seconds": seconds, "generated_tokens": tokens,
+                         "tokens_per_s": tokens / seconds, "steps": len(steps),
+                         "steps_s": sum(r["time_s"] for r in steps), "polls": len(polled), "poll_s": sum(polled),
+                         "other_cores": other_cores(other_cpu_seconds(cpu, cpu_seconds()), seconds)})
+    finally:
+        engine.close()
+
+    median = statistics.median(times)
+    off = statistics.median(r["tokens_per_s"] for r in runs if not r["polling"])
+    on = statistics.median(r["tokens_per_s"] for r in runs if r["polling"])
+    steps_on = statistics.median(r["steps_s"] for r in runs if r["polling"])
+    steps_off = statistics.median(r["steps_s"] for r in runs if not r["polling"])
+    # each polled run over the one without polls before it
+    pairs = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[::2], runs[1::2])]
+    return {
+        "benchmark": "stats-cost", "shape": shape, "device": str(engine.device), "num_adapters": num_adapters,
+        "batch": batch, "requests": requests, "max_tokens": max_tokens, "prompt_len": prompt_len, "mix": mix,
+        "threads": torch.get_num_threads(),
+        "setup": {"register_s": register_s, "fill_rounds": fill_rounds, "fill_s": fill_s},
+        "engine": {"steps_in_log": log_steps, "window_steps": snapshot["switches"]["window_steps"],
+                   "registered": snapshot["adapters"]["registered"], "tiers": snapshot["adapters"]["tiers"],
+                   "page_map_runs": len(snapshot["pool"]["page_map"]), "total_pages": snapshot["pool"]["total_pages"],
+                   "pool_bytes": snapshot["pool"]["total_pages"] * snapshot["pool"]["page_bytes"],
+                   "switch_slope_s": (snapshot["switches"]["regression"] or {}).get("slope_s"),
+                   "loads_in_window": sum(k * n for k, n in snapshot["switches"]["loaded_per_step"])},
+        "poll": {"calls": len(times), "median_s": median, "p99_s": percentile(times, 0.99),
+                 "mean_s": statistics.fmean(times), "min_s": min(times),
+                 "snapshot_median_s": statistics.median(snaps), "json_bytes": int(statistics.median(sizes)),
+                 "json_bytes_by_key": dict(sorted(((k, len(json.dumps(v))) for k, v in snapshot.items()),
+                                                  key=lambda kv: -kv[1])[:5])},
+        "interval_s": interval_s, "cost_fraction": median / interval_s, "target": TARGET_FRACTION,
+        "target_met": median / interval_s < TARGET_FRACTION if interval_s == INTERVAL_S else None,
+        "profile": _profile(profiler, PROFILE_POLLS),
+        "ab": {"rounds": rounds, "order": ["on" if r["polling"] else "off" for r in runs], "runs": runs,
+               "tokens_per_s_off": off, "tokens_per_s_on": on, "ratio": on / off, "pair_ratios": pairs,
+               "steps_s_ratio": steps_on / steps_off,
+               "polls": sum(r["polls"] for r in runs), "poll_share_of_on_runs":
+                   sum(r["poll_s"] for r in runs if r["polling"]) / sum(r["seconds"] for r in runs if r["polling"])},
+        "environment": {"load_average_after": load_average(), "cpu_count": os.cpu_count()},
+    }
+
+
+def _serve(engine, requests: list[tuple[list[int], str]], params, between=None,
+           timeout_s: float = RUN_TIMEOUT_S) -> tuple[float, int]:
+    """Add the requests, step until every one finished (`between(engine)` after each step but
+    the last); (wall seconds, tokens generated). RuntimeError after `timeout_s`."""
+    t0 = time.perf_counter()
+    ids = {engine.add_request(prompt, params, adapter=adapter) for prompt, adapter in requests}
+    tokens = 0
+    while time.perf_counter() - t0 < timeout_s:
+        for out in engine.step():
+            if out.finished and out.request_id in ids:
+                if out.finish_reason != "length":
+                    raise RuntimeError(f"request {out.request_id} ended with {out.finish_reason}: {out.error}")
+                ids.discard(out.request_id)
+                tokens += len(out.token_ids)
+        if not ids:
+            return time.perf_counter() - t0, tokens
+        if between is not None:
+            between(engine)
+    for rid in ids:
+        engine.abort(rid)
+    raise RuntimeError(f"{len(ids)} of {len(requests)} requests unfinished after {timeout_s:g} s")
+
+
+def _every(interval_s: float, polled: list[float]):
+    """A `between` that polls once >= `interval_s` has passed since the run began or the last
+    poll began (a client polling at 1 / interval_s Hz), and appends each poll's seconds to `polled`."""
+    last = time.perf_counter()
+
+    def between(engine):
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= interval_s:
+            last = now
+            polled.append(poll(engine)[0])
+    return between
+
+
+def _profile(profiler: cProfile.Profile, calls: int, top: int = 12) -> list[dict]:
+    """Time per poll in each function `poll`, `engine_snapshot` and `Engine.stats` call (those
+    three expanded), most first: which part of a poll costs what (cProfile's own overhead
+    included, so the shares matter more than the absolute times)."""
+    stats = pstats.Stats(profiler).stats
+    expanded = {key for key in stats if (key[0].endswith(os.path.join("bench", "stats_cost.py")) and key[2] == "poll")
+                or (key[0].endswith(os.path.join("server", "metrics.py")) and key[2] == "engine_snapshot")
+                or (key[0].endswith(os.path.join("engine", "engine.py")) and key[2] == "stats")}
+    rows = []
+    for key, (_, _, _, _, callers) in stats.items():
+        if key in expanded:
+            continue
+        from_expanded = [v for caller, v in callers.items() if caller in expanded]
+        if from_expanded:
+            rows.append({"function": _label(key), "calls_per_poll": sum(v[1] for v in from_expanded) / calls,
+                         "ms_per_poll": 1e3 * sum(v[3] for v in from_expanded) / calls})
+    total = sum(r["ms_per_poll"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["ms_per_poll"])
+    return [{**r, "share": r["ms_per_poll"] / total} for r in rows[:top]]
+
+
+def _label(key: tuple) -> str:
+    path, line, name = key
+    if path == "~":
+        return name  # a builtin: "<built-in method ...>"
+    parts = path.replace(os.sep, "/").split("/")
+    short = "/".join(parts[parts.index("lorafleet") + 1:]) if "lorafleet" in parts else parts[-1]
+    return f"{name} ({short}:{line})"
+
+
+def stats_cost_table(results: list[dict]):
+    """Each shape's figures, the cost against the issue's target (judged at one poll a second),
+    the A/B; the setting and the profile's leading parts in the caption."""
+    from lorafleet.bench.report import CONTENDED_CORES
+    from lorafleet.bench.tables import _table, _verdict
+
+    table = _table("stats-cost: what one GET /v1/stats costs the engine thread",
+                   ["shape", "figure", "measured", "target", ""], left=2)
+    captions = []
+    for r in results:
+        p, ab, e = r["poll"], r["ab"], r["engine"]
+        rows = [("one poll: snapshot + JSON", f"{p['median_s'] * 1e3:.2f} ms", "", ""),
+                ("  p99", f"{p['p99_s'] * 1e3:.2f} ms", "", ""),
+                ("  snapshot alone", f"{p['snapshot_median_s'] * 1e3:.2f} ms", "", ""),
+                ("  JSON", f"{p['json_bytes'] / 1024:.0f} KiB", "", ""),
+                (f"cost at one poll per {r['interval_s']:g} s", f"{r['cost_fraction']:.2%}",
+                 f"< {r['target']:.0%}", _verdict(r["target_met"])),
+                ("tokens/s, no polls", f"{ab['tokens_per_s_off']:.1f}", "", ""),
+                ("tokens/s, polls", f"{ab['tokens_per_s_on']:.1f}", "", ""),
+                ("  ratio", f"{ab['ratio']:.3f}x", "", "")]
+        for i, (figure, measured, target, verdict) in enumerate(rows):
+            table.add_row(r["shape"] if i == 0 else "", figure, measured, target, verdict)
+        busy = [o for x in ab["runs"] if (o := x["other_cores"]) is not None and o >= CONTENDED_CORES]
+        top = ", ".join(f"{_short(x['function'])} {x['share']:.0%}" for x in r["profile"][:4])
+        key, size = next(iter(p["json_bytes_by_key"].items()), ("", 0))
+        captions.append(
+            f"{r['shape']}: {e['registered']} adapters ({e['tiers']['device']} resident), {e['steps_in_log']} steps "
+            f"in the log; median and p99 of {p['calls']} polls between steps; {key} is {size / 1024:.0f} KiB of "
+            f"the JSON. A/B: medians of {ab['rounds']} runs "
+            f"each, interleaved; {ab['polls']} polls took {ab['poll_share_of_on_runs']:.2%} of the polled runs' "
+            f"time; ratio per pair {', '.join(f'{x:.3f}' for x in ab['pair_ratios'])}; the steps themselves "
+            f"took {ab['steps_s_ratio']:.3f}x as long in the polled runs (the machine's drift, or polls' side effects)"
+            + (f"; other processes kept up to {max(busy):.1f} cores busy" if busy else "")
+            + f". Profile of a poll: {top}.")
+    table.caption = "\n".join(captions) or None
+    return table
+
+
+def _short(label: str) -> str:
+    """A profile row's function without its place, unless it has no name of its own (`<dictcomp>`)."""
+    return label if label.startswith("<") else label.split(" (")[0]
