@@ -137,7 +137,7 @@ async def reset_prefix_cache(request: Request):
 async def stats(request: Request):
     st = state_of(request)
     snapshot = await on_engine(request, metrics.engine_snapshot)
-    return {"version": __version__, "server": st.info(), "engine": snapshot}
+    return Response(metrics.stats_body(__version__, st.info(), snapshot), media_type="application/json")
 
 
 def create_app(state: ServerState) -> FastAPI:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.bench import plots
-from lorafleet.bench.metrics import switch_regressions
+from lorafleet.engine.regression import switch_regressions
 
 
 def step(seqs: int, distinct: int, per_token_s: float) -> dict:
