@@ -11,7 +11,8 @@ engine thread waits either way). One engine, in-process:
          tokens each) over `mix` adapters, another `mix` each round: adapters load in the
          background, several stay resident, and the live switch regression over the last 1,000
          steps has loads to fit.
-  poll   `polls` polls timed between steps of that workload, still running; a poll is
+  poll   (after `gc.freeze()`, as the daemon once started)
+         `polls` polls timed between steps of that workload, still running; a poll is
          `engine_snapshot(engine)` plus `stats_body(...)` (the route's own): median and p99, the
          snapshot's part alone, the JSON's size. `cost_fraction`: the mean poll (what throughput
          loses: the rare slow poll, a garbage collection, counts) over the
@@ -109,6 +110,11 @@ def run_stats_cost(shape: str = "smol", num_adapters: int = 1000, batch: int = 1
             fill_rounds += 1
             _serve(engine, workload(fill_rounds), params)
         fill_s = time.perf_counter() - t0
+        # as the daemon does once it has started (server/daemon.py): what lives for good (the
+        # model, the registry) leaves the collector's sight, so a collection a poll's
+        # allocations set off does not walk it
+        gc.collect()
+        gc.freeze()
 
         say(f"{shape}: {polls} polls between steps")
         times, snaps, sizes, profiled = [], [], [], 0
@@ -143,6 +149,7 @@ def run_stats_cost(shape: str = "smol", num_adapters: int = 1000, batch: int = 1
                          "steps_s": sum(r["time_s"] for r in steps), "polls": len(polled), "poll_s": sum(polled),
                          "other_cores": other_cores(other_cpu_seconds(cpu, cpu_seconds()), seconds)})
     finally:
+        gc.unfreeze()
         engine.close()
 
     median = statistics.median(times)

@@ -359,6 +359,21 @@ class Engine:
         assert live <= set(self.kv.rows), "a running request has no block table"
         assert set(self.kv.rows) <= live, "pages held by a request that is not running"
 
+    def _adapter_details(self) -> dict:
+        """`adapter_details`: name -> its record (`AdapterEntry.info`) with the p50/p99 of its
+        recent loads (`load_s`) and of its finished requests' exposed waits (`stall_s`), for every
+        adapter a request ever named or that holds memory; `untouched_adapters`: the names of the
+        rest, registered on disk and never asked for (nothing to say but the name: their files
+        are first read on their first request). A fleet of thousands polled every second pays
+        for the adapters in use, not for the registry (`lorafleet bench stats-cost`)."""
+        details, untouched = {}, []
+        for e in self.adapters.entries.values():
+            if e.tier == "disk" and not (e.hits or e.misses or e.users or e.disk_loads or e.error):
+                untouched.append(e.name)
+            else:
+                details[e.name] = {**e.info(), "load_s": summary(e.recent_loads), "stall_s": summary(e.recent_waits)}
+        return {"adapter_details": details, "untouched_adapters": untouched}
+
     def stats(self) -> dict:
         pool = self.pool.stats()
         return {
@@ -369,8 +384,7 @@ class Engine:
             "adapters": self.adapters.stats(),
             "prefix_cache": self.kv.stats(),
             "eviction": self.adapters.order.stats(),
-            "adapter_details": {e.name: {**e.info(), "load_s": summary(e.recent_loads), "stall_s": summary(e.recent_waits)}
-                                for e in self.adapters.entries.values()},
+            **self._adapter_details(),
             "switches": live_switches(self.counters.steps),
             "scheduler": self.scheduler.policy.snapshot(),
             "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],

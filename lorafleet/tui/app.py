@@ -94,11 +94,14 @@ class AdapterScreen(ModalScreen):
         out.append(f"{self.adapter}\n", style=f"bold {owner_style(self.adapter)}")
         if row is None:
             out.append("no longer known to the daemon (unloaded or replaced)\n", style="italic")
+        elif row["info"] is None:
+            out.append("registered on disk and never asked for: its files are read on its first request\n"
+                       "(`lorafleet adapters show NAME` prints where they are)\n", style="italic")
         else:
             info = row["info"]
             fields = [
                 ("tier", row["tier"]), ("pinned", "yes" if info["pinned"] else "no"),
-                ("ranks", ", ".join(f"{m} {r}" for m, r in sorted((info.get("ranks") or {}).items())) or "-"),
+                ("ranks", ", ".join(f"{m} {r}" for m, r in sorted(info["ranks"].items())) or "-"),
                 ("parameters", f"{info['params']:,}"), ("pages", str(info["pages"])),
                 ("requests", f"{row['running']} running, {row['waiting']} waiting, {info['users']} holding it"),
                 ("hits / misses", f"{info['hits']} / {info['misses']}"),
@@ -107,9 +110,9 @@ class AdapterScreen(ModalScreen):
                 ("load time", f"p50 {model.ms(row['load_p50'])} ms, p99 {model.ms(row['load_p99'])} ms, "
                               f"{info['load_time_s']:.3f} s in all"),
                 ("exposed stall", f"p50 {model.ms(info['stall_s']['p50'])} ms, p99 {model.ms(row['stall_p99'])} ms"),
-                ("digest", info.get("digest") or "(not read yet)"), ("path", info["path"]),
+                ("digest", info["digest"] or "(not read yet)"), ("path", info["path"]),
             ]
-            if info.get("error"):
+            if info["error"]:
                 fields.append(("last error", info["error"]))
             for k, v in fields:
                 out.append(f"{k:>14}  ", style="bold")

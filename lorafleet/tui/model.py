@@ -94,12 +94,14 @@ TIER_ORDER = {"device": 0, "host": 1, "disk": 2}
 
 def adapter_rows(engine: dict) -> list[dict]:
     """One row per adapter the daemon knows: the table's columns as raw values (None: not
-    measured yet), plus `ranks` (module -> rank) and the adapter's whole record as `info`."""
-    lora = engine.get("lora") or {}
-    running, waiting = lora.get("running", {}), lora.get("waiting", {})
-    rows = []
-    for name, info in engine.get("adapter_details", {}).items():
-        ranks = sorted(set((info.get("ranks") or {}).values()))
+    measured yet), plus `ranks` (the distinct ranks, sorted) and the adapter's record as `info`
+    (None for an untouched adapter: registered on disk, never asked for, known by name only)."""
+    running, waiting = engine["lora"]["running"], engine["lora"]["waiting"]
+    rows = [{"name": name, "tier": "disk", "rank": None, "ranks": [], "pages": 0, "running": 0, "waiting": 0,
+             "hits": 0, "misses": 0, "loads": 0, "load_p50": None, "load_p99": None, "stall_p99": None,
+             "info": None} for name in engine["untouched_adapters"]]
+    for name, info in engine["adapter_details"].items():
+        ranks = sorted(set(info["ranks"].values()))
         rows.append({
             "name": name, "tier": info["tier"], "rank": ranks[-1] if ranks else None, "ranks": ranks,
             "pages": info["pages"], "running": running.get(name, 0), "waiting": waiting.get(name, 0),

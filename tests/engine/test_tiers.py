@@ -264,8 +264,8 @@ def test_stats_report_per_adapter_load_and_stall_times_and_the_live_switch_regre
     names = list(thousand)[:6]
     for name in names:
         engine.register_adapter(name, thousand[name])
-    before = engine.stats()["adapter_details"][names[0]]
-    assert before["load_s"] == {"p50": None, "p99": None} and before["stall_s"] == {"p50": None, "p99": None}
+    before = engine.stats()
+    assert before["untouched_adapters"] == names and before["adapter_details"] == {}
     adapters = [names[i % 6] for i in range(18)]
     run_all(engine, random_prompts(18, seed=3), SHORT, adapters)
     stats = engine.stats()
@@ -276,6 +276,9 @@ def test_stats_report_per_adapter_load_and_stall_times_and_the_live_switch_regre
         assert info["load_s"]["p99"] == max(entry.recent_loads)  # nearest rank of <= 64 values
         assert len(entry.recent_waits) == adapters.count(name)  # one per finished request on it
         assert info["stall_s"]["p99"] == max(entry.recent_waits) >= 0
+    assert stats["untouched_adapters"] == []
+    engine.register_adapter("late", thousand[list(thousand)[6]])
+    assert engine.stats()["untouched_adapters"] == ["late"] and "late" not in engine.stats()["adapter_details"]
     switches = stats["switches"]
     assert switches["window_steps"] == stats["num_steps"]
     hist = dict(switches["loaded_per_step"])

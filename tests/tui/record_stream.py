@@ -1,6 +1,7 @@
 """Record the stats stream the TUI tests replay: `python -m tests.tui.record_stream`.
 
-A tiny random model and eight adapters of ranks 2-32, all registered on disk, a pool small
+A tiny random model and eight adapters of ranks 2-32, all registered on disk (and two more
+that no request names), a pool small
 enough that they cannot all stay on the device and a host cache that holds a few, and three
 waves of requests that mix them; one `/v1/stats`-shaped snapshot (the server part fixed:
 pid 4242, a clock of one second per snapshot) every few engine steps. The snapshots go to
@@ -17,6 +18,7 @@ from pathlib import Path
 from tests.fixtures import build_adapter, build_model
 
 OUT = Path(__file__).parent / "data" / "stream.json"
+SPARE = ("spare-a", "spare-b")
 ADAPTERS = [("sql-r16", 16, ["q_proj", "v_proj"]), ("chat-r8", 8, ["q_proj", "k_proj", "v_proj", "o_proj"]),
             ("code-r32", 32, ["q_proj", "v_proj", "gate_proj"]), ("tiny-r2", 2, ["o_proj"]),
             ("math-r4", 4, ["up_proj", "down_proj"]), ("law-r16", 16, ["q_proj", "k_proj"]),
@@ -33,6 +35,8 @@ def main() -> None:
     for i, (name, rank, targets) in enumerate(ADAPTERS):
         engine.register_adapter(name, build_adapter(base, root / name, seed=i, r=rank, lora_alpha=2 * rank,
                                                     target_modules=targets))
+    for name in SPARE:  # registered, never asked for: `untouched_adapters`
+        engine.register_adapter(name, root / ADAPTERS[0][0])
     snaps, clock = [], 0.0
 
     def snapshot():

@@ -17,6 +17,13 @@ SIZE = (80, 24)
 pytestmark = pytest.mark.anyio
 
 
+def known(engine: dict) -> dict[str, dict]:
+    """Every adapter the snapshot names, as the table's columns read it: the detailed ones, and
+    the untouched ones (disk, nothing measured)."""
+    untouched = {"tier": "disk", "pages": 0, "hits": 0, "loads": 0, "load_s": {"p50": None}}
+    return {**engine["adapter_details"], **{n: untouched for n in engine["untouched_adapters"]}}
+
+
 def names(app) -> list[str]:
     table = app.query_one("#adapters", DataTable)
     return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
@@ -44,8 +51,8 @@ async def test_quit_help_and_the_status_line(stream):
 
 
 async def test_sorting_by_key_by_reverse_and_by_header(stream):
-    last = stream[-1]["engine"]
-    details = last["adapter_details"]
+    details = known(stream[-1]["engine"])
+    assert stream[-1]["engine"]["untouched_adapters"], "the stream should hold untouched adapters"
     app = TopApp(None, "/tmp/test.sock")
     async with app.run_test(size=SIZE) as pilot:
         await feed(app, pilot, stream)
@@ -72,19 +79,20 @@ async def test_sorting_by_key_by_reverse_and_by_header(stream):
 
 
 async def test_tiers_and_measured_columns_match_the_snapshot(stream):
-    last = stream[-1]["engine"]
+    details = known(stream[-1]["engine"])
     app = TopApp(None, "/tmp/test.sock")
     async with app.run_test(size=SIZE) as pilot:
         await feed(app, pilot, stream)
         table = app.query_one("#adapters", DataTable)
+        assert table.row_count == len(details)
         for i in range(table.row_count):
             cells = [str(c) for c in table.get_row_at(i)]
-            info = last["adapter_details"][cells[0]]
+            info = details[cells[0]]
             assert cells[1] == info["tier"]
             assert cells[3] == str(info["pages"])
             assert cells[8] == str(info["loads"])
             assert cells[9] == model.ms(info["load_s"]["p50"])
-        tiers = {info["tier"] for info in last["adapter_details"].values()}
+        tiers = {info["tier"] for info in details.values()}
         assert len(tiers) >= 2, "the recorded stream should hold adapters on more than one tier"
 
 
@@ -108,7 +116,7 @@ async def test_filter_narrows_the_table_and_keeps_the_keys_out_of_the_app(stream
         await pilot.pause()
         assert names(app) == ["law-r16", "sql-r16"]
         await pilot.press("slash", "ctrl+a", "ctrl+k", "escape")
-        assert len(names(app)) == len(stream[-1]["engine"]["adapter_details"])
+        assert len(names(app)) == len(known(stream[-1]["engine"]))
 
 
 async def test_enter_opens_the_detail_of_the_highlighted_adapter(stream):
@@ -134,6 +142,12 @@ async def test_enter_opens_the_detail_of_the_highlighted_adapter(stream):
         assert "no longer known" in text_of(app.screen.query_one("#detail"))
         await pilot.press("escape")
         assert not isinstance(app.screen, AdapterScreen)
+        # an untouched adapter has nothing but its name to show
+        spare = stream[-1]["engine"]["untouched_adapters"][0]
+        while app.selected_adapter() != spare:
+            await pilot.press("down")
+        await pilot.press("enter")
+        assert "never asked for" in text_of(app.screen.query_one("#detail"))
 
 
 async def test_the_pool_map_names_the_owners_under_its_cursor(stream):
@@ -213,4 +227,4 @@ async def test_usable_at_small_and_large_terminals(stream, size):
             region = app.query_one(widget).region
             assert region.width >= 20 and region.height >= 5, (widget, region)
             assert region.right <= size[0] and region.bottom <= size[1], (widget, region)
-        assert app.query_one("#adapters", DataTable).row_count == len(stream[-1]["engine"]["adapter_details"])
+        assert app.query_one("#adapters", DataTable).row_count == len(known(stream[-1]["engine"]))
