@@ -26,7 +26,9 @@ def owner_class(label: str) -> str:
 @dataclass(frozen=True)
 class Cell:
     """One cell of the pool map: pages [first, first + count) and their owners by pages, the
-    largest first; `label` (the largest owner) decides its colour."""
+    largest first. `label`, what the cell shows, is its largest owner other than free when it
+    has one: in a large pool a cell spans many pages, and a few adapter pages among free ones
+    must still show; `dense` says whether that owner holds at least half the cell."""
 
     first: int
     count: int
@@ -34,7 +36,11 @@ class Cell:
 
     @property
     def label(self) -> str:
-        return self.owners[0][0]
+        return next((label for label, _ in self.owners if label != FREE), FREE)
+
+    @property
+    def dense(self) -> bool:
+        return 2 * dict(self.owners)[self.label] >= self.count
 
 
 def pool_cells(page_map: list[list], num_cells: int) -> list[Cell]:

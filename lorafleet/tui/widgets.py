@@ -19,6 +19,7 @@ from lorafleet.tui.model import ADAPTER, CACHED, FREE, KV
 
 CLASS_STYLE = {FREE: "grey35", KV: "dodger_blue1", CACHED: "cyan3"}
 CLASS_GLYPH = {FREE: "·", KV: "█", CACHED: "▒", ADAPTER: "█"}
+SPARSE_GLYPH = "▪"  # a cell whose owner holds less than half its pages (the rest mostly free)
 # adapters: a colour per name, stable across runs and machines (not Python's salted hash)
 ADAPTER_PALETTE = ("orange1", "green3", "magenta2", "gold1", "salmon1", "chartreuse3", "orchid1",
                    "dark_orange3", "spring_green2", "hot_pink2", "yellow3", "light_coral")
@@ -36,7 +37,8 @@ def owner_style(label: str) -> str:
 
 class PoolMap(Widget, can_focus=True):
     """Every page of the unified pool, or groups of pages when they outnumber the cells, coloured
-    by owner (a cell's largest owner): free, KV, cached KV, or an adapter (a colour per name).
+    by owner (a cell's largest owner that is not free: `model.Cell.label`; drawn small when it
+    holds under half the cell): free, KV, cached KV, or an adapter (a colour per name).
     Arrow keys move a cursor whose cell's pages and owners the last line names; the adapter
     selected in the table is drawn inverted wherever it holds pages."""
 
@@ -86,7 +88,7 @@ class PoolMap(Widget, can_focus=True):
                 style += " reverse"
             if i == self.cursor and self.has_focus:
                 style = "bold white on red"
-            out.append(CLASS_GLYPH[model.owner_class(cell.label)], style=style)
+            out.append(CLASS_GLYPH[model.owner_class(cell.label)] if cell.dense else SPARSE_GLYPH, style=style)
         pool = self.pool
         shares = model.pool_totals(pool)
         per = cells[0].count if cells else 1
