@@ -26,7 +26,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
-from lorafleet.errors import LorafleetError
+from lorafleet.errors import DaemonUnreachableError, LorafleetError
 from lorafleet.tui import model
 from lorafleet.tui.widgets import PoolMap, Rates, SwitchPanel, owner_style
 
@@ -151,6 +151,7 @@ class TopApp(App):
         self.rows: list[dict] = []
         self.paused = False
         self.error: str | None = None        # the last poll's failure, while it lasts
+        self.unreachable = True              # ... nothing answered (else: the daemon refused)
         self.sort_key, self.sort_reverse = "running", True
         self.filter_text = ""
         self._wake = threading.Event()       # cuts the poller's sleep short (resume)
@@ -196,12 +197,12 @@ class TopApp(App):
         while not worker.is_cancelled:
             if not self.paused:
                 try:
-                    stats, error = self.source(), None
+                    stats, error, unreachable = self.source(), None, False
                 except LorafleetError as e:
-                    stats, error = None, str(e)
+                    stats, error, unreachable = None, str(e), isinstance(e, DaemonUnreachableError)
                 if worker.is_cancelled:
                     return
-                self.call_from_thread(self.ingest, stats, error)
+                self.call_from_thread(self.ingest, stats, error, unreachable)
             # sleep `interval` in short waits: a cancelled worker (the app quitting) ends
             # within 0.1 s, and a resume (`_wake`) polls at once
             until = time.monotonic() + self.interval
@@ -210,9 +211,10 @@ class TopApp(App):
                     break
             self._wake.clear()
 
-    def ingest(self, stats: dict | None, error: str | None = None) -> None:
-        """A snapshot (or the error in its place) arrives: redraw what it changes."""
-        self.error = error
+    def ingest(self, stats: dict | None, error: str | None = None, unreachable: bool = True) -> None:
+        """A snapshot arrives, or the error in its place (`unreachable`: nothing answered, rather
+        than a daemon that refused, say a wrong API key): redraw what it changes."""
+        self.error, self.unreachable = error, unreachable
         if stats is not None:
             self.stats = stats
             self.history.add(stats)
@@ -225,7 +227,11 @@ class TopApp(App):
         never = self.stats is None
         nodaemon.display = never and self.error is not None
         body.display = not nodaemon.display
-        if nodaemon.display:
+        if nodaemon.display and not self.unreachable:
+            nodaemon.update(Text.assemble(
+                ("The daemon refused to show its stats.\n\n", "bold"), f"{self.error}\n\n",
+                (f"Trying again every {self.interval:g}s; q quits.", "dim")))
+        elif nodaemon.display:
             nodaemon.update(Text.assemble(
                 ("No lorafleet daemon answers.\n\n", "bold"), f"{self.error}\n\n",
                 "`lorafleet serve` serves the demo fleet, `lorafleet serve MODEL` a model of yours;\n"
@@ -240,6 +246,8 @@ class TopApp(App):
             line.append(f" {self.where} · ")
         if self.paused:
             line.append("PAUSED (p resumes)", style="bold yellow")
+        elif self.error is not None and not self.unreachable:
+            line.append(f"refused: {self.error}", style="bold red")
         elif self.error is not None and not never:
             line.append(f"reconnecting to {self.where}…", style="bold red")
         elif self.stats is not None:

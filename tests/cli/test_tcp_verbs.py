@@ -103,7 +103,7 @@ def test_no_daemon_at_the_url_exits_3_naming_it(tcp_daemon, nowhere):
     assert len(lines) == 1 and url in lines[0] and "no lorafleet daemon" in lines[0]
 
 
-@pytest.mark.parametrize("verb", [["status"], ["adapters", "ls"], ["chat", "hi"]])
+@pytest.mark.parametrize("verb", [["status"], ["adapters", "ls"], ["chat", "hi"], ["top"]])
 def test_a_bad_url_is_one_clear_line(tcp_daemon, nowhere, verb):
     out = lf(nowhere, *verb, "--url", "ftp://x", "--api-key", KEY)
     assert out.returncode == 1, out.stderr
@@ -145,3 +145,33 @@ def test_chat_over_tcp(tcp_daemon, nowhere):
     assert piped.returncode == 0, piped.stderr
     answer = json.loads(piped.stdout)
     assert answer["model"] == ADAPTER and answer["choices"][0]["message"]["content"] == want
+
+
+def test_top_over_tcp_shows_the_daemon(tcp_daemon):
+    """`lorafleet top --url --api-key`'s app on the real client over TCP: the daemon's pid and
+    its adapter on screen; with a wrong key, the key's refusal (and no data)."""
+    import asyncio
+    import time
+
+    from lorafleet.client import Client
+    from lorafleet.tui.app import TopApp
+
+    pid = tcp_daemon.stats()["server"]["pid"]
+
+    async def run(key: str) -> tuple[str, list[str]]:
+        with Client(url=tcp_daemon.url, api_key=key) as c:
+            app = TopApp(c.stats, c.where, interval=0.2)
+            async with app.run_test(size=(100, 30)) as pilot:
+                deadline = time.monotonic() + 30
+                while app.stats is None and app.error is None:
+                    assert time.monotonic() < deadline, "no snapshot and no error within 30s"
+                    await pilot.pause(0.1)
+                await pilot.pause()
+                return (str(app.query_one("#status").render()), [r["name"] for r in app.rows], app.error,
+                        str(app.query_one("#nodaemon").render()))
+
+    status, rows, error, _ = asyncio.run(run(KEY))
+    assert f"pid {pid}" in status and ADAPTER in rows and error is None
+    status, rows, error, screen = asyncio.run(run("wrong"))
+    assert rows == [] and "API key" in error and "refused" in status
+    assert "refused" in screen and "No lorafleet daemon" not in screen
