@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from lorafleet import __version__
-from lorafleet.cli import adapters, bench, chat, serve, status, store, top
+from lorafleet.cli import adapters, bench, chat, deploy, serve, status, store, top
 from lorafleet.cli.common import fail
 from lorafleet.errors import LorafleetError
 
@@ -33,6 +33,7 @@ app.add_typer(adapters.app, name="adapters")
 app.add_typer(store.models_app, name="models")
 app.add_typer(store.store_app, name="store")
 app.add_typer(bench.app, name="bench")
+app.add_typer(deploy.app, name="deploy")
 
 
 def _print_version(value: bool) -> None:

@@ -34,7 +34,7 @@ def parse_size(text: str | None, option: str = "--pool-bytes") -> int | None:
     return int(number * 1024 ** ("kmgt".index(unit) + 1)) if unit else int(number)
 
 
-def _parse_adapters(specs: list[str] | None) -> dict[str, Path]:
+def parse_adapters(specs: list[str] | None) -> dict[str, Path]:
     out = {}
     for spec in specs or []:
         name, sep, path = spec.partition("=")
@@ -95,7 +95,7 @@ def serve(
 
     with user_errors():
         sock = paths.socket_path(socket)
-        model, stored_name = _model_folder(model)
+        model, stored_name = model_folder(model)
         served_model_name = served_model_name or stored_name
         config = ServerConfig(socket=str(sock), host=host, port=port, api_key=api_key,
                               served_model_name=served_model_name, max_pending=max_pending,
@@ -104,7 +104,7 @@ def serve(
         engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
                           "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                           "prefix_cache": prefix_cache}
-        adapters = _parse_adapters(adapter)
+        adapters = parse_adapters(adapter)
         if detach:
             argv = _rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),
                                  served_model_name=served_model_name)
@@ -116,7 +116,7 @@ def serve(
             raise fail("interrupted before the daemon started") from None
 
 
-def _model_folder(model: Path | None) -> tuple[Path | None, str | None]:
+def model_folder(model: Path | None) -> tuple[Path | None, str | None]:
     """MODEL as a folder: a path that exists, else a base of the store by that name (then its
     name too, the default served name); a path that is neither is a clear error."""
     if model is None:

@@ -1,0 +1,185 @@
+"""lorafleet replicas behind Ray Serve's model multiplexing (`pip install 'lorafleet[ray]'`).
+
+Ray Serve routes a request tagged with a multiplexed model id to a replica that already holds
+that model, and each replica keeps at most `max_num_models_per_replica` of them (least recently
+used out). Here the model id is the adapter's name, and each replica runs one lorafleet engine
+with the daemon's own routes in-process (`deploy/inprocess.py`):
+
+    client --HTTP--> Ray Serve proxy --> Router (ingress: reads `model` from the body)
+                        --handle(multiplexed_model_id=adapter, stream=True)--> Replica x N
+                                                     (Engine + the daemon's FastAPI app)
+
+- `Router`: the OpenAI-compatible HTTP front (`/v1/completions`, `/v1/chat/completions`,
+  `/v1/models`, `/health`), on the Serve proxy. It reads `model` from the body and calls a
+  replica through a handle with that adapter as the multiplexed model id (none for the base:
+  any replica), streaming the replica's bytes back as they come.
+- `Replica`: one Engine. `get_adapter` (Serve's `@serve.multiplexed`) registers the adapter
+  with the engine the first time this replica sees it (from the paths given at deploy time, or
+  the store), which is what Serve's router learns residency from; lorafleet's own tiers and pool
+  decide what stays on the device. Each replica answers `stats()` (`/v1/stats` of its engine,
+  with the replica's id).
+
+`build_app(...)` returns the Serve application (`serve.run(build_app(...))`);
+`lorafleet deploy ray` starts a local Ray cluster and runs it. Ray is imported here only: the
+rest of lorafleet never needs it.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) at
+# runtime, through Serve's ingress wrapper, which string annotations do not survive
+import json
+import logging
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from lorafleet.errors import AdapterNotFoundError
+
+log = logging.getLogger("lorafleet.deploy")
+
+DEFAULT_MAX_ADAPTERS_PER_REPLICA = 64
+_HOP = {"content-length", "transfer-encoding", "connection"}  # set by the proxy for the new response
+
+
+def replica_class(max_adapters_per_replica: int):
+    """The Replica deployment's class, with Serve's multiplexing bound to its capacity (the
+    decorator takes it at class-definition time)."""
+
+    class Replica:
+        def __init__(self, model: str, adapters: dict[str, str], engine_options: dict,
+                     served_model_name: str | None, store_home: str | None):
+            from lorafleet.deploy.inprocess import InProcessServer
+            from lorafleet.engine.engine import Engine
+
+            self.adapters = {name: Path(path) for name, path in adapters.items()}
+            resolver = None
+            if store_home:
+                from lorafleet.store.resolver import StoreResolver
+                from lorafleet.store.store import Store
+
+                resolver = StoreResolver(Store(Path(store_home)))
+            engine = Engine(model, **engine_options)
+            self.base_name = served_model_name or Path(model).name
+            self.server = InProcessServer(engine, self.base_name, model, resolver=resolver)
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+
+        @serve.multiplexed(max_num_models_per_replica=max_adapters_per_replica)
+        async def get_adapter(self, name: str) -> str:
+            """Make `name` known to this replica's engine (disk tier: its weights are read when a
+            request needs them): from the folders given at deploy time, else the store. Serve
+            calls this once per adapter until it falls out of the replica's multiplexing LRU;
+            the engine keeps the registration (it costs no pool memory)."""
+            path, resolver = self.adapters.get(name), self.server.worker.resolver
+
+            def register(engine) -> bool:
+                if name not in engine.adapters:
+                    if path is not None:
+                        engine.register_adapter(name, path)
+                    elif resolver is not None:
+                        resolver.resolve(engine, name)
+                return name in engine.adapters
+            if not await self.server.run(register):
+                raise AdapterNotFoundError(f"model {name!r} does not exist: it is neither the base "
+                                           f"({self.base_name!r}), an adapter given at deploy time, nor in the store")
+            return name
+
+        async def handle(self, method: str, path: str, body: bytes):
+            """The daemon's route for `path` on this replica: yields {"status", "headers"}, then
+            the body's chunks."""
+            model = serve.get_multiplexed_model_id()
+            if model:
+                try:
+                    await self.get_adapter(model)
+                except AdapterNotFoundError as e:
+                    yield {"status": 404, "headers": [("content-type", "application/json")]}
+                    yield json.dumps({"error": {"message": str(e), "type": "invalid_request_error",
+                                                "param": "model", "code": "model_not_found"}}).encode()
+                    return
+            async for item in self.server.request(method, path, body):
+                yield item
+
+        async def stats(self) -> dict:
+            from lorafleet.server.metrics import engine_snapshot
+
+            snapshot = await self.server.run(engine_snapshot)
+            return {"replica_id": self.replica_id, "server": self.server.state.info(), "engine": snapshot}
+
+        def __del__(self):
+            server = getattr(self, "server", None)
+            if server is not None:
+                server.close()
+
+    return Replica
+
+
+router_app = FastAPI(title="lorafleet on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.deployment
+@serve.ingress(router_app)
+class Router:
+    def __init__(self, replicas, base_name: str, adapters: dict[str, str]):
+        self.replicas = replicas
+        self.base_name = base_name
+        self.adapters = adapters
+
+    async def _forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        try:
+            model = json.loads(body).get("model") if body else None
+        except (ValueError, AttributeError):
+            model = None  # the replica answers the malformed body with its 400
+        handle = self.replicas.options(stream=True)
+        if isinstance(model, str) and model and model != self.base_name:
+            handle = handle.options(multiplexed_model_id=model)
+        gen = handle.handle.remote(request.method, path, body)
+        head = await gen.__anext__()
+        headers = {k: v for k, v in head["headers"] if k.lower() not in _HOP}
+        if headers.get("content-type", "").startswith("text/event-stream"):
+            async def chunks():
+                async for chunk in gen:
+                    yield chunk
+            return StreamingResponse(chunks(), status_code=head["status"], headers=headers)
+        content = b"".join([chunk async for chunk in gen])
+        return Response(content, status_code=head["status"], headers=headers)
+
+    @router_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._forward(request, "/v1/completions")
+
+    @router_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._forward(request, "/v1/chat/completions")
+
+    @router_app.get("/v1/models")
+    async def models(self) -> Response:
+        """The base and the adapters given at deploy time (a replica knows only those it has
+        served; store adapters are served by name, not listed)."""
+        created = int(time.time())
+        cards = [{"id": self.base_name, "object": "model", "created": created, "owned_by": "lorafleet",
+                  "root": None, "parent": None}]
+        cards += [{"id": name, "object": "model", "created": created, "owned_by": "lorafleet", "root": path,
+                   "parent": self.base_name} for name, path in sorted(self.adapters.items())]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @router_app.get("/health")
+    async def health(self) -> Response:
+        return JSONResponse({"status": "ok"})
+
+
+def build_app(model: str | Path, adapters: dict[str, str | Path] | None = None, *, replicas: int = 2,
+              max_adapters_per_replica: int = DEFAULT_MAX_ADAPTERS_PER_REPLICA, pool_bytes: int | None = None,
+              device: str = "cpu", served_model_name: str | None = None, store_home: str | None = None,
+              engine_options: dict | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0):
+    """The Serve application: `replicas` engines on `model` behind one router. `adapters`:
+    name -> PEFT folder, known to every replica (each registers one when a request first names
+    it there); `store_home`: a lorafleet store whose adapters are served by name too."""
+    options = {"device": device, **({"pool_bytes": pool_bytes} if pool_bytes else {}), **(engine_options or {})}
+    replica = serve.deployment(replica_class(max_adapters_per_replica), name="Replica", num_replicas=replicas,
+                               ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})
+    base_name = served_model_name or Path(model).name
+    folders = {k: str(v) for k, v in (adapters or {}).items()}
+    bound = replica.bind(str(model), folders, options, base_name, store_home)
+    return Router.options(ray_actor_options={"num_cpus": 0}).bind(bound, base_name, folders)
