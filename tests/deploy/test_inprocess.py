@@ -1,0 +1,78 @@
+"""The daemon's routes called in-process (`deploy/inprocess.py`, what each Ray replica runs):
+answers as the daemon's, streams chunk by chunk, and a caller that stops reading frees the
+request's pages. No Ray needed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from lorafleet.demo import default_fleet
+from lorafleet.demo.skills import expected, user_turn
+
+
+@pytest.fixture(scope="module")
+def server():
+    from lorafleet.deploy.inprocess import InProcessServer
+    from lorafleet.engine.engine import Engine
+
+    fleet = default_fleet()
+    engine = Engine(fleet.model, device="cpu", pool_bytes=64 << 20)
+    for name, path in fleet.adapters.items():
+        engine.register_adapter(name, path)
+    s = InProcessServer(engine, fleet.name, fleet.model)
+    yield s
+    s.close()
+
+
+def chat(model, text, **extra) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": user_turn(model, text)}],
+                       "max_tokens": 48, "temperature": 0, **extra}).encode()
+
+
+def test_answers_are_the_daemons(server):
+    status, headers, body = asyncio.run(server.call("POST", "/v1/chat/completions", chat("reverse", "mixed batch")))
+    assert status == 200 and dict(headers)["content-type"] == "application/json"
+    assert json.loads(body)["choices"][0]["message"]["content"] == expected("reverse", "mixed batch")
+    status, _, body = asyncio.run(server.call("POST", "/v1/completions", b"{not json"))
+    assert status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    status, _, body = asyncio.run(server.call("POST", "/v1/chat/completions", chat("nope", "x")))
+    assert status == 404 and "nope" in json.loads(body)["error"]["message"]
+
+
+def test_a_stream_comes_chunk_by_chunk(server):
+    async def go():
+        items = [item async for item in server.request("POST", "/v1/chat/completions",
+                                                       chat("upper", "hello world", stream=True))]
+        return items
+    items = asyncio.run(go())
+    head, chunks = items[0], items[1:]
+    assert head["status"] == 200 and dict(head["headers"])["content-type"].startswith("text/event-stream")
+    events = [line[6:] for c in chunks for line in c.decode().split("\n") if line.startswith("data: ")]
+    assert len(chunks) > 3 and events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert text == expected("upper", "hello world")
+
+
+def test_a_caller_that_stops_reading_frees_the_request(server):
+    async def go():
+        stream = server.request("POST", "/v1/chat/completions",
+                                json.dumps({"model": "double", "messages": [{"role": "user", "content": "long " * 20}],
+                                            "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                                            "stream": True}).encode())
+        async for item in stream:
+            if isinstance(item, bytes):
+                break
+        await stream.aclose()
+    before = asyncio.run(server.run(lambda e: e.stats()))["num_requests_aborted"]
+    asyncio.run(go())
+    deadline = time.monotonic() + 30
+    while True:
+        stats = asyncio.run(server.run(lambda e: e.stats()))
+        if stats["num_requests_aborted"] > before and stats["pool"]["kv_pages"] == 0 and not stats["num_running"]:
+            break
+        assert time.monotonic() < deadline, f"the abandoned request still holds the engine: {stats['num_running']} running"
+        time.sleep(0.05)
