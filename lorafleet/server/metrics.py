@@ -1,17 +1,50 @@
 """GET /metrics: one Prometheus exposition rendered from an engine snapshot at scrape time.
 
-The vLLM names LoRA-aware gateways read, with vLLM's meanings:
+The vLLM names LoRA-aware gateways read, with vLLM's meanings (the names, labels and value
+conventions are those of the endpoint picker's model server protocol: kubernetes-sigs/
+gateway-api-inference-extension docs/proposals/003-model-server-protocol, and llm-d/llm-d-router
+docs/plugin-metric-protocol.md, "LoRA Adapter Serving" and "LoRA Adapter Residency"):
 - `vllm:num_requests_running`, `vllm:num_requests_waiting`: requests in the running batch /
-  the waiting queue; `vllm:kv_cache_usage_perc`: KV pages over the pool's pages (0..1).
+  the waiting queue (the pickers' queue-scorer reads the waiting one); `vllm:kv_cache_usage_perc`:
+  KV pages over the pool's pages, 0..1 (a fraction, as vLLM's: the kv-cache-utilization scorer
+  scores 1 minus it).
 - `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}`, value the
-  current time: the names of the adapters with running (waiting) requests, joined by commas,
-  and the most adapters one batch may hold. lorafleet has no max-loras knob: every sequence of
-  a batch may use its own adapter, so `max_lora` is `max_num_seqs`. One series: the previous
-  label set is dropped at each scrape rather than left to pile up.
+  current time (the picker keeps the series with the largest value, so one series suffices: the
+  previous label set is dropped at each scrape rather than left to pile up). The adapters with
+  requests in the running batch / in the waiting queue, joined by commas; an adapter with only
+  waiting requests is in `waiting_lora_adapters` alone. `max_lora`: how many adapters the
+  pool could hold at the median size (`lora_capacity`); the lora-affinity scorer (llm-d-router
+  pkg/epp/framework/plugins/scheduling/scorer/loraaffinity) takes an endpoint with fewer than
+  `max_lora` adapters running plus waiting to have room for one more. These are the meanings
+  vLLM's users report: request activity, not residency (an idle resident adapter is in neither
+  list), hence the residency gauges below.
+- `vllm:lora_adapter_loaded{adapter_name, level, pinned, rank}`, value 1: one series per
+  resident adapter, as vLLM's residency gauges (the lora-load-state scorer and the
+  lora-residency filter read them; a series at 0 counts as absent there, so none is ever
+  written at 0). `level="gpu"` for the device tier (pages of lorafleet's pool: "gpu" even when
+  the pool is on a CPU, since to a scorer it means "serves with no load"), `level="cpu"` for
+  the host tier only (read and laid out, not in the pool). An adapter back on disk (evicted from
+  both, or never loaded) has no series. `pinned` "true"/"false": "true" while a running request
+  holds the adapter (the eviction order never takes a pinned one; lorafleet has no permanent
+  pin); `rank`: its largest rank over its modules, as a decimal string (llm-d-router's metrics
+  extractor keeps a `rank` label and reads it as an integer).
+- `vllm:num_gpu_loaded_lora_adapters`: the number of `level="gpu"` series, present from startup
+  (at 0), so a picker knows the server reports residency before any adapter is loaded.
+  `vllm:max_gpu_lora_adapters`: the same number as `max_lora` (the capacity the scorer's
+  free-slot and headroom terms use), present from startup too.
+  These three carry `model_name` (the base's served name: the residency scorer takes a request
+  naming it to need no adapter), as the other vLLM gauges here do.
 - `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:num_preemptions_total`.
-
 - `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`: prompt tokens looked up in
   the prefix cache at admission, and found there.
+
+`lora_capacity` (in the snapshot, so in /v1/stats too): lorafleet has no adapter slots; every
+sequence of a batch may use its own adapter and adapters take pool pages in proportion to their
+size. So the capacity is the pool's pages over the median pages of the adapters whose size is
+known: the resident ones (device or host tier) first; before any is resident, every registered
+adapter (its size is read from its weights file's header at registration); with no adapter
+registered at all, `max_num_seqs` (the most one batch can use), `basis` saying which. KV shares
+the pool, so under load fewer fit: it is an upper bound, as vLLM's `max_loras` is for its slots.
 
 lorafleet's own: `lorafleet_pool_pages{owner=free|kv|cached|adapters}`,
 `lorafleet_prefix_cache_hit_rate`, `lorafleet_evictions_total{kind=kv_blocks|adapters}` (what
@@ -26,6 +59,7 @@ without touching this file.
 from __future__ import annotations
 
 import re
+import statistics
 import time
 
 import orjson
@@ -37,7 +71,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # exported under their vLLM names, or rendered on their own below
 _MAPPED = {"num_running", "num_waiting", "kv_cache_usage", "num_prompt_tokens",
            "num_generated_tokens", "num_preemptions", "pool", "adapters", "lora", "num_adapters",
-           "max_num_seqs", "max_model_len", "prefix_cache", "eviction", "switches"}
+           "max_num_seqs", "max_model_len", "prefix_cache", "eviction", "switches", "lora_capacity",
+           "adapter_details"}
 
 
 def lora_queues(engine) -> dict:
@@ -45,11 +80,53 @@ def lora_queues(engine) -> dict:
     return engine.lora_queues()
 
 
+def lora_capacity(engine) -> dict:
+    """How many adapters the pool could hold at the median adapter size (`max_lora`, see the
+    module's docstring): {"max_adapters", "median_pages", "sized_adapters", "basis"}, basis
+    "resident" (device or host tier), "registered" (sizes from the weights files' headers,
+    before any adapter is resident) or "max_num_seqs" (no adapter registered). Runs on the
+    engine thread; one pass over the registry."""
+    pool = engine.pool
+    entries = [e for e in engine.adapters.entries.values() if e.numel > 0]
+    basis = "resident"
+    sized = [e for e in entries if e.tier != "disk"]
+    if not sized:
+        basis, sized = "registered", entries
+    if not sized:
+        return {"max_adapters": engine.config.max_num_seqs, "median_pages": None, "sized_adapters": 0,
+                "basis": "max_num_seqs"}
+    median = statistics.median(-(-e.numel // pool.page_elems) for e in sized)
+    return {"max_adapters": max(1, int(pool.num_pages // median)), "median_pages": median,
+            "sized_adapters": len(sized), "basis": basis}
+
+
 def engine_snapshot(engine) -> dict:
-    """Engine.stats() plus the per-adapter queues; runs on the engine thread."""
+    """Engine.stats() plus the per-adapter queues and the pool's adapter capacity; runs on the
+    engine thread."""
     stats = engine.stats()
     return {**stats, "lora": lora_queues(engine), "num_adapters": stats["adapters"]["registered"],
-            "max_num_seqs": engine.config.max_num_seqs}
+            "max_num_seqs": engine.config.max_num_seqs, "lora_capacity": lora_capacity(engine)}
+
+
+def max_lora(snapshot: dict) -> int:
+    """`max_lora` and `vllm:max_gpu_lora_adapters`: the snapshot's `lora_capacity`."""
+    capacity = snapshot.get("lora_capacity") or {}
+    return int(capacity.get("max_adapters", snapshot.get("max_num_seqs", 0)))
+
+
+LEVELS = {"device": "gpu", "host": "cpu"}  # lorafleet's tier -> the residency gauge's level
+
+
+def residency(snapshot: dict) -> list[tuple[str, str, str, str]]:
+    """(adapter_name, level, pinned, rank) of every resident adapter, from `adapter_details`
+    (which holds every adapter not on disk)."""
+    out = []
+    for name, a in snapshot.get("adapter_details", {}).items():
+        level = LEVELS.get(a.get("tier"))
+        if level is not None:
+            out.append((name, level, "true" if a.get("pinned") else "false",
+                        str(max((a.get("ranks") or {}).values(), default=0))))
+    return out
 
 
 def stats_body(version: str, server: dict, snapshot: dict) -> bytes:
@@ -99,9 +176,20 @@ def render(snapshot: dict, server: dict, model_name: str) -> bytes:
     lora = snapshot.get("lora", {})
     info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                              labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-    info.add_metric([str(snapshot.get("max_num_seqs", 0)), ",".join(lora.get("running", {})),
+    info.add_metric([str(max_lora(snapshot)), ",".join(lora.get("running", {})),
                      ",".join(lora.get("waiting", {}))], time.time())
     fams.append(info)
+    loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 while the adapter is resident: level gpu (in the "
+                               "pool, serves with no load) or cpu (host tier only).",
+                               labels=[*label, "adapter_name", "level", "pinned", "rank"])
+    resident = residency(snapshot)
+    for name, level, pinned, rank in resident:
+        loaded.add_metric([model_name, name, level, pinned, rank], 1)
+    fams.append(loaded)
+    gauge("vllm:num_gpu_loaded_lora_adapters", "Adapters in the pool (lora_adapter_loaded level=gpu).",
+          sum(level == "gpu" for _, level, _, _ in resident))
+    gauge("vllm:max_gpu_lora_adapters", "Adapters the pool could hold at the median adapter size (= max_lora).",
+          max_lora(snapshot))
     counter("vllm:prompt_tokens", "Prompt tokens computed.", snapshot.get("num_prompt_tokens", 0))
     counter("vllm:generation_tokens", "Tokens generated.", snapshot.get("num_generated_tokens", 0))
     counter("vllm:num_preemptions", "Sequences preempted (their KV recomputed later).",

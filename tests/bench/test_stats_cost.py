@@ -63,6 +63,8 @@ def test_a_poll_is_the_snapshot_and_its_json():
 
     class Engine:  # what engine_snapshot reads
         config = type("Config", (), {"max_num_seqs": 4})()
+        pool = type("Pool", (), {"num_pages": 8, "page_elems": 16})()  # lora_capacity: no adapter sized
+        adapters = type("Adapters", (), {"entries": {}})()
 
         def stats(self):
             return {"pool": {"page_map": [["free", 8]]}, "adapters": {"registered": 1}}
@@ -72,7 +74,8 @@ def test_a_poll_is_the_snapshot_and_its_json():
     seconds, snapshot_s, size = poll(Engine())
     assert 0 < snapshot_s <= seconds and size == len(stats_body("bench", {}, {
         "pool": {"page_map": [["free", 8]]}, "adapters": {"registered": 1}, "lora": {"running": {}, "waiting": {}},
-        "num_adapters": 1, "max_num_seqs": 4}))
+        "num_adapters": 1, "max_num_seqs": 4, "lora_capacity": {"max_adapters": 4, "median_pages": None,
+                                                                   "sized_adapters": 0, "basis": "max_num_seqs"}}))
 
 
 def test_the_subcommand_writes_the_json_report_and_prints_the_table(micro_dir, tmp_path, monkeypatch):

@@ -113,7 +113,9 @@ def test_metrics_speak_vllms_names(served):
                  "vllm:lora_requests_info", "lorafleet_pool_pages"):
         assert f"\n{name}{{" in text, name
     info = next(line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{"))
-    assert 'max_lora="256"' in info and 'running_lora_adapters=""' in info
+    capacity = served.stats()["engine"]["lora_capacity"]  # the pool at the median adapter size
+    assert capacity["basis"] == "resident" and capacity["max_adapters"] > 256
+    assert f'max_lora="{capacity["max_adapters"]}"' in info and 'running_lora_adapters=""' in info
 
 
 def test_lora_requests_info_names_running_adapters(served):
