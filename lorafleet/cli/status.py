@@ -9,24 +9,8 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, fail,
-                                  print_json, user_errors)
-
-
-def _duration(seconds: float) -> str:
-    s = int(seconds)
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    return " ".join(f"{v}{u}" for v, u in ((d, "d"), (h, "h"), (m, "m"), (s, "s")) if v) or "0s"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, duration, err_console,
+                                  fail, human_bytes, print_json, user_errors)
 
 
 def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
@@ -45,7 +29,7 @@ def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOp
     grid.add_column(style="bold")
     grid.add_column()
     state = "draining" if srv["draining"] else "running"
-    grid.add_row("daemon", f"{state} (pid {srv['pid']}), up {_duration(srv['uptime_s'])}, lorafleet {stats['version']}")
+    grid.add_row("daemon", f"{state} (pid {srv['pid']}), up {duration(srv['uptime_s'])}, lorafleet {stats['version']}")
     grid.add_row("socket", srv["socket"] + (f"  (and TCP {srv['tcp']})" if srv.get("tcp") else ""))
     model = f"{srv['model']}  ({srv['model_path']})"
     if srv.get("sampling_defaults"):
@@ -55,7 +39,7 @@ def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOp
     grid.add_row("requests", f"{eng['num_running']} running, {eng['num_waiting']} waiting, "
                              f"{srv['pending']} admitted of {srv['max_pending']}, {srv['num_rejected']} refused")
     prefix = eng["prefix_cache"]
-    grid.add_row("pool", f"{pool['total_pages']} pages x {_bytes(pool['page_bytes'])}: {pool['kv_pages']} KV, "
+    grid.add_row("pool", f"{pool['total_pages']} pages x {human_bytes(pool['page_bytes'])}: {pool['kv_pages']} KV, "
                          f"{pool['cached_pages']} cached, {pool['adapter_pages']} adapters, {pool['free_pages']} free "
                          f"(KV usage {100 * eng['kv_cache_usage']:.0f}%)")
     grid.add_row("prefix cache", (f"{100 * prefix['hit_rate']:.0f}% of {prefix['query_tokens']} prompt tokens found"

@@ -26,6 +26,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
+from lorafleet.cli.common import duration
 from lorafleet.errors import DaemonUnreachableError, LorafleetError
 from lorafleet.tui import model
 from lorafleet.tui.widgets import PoolMap, Rates, SwitchPanel, owner_style
@@ -241,7 +242,7 @@ class TopApp(App):
         line.append(" lorafleet top ", style="bold reverse")
         if self.stats is not None:
             srv = self.stats["server"]
-            line.append(f" {srv['model']} · pid {srv['pid']} · up {model.duration(srv['uptime_s'])} · ")
+            line.append(f" {srv['model']} · pid {srv['pid']} · up {duration(srv['uptime_s'])} · ")
         else:
             line.append(f" {self.where} · ")
         if self.paused:

@@ -14,6 +14,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
+from lorafleet.cli.common import human_bytes
 from lorafleet.tui import model
 from lorafleet.tui.model import ADAPTER, CACHED, FREE, KV
 
@@ -92,8 +93,8 @@ class PoolMap(Widget, can_focus=True):
         pool = self.pool
         shares = model.pool_totals(pool)
         per = cells[0].count if cells else 1
-        out.append(f"\n{pool['total_pages']} pages × {model.human_bytes(pool['page_bytes'])} = "
-                   f"{model.human_bytes(pool['total_pages'] * pool['page_bytes'])}"
+        out.append(f"\n{pool['total_pages']} pages × {human_bytes(pool['page_bytes'])} = "
+                   f"{human_bytes(pool['total_pages'] * pool['page_bytes'])}"
                    f"{f', {per} per cell' if per > 1 else ''}\n", style="bold")
         for cls in (FREE, KV, CACHED, ADAPTER):
             out.append(CLASS_GLYPH[cls], style=CLASS_STYLE.get(cls, "orange1"))
