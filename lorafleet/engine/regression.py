@@ -25,7 +25,6 @@ import numpy as np
 
 from lorafleet.engine.stats import percentile
 
-
 SWITCH_XS = ("adapters_loaded", "distinct_adapters")
 
 
@@ -50,7 +49,6 @@ def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> Line:
         raise ValueError("every x is the same: no slope to fit")
     slope = float(dx @ (y - my)) / sxx
     return Line(slope, float(my - slope * mx))
-
 
 
 def shape_of(step: dict) -> tuple[int, int]:
