@@ -97,6 +97,7 @@ class Run:
         self.finals: dict[str, object] = {}
         self.created = int(time.time())
         self.text = responses.token_text_of(st.tokenizer)
+        self.with_ids = st.tokenizer is None  # no text to give: chunks and choices carry token ids
         self._closed = False
         st.runs.add(self)
 
@@ -137,7 +138,8 @@ class Run:
                 self.st.num_disconnects += 1
                 return Response(status_code=499)
             work.result()
-            return JSONResponse(responses.response(self.gen, self.rid, self.created, self.outputs(), self.text))
+            return JSONResponse(responses.response(self.gen, self.rid, self.created, self.outputs(), self.text,
+                                                   self.with_ids))
         finally:
             for task in (work, watch):
                 task.cancel()
@@ -154,11 +156,11 @@ class Run:
             except LorafleetError as e:
                 yield sse({"error": error_body(e)["error"]})
                 break
-            if not (out.new_text or out.finished or (gen.logprobs is not None and out.new_token_ids)):
+            if not (out.new_text or out.finished or (out.new_token_ids and (gen.logprobs is not None or self.with_ids))):
                 continue
             offset = len(out.text) - len(out.new_text)
             yield sse(responses.chunk(gen, self.rid, self.created, self.index[out.request_id], out,
-                                      self.text, offset))
+                                      self.text, offset, self.with_ids))
         else:
             if gen.include_usage:
                 yield sse(responses.usage_chunk(gen, self.rid, self.created, self.outputs()))

@@ -73,43 +73,57 @@ def logprobs_of(gen: Generation, out, new_only: bool, text: TokenText, offset: i
 
 # -- whole responses ---------------------------------------------------------------------------
 
-def completion_response(gen: Generation, rid: str, created: int, outputs, text: TokenText) -> dict:
+def _ids(choice: dict, token_ids: list[int] | None) -> dict:
+    """A model without a tokenizer has no text to give: its choices carry the generated token
+    ids (`token_ids`, vLLM's field for them) instead."""
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
+
+
+def completion_response(gen: Generation, rid: str, created: int, outputs, text: TokenText,
+                        with_ids: bool = False) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": created, "model": gen.model,
-        "choices": [{"index": i, "text": o.text, "logprobs": logprobs_of(gen, o, False, text),
-                     "finish_reason": finish_reason(o.finish_reason)} for i, o in enumerate(outputs)],
+        "choices": [_ids({"index": i, "text": o.text, "logprobs": logprobs_of(gen, o, False, text),
+                          "finish_reason": finish_reason(o.finish_reason)}, o.token_ids if with_ids else None)
+                    for i, o in enumerate(outputs)],
         "usage": usage(outputs),
     }
 
 
-def chat_response(gen: Generation, rid: str, created: int, outputs, text: TokenText) -> dict:
+def chat_response(gen: Generation, rid: str, created: int, outputs, text: TokenText, with_ids: bool = False) -> dict:
     (o,) = outputs
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": gen.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": o.text},
-                     "logprobs": logprobs_of(gen, o, False, text),
-                     "finish_reason": finish_reason(o.finish_reason)}],
+        "choices": [_ids({"index": 0, "message": {"role": "assistant", "content": o.text},
+                          "logprobs": logprobs_of(gen, o, False, text),
+                          "finish_reason": finish_reason(o.finish_reason)}, o.token_ids if with_ids else None)],
         "usage": usage(outputs),
     }
 
 
-def response(gen: Generation, rid: str, created: int, outputs, text: TokenText) -> dict:
+def response(gen: Generation, rid: str, created: int, outputs, text: TokenText, with_ids: bool = False) -> dict:
+    """The whole answer; `with_ids`: the model has no tokenizer, each choice carries `token_ids`."""
     build = chat_response if gen.kind == "chat" else completion_response
-    return build(gen, rid, created, outputs, text)
+    return build(gen, rid, created, outputs, text, with_ids)
 
 
 # -- stream chunks -----------------------------------------------------------------------------
 
-def chunk(gen: Generation, rid: str, created: int, index: int, out, text: TokenText, offset: int) -> dict:
-    """The chunk for one output's delta (text, logprobs, finish_reason)."""
+def chunk(gen: Generation, rid: str, created: int, index: int, out, text: TokenText, offset: int,
+          with_ids: bool = False) -> dict:
+    """The chunk for one output's delta (text, logprobs, finish_reason; `with_ids`: the model has
+    no tokenizer, the chunk carries the new tokens' ids as `token_ids`)."""
     lp = logprobs_of(gen, out, True, text, offset)
     reason = finish_reason(out.finish_reason)
+    ids = out.new_token_ids if with_ids else None
     if gen.kind == "chat":
         delta = {"content": out.new_text} if out.new_text or not reason else {}
-        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        choice = _ids({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}, ids)
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": gen.model,
                 "choices": [choice]}
-    choice = {"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}
+    choice = _ids({"index": index, "text": out.new_text, "logprobs": lp, "finish_reason": reason}, ids)
     return {"id": rid, "object": "text_completion", "created": created, "model": gen.model,
             "choices": [choice]}
 
