@@ -176,6 +176,19 @@ def lora_decode_table(results: list[dict]) -> Table:
     return table
 
 
+def decode_bound_table(results: list[dict]) -> Table:
+    table = _table("decode-bound: a base-model decode step against reading its weights once",
+                   ["shape", "weights", "read GB/s", "batch", "step ms", "bound ms", "ratio", "tok/s"],
+                   f"target: <= {results[0]['target_ratio']}x the bound at batch 1 and 8", left=1)
+    for r in results:
+        for i, row in enumerate(r["batches"]):
+            first = i == 0
+            table.add_row(r["shape"] if first else "", f"{r['weight_bytes'] / 2**20:.0f} MiB" if first else "",
+                          f"{r['bandwidth_gb_s']:.1f}" if first else "", str(row["batch"]), f"{row['step_ms']:.2f}",
+                          f"{row['bound_ms']:.2f}", f"{row['ratio']:.2f}x", f"{row['tokens_per_s']:.0f}")
+    return table
+
+
 def switch_cost_table(results: list[dict]) -> Table:
     table = _table("switch: per-token latency of fixed-shape decode steps against adapters landed in the step",
                    ["shape", "batch", "decode\nsteps", "adapters\nlanded", "per-token\nms mean", "slope ms\nper switch",

@@ -1,4 +1,4 @@
-"""`lorafleet bench run|quick|full|lora-decode|switch|overhead|store-load|stats-cost|gpu`: one
+"""`lorafleet bench run|quick|full|lora-decode|decode-bound|switch|overhead|store-load|stats-cost|gpu`: one
 subcommand per benchmark, each with only the options it uses. The bench code (and with it torch)
 is imported only when a subcommand runs."""
 
@@ -119,6 +119,23 @@ def lora_decode(
         return run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
                                peft=peft and not quick, threads=threads, progress=_say)
     _suite("lora-decode", model or (["micro"] if quick else ["tiny"]), one, "lora_decode_table", out, as_json)
+
+
+@app.command("decode-bound")
+def decode_bound(
+    model: Annotated[list[str] | None, _models("tiny and smol (micro with --quick)")] = None,
+    batch: Annotated[list[int] | None, typer.Option(
+        "--batch", min=1, help="Requests decoding together; repeat for more. Default: 1, 8 and 32.")] = None,
+    quick: Quick = False, threads: Threads = None, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """A decode step of the base model (no adapters) at each batch size against its memory
+    bound: the step's weight bytes over the read bandwidth measured in the same run."""
+    def one(shape: str) -> dict:
+        from lorafleet.bench.decode_bound import run_decode_bound
+
+        return run_decode_bound(shape, batches=tuple(batch or (1, 8, 32)), steps=4 if quick else 16,
+                                rounds=1 if quick else 3, threads=threads, progress=_say)
+    _suite("decode-bound", model or (["micro"] if quick else ["tiny", "smol"]), one, "decode_bound_table", out, as_json)
 
 
 @app.command("switch")
@@ -291,7 +308,7 @@ def _print(report: dict, as_json: bool) -> None:
 
 def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str | Callable[[list[dict]], object],
            out: str | None, as_json: bool) -> None:
-    """lora-decode, switch, overhead, store-load, stats-cost and gpu: one result per shape,
+    """lora-decode, decode-bound, switch, overhead, store-load, stats-cost and gpu: one result per shape,
     `tables.<table>` of them (or `table(results)`), the JSON report."""
     from lorafleet.bench.report import resolve_out_path, write_json
 

@@ -1,0 +1,69 @@
+"""`lorafleet bench decode-bound`: a decode step of the base model against the memory bound
+(issue 18). At small batch a decode step is a matrix-vector problem: it must read every weight
+once, so its floor is the step's weight bytes over the machine's read bandwidth, measured in
+the same run (`lora_decode.measure_bandwidth`: a streaming sum over 1 GiB).
+
+Per batch size (1, 8, 32 by default): the median time of a pure decode step (no adapters, short
+prompts, so the KV read is small beside the weights'), the bound, and their ratio (issue 18's
+target: within 1.5x at batch 1 and 8). The weight bytes are every distinct weight tensor of the
+model but the embedding table (a step reads one row of it per sequence), the LM head counted
+once even when tied to it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from lorafleet.bench.fixtures import build_base
+from lorafleet.bench.lora_decode import decode_step_time, measure_bandwidth
+
+TARGET_RATIO = 1.5
+
+
+def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """Bytes of the weights one decode step reads (distinct storages; the embedding's own table
+    only where it is the LM head too)."""
+    seen, total = set(), 0
+    embed = weights["embed"].data_ptr()
+    for name, t in weights.items():
+        ptr = t.data_ptr()
+        if ptr in seen or (name == "embed" and weights["lm_head"].data_ptr() != embed):
+            continue
+        seen.add(ptr)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, rounds: int = 3,
+                     prompt_len: int = 16, threads: int | None = None, progress=None) -> dict:
+    from lorafleet import Engine
+
+    if threads:
+        torch.set_num_threads(threads)
+    engine = Engine(build_base(shape), device="cpu", pool_bytes=1 << 30)
+    vocab = engine.model.cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
+    decode_step_time(engine, prompts[:2], [None] * 2, 2)  # warm-up: first allocations, kernel builds
+    times = {b: [] for b in batches}
+    for r in range(rounds):
+        for b in batches:
+            step, _ = decode_step_time(engine, prompts[:b], [None] * b, steps)
+            times[b].append(step)
+            if progress:
+                progress(f"{shape} round {r + 1}/{rounds} batch {b}: decode step {step * 1e3:.2f} ms")
+    nbytes = step_weight_bytes(engine.model.w)
+    bandwidth = measure_bandwidth()
+    bound = nbytes / bandwidth
+    rows = []
+    for b in batches:
+        step = statistics.median(times[b])
+        rows.append({"batch": b, "step_ms": step * 1e3, "bound_ms": bound * 1e3, "ratio": step / bound,
+                     "tokens_per_s": b / step, "effective_gb_s": nbytes / step / 1e9})
+    return {"benchmark": "decode-bound", "shape": shape, "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "steps": steps, "rounds": rounds,
+            "weight_bytes": nbytes, "bandwidth_gb_s": bandwidth / 1e9, "bound_ms": bound * 1e3,
+            "batches": rows, "target_ratio": TARGET_RATIO,
+            "target_met": all(r["ratio"] <= TARGET_RATIO for r in rows if r["batch"] in (1, 8))}

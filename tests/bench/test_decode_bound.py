@@ -1,0 +1,47 @@
+"""`lorafleet bench decode-bound`: the weight bytes a decode step reads, and the report's figures
+against each other (micro model: seconds, not minutes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lorafleet.bench.decode_bound import run_decode_bound, step_weight_bytes
+
+
+def test_weight_bytes_count_each_storage_once_and_the_embedding_only_as_the_head():
+    embed, head, qkv = torch.zeros(100, 8), torch.zeros(100, 8), torch.zeros(24, 8)
+    untied = {"embed": embed, "lm_head": head, "layers.0.qkv": qkv, "norm": torch.zeros(8)}
+    assert step_weight_bytes(untied) == (head.numel() + qkv.numel() + 8) * 4
+    tied = {"embed": embed, "lm_head": embed, "layers.0.qkv": qkv, "norm": torch.zeros(8)}
+    assert step_weight_bytes(tied) == (embed.numel() + qkv.numel() + 8) * 4
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_decode_bound("micro", batches=(1, 4), steps=3, rounds=1, threads=1)
+
+
+def test_the_report_sets_each_step_against_the_bound(report):
+    assert report["weight_bytes"] > 0 and report["bandwidth_gb_s"] > 0
+    assert report["bound_ms"] == pytest.approx(report["weight_bytes"] / (report["bandwidth_gb_s"] * 1e9) * 1e3)
+    assert [r["batch"] for r in report["batches"]] == [1, 4]
+    for r in report["batches"]:
+        assert r["step_ms"] > 0 and r["ratio"] == pytest.approx(r["step_ms"] / report["bound_ms"])
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
+    assert report["target_met"] == all(r["ratio"] <= 1.5 for r in report["batches"] if r["batch"] in (1, 8))
+
+
+def test_the_cli_runs_it_and_writes_the_report(tmp_path):
+    from lorafleet.cli.main import app
+
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["bench", "decode-bound", "--model", "micro", "--batch", "2", "--quick",
+                                      "--threads", "1", "--out", str(out)], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(out.read_text())["results"]
+    assert row["shape"] == "micro" and [b["batch"] for b in row["batches"]] == [2]
+    assert "decode-bound" in result.stdout
