@@ -3,7 +3,8 @@ cluster (or the one RAY_ADDRESS names), in one command. The deployment is `deplo
 
 from __future__ import annotations
 
-import time
+import signal
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -40,7 +41,7 @@ def ray_(
     """Serve MODEL and its adapters from REPLICAS lorafleet engines behind Ray Serve: the adapter
     (`model` in the request body) is Serve's multiplexed model id, so a request goes to a replica
     that already holds its adapter. OpenAI-compatible HTTP on Serve's proxy
-    (`/v1/completions`, `/v1/chat/completions`, streaming, `/v1/models`). Ctrl-C stops it.
+    (`/v1/completions`, `/v1/chat/completions`, streaming, `/v1/models`). Ctrl-C or SIGTERM stops it.
     Serve's proxy has no API key: keep --host on a private network."""
     from lorafleet.cli.serve import model_folder, parse_adapters, parse_size
 
@@ -72,11 +73,16 @@ def ray_(
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(application, name="lorafleet", route_prefix="/")
+        # our own handlers, set once Serve is up: a Ctrl-C that lands while serve.run waits for
+        # the replicas is taken by Ray's wait (measured: the command then never stopped)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         err_console.print(f"lorafleet on Ray Serve: {replicas} replicas of {folder.name} with "
                           f"{len(folders)} adapters{' and the store' if home else ''} at http://{host}:{port}/v1 "
                           "(Ctrl-C stops it)", highlight=False)
-        while True:
-            time.sleep(3600)
+        stop.wait()
+        err_console.print("stopping", highlight=False)
     except KeyboardInterrupt:
         err_console.print("stopping", highlight=False)
     finally:
