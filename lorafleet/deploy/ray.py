@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from lorafleet.errors import AdapterNotFoundError
+from lorafleet.server.errors import error_body
 
 log = logging.getLogger("lorafleet.deploy")
 
@@ -92,10 +93,10 @@ def replica_class(max_adapters_per_replica: int):
             if model:
                 try:
                     await self.get_adapter(model)
-                except AdapterNotFoundError as e:
-                    yield {"status": 404, "headers": [("content-type", "application/json")]}
-                    yield json.dumps({"error": {"message": str(e), "type": "invalid_request_error",
-                                                "param": "model", "code": "model_not_found"}}).encode()
+                except AdapterNotFoundError as e:  # the daemon's answer to an unknown model
+                    e.code, e.param = "model_not_found", "model"
+                    yield {"status": e.http_status, "headers": [("content-type", "application/json")]}
+                    yield json.dumps(error_body(e)).encode()
                     return
             async for item in self.server.request(method, path, body):
                 yield item
