@@ -226,6 +226,47 @@ def overhead_table(results: list[dict]) -> Table:
     return table
 
 
+def stats_cost_table(results: list[dict]) -> Table:
+    """Each shape's figures, the cost against the issue's target (judged at one poll a second),
+    the A/B; the setting and the profile's leading parts in the caption."""
+    table = _table("stats-cost: what one GET /v1/stats costs the engine thread",
+                   ["shape", "figure", "measured", "target", ""], left=2)
+    captions = []
+    for r in results:
+        p, ab, e = r["poll"], r["ab"], r["engine"]
+        rows = [("one poll: snapshot + JSON", f"{p['median_s'] * 1e3:.2f} ms", "", ""),
+                ("  mean", f"{p['mean_s'] * 1e3:.2f} ms", "", ""),
+                ("  p99", f"{p['p99_s'] * 1e3:.2f} ms", "", ""),
+                ("  snapshot alone", f"{p['snapshot_median_s'] * 1e3:.2f} ms", "", ""),
+                ("  JSON", f"{p['json_bytes'] / 1024:.0f} KiB", "", ""),
+                (f"cost at one poll per {r['interval_s']:g} s", f"{r['cost_fraction']:.2%}",
+                 f"< {r['target']:.0%}", _verdict(r["target_met"])),
+                ("tokens/s, no polls", f"{ab['tokens_per_s_off']:.1f}", "", ""),
+                ("tokens/s, polls", f"{ab['tokens_per_s_on']:.1f}", "", ""),
+                ("  ratio", f"{ab['ratio']:.3f}x", "", "")]
+        for i, (figure, measured, target, verdict) in enumerate(rows):
+            table.add_row(r["shape"] if i == 0 else "", figure, measured, target, verdict)
+        busy = [o for x in ab["runs"] if (o := x["other_cores"]) is not None and o >= CONTENDED_CORES]
+        top = ", ".join(f"{_function(x['function'])} {x['share']:.0%}" for x in r["profile"][:4])
+        key, size = next(iter(p["json_bytes_by_key"].items()), ("", 0))
+        captions.append(
+            f"{r['shape']}: {e['registered']} adapters ({e['tiers']['device']} resident), {e['steps_in_log']} steps "
+            f"in the log; median and p99 of {p['calls']} polls between steps; {key} is {size / 1024:.0f} KiB of "
+            f"the JSON. A/B: medians of {ab['rounds']} runs "
+            f"each, interleaved; {ab['polls']} polls took {ab['poll_share_of_on_runs']:.2%} of the polled runs' "
+            f"time; ratio per pair {', '.join(f'{x:.3f}' for x in ab['pair_ratios'])}; the steps themselves "
+            f"took {ab['steps_s_ratio']:.3f}x as long in the polled runs (the machine's drift, or polls' side effects)"
+            + (f"; other processes kept up to {max(busy):.1f} cores busy" if busy else "")
+            + f". Profile of a poll: {top}.")
+    table.caption = "\n".join(captions) or None
+    return table
+
+
+def _function(label: str) -> str:
+    """A profile row's function without its place, unless it has no name of its own (`<dictcomp>`)."""
+    return label if label.startswith("<") else label.split(" (")[0]
+
+
 def _verdict(met: bool | None) -> str:
     return "-" if met is None else ("met" if met else "[bold]missed[/]")
 

@@ -211,20 +211,16 @@ def stats_cost(
 ) -> None:
     """What `GET /v1/stats` costs the engine: ADAPTERS adapters registered, a decode workload
     mixing them until the step log holds STEPS steps, then one poll (engine_snapshot on the engine
-    thread, then json.dumps) timed between steps: median and p99, and the median as a share of
-    the second between polls at one poll a second (target < 1%); the same workload without polls
-    and with one a second, interleaved, tokens/s of each and their ratio; a profile of a poll."""
+    thread, then its JSON as the route writes it) timed between steps: median and p99, and the
+    mean as a share of the second between polls at one poll a second (target < 1%); the same
+    workload without polls and with one a second, interleaved, tokens/s of each and their ratio;
+    a profile of a poll."""
     def one(shape: str) -> dict:
         from lorafleet.bench.stats_cost import run_stats_cost
 
         return run_stats_cost(shape, num_adapters=adapters, batch=batch, min_steps=steps, polls=polls, rounds=rounds,
                               device=device, threads=threads, progress=_say)
-
-    def table(results: list[dict]):
-        from lorafleet.bench.stats_cost import stats_cost_table
-
-        return stats_cost_table(results)
-    _suite("stats-cost", model or ["smol"], one, table, out, as_json)
+    _suite("stats-cost", model or ["smol"], one, "stats_cost_table", out, as_json)
 
 
 @app.command("gpu")
@@ -306,10 +302,10 @@ def _print(report: dict, as_json: bool) -> None:
     err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
 
 
-def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str | Callable[[list[dict]], object],
-           out: str | None, as_json: bool) -> None:
-    """lora-decode, decode-bound, switch, overhead, store-load, stats-cost and gpu: one result per shape,
-    `tables.<table>` of them (or `table(results)`), the JSON report."""
+def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str, out: str | None,
+           as_json: bool) -> None:
+    """lora-decode, decode-bound, switch, overhead, store-load, stats-cost and gpu: one result per
+    shape, `tables.<table>` of them, the JSON report."""
     from lorafleet.bench.report import resolve_out_path, write_json
 
     _check_shapes(shapes)
@@ -326,7 +322,7 @@ def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: 
 
         from lorafleet.bench import tables
 
-        Console().print(table(results) if callable(table) else getattr(tables, table)(results))
+        Console().print(getattr(tables, table)(results))
     err_console.print(f"wrote {path}", highlight=False)
 
 
