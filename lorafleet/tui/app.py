@@ -289,7 +289,7 @@ class TopApp(App):
             tier_style = {"device": "green", "host": "yellow", "disk": "grey50"}[r["tier"]]
             table.add_row(
                 Text(r["name"], style=owner_style(r["name"])), Text(r["tier"], style=tier_style),
-                model.ranks_cell(r["ranks"]), str(r["pages"]), str(r["running"]), str(r["waiting"]),
+                r["ranks_text"], str(r["pages"]), str(r["running"]), str(r["waiting"]),
                 str(r["hits"]), str(r["misses"]), str(r["loads"]), model.ms(r["load_p50"]),
                 model.ms(r["load_p99"]), model.ms(r["stall_p99"]), key=r["name"])
         if selected is not None and selected in table.rows:

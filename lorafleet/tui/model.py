@@ -12,6 +12,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from lorafleet.cli.common import ranks_text
+
 HISTORY = 600  # samples kept per series: 10 minutes at one poll per second
 
 # pool map owner classes, in the order the legend lists them
@@ -100,16 +102,17 @@ TIER_ORDER = {"device": 0, "host": 1, "disk": 2}
 
 def adapter_rows(engine: dict) -> list[dict]:
     """One row per adapter the daemon knows: the table's columns as raw values (None: not
-    measured yet), plus `ranks` (the distinct ranks, sorted) and the adapter's record as `info`
-    (None for an untouched adapter: registered on disk, never asked for, known by name only)."""
+    measured yet; `rank` its largest), plus `ranks_text` (one rank or a range, as `adapters ls`
+    shows it) and the adapter's record as `info` (None for an untouched adapter: registered on
+    disk, never asked for, known by name only)."""
     running, waiting = engine["lora"]["running"], engine["lora"]["waiting"]
-    rows = [{"name": name, "tier": "disk", "rank": None, "ranks": [], "pages": 0, "running": 0, "waiting": 0,
+    rows = [{"name": name, "tier": "disk", "rank": None, "ranks_text": "-", "pages": 0, "running": 0, "waiting": 0,
              "hits": 0, "misses": 0, "loads": 0, "load_p50": None, "load_p99": None, "stall_p99": None,
              "info": None} for name in engine["untouched_adapters"]]
     for name, info in engine["adapter_details"].items():
-        ranks = sorted(set(info["ranks"].values()))
         rows.append({
-            "name": name, "tier": info["tier"], "rank": ranks[-1] if ranks else None, "ranks": ranks,
+            "name": name, "tier": info["tier"], "rank": max(info["ranks"].values(), default=None),
+            "ranks_text": ranks_text(info),
             "pages": info["pages"], "running": running.get(name, 0), "waiting": waiting.get(name, 0),
             "hits": info["hits"], "misses": info["misses"], "loads": info["loads"],
             "load_p50": info["load_s"]["p50"], "load_p99": info["load_s"]["p99"],
@@ -136,12 +139,6 @@ def filter_rows(rows: list[dict], text: str) -> list[dict]:
     """Rows whose name contains `text` (case-insensitive); all of them for no text."""
     text = text.strip().lower()
     return [r for r in rows if text in r["name"].lower()] if text else rows
-
-
-def ranks_cell(ranks: list[int]) -> str:
-    if not ranks:
-        return "-"
-    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
 
 
 def ms(seconds: float | None) -> str:
