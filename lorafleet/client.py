@@ -33,18 +33,17 @@ class Client:
 
     def __init__(self, socket: str | os.PathLike | None = None, url: str | None = None,
                  api_key: str | None = None):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if url:
             parsed = httpx.URL(url)
             if parsed.scheme not in ("http", "https") or not parsed.host:
                 raise ConfigError(f"--url must be an http:// or https:// URL with a host, not {url!r}")
-            self.socket, self.where = None, url
-            self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=_DEFAULT_TIMEOUT)
+            self.socket, self.where, transport, base_url = None, url, None, url.rstrip("/")
         else:
             self.socket = paths.socket_path(socket)
-            self.where = str(self.socket)
-            self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), headers=headers,
-                                      base_url="http://lorafleet", timeout=_DEFAULT_TIMEOUT)
+            self.where, base_url = str(self.socket), "http://lorafleet"
+            transport = httpx.HTTPTransport(uds=str(self.socket))
+        self._http = httpx.Client(transport=transport, base_url=base_url, timeout=_DEFAULT_TIMEOUT,
+                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
 
     def __enter__(self) -> Client:
         return self
