@@ -8,6 +8,9 @@ a CPU tensor needs `TRITON_INTERPRET=1` (the interpreter: how CI runs the Triton
 references, slow but exact).
 
 Every op keeps the semantics of its reference in `reference.py`:
+- `linear(x, w, bias)`: `reference.linear` (`F.linear`), the base model's projections;
+- `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`,
+  `silu_mul(gu)`, `greedy(logits)`: the step's row-wise ops, as their namesakes in `reference.py`;
 - `lora(x, out, w, page_elems, seg, meta, tables, max_rows, max_rank)`: `reference.lora_paged`
   (`max_rows`/`max_rank`: static bounds of the step, which fix the Triton launch grid; the
   other backends ignore them);
@@ -36,6 +39,12 @@ CHOICES = ("auto", "triton", "cpu", "torch")
 @dataclass(frozen=True)
 class Kernels:
     name: str                 # "triton", "cpu" or "torch"
+    linear: Callable
+    rms_norm: Callable
+    add_rms_norm: Callable
+    rope_: Callable
+    silu_mul: Callable
+    greedy: Callable
     lora: Callable
     write_kv: Callable
     decode: Callable
@@ -60,21 +69,34 @@ def _lora_reference(x, out, w, page_elems, seg, meta, tables, max_rows=None, max
     reference.lora_paged(x, out, w, page_elems, seg, meta, tables)
 
 
+ROW_OPS = ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "greedy")
+REFERENCE_ROW_OPS = {op: getattr(reference, op) for op in ROW_OPS}
+
+
 def torch_kernels() -> Kernels:
-    return Kernels("torch", _lora_reference, reference.write_kv, reference.paged_decode, reference.paged_prefill)
+    return Kernels("torch", reference.linear, lora=_lora_reference, write_kv=reference.write_kv,
+                   decode=reference.paged_decode, prefill=reference.paged_prefill, **REFERENCE_ROW_OPS)
 
 
 def cpu_kernels(dtype: torch.dtype) -> Kernels:
-    """The C++ kernels where they serve (fp32, built), the reference for the rest."""
-    from lorafleet.kernels import lora_cpu, paged_attention_cpu
+    """The C++ kernels where they serve (built; the matmul and row-wise ops in fp32 and bf16, the
+    LoRA and decode attention in fp32), the reference for the rest."""
+    from lorafleet.kernels import linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
 
-    lora, decode = _lora_reference, reference.paged_decode
+    linear, lora, decode, write_kv = reference.linear, _lora_reference, reference.paged_decode, reference.write_kv
+    rows = REFERENCE_ROW_OPS
+    if dtype in (torch.float32, torch.bfloat16) and linear_cpu.load() is not None:
+        linear = linear_cpu.linear
+    if dtype in (torch.float32, torch.bfloat16) and pointwise_cpu.load() is not None:
+        rows = {op: getattr(pointwise_cpu, op) for op in ROW_OPS}
+        write_kv = pointwise_cpu.write_kv
     if dtype == torch.float32 and lora_cpu.load() is not None:
         def lora(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None):
             lora_cpu.lora_paged(x, out, w, page_elems, seg, meta, tables)
     if dtype == torch.float32 and paged_attention_cpu.load() is not None:
         decode = paged_attention_cpu.paged_decode
-    return Kernels("cpu", lora, reference.write_kv, decode, reference.paged_prefill)
+    return Kernels("cpu", linear, lora=lora, write_kv=write_kv, decode=decode, prefill=reference.paged_prefill,
+                   **rows)
 
 
 def triton_kernels() -> Kernels:
@@ -84,8 +106,8 @@ def triton_kernels() -> Kernels:
         attention_triton.paged_prefill(q, kv, meta.prefill_starts, meta.prefill_lens, meta.prefill_positions,
                                        meta.prefill_block_tables, scale, out, meta.max_prefill_len)
 
-    return Kernels("triton", lora_triton.lora_paged, attention_triton.write_kv, attention_triton.paged_decode,
-                   prefill)
+    return Kernels("triton", reference.linear, lora=lora_triton.lora_paged, write_kv=attention_triton.write_kv,
+                   decode=attention_triton.paged_decode, prefill=prefill, **REFERENCE_ROW_OPS)
 
 
 def triton_available() -> bool:

@@ -15,6 +15,52 @@ import torch
 import torch.nn.functional as F
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of x [T, H], computed in fp32 whatever the dtype (as the reference
+    implementation does), rounded to the dtype before the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual add, in place (x += delta, [T, H]), then `rms_norm(x)`."""
+    x.add_(delta)
+    return rms_norm(x, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D] (rotate-half layout, as Hugging Face checkpoints use)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """Rotary embedding of q [T, H, D] and k [T, KH, D] in place, row t at positions[t], from the
+    tables cos/sin [max positions, D]."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q.copy_(apply_rope(q, c, s))
+    k.copy_(apply_rope(k, c, s))
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation: gu [T, 2I] -> silu(gu[:, :I]) * gu[:, I:] [T, I]."""
+    inter = gu.shape[1] // 2
+    return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] float32 -> (each row's first index of its largest value [S] int64, whether
+    every value of the row is finite [S] bool; a non-finite row's index is meaningless)."""
+    return torch.argmax(logits, dim=-1), torch.isfinite(logits).all(-1)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A base projection: x [T, K] @ w[N, K]^T (+ bias [N]) -> [T, N], torch's GEMM."""
+    return F.linear(x, w, bias)
+
+
 @dataclass
 class PrefillSeq:
     """A sequence contributing `num_tokens` (> 1) query rows, starting at flat row `row` and at

@@ -36,9 +36,11 @@ def pytest_configure(config):
     takes a minute, which must not be spent inside a daemon a test is waiting for. With
     LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) a kernel that does not build stops the run here, with
     the build error, before any test could skip or quietly take the torch path."""
-    from lorafleet.kernels import build, lora_cpu, paged_attention_cpu
+    from lorafleet.kernels import build, linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
 
     try:
+        linear_cpu.load()
+        pointwise_cpu.load()
         lora_cpu.load()
         paged_attention_cpu.load()
     except build.KernelUnavailableError as e:

@@ -189,7 +189,7 @@ class Engine:
             logits = self.runner.execute(chunks, self.runner.lora_batch(chunks))  # 3
             reqs = [c.request for c in chunks if c.samples]
             tokens, lps, errors = sample(logits, [r.params for r in reqs],          # 4
-                                         [r.generator or self._generator for r in reqs])
+                                         [r.generator or self._generator for r in reqs], self.model.kernels.greedy)
             for c in chunks:
                 c.request.num_computed += c.num_tokens
                 self.kv.commit(c.request)  # its full blocks can serve later prompts (prefix cache)

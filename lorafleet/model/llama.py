@@ -11,18 +11,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from lorafleet.kernels import backend
 from lorafleet.kernels.reference import AttentionMetadata
 from lorafleet.model.config import ModelConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # computed in fp32 whatever the dtype, as the reference implementation does
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -52,13 +44,6 @@ def rope_cache(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device) -> tu
     return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos/sin: [T, 1, D]  (rotate-half layout, as Hugging Face checkpoints use)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class LlamaModel(torch.nn.Module):
     """Weights live in plain tensors (see `loader.py`), named as below:
 
@@ -75,7 +60,7 @@ class LlamaModel(torch.nn.Module):
         self.dtype, self.device = t.dtype, t.device
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
-        self.kernels = backend.select(t.device, t.dtype)  # attention and LoRA ops for this device
+        self.kernels = backend.select(t.device, t.dtype)  # matmul, attention and LoRA ops for this device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
@@ -83,38 +68,37 @@ class LlamaModel(torch.nn.Module):
         logits_rows: [S] token rows whose next-token logits are wanted. Returns logits [S, V].
         `lora` (optional, a `lora.batch.LoraBatch`) has `apply(layer, group, x, out)` adding each
         row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down)."""
-        cfg, w = self.cfg, self.w
-        x = w["embed"][input_ids]                                   # [T, H]
-        cos = self.cos[positions].unsqueeze(1)                      # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        cfg, w, k = self.cfg, self.w, self.kernels
+        eps = cfg.rms_norm_eps
+        x = w["embed"][input_ids]                                   # [T, H], the residual stream
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
-        inter = cfg.intermediate_size
+        out = None
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            h = rms_norm(x, w[p + "in_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_b"))       # [T, Q+2K]
+            # the previous layer's MLP output joins the residual stream as this norm reads it
+            h = k.rms_norm(x, w[p + "in_norm"], eps) if out is None else k.add_rms_norm(x, out, w[p + "in_norm"], eps)
+            qkv = k.linear(h, w[p + "qkv"], w.get(p + "qkv_b"))       # [T, Q+2K]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            kk = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = self.kernels.attention(q, k, v, kv_cache[:, i], attn, self.scale)   # [T, Q]
-            out = F.linear(o, w[p + "o"], w.get(p + "o_b"))
+                q = k.rms_norm(q.reshape(-1, cfg.head_dim), w[p + "q_norm"], eps).view(q.shape)
+                kk = k.rms_norm(kk.reshape(-1, cfg.head_dim), w[p + "k_norm"], eps).view(kk.shape)
+            k.rope_(q, kk, self.cos, self.sin, positions)                # in place
+            o = k.attention(q, kk, v, kv_cache[:, i], attn, self.scale)  # [T, Q]
+            out = k.linear(o, w[p + "o"], w.get(p + "o_b"))
             if lora is not None:
                 lora.apply(i, "o", o, out)
-            x = x + out
-            h = rms_norm(x, w[p + "post_norm"], cfg.rms_norm_eps)
-            gu = F.linear(h, w[p + "gate_up"], w.get(p + "gate_up_b"))  # [T, 2I]
+            h = k.add_rms_norm(x, out, w[p + "post_norm"], eps)
+            gu = k.linear(h, w[p + "gate_up"], w.get(p + "gate_up_b"))  # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gu)
-            a = F.silu(gu[:, :inter]) * gu[:, inter:]
-            out = F.linear(a, w[p + "down"], w.get(p + "down_b"))
+            a = k.silu_mul(gu)
+            out = k.linear(a, w[p + "down"], w.get(p + "down_b"))
             if lora is not None:
                 lora.apply(i, "down", a, out)
-            x = x + out
-        x = rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)    # only rows that sample
-        return F.linear(x, w["lm_head"]).float()                    # [S, V]
+        x.add_(out)
+        x = k.rms_norm(x[logits_rows], w["norm"], eps)              # only rows that sample
+        return k.linear(x, w["lm_head"]).float()                    # [S, V]

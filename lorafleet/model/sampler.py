@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from lorafleet.kernels import reference
+
 NEG_INF = float("-inf")
 
 
@@ -46,13 +48,14 @@ def top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> dict[int, float]
     return out
 
 
-def sample(logits: torch.Tensor, params: list, generators: list
+def sample(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy
            ) -> tuple[list[int | None], list[dict | None], dict[int, str]]:
-    """logits: [S, V] float32; params[i]: SamplingParams; generators[i]: torch.Generator or None.
+    """logits: [S, V] float32; params[i]: SamplingParams; generators[i]: torch.Generator or None;
+    `greedy`: the model's kernel for `reference.greedy` (every row's argmax and finiteness).
     Returns the chosen token ids, for rows that asked their logprob dicts, and {row: why} for
     rows that could not be sampled (their token is None; every other row is unaffected)."""
-    finite = torch.isfinite(logits.sum(-1)).tolist()  # one pass; NaN or Inf anywhere makes a row's sum so
-    greedy_tokens = torch.argmax(logits, dim=-1).tolist()  # one batched call covers greedy rows
+    greedy_tokens, finite = greedy(logits)  # one batched call covers greedy rows
+    greedy_tokens, finite = greedy_tokens.tolist(), finite.tolist()
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     logprobs = logits[want_lp].log_softmax(-1) if want_lp else None
     tokens: list[int | None] = [None] * len(params)

@@ -1,0 +1,191 @@
+"""The CPU decode matmul: y = x @ W^T (+ b) for the few rows of a decode step, reading every
+weight once at close to the machine's memory bandwidth (issue 18).
+
+Why it exists: a decode step at small batch is a matrix-vector problem. torch's fp32 GEMM reads
+a weight at 4-6 GB/s at 1-8 rows on a machine that streams ~20-28 GB/s, so two thirds of a
+decode step went to `aten::mm` on the base weights while the memory bus idled. Here W keeps its
+torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memory) and:
+- the N output rows are cut into blocks of NB weight rows, spread over torch's threads
+  (`at::parallel_for`, so `torch.set_num_threads` governs it like every other op);
+- a block's NB rows are streamed once from memory, side by side, against a tile of TB x rows
+  held in NB x TB vector accumulators (16 fp32 lanes each, GCC vector extensions: AVX-512 where
+  the CPU has it, two AVX2 halves otherwise), then the next TB x rows reuse the same NB rows
+  from L1; so each weight byte comes from memory once per call whatever the number of rows;
+- tile shapes follow the rows: (NB, TB) = (6, 4) up to 4 rows, (4, 8) beyond (the best of ten
+  shapes measured on tiny's weights): at most 32 accumulators, with the weight vectors read
+  once per tile; the rows left after the full tiles take the smallest tile of halved height
+  that holds them;
+- while the first tile of a block runs, the next block's rows are prefetched, so memory keeps
+  streaming while the FMAs run (without it, 8 rows took 1.5x as long);
+- bf16 weights (and activations) are widened to fp32 in registers (a 16-bit shift) and
+  accumulated in fp32, the result rounded once to bf16: half the bytes of fp32 per step.
+Past MAX_ROWS rows (prefill), a call goes to torch's GEMM, which is better there: the weights
+are reused across many rows and the problem is compute-bound.
+
+Semantics: those of `F.linear` (the reference in `reference.linear`), fp32 accumulation in a
+different order: equal to it within 1e-5 relative in fp32. Built and cached like the other CPU
+kernels (`build.py`); LORAFLEET_CPU_KERNELS=0 forces the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorafleet.kernels.build import compile_inline
+
+MAX_ROWS = 24  # more rows than this: torch's GEMM (measured crossover, see docs/structures.md)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+// 16 bf16 -> 16 fp32: a bf16 is the top half of the fp32 with the same bits
+static inline v16 vload(const c10::BFloat16* p) {
+  u16x16 h; std::memcpy(&h, p, sizeof h);
+  const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+  v16 v; std::memcpy(&v, &u, sizeof v); return v;
+}
+static inline float hsum(v16 v) {
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// out[j][t] = w[j] . x[t] over K, for NB weight rows and TB x rows; with `pf`, the rows of the
+// next block are prefetched as these stream by (one cache line of each per 64 bytes read here)
+template <class S, int NB, int TB>
+static inline void tile(const S* const* w, const S* const* x, int64_t K, float (*out)[TB], const S* const* pf) {
+  v16 acc[NB][TB];
+  for (int j = 0; j < NB; ++j)
+    for (int t = 0; t < TB; ++t) acc[j][t] = v16{};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    v16 wv[NB];
+    if (pf && (sizeof(S) == 4 || k % 32 == 0))
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(pf[j] + k, 0, 3);
+    for (int j = 0; j < NB; ++j) wv[j] = vload(w[j] + k);
+    for (int t = 0; t < TB; ++t) {
+      const v16 xv = vload(x[t] + k);
+      for (int j = 0; j < NB; ++j) acc[j][t] += wv[j] * xv;
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int t = 0; t < TB; ++t) {
+      float s = hsum(acc[j][t]);
+      for (int64_t d = k; d < K; ++d) s += float(w[j][d]) * float(x[t][d]);
+      out[j][t] = s;
+    }
+}
+
+struct Args {
+  const void* x; int64_t ldx; int64_t T;
+  const void* w; int64_t K; int64_t N;
+  const void* bias;
+  void* y; int64_t ldy;
+};
+
+// rows [t0, t0 + tb) against weight rows [n0, n0 + nn); pointers past the end repeat the last
+// row (computed, never stored), so a tile always has its full shape
+template <class S, int NB, int TB>
+static void block(const Args& a, int64_t t0, int64_t tb, int64_t n0, int64_t nn) {
+  const S* xp = static_cast<const S*>(a.x);
+  const S* wp = static_cast<const S*>(a.w);
+  const S* bp = static_cast<const S*>(a.bias);
+  S* yp = static_cast<S*>(a.y);
+  const S* w[NB];
+  const S* x[TB];
+  for (int j = 0; j < NB; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, nn - 1)) * a.K;
+  for (int t = 0; t < TB; ++t) x[t] = xp + (t0 + std::min<int64_t>(t, tb - 1)) * a.ldx;
+  // the first tile of a block reads its rows from memory: it prefetches the next block's
+  // (the hardware prefetcher alone leaves memory idle while the FMAs run: measured 1.5x slower
+  // at 8 rows)
+  const S* pf[NB];
+  for (int j = 0; j < NB; ++j) pf[j] = wp + std::min<int64_t>(n0 + NB + j, a.N - 1) * a.K;
+  float out[NB][TB];
+  tile<S, NB, TB>(w, x, a.K, out, t0 == 0 && n0 + NB < a.N ? pf : nullptr);
+  for (int t = 0; t < tb; ++t)
+    for (int j = 0; j < nn; ++j)
+      yp[(t0 + t) * a.ldy + n0 + j] = S(out[j][t] + (bp ? float(bp[n0 + j]) : 0.f));
+}
+
+template <class S, int NB, int TB>
+static void rest_rows(const Args& a, int64_t t0, int64_t n0, int64_t nn) {
+  // rows left after the full tiles: one tile of the smallest shape that holds them
+  const int64_t rest = a.T - t0;
+  if constexpr (TB > 1) {
+    if (rest <= TB / 2) { rest_rows<S, NB, TB / 2>(a, t0, n0, nn); return; }
+  }
+  block<S, NB, TB>(a, t0, rest, n0, nn);
+}
+
+template <class S, int NB, int TB>
+static void tiles(const Args& a, int64_t n0, int64_t nn) {
+  int64_t t0 = 0;
+  for (; t0 + TB <= a.T; t0 += TB) block<S, NB, TB>(a, t0, TB, n0, nn);
+  if (t0 < a.T) rest_rows<S, NB, TB>(a, t0, n0, nn);
+}
+
+template <class S, int NB, int TB>
+static void run(const Args& a) {
+  const int64_t blocks = (a.N + NB - 1) / NB;
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB;
+      tiles<S, NB, TB>(a, n0, std::min<int64_t>(NB, a.N - n0));
+    }
+  });
+}
+
+template <class S>
+static void dispatch(const Args& a) {
+  if (a.T <= 4) run<S, 6, 4>(a);
+  else run<S, 4, 8>(a);
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [T, K] and w [N, K]");
+  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "linear: x rows and w must be contiguous");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w differ in dtype");
+  if (bias) TORCH_CHECK(bias->scalar_type() == w.scalar_type() && bias->is_contiguous() &&
+                        bias->numel() == w.size(0), "linear: bias");
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  Args a{x.data_ptr(), x.stride(0), x.size(0), w.data_ptr(), w.size(1), w.size(0),
+         bias ? bias->data_ptr() : nullptr, y.data_ptr(), y.stride(0)};
+  if (a.T == 0 || a.N == 0) return y;
+  if (x.scalar_type() == at::kFloat) dispatch<float>(a);
+  else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear: float32 or bfloat16 only");
+    dispatch<c10::BFloat16>(a);
+  }
+  return y;
+}
+"""
+
+
+def load():
+    """The compiled matmul, or None when it cannot be built here (an error instead with
+    LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
+    return compile_inline("lorafleet_linear_cpu_v1", _SOURCE, "linear")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16): the
+    kernel up to MAX_ROWS rows, torch's GEMM beyond."""
+    if x.shape[0] > MAX_ROWS:
+        return F.linear(x, w, bias)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return load().linear(x, w, bias)

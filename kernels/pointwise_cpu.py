@@ -1,0 +1,268 @@
+"""The CPU row-wise ops of a decode step, each one call: RMSNorm, the residual add with the next
+RMSNorm, rotary embedding of q and k in place, SiLU(gate) * up, the KV write into the pool's
+pages, and the greedy pick of each row's token (issue 18).
+
+Why they exist: between its four matmuls a Llama layer runs ~40 small torch ops (a norm is six:
+pow, mean, add, rsqrt, mul, mul; RoPE is seven per tensor, plus two gathers of the cos/sin
+tables). At decode each costs its dispatch, not its arithmetic: measured on SmolLM2-135M's
+shapes (30 layers, one thread), a decode step without its matmuls took 4.5 ms at batch 1 and
+7.4 ms at batch 8, a fifth to a third of the step's memory bound. Here each is one call that
+reads its rows once. Two more had the same cause: the KV write was two `index_put_` calls per
+layer (0.7 ms of smol's step at batch 8), and torch's `argmax`, unvectorised on the CPU, took
+0.76 ms over 8 rows of a 49,152-token vocabulary (the kernel: two vector passes per row).
+
+Semantics: each op is its reference in `reference.py` (`rms_norm`, `add_rms_norm`, `rope_`,
+`silu_mul`, `write_kv`, `greedy`), computed in fp32 and rounded to the tensor's dtype where the reference rounds
+(bf16: after the normalisation and after the weight; each RoPE product and their sum; SiLU and
+the product), so bf16 results are the reference's bit for bit but for the order of the norm's
+sum. Rows are spread over torch's threads only when there are enough of them (prefill).
+Built and cached like the other CPU kernels (`build.py`); LORAFLEET_CPU_KERNELS=0 forces the
+references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorafleet.kernels.build import compile_inline
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+// the value as the reference's dtype would hold it: identity in fp32, rounded in bf16
+static inline float as(float v, float) { return v; }
+static inline float as(float v, c10::BFloat16) { return float(c10::BFloat16(v)); }
+
+constexpr int64_t GRAIN = 16;  // rows per task: one task (no threads woken) at decode sizes
+
+template <class S>
+static void norm_rows(const S* x, int64_t ldx, const S* w, S* y, int64_t ldy, int64_t T, int64_t H, float eps) {
+  at::parallel_for(0, T, GRAIN, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const S* xr = x + t * ldx;
+      S* yr = y + t * ldy;
+      float ss = 0.f;
+#pragma omp simd reduction(+:ss)
+      for (int64_t d = 0; d < H; ++d) { const float v = float(xr[d]); ss += v * v; }
+      const float r = 1.f / std::sqrt(ss / float(H) + eps);
+#pragma omp simd
+      for (int64_t d = 0; d < H; ++d) yr[d] = S(float(w[d]) * as(float(xr[d]) * r, S()));
+    }
+  });
+}
+
+template <class S>
+static void add_rows(S* x, int64_t ldx, const S* o, int64_t ldo, int64_t T, int64_t H) {
+  at::parallel_for(0, T, GRAIN, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      S* xr = x + t * ldx;
+      const S* orow = o + t * ldo;
+#pragma omp simd
+      for (int64_t d = 0; d < H; ++d) xr[d] = S(float(xr[d]) + float(orow[d]));
+    }
+  });
+}
+
+static void check_rows(const torch::Tensor& t, int64_t H, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == H && t.stride(1) == 1, what, ": rows of ", H, " contiguous elements");
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  const int64_t H = w.numel();
+  check_rows(x, H, "rms_norm x");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == x.scalar_type(), "rms_norm: weight");
+  auto y = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.scalar_type() == at::kFloat)
+    norm_rows<float>(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), y.data_ptr<float>(), H, x.size(0), H, eps);
+  else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16 only");
+    using B = c10::BFloat16;
+    norm_rows<B>(x.data_ptr<B>(), x.stride(0), w.data_ptr<B>(), y.data_ptr<B>(), H, x.size(0), H, eps);
+  }
+  return y;
+}
+
+// x += delta (in place), then rms_norm(x)
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps) {
+  const int64_t H = w.numel();
+  check_rows(x, H, "add_rms_norm x");
+  check_rows(delta, H, "add_rms_norm delta");
+  TORCH_CHECK(delta.size(0) == x.size(0) && delta.scalar_type() == x.scalar_type(), "add_rms_norm: delta");
+  if (x.scalar_type() == at::kFloat) {
+    add_rows<float>(x.data_ptr<float>(), x.stride(0), delta.data_ptr<float>(), delta.stride(0), x.size(0), H);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "add_rms_norm: float32 or bfloat16 only");
+    using B = c10::BFloat16;
+    add_rows<B>(x.data_ptr<B>(), x.stride(0), delta.data_ptr<B>(), delta.stride(0), x.size(0), H);
+  }
+  return rms_norm(x, w, eps);
+}
+
+// rotate-half RoPE of every head of x [T, heads, D] in place, at each row's position
+template <class S>
+static void rope_heads(S* x, int64_t s0, int64_t s1, int64_t T, int64_t heads, int64_t D,
+                       const S* cos, const S* sin, const int64_t* pos) {
+  const int64_t h = D / 2;
+  at::parallel_for(0, T, GRAIN, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const S* c = cos + pos[t] * D;
+      const S* s = sin + pos[t] * D;
+      for (int64_t j = 0; j < heads; ++j) {
+        S* v = x + t * s0 + j * s1;
+#pragma omp simd
+        for (int64_t d = 0; d < h; ++d) {
+          const float a = float(v[d]), b = float(v[d + h]);
+          // reference: x * cos + cat(-x2, x1) * sin, each product and the sum in the dtype
+          const float lo = as(a * float(c[d]), S()) + as(-b * float(s[d]), S());
+          const float hi = as(b * float(c[d + h]), S()) + as(a * float(s[d + h]), S());
+          v[d] = S(lo);
+          v[d + h] = S(hi);
+        }
+      }
+    }
+  });
+}
+
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.size(2) == k.size(2) &&
+              q.size(0) == k.size(0), "rope_: q [T, H, D] and k [T, KH, D] with contiguous heads");
+  const int64_t D = q.size(2), T = q.size(0);
+  TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D && sin.size(1) == D,
+              "rope_: cos/sin tables [positions, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T,
+              "rope_: positions [T] int64");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+              sin.scalar_type() == q.scalar_type(), "rope_: dtypes differ");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_: position out of range");
+  if (q.scalar_type() == at::kFloat) {
+    rope_heads<float>(q.data_ptr<float>(), q.stride(0), q.stride(1), T, q.size(1), D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos);
+    rope_heads<float>(k.data_ptr<float>(), k.stride(0), k.stride(1), T, k.size(1), D, cos.data_ptr<float>(), sin.data_ptr<float>(), pos);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "rope_: float32 or bfloat16 only");
+    using B = c10::BFloat16;
+    rope_heads<B>(q.data_ptr<B>(), q.stride(0), q.stride(1), T, q.size(1), D, cos.data_ptr<B>(), sin.data_ptr<B>(), pos);
+    rope_heads<B>(k.data_ptr<B>(), k.stride(0), k.stride(1), T, k.size(1), D, cos.data_ptr<B>(), sin.data_ptr<B>(), pos);
+  }
+}
+
+// a [T, I] = silu(gu[:, :I]) * gu[:, I:]
+template <class S>
+static void silu_rows(const S* gu, int64_t ld, S* a, int64_t T, int64_t I) {
+  at::parallel_for(0, T, GRAIN, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const S* g = gu + t * ld;
+      S* out = a + t * I;
+#pragma omp simd
+      for (int64_t d = 0; d < I; ++d) {
+        const float x = float(g[d]);
+        out[d] = S(as(x / (1.f + std::exp(-x)), S()) * float(g[d + I]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0 && gu.stride(1) == 1, "silu_mul: gu [T, 2I] with contiguous rows");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  auto a = torch::empty({T, I}, gu.options());
+  if (gu.scalar_type() == at::kFloat) silu_rows<float>(gu.data_ptr<float>(), gu.stride(0), a.data_ptr<float>(), T, I);
+  else {
+    TORCH_CHECK(gu.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16 only");
+    using B = c10::BFloat16;
+    silu_rows<B>(gu.data_ptr<B>(), gu.stride(0), a.data_ptr<B>(), T, I);
+  }
+  return a;
+}
+
+// kv[slot_pages[t], 0|1, slot_offsets[t]] = k[t] | v[t]: one copy of KVH x D elements per row
+void write_kv(torch::Tensor kv, torch::Tensor k, torch::Tensor v, torch::Tensor pages, torch::Tensor offsets) {
+  TORCH_CHECK(kv.dim() == 5 && k.dim() == 3 && v.dim() == 3, "write_kv: kv [P, 2, B, KVH, D], k and v [T, KVH, D]");
+  const int64_t T = k.size(0), KVH = kv.size(3), D = kv.size(4), P = kv.size(0), B = kv.size(2);
+  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == D, "write_kv: a slot's [KVH, D] must be contiguous");
+  for (const auto& x : {k, v})
+    TORCH_CHECK(x.size(0) == T && x.size(1) == KVH && x.size(2) == D && x.stride(2) == 1 && x.stride(1) == D &&
+                x.scalar_type() == kv.scalar_type(), "write_kv: k and v [T, KVH, D] like the pool's slots");
+  TORCH_CHECK(pages.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && pages.is_contiguous() &&
+              offsets.is_contiguous() && pages.numel() == T && offsets.numel() == T, "write_kv: slots [T] int64");
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const int64_t* of = offsets.data_ptr<int64_t>();
+  const int64_t es = kv.element_size(), row = KVH * D * es;
+  char* base = static_cast<char*>(kv.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pg[t] >= 0 && pg[t] < P && of[t] >= 0 && of[t] < B, "write_kv: slot out of range");
+    char* slot = base + (pg[t] * kv.stride(0) + of[t] * kv.stride(2)) * es;
+    std::memcpy(slot, static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * es, row);
+    std::memcpy(slot + kv.stride(1) * es, static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * es, row);
+  }
+}
+
+// per row of logits [S, V]: the first index of its largest value, and whether every value is
+// finite (a row with a NaN or an infinity gets false; its index is then meaningless)
+std::tuple<torch::Tensor, torch::Tensor> greedy(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0,
+              "greedy: logits [S, V] float32 with contiguous rows");
+  const int64_t S = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  auto tokens = torch::empty({S}, logits.options().dtype(at::kLong));
+  auto finite = torch::empty({S}, logits.options().dtype(at::kBool));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  bool* fp = finite.data_ptr<bool>();
+  at::parallel_for(0, S, 4, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const float* row = lp + s * ld;
+      float m = row[0];
+      int bad = 0;
+#pragma omp simd reduction(max:m) reduction(|:bad)
+      for (int64_t i = 0; i < V; ++i) {
+        m = row[i] > m ? row[i] : m;
+        bad |= (row[i] - row[i]) != 0.f;  // NaN or an infinity
+      }
+      int64_t at = 0;
+      while (at < V && !(row[at] == m)) ++at;
+      tp[s] = at < V ? at : 0;
+      fp[s] = !bad;
+    }
+  });
+  return {tokens, finite};
+}
+"""
+
+FUNCTIONS = ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "write_kv", "greedy"]
+
+
+def load():
+    """The compiled ops, or None when they cannot be built here (an error instead with
+    LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
+    return compile_inline("lorafleet_pointwise_cpu_v2", _SOURCE, FUNCTIONS)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return load().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return load().add_rms_norm(x, delta, weight, eps)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    load().rope_(q, k, cos, sin, positions)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    return load().silu_mul(gu)
+
+
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pages: torch.Tensor,
+             slot_offsets: torch.Tensor) -> None:
+    load().write_kv(kv, k, v, slot_pages, slot_offsets)
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return load().greedy(logits)

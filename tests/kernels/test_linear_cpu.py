@@ -1,0 +1,142 @@
+"""The CPU decode matmul computes `F.linear`: within 1e-5 relative in fp32 and within bf16's
+rounding in bf16, on odd shapes, every tile remainder, strided rows and with biases; past
+MAX_ROWS rows it is torch's GEMM itself; and the engine on it gives the torch path's greedy
+tokens on every parity family and on the demo fleet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lorafleet import Engine, SamplingParams
+from lorafleet.demo.evaluate import chat_prompt, fleet_engine
+from lorafleet.demo.skills import SKILLS, expected, held_out_texts
+from lorafleet.engine.request import Request
+from lorafleet.engine.scheduler import Chunk
+from lorafleet.kernels import linear_cpu
+from tests.fixtures import FAMILIES, build_model
+
+# with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
+pytestmark = pytest.mark.skipif(linear_cpu.load() is None, reason="the kernel does not build here")
+
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, linear_cpu.MAX_ROWS]  # every tile and remainder shape
+SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (200, 1536)]  # (N, K)
+
+
+def exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The product in float64 of the same (possibly bf16) values: the error-free answer."""
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_equals_the_exact_product_within_1e_5(n, k, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    for t in ROWS:
+        x = torch.randn(t, k, generator=g)
+        got = linear_cpu.linear(x, w, b)
+        ref = exact(x, w, b)
+        assert got.dtype == torch.float32 and got.shape == (t, n)
+        scale = (x.double().abs() @ w.double().abs().T).max().item() + 1e-30
+        assert (got.double() - ref).abs().max().item() <= 1e-5 * scale, (t, n, k)
+        assert (got - F.linear(x, w, b)).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_bf16_rounds_the_fp32_sum_once(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    for t in ROWS:
+        x = torch.randn(t, k, generator=g).bfloat16()
+        got = linear_cpu.linear(x, w, b)
+        ref = exact(x, w, b)
+        assert got.dtype == torch.bfloat16
+        # one rounding to bf16 (half an ulp: 2^-9 relative) plus fp32 accumulation error
+        slack = (x.double().abs() @ w.double().abs().T) * 1e-6 + b.double().abs() * 1e-6
+        assert ((got.double() - ref).abs() <= ref.abs() * 2 ** -8 + slack).all(), (t, n, k)
+
+
+def test_rows_with_a_stride_and_columns_with_one():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=g)
+    wide = torch.randn(6, 50, generator=g)
+    x = wide[:, 3:27]                      # rows 50 apart: read in place
+    assert linear_cpu.linear(x, w).sub(F.linear(x, w)).abs().max().item() < 1e-5
+    xt = torch.randn(24, 6, generator=g).T  # column-major: copied first
+    assert linear_cpu.linear(xt, w).sub(F.linear(xt, w)).abs().max().item() < 1e-5
+    assert linear_cpu.linear(torch.randn(0, 24), w).shape == (0, 40)
+
+
+def test_past_max_rows_it_is_torchs_gemm():
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(30, 20, generator=g), torch.randn(30, generator=g)
+    x = torch.randn(linear_cpu.MAX_ROWS + 1, 20, generator=g)
+    assert torch.equal(linear_cpu.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_mismatched_inputs_are_refused_with_the_reason():
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        linear_cpu.linear(torch.randn(2, 16, dtype=torch.float64), w)
+    with pytest.raises(RuntimeError, match=r"x \[T, K\] and w \[N, K\]"):
+        linear_cpu.linear(torch.randn(2, 15), w)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        linear_cpu.linear(torch.randn(2, 16).half(), w.half())
+
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 5, [20, 21, 22], [30] * 17, [40, 41]]  # 35 rows: GEMM, then kernel
+
+
+def greedy(kernels: str, monkeypatch, folder, **options):
+    monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
+    engine = Engine(folder, pool_bytes=4 << 20, **options)
+    assert engine.model.kernels.name == kernels
+    return [o.token_ids for o in engine.generate(PROMPTS, GREEDY)], engine
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_gives_the_torch_paths_tokens(family, tmp_path, monkeypatch):
+    folder = build_model(tmp_path, family)
+    got, engine = greedy("cpu", monkeypatch, folder)
+    assert engine.model.kernels.linear is linear_cpu.linear
+    assert got == greedy("torch", monkeypatch, folder)[0]
+
+
+def test_bf16_models_run_on_the_kernel(llama_dir, monkeypatch):
+    """bf16 weights on the kernel (a 12-token prefill, then decode steps): the logits are the
+    torch path's within bf16 noise."""
+    ids = list(range(5, 17))
+    logits = {}
+    for kernels in ("cpu", "torch"):
+        monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
+        engine = Engine(llama_dir, pool_bytes=4 << 20, dtype="bfloat16")
+        assert (engine.model.kernels.linear is linear_cpu.linear) == (kernels == "cpu")
+        req = Request("bf16", ids, SamplingParams())
+        engine.kv.grow(req.request_id, len(ids))
+        logits[kernels] = engine.runner.execute([Chunk(req, len(ids))], all_logits=True).float()
+    assert (logits["cpu"] - logits["torch"]).abs().max().item() < 0.05
+
+
+def test_the_demo_fleet_answers_through_the_kernel(monkeypatch):
+    """The base and four skills in one batch, token for token the torch path's answers, and the
+    answers the skills expect."""
+    tasks = [None, *list(SKILLS)[:4]]
+    jobs = list(zip(tasks, held_out_texts(len(tasks))))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    got = {}
+    for kernels in ("cpu", "torch"):
+        monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
+        engine = fleet_engine()
+        try:
+            prompts = [chat_prompt(engine, task, text) for task, text in jobs]
+            got[kernels] = engine.generate(prompts, params, [task for task, _ in jobs])
+        finally:
+            engine.close()
+    for (task, text), out, ref in zip(jobs, got["cpu"], got["torch"]):
+        assert out.token_ids == ref.token_ids, f"{task}({text!r}): {out.text!r} (cpu) vs {ref.text!r} (torch)"
+        assert expected(task, text).startswith(out.text), f"{task}({text!r}) answered {out.text!r}"
