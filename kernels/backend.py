@@ -79,8 +79,8 @@ def torch_kernels() -> Kernels:
 
 
 def cpu_kernels(dtype: torch.dtype) -> Kernels:
-    """The C++ kernels where they serve (built; the matmul and row-wise ops in fp32 and bf16, the
-    LoRA and decode attention in fp32), the reference for the rest."""
+    """The C++ kernels where they serve (built; decode attention in fp32, the others in fp32 and
+    bf16), the reference for the rest."""
     from lorafleet.kernels import linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
 
     linear, lora, decode, write_kv = reference.linear, _lora_reference, reference.paged_decode, reference.write_kv
@@ -90,7 +90,7 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     if dtype in (torch.float32, torch.bfloat16) and pointwise_cpu.load() is not None:
         rows = {op: getattr(pointwise_cpu, op) for op in ROW_OPS}
         write_kv = pointwise_cpu.write_kv
-    if dtype == torch.float32 and lora_cpu.load() is not None:
+    if dtype in (torch.float32, torch.bfloat16) and lora_cpu.load() is not None:
         def lora(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None):
             lora_cpu.lora_paged(x, out, w, page_elems, seg, meta, tables)
     if dtype == torch.float32 and paged_attention_cpu.load() is not None:

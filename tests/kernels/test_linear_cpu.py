@@ -15,7 +15,7 @@ from lorafleet.demo.skills import SKILLS, expected, held_out_texts
 from lorafleet.engine.request import Request
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels import linear_cpu
-from tests.fixtures import FAMILIES, build_model
+from tests.fixtures import ALL7, FAMILIES, build_adapter, build_model
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(linear_cpu.load() is None, reason="the kernel does not build here")
@@ -120,6 +120,31 @@ def test_bf16_models_run_on_the_kernel(llama_dir, monkeypatch):
         engine.kv.grow(req.request_id, len(ids))
         logits[kernels] = engine.runner.execute([Chunk(req, len(ids))], all_logits=True).float()
     assert (logits["cpu"] - logits["torch"]).abs().max().item() < 0.05
+
+
+def test_bf16_mixed_adapters_match_the_torch_path(llama_dir, tmp_path, monkeypatch):
+    """A bf16 engine, one prefill batch mixing two adapters of different ranks and the base: the
+    CPU kernels (matmul, row-wise ops, LoRA over bf16 pages) give the torch path's logits within
+    bf16 noise, and each adapter visibly moves its rows."""
+    adapters = {f"r{r}": build_adapter(llama_dir, tmp_path / f"r{r}", seed=r, r=r, lora_alpha=4 * r,
+                                       target_modules=ALL7) for r in (4, 16)}
+    names = ["r4", None, "r16", "r4"]
+    logits = {}
+    for kernels in ("cpu", "torch"):
+        monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
+        engine = Engine(llama_dir, pool_bytes=8 << 20, dtype="bfloat16")
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+        reqs = [Request(f"q{i}", PROMPTS[0][:9], SamplingParams(), a, lora=engine.adapters.get(a) if a else None)
+                for i, a in enumerate(names)]
+        chunks = [Chunk(r, len(r.prompt_token_ids)) for r in reqs]  # kept in this order: rows line up
+        for c in chunks:
+            engine.kv.grow(c.request.request_id, c.num_tokens)
+        logits[kernels] = engine.runner.execute(chunks, engine.runner.lora_batch(chunks), all_logits=True).float()
+    scale = logits["torch"].abs().max().item()
+    assert (logits["cpu"] - logits["torch"]).abs().max().item() < 0.02 * scale
+    rows = logits["cpu"].view(len(names), 9, -1)
+    assert (rows[0] - rows[1]).abs().max().item() > 0.1 * scale  # r4 and the base: same prompt, other answer
 
 
 def test_the_demo_fleet_answers_through_the_kernel(monkeypatch):

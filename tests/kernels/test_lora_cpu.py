@@ -56,3 +56,20 @@ def test_writes_into_a_wider_output_through_its_row_stride():
     view.copy_(case.base)
     lora_cpu.lora_paged(*case.args(view))
     assert (view - case.expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed):
+    rng = random.Random(seed)
+    n_seg = rng.randint(1, 8)
+    ranks = [[rng.choice([0, 1, 8, 24, 64]) for _ in range(3)] for _ in range(n_seg)]
+    rows = [rng.choice([0, 1, 2, 5, 9]) for _ in range(n_seg)]
+    case = lora_case(seed, 40, [24, 8, 96], ranks, rows, page_elems=rng.choice([37, 100]), dtype=torch.bfloat16)
+    got, ref = case.base.clone(), case.base.clone()
+    lora_cpu.lora_paged(*case.args(got))
+    reference.lora_paged(*case.args(ref))
+    assert got.dtype == torch.bfloat16
+    g, r = got.double(), ref.double()
+    assert ((g - r).abs() <= r.abs() * 2 ** -7 + 1e-6).all()  # one bf16 step at most: the sum order
+    assert ((g - case.expected.double()).abs() <= case.expected.double().abs() * 2 ** -6 + 2e-2).all()
+    assert torch.equal(got[~case.covered], case.base[~case.covered])
