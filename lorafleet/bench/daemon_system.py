@@ -1,8 +1,9 @@
 """lorafleet through the daemon: `lorafleet serve` in a process of its own on a temporary Unix
 socket, the workload's requests replayed at their arrival times as concurrent streaming
-`/v1/completions` calls (httpx over the socket), TTFT and TPOT taken from the stream's token
-timestamps. Same pool sizing as the in-process system, so the difference between the two is the
-cost of the HTTP/SSE front end and the engine thread hand-off.
+`/v1/completions` calls (httpx over the socket; a workload's closed loop honoured:
+`http_replay.py`), TTFT and TPOT taken from the stream's token timestamps. Same pool sizing as
+the in-process system, so the difference between the two is the cost of the HTTP/SSE front end
+and the engine thread hand-off.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lorafleet.bench import http_replay
 from lorafleet.bench.jobs import WARM_UP_ADAPTER, WARM_UP_PROMPT, Job, Replayed, System, job_pool_bytes
 
 
@@ -24,6 +26,7 @@ class LorafleetDaemon(System):
     name = "lorafleet-daemon"
     subject = True
     baseline = False
+    closed_loop = True
     proc = None  # the daemon, once prepare started it
 
     def prepare(self, job: Job) -> dict:
@@ -68,7 +71,7 @@ class LorafleetDaemon(System):
 
     def replay(self, job: Job) -> Replayed:
         self.client.reset_prefix_cache()  # every replay meets its prompts for the first time
-        seconds, metrics = asyncio.run(_replay(self.sock, job.requests))
+        seconds, metrics = asyncio.run(_replay(self.sock, job))
         return Replayed(seconds, sum(m["tokens"] for m in metrics), metrics)
 
     def pids(self) -> tuple[int, ...]:
@@ -92,21 +95,17 @@ class LorafleetDaemon(System):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-async def _replay(sock: Path, requests) -> tuple[float, list[dict]]:
+async def _replay(sock: Path, job: Job) -> tuple[float, list[dict]]:
     import httpx
 
     transport = httpx.AsyncHTTPTransport(uds=str(sock))
-    limits = httpx.Limits(max_connections=len(requests) + 1)
+    limits = httpx.Limits(max_connections=len(job.requests) + 1)
     async with httpx.AsyncClient(transport=transport, base_url="http://lorafleet", timeout=None,
                                  limits=limits) as http:
-        start = time.perf_counter()
-        metrics = await asyncio.gather(*(_one(http, r, start) for r in requests))
-        return time.perf_counter() - start, list(metrics)
+        return await http_replay.replay(http, job.requests, job.concurrency, _one)
 
 
-async def _one(http, req, start: float) -> dict:
-    await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-    arrival = start + req.arrival_s
+async def _one(req, http, sent_at: float) -> dict:
     body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     if req.adapter is not None:
@@ -125,6 +124,4 @@ async def _one(http, req, start: float) -> dict:
                 now = time.perf_counter()
                 first = first if first is not None else now
                 last = now
-    return {"arrival_s": req.arrival_s, "ttft_s": first - arrival if first is not None else None,
-            "tpot_s": (last - first) / (tokens - 1) if tokens > 1 else None,
-            "queue_s": None, "adapter_wait_s": None, "tokens": tokens, "adapter": req.adapter}
+    return http_replay.figures(req, sent_at, first, last, tokens)

@@ -41,7 +41,8 @@ class Job:
     `adapters`: name -> PEFT folder, every adapter the requests may name. `warm_up_adapter`: a
     PEFT folder none of the requests uses, loaded (then unloaded) by the lorafleet systems' warm-up.
     `max_requests`: a baseline serves only the first N requests (None: all); lorafleet always
-    serves all."""
+    serves all. `concurrency`: the workload's closed loop (at most that many requests in
+    flight), or None (each request sent at its arrival time)."""
 
     system: str
     model_dir: str
@@ -55,6 +56,7 @@ class Job:
     threads: int | None = None
     max_requests: int | None = None
     warm_up_adapter: str | None = None
+    concurrency: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -111,6 +113,7 @@ class System:
     subject = False      # a lorafleet system: its figures are divided by the baselines'
     isolated = True      # runs in a worker process of its own
     baseline = True      # serves at most `job.max_requests` requests
+    closed_loop = False  # replays a workload's `concurrency` (its closed loop); the others skip it
 
     def __init__(self, device: str = "auto", dtype: str = "auto", threads: int | None = None):
         self.device_name = device
@@ -164,6 +167,9 @@ class System:
 
     # -- the order every system follows ------------------------------------------------------
     def run(self, job: Job) -> Result:
+        if job.concurrency is not None and not self.closed_loop:
+            return Result(self.name, status="skipped",
+                          reason=f"replays arrival times only, not a closed loop of {job.concurrency} in flight")
         reason = self.skip_reason(job)
         if reason:
             return Result(self.name, status="skipped", reason=reason)

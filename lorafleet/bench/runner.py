@@ -99,7 +99,7 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
     return report
 
 
-def run_suite(shapes: list[str], out: Path, *, workloads: tuple[str, ...] = SUITE_WORKLOADS,
+def run_suite(shapes: list[str], out: Path, *, workloads: tuple[str | Workload, ...] = SUITE_WORKLOADS,
               systems: tuple[str, ...] = SYSTEM_NAMES, sweeps: dict[str, tuple[int, ...]] | None = None,
               name: str = "full", console: Console | None = None, **kwargs) -> dict:
     """Several workloads in turn (by default the full suite: every workload, every system, the
@@ -110,9 +110,10 @@ def run_suite(shapes: list[str], out: Path, *, workloads: tuple[str, ...] = SUIT
     sweeps = dict([SUITE_SWEEP]) if sweeps is None else sweeps
     reports = []
     for i, load in enumerate(workloads):
-        console.rule(f"workload {load} ({i + 1}/{len(workloads)})")
-        path = out.with_name(f"{out.stem}-{load}.json")
-        reports.append(run_bench(shapes, load, list(systems), path, sweep=sweeps.get(load, ()), console=console,
+        label = load if isinstance(load, str) else load.name
+        console.rule(f"workload {label} ({i + 1}/{len(workloads)})")
+        path = out.with_name(f"{out.stem}-{label}.json")
+        reports.append(run_bench(shapes, load, list(systems), path, sweep=sweeps.get(label, ()), console=console,
                                  **kwargs))
     suite = {"suite": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
              "duration_s": time.perf_counter() - started, "reports": reports, "across": _across(reports)}
@@ -131,7 +132,7 @@ def _run(system: str, model_dir: Path, load: Workload, vocab_size: int, common: 
     adapters = workload_adapters(model_dir, load)
     job = Job(system, str(model_dir), make_requests(load, vocab_size), {n: str(p) for n, p in adapters},
               load.residency, load.pool_fraction, load.kv_fraction, warm_up_adapter=str(warm_up_adapter(model_dir)),
-              **common)
+              concurrency=load.concurrency, **common)
     if not get_system(system).isolated:
         from lorafleet.bench.worker import run_job
 

@@ -4,7 +4,8 @@ times in real time (the order it follows, warm-up and repeats included: `jobs.Sy
 
 Every system runs on the same device, dtype and number of torch threads, in a process of its
 own (`worker.py`), except accounting-only ones (`merged`), which run in the runner. The system
-modules import only `jobs.py` and `workloads.py`; this module imports them.
+modules import only `jobs.py`, `workloads.py` and their helpers (`http_replay.py`, `fixtures.py`,
+`adapters.py`); this module imports them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from lorafleet.bench.daemon_system import LorafleetDaemon
 from lorafleet.bench.jobs import Job, Result, System, weight_bytes
+from lorafleet.bench.llamacpp import LlamaCpp
 from lorafleet.bench.lorafleet_system import LorafleetInProcess, LorafleetLRU, LorafleetNoPrefixCache
 from lorafleet.bench.static_batch import PeftGroups, PeftMixed, TransformersGenerate
 
@@ -33,7 +35,8 @@ class MergedAccounting(System):
 
 
 SYSTEMS: dict[str, type[System]] = {cls.name: cls for cls in (
-    LorafleetInProcess, LorafleetNoPrefixCache, LorafleetLRU, LorafleetDaemon, TransformersGenerate, PeftGroups, PeftMixed, MergedAccounting)}
+    LorafleetInProcess, LorafleetNoPrefixCache, LorafleetLRU, LorafleetDaemon, TransformersGenerate, PeftGroups,
+    PeftMixed, MergedAccounting, LlamaCpp)}
 SYSTEM_NAMES = tuple(SYSTEMS)
 
 

@@ -44,6 +44,8 @@ def throughput_table(report: dict) -> Table:
     notes += [f"{r['model']} {r['system']}: {escape(r['details']['capped'])}"
               for r in report["results"] if r["details"].get("capped")]
     arrival = load["arrival"] + (f" {load['rate']:g}/s" if load["arrival"] == "poisson" else "")
+    if load["concurrency"] is not None:
+        arrival = f"a closed loop of {load['concurrency']} in flight"
     title = (f"workload {load['name']}: {load['num_requests']} requests, {load['num_adapters']} adapters, "
              f"{arrival}")
     table = _table(title, ["model", "system", "tokens", "seconds", "tokens/s", "req/s", "peak RSS"], "\n".join(notes))
@@ -316,4 +318,45 @@ def store_load_table(results: list[dict]) -> Table:
         table.add_row(r["shape"], f"rank {r['rank']} on {','.join(t.replace('_proj', '') for t in r['targets'])}\n"
                       f"{r['bytes'] / 2**20:.1f} MiB", f"{r['store_cpu_ms']:.2f} ms", f"{r['folder_cpu_ms']:.2f} ms",
                       f"{r['speedup']:.1f}x less", f"<= {r['target_ms']:.0f} ms", _verdict(r["target_met"]))
+    return table
+
+
+# issue 18: lorafleet's daemon over llama-server, by workload and requests in flight (none where absent)
+PEER_TARGETS = {("peer-base", 1): 1.0, ("peer-base", 8): 1.0, ("peer-one-adapter", 1): 1.0,
+                ("peer-one-adapter", 8): 1.0, ("peer-round-robin", 8): 3.0}
+
+
+def peer_tables(suite: dict) -> list[Table]:
+    """`bench llama-cpp`, one table per model: per workload and requests in flight, the tokens/s
+    and TTFT p99 of lorafleet's daemon and of llama.cpp, their ratio and issue 18's target; runs
+    that did not complete are explained under the table."""
+    models = dict.fromkeys(r["model"] for rep in suite["reports"] for r in rep["results"])
+    return [_peer_table(suite, model) for model in models]
+
+
+def _peer_table(suite: dict, model: str) -> Table:
+    table = _table(f"{model}: lorafleet (through its daemon) against llama.cpp's llama-server",
+                   ["workload", "in\nflight", "system", "tok/s", "TTFT p99\nms", "ratio", "target", ""],
+                   "ratio: lorafleet's tokens/s over llama.cpp's; TTFT from when each request was sent", left=3)
+    notes = []
+    for rep in suite["reports"]:
+        load = rep["workload"]
+        n = load["concurrency"]
+        base = load["name"].removesuffix(f"-{n}-in-flight")
+        runs = [r for r in rep["results"] if r["model"] == model]
+        notes += [f"{load['name']} {r['system']}: {r['status']}, {escape(r['reason'])}"
+                  for r in runs if r["status"] != "ok"]
+        ok = {r["system"]: r for r in runs if r["status"] == "ok"}
+        ours = ok["lorafleet-daemon"] if "lorafleet-daemon" in ok else None
+        theirs = ok["llama.cpp"] if "llama.cpp" in ok else None
+        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"] if ours and theirs else None
+        target = PEER_TARGETS[(base, n)] if (base, n) in PEER_TARGETS else None
+        for i, (label, row) in enumerate((("lorafleet", ours), ("llama.cpp", theirs))):
+            figures = ([f"{row['tokens_per_s']:.1f}", f"{row['latency']['ttft_s']['p99'] * 1e3:.0f}"] if row
+                       else ["-", ""])
+            verdict = ([f"{ratio:.2f}x" if ratio else "", f">= {target:g}x" if target else "",
+                        _verdict(ratio >= target) if target and ratio else ""] if i == 0 else ["", "", ""])
+            table.add_row(base if i == 0 else "", str(n) if i == 0 else "", label, *figures, *verdict,
+                          end_section=i == 1)
+    table.caption += "".join(f"\n{note}" for note in notes)
     return table

@@ -18,7 +18,7 @@ from lorafleet.errors import ConfigError
 from lorafleet.lora.peft_config import MODULES
 
 ARRIVALS = ("all-at-once", "poisson")
-POPULARITIES = ("uniform", "zipf")
+POPULARITIES = ("uniform", "zipf", "round-robin")
 RESIDENCIES = ("loaded", "registered")
 ALL_MODULES = MODULES
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -37,13 +37,17 @@ class Workload:
     Adapters: `num_adapters` of them (0: base model only), the i-th of rank
     `ranks[i % len(ranks)]` on `targets`; a request takes adapter i with probability in
     proportion to 1 (`uniform`) or 1 / (i + 1) ** zipf_alpha (`zipf`), or none with probability
-    `base_fraction`. `residency`: `loaded` = every adapter is in the pool before the clock
-    starts; `registered` = they start on disk and load when first asked for (the clock runs).
+    `base_fraction`; `round-robin`: the j-th request takes adapter j % num_adapters (no draw).
+    `residency`: `loaded` = every adapter is in the pool before the clock starts; `registered` =
+    they start on disk and load when first asked for (the clock runs).
     `pool_fraction`: the pool has room, beyond the KV cache, for that fraction of the adapters'
     bytes (so the rest are evicted and reloaded: the tiers at work); None: for all of them.
     `kv_fraction` (with a `pool_fraction`): KV room for that share of the requests at full
     length, not all of them (pages are short: cached KV and idle adapters compete).
     Arrivals: `all-at-once` at time 0, or `poisson` at `rate` requests per second, the first at 0.
+    `concurrency` (with `all-at-once`): a closed loop, at most that many requests in flight; each
+    of the others is sent, in order, when one finishes (its arrival is when it is sent). Only the
+    systems that replay over HTTP run it (`System.closed_loop`).
     Shared prefixes: with `tenants` > 0, each tenant has a system prompt of `system_len` tokens,
     and a request's prompt is its tenant's system prompt followed by a question of `prompt_len`
     tokens; adapter i belongs to tenant i % tenants (a base request to a random tenant).
@@ -67,6 +71,7 @@ class Workload:
     kv_fraction: float | None = None
     tenants: int = 0
     system_len: int = 0
+    concurrency: int | None = None
     description: str = ""
 
     def __post_init__(self):
@@ -94,6 +99,9 @@ class Workload:
             bad(f"targets must be some of {', '.join(ALL_MODULES)}, got {self.targets!r}")
         if not 0 <= self.base_fraction <= 1:
             bad(f"base_fraction must be in [0, 1], got {self.base_fraction!r}")
+        if self.popularity == "round-robin" and self.base_fraction:
+            bad(f"round-robin popularity gives every request an adapter: base_fraction must be 0, "
+                f"got {self.base_fraction!r}")
         if self.residency not in RESIDENCIES:
             bad(f"residency {self.residency!r} is not one of {RESIDENCIES}")
         if self.kv_fraction is not None and not (0 < self.kv_fraction <= 1 and self.pool_fraction is not None):
@@ -102,10 +110,16 @@ class Workload:
             bad(f"tenants and system_len go together (both > 0, or both 0), got {self.tenants}, {self.system_len}")
         if self.pool_fraction is not None and not (0 < self.pool_fraction <= 1 and self.residency == "registered"):
             bad(f"pool_fraction must be in (0, 1] with registered residency, got {self.pool_fraction!r}")
+        if self.concurrency is not None and not (self.concurrency >= 1 and self.arrival == "all-at-once"):
+            bad(f"concurrency must be >= 1 with all-at-once arrivals, got {self.concurrency!r} with {self.arrival}")
 
     def with_adapters(self, n: int) -> Workload:
         """The same requests over n adapters (the adapter sweep)."""
         return dataclasses.replace(self, name=f"{self.name}@{n}", num_adapters=n)
+
+    def with_concurrency(self, n: int) -> Workload:
+        """The same requests, n in flight (the llama.cpp comparison runs each at 1 and 8)."""
+        return dataclasses.replace(self, name=f"{self.name}-{n}-in-flight", concurrency=n)
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,9 @@ class BenchRequest:
     arrival_s: float = 0.0
 
 
+# issue 18's comparison with llama.cpp: 64 x 64+64 tokens, a closed loop of 8 in flight (`bench llama-cpp`
+# runs each at 1 and 8), adapters of rank 64 on all seven projections
+_PEER = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), ranks=(64,), concurrency=8)
 # S-LoRA's scaling setting (ranks 8 and 16 on q/k/v/o, uniform popularity): 1000 against 8
 # adapters differs in nothing else
 _SLORA = dict(num_requests=256, prompt_len=(64, 64), output_len=(64, 64), ranks=(8, 16), targets=ATTENTION_MODULES)
@@ -146,6 +163,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
                          "the requests: cached KV and idle adapters compete for pages"),
     Workload("base-only", 64, (16, 256), (16, 256),
              description="base model only, 64 requests arriving at once"),
+    Workload("peer-base", **_PEER, description="64 requests x 64+64 tokens, 8 in flight, base model only"),
+    Workload("peer-one-adapter", num_adapters=1, **_PEER,
+             description="peer-base's requests, every one on the same rank-64 adapter"),
+    Workload("peer-round-robin", num_adapters=8, popularity="round-robin", **_PEER,
+             description="peer-base's requests over 8 rank-64 adapters in turn"),
     Workload("quick", 8, (8, 32), (8, 32), num_adapters=4, ranks=(8, 16), base_fraction=0.25,
              description="a smoke run: 8 requests, 4 adapters and some base requests"),
 )}
@@ -196,6 +218,8 @@ def _draw_adapters(workload: Workload, rng: random.Random) -> list[str | None]:
     n = workload.num_adapters
     if n == 0:
         return [None] * workload.num_requests
+    if workload.popularity == "round-robin":
+        return [adapter_name(j % n) for j in range(workload.num_requests)]
     weights = zipf_weights(n, workload.zipf_alpha) if workload.popularity == "zipf" else None
     picks = rng.choices(range(n), weights=weights, k=workload.num_requests)
     base = [rng.random() < workload.base_fraction for _ in picks]

@@ -1,4 +1,4 @@
-"""`lorafleet bench run|quick|full|lora-decode|decode-bound|switch|overhead|store-load|stats-cost|gpu`: one
+"""`lorafleet bench run|quick|full|llama-cpp|lora-decode|decode-bound|switch|overhead|store-load|stats-cost|gpu`: one
 subcommand per benchmark, each with only the options it uses. The bench code (and with it torch)
 is imported only when a subcommand runs."""
 
@@ -13,6 +13,7 @@ import typer
 from lorafleet.cli.common import err_console, fail, user_errors
 
 ALL_SYSTEMS = "lorafleet,transformers,peft-groups,peft-mixed,merged"
+PEER_WORKLOADS = ("peer-base", "peer-one-adapter", "peer-round-robin")  # bench llama-cpp's
 
 app = typer.Typer(
     help="Measure lorafleet, and the systems users would pick instead, on random models and "
@@ -29,6 +30,7 @@ def _models(default: str) -> object:
 Systems = Annotated[str, typer.Option(
     "--systems", help="Comma-separated systems to run: lorafleet, transformers (base model only), "
                       "lorafleet-daemon (the same through `lorafleet serve` over its socket), "
+                      "llama.cpp (llama-server, built once from llama-cpp-python's sources), "
                       "peft-groups (set_adapter per adapter group), peft-mixed (adapter_names "
                       "batches), merged (memory accounting only), lorafleet-no-prefix-cache and "
                       "lorafleet-lru (lorafleet with its prefix cache off; with plain LRU eviction).")]
@@ -52,7 +54,8 @@ def run(
     workload: Annotated[list[str] | None, typer.Option(
         "--workload", "-w",
         help="Workload: uniform-8, uniform-1000, uniform-1000-tiered, zipf-1000, mixed-lengths, "
-             "cold-start, shared-prefix, shared-prefix-pressure, base-only or quick. Repeat for several, run in turn, with lorafleet's "
+             "cold-start, shared-prefix, shared-prefix-pressure, base-only, peer-base, peer-one-adapter, "
+             "peer-round-robin or quick. Repeat for several, run in turn, with lorafleet's "
              "tokens/s compared across uniform-1000 and uniform-8, uniform-1000-tiered and "
              "uniform-1000. Default: base-only.")] = None,
     systems: Systems = ALL_SYSTEMS,
@@ -99,6 +102,71 @@ def full(
     """Every workload except quick, every system, and the adapter sweep 1, 8, 64, 256, 1000 on
     uniform-1000's requests: one report per workload and a summary; states its duration."""
     _throughput(model or ["tiny"], None, systems, (), max_baseline_requests, device, threads, out, as_json)
+
+
+@app.command("llama-cpp")
+def llama_cpp(
+    model: Annotated[list[str] | None, _models("tiny")] = None,
+    workload: Annotated[list[str] | None, typer.Option(
+        "--workload", "-w",
+        metavar="NAME",
+        help="peer-base, peer-one-adapter or peer-round-robin; repeat for several. Default: all three.")] = None,
+    in_flight: Annotated[list[int] | None, typer.Option(
+        "--in-flight", min=1, metavar="N",
+        help="Requests in flight (a closed loop); repeat for several. Default: 1 and 8.")] = None,
+    systems: Annotated[str, typer.Option(
+        "--systems", help="Comma-separated systems, of those `bench run` takes that replay a closed loop: "
+                          "lorafleet-daemon and llama.cpp.")] = "lorafleet-daemon,llama.cpp",
+    threads: Annotated[int | None, typer.Option(
+        "--threads", min=1, help="Threads of each system: lorafleet's torch threads, llama-server's -t and -tb. "
+                                 "Default: all cores.")] = None,
+    out: Out = None, as_json: AsJson = False,
+) -> None:
+    """lorafleet through its daemon against llama.cpp's llama-server, on the CPU in f32: the same
+    random model and PEFT adapters (converted to GGUF), 64 requests of 64 + 64 tokens replayed as
+    streaming HTTP calls with N in flight, greedy. Each workload at each N, then one table:
+    tokens/s, TTFT p99, the ratio and issue 18's target. llama-server is built once (minutes)
+    from the llama.cpp that llama-cpp-python's sdist vendors, or taken from LORAFLEET_LLAMA_SERVER."""
+    from lorafleet.bench.report import resolve_out_path
+
+    loads = list(dict.fromkeys(workload or PEER_WORKLOADS))
+    counts = list(dict.fromkeys(in_flight or [1, 8]))
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    shapes = model or ["tiny"]
+    _check_shapes(shapes)
+    _check_choices("--workload", loads, PEER_WORKLOADS)
+    _check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
+    path = resolve_out_path(out)
+    with user_errors():
+        from lorafleet.bench.llamacpp import LlamaCppUnavailable, server_binary
+        from lorafleet.bench.runner import run_suite
+        from lorafleet.bench.workloads import get_workload
+
+        if "llama.cpp" in names:
+            try:  # the build, with its progress, before the runs (their workers' output is captured)
+                server_binary(_say)
+            except LlamaCppUnavailable as e:
+                _say(f"llama.cpp will be skipped: {e}")
+        variants = tuple(get_workload(w).with_concurrency(n) for w in loads for n in counts)
+        report = run_suite(shapes, path, workloads=variants, systems=tuple(names), sweeps={}, name="llama-cpp",
+                           device="cpu", threads=threads, console=err_console)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        from rich.console import Console
+
+        from lorafleet.bench.tables import peer_tables
+
+        for table in peer_tables(report):
+            Console().print(table)
+        for warning in (w for rep in report["reports"] for w in rep["warnings"]):
+            err_console.print(f"[yellow]noisy:[/] {warning}", highlight=False)
+        err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
+    err_console.print(f"wrote {path}", highlight=False)
+    failed = [f"{rep['workload']['name']}/{r['model']}/{r['system']}" for rep in report["reports"]
+              for r in rep["results"] if r["status"] == "error"]
+    if failed:
+        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")
 
 
 @app.command("lora-decode")

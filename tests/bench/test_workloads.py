@@ -12,7 +12,7 @@ from lorafleet.bench.workloads import WORKLOADS, BenchRequest, Workload, adapter
 from lorafleet.errors import ConfigError
 
 SHIPPED = ("uniform-8", "uniform-1000", "uniform-1000-tiered", "zipf-1000", "mixed-lengths", "cold-start",
-           "base-only", "quick")
+           "base-only", "peer-base", "peer-one-adapter", "peer-round-robin", "quick")
 
 
 def skewed(**changes) -> Workload:
@@ -108,6 +108,26 @@ def test_shared_prefix_prompts_start_with_their_tenants_system_prompt():
     assert make_requests(load, 8192) == requests
 
 
+def test_round_robin_gives_the_adapters_in_turn():
+    requests = make_requests(skewed(popularity="round-robin", num_adapters=3, num_requests=7), 100)
+    assert [r.adapter for r in requests] == [adapter_name(i % 3) for i in range(7)]
+
+
+def test_the_llama_cpp_comparison_runs_the_same_requests_over_none_one_and_eight_adapters():
+    """issue 18: 64 x 64+64 tokens, 8 in flight; the base, one rank-64 adapter on every request,
+    8 of them in turn; each also at other numbers in flight."""
+    loads = [WORKLOADS[n] for n in ("peer-base", "peer-one-adapter", "peer-round-robin")]
+    runs = [make_requests(w, 8192) for w in loads]
+    assert all(w.concurrency == 8 and w.ranks == (64,) and w.arrival == "all-at-once" for w in loads)
+    lengths = [[(r.prompt, r.max_tokens) for r in run] for run in runs]
+    assert lengths[1] == lengths[2] == lengths[0]
+    assert {len(r.prompt) for r in runs[0]} == {64} and {r.max_tokens for r in runs[0]} == {64} and len(runs[0]) == 64
+    assert [{r.adapter for r in run} for run in runs] == [{None}, {adapter_name(0)},
+                                                          {adapter_name(i) for i in range(8)}]
+    one = loads[0].with_concurrency(1)
+    assert one.name == "peer-base-1-in-flight" and one.concurrency == 1 and make_requests(one, 8192) == runs[0]
+
+
 def test_requests_are_plain_data_that_round_trip_through_json():
     import json
 
@@ -122,6 +142,8 @@ def test_requests_are_plain_data_that_round_trip_through_json():
     (dict(residency="host"), "residency"), (dict(num_adapters=-1), "num_adapters"),
     (dict(pool_fraction=0.5), "pool_fraction"), (dict(tenants=3), "system_len"),
     (dict(kv_fraction=0.5), "kv_fraction"), (dict(residency="registered", pool_fraction=0.0), "pool_fraction"),
+    (dict(concurrency=0), "concurrency"), (dict(concurrency=4, arrival="poisson", rate=1.0), "concurrency"),
+    (dict(popularity="round-robin", base_fraction=0.5), "base_fraction"),
 ])
 def test_a_bad_workload_is_refused_naming_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):

@@ -246,6 +246,25 @@ def test_the_daemon_system_serves_the_same_requests_through_the_socket(home, tmp
     assert rows["lorafleet-daemon"]["details"]["warm_up"]["adapter_loaded"]
 
 
+def test_llama_cpp_runs_a_peer_workload_at_each_count_in_flight_and_tabulates_it(home, tmp_path, monkeypatch):
+    """The verb through the daemon alone (llama-server's runs: tests/bench/test_llamacpp.py): the
+    closed loop served at each count, one report each, the comparison's table printed."""
+    monkeypatch.setenv("LORAFLEET_HOME", str(home))
+    out = tmp_path / "peer.json"
+    result = runner.invoke(app, ["bench", "llama-cpp", "--model", "micro", "-w", "peer-base", "--in-flight", "2",
+                                 "--in-flight", "8", "--systems", "lorafleet-daemon", "--threads", "1",
+                                 "--out", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.stderr
+    suite = json.loads(out.read_text())
+    assert [r["workload"]["name"] for r in suite["reports"]] == ["peer-base-2-in-flight", "peer-base-8-in-flight"]
+    assert [r["workload"]["concurrency"] for r in suite["reports"]] == [2, 8]
+    for report in suite["reports"]:
+        [row] = report["results"]
+        assert row["status"] == "ok", row["reason"]
+        assert row["generated_tokens"] == 64 * 64 and row["details"]["device"] == "cpu"
+    assert "against llama.cpp" in result.stdout and "peer-base" in result.stdout
+
+
 def test_overhead_reports_the_host_share_of_decode_steps_and_the_cost_of_a_burst(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "overhead.json"
