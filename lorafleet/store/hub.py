@@ -6,10 +6,22 @@ and safetensors weights; a base's config, safetensors weights and tokenizer file
 sha256 and size: what the store records. `is_repo_id` tells a repo id from a local path.
 
 Why through `huggingface_hub`: its client brings what users already set up (HF_TOKEN or a saved
-login, HF_ENDPOINT mirrors, the cache transformers shares), skips files already in the cache (a
-second pull of the same commit transfers nothing), and resumes a dropped transfer with a Range
-request within the same call (the version in use, 2.x, downloads into a temporary file unique to
-the call and deletes it on failure, so a pull killed outright starts that file over).
+login, HF_ENDPOINT mirrors, a client factory with proxies, the cache transformers shares) and
+skips files already in the cache. It resumes a dropped transfer only within one call: the
+version in use (2.4) downloads into a temporary file whose name is unique to the call
+(`<etag>.<random>.incomplete`, file_download.py `_download_to_tmp_and_move`), opened afresh, and
+deletes it when the call fails, so a pull killed outright (SIGKILL, Ctrl-C) would start the file
+over. Hence, given `partials` (the store's partial downloads, `store.Partials`), `download`
+fetches the LFS files (weights: few, large, with a published sha256) itself, through the
+library's own HTTP session and headers: into a partial file that outlives the process, keyed by
+(repo, file name, sha256), asking for `Range: bytes=<its length>-` when it holds some bytes,
+checking that a 206 answer's Content-Range starts there (a 200 starts the file over), retrying a
+dropped connection the same way, then checking the whole file against the sha256. A partial
+whose bytes turn out wrong (a resumed file that does not match) is started over once from byte
+0; a file the Hub itself serves wrong is refused and its partial deleted. Before downloading,
+an LFS file is looked up in the store (`have`: its blob by sha256) and in the Hub cache, so a
+second pull transfers nothing. Everything else (metadata, small files) goes through
+`huggingface_hub` as before, and without `partials` so does every file.
 
 How files are verified: one metadata call (`model_info(files_metadata=True)`) resolves the
 revision to a commit and gives each file's size and digest at that commit: the sha256 of LFS
@@ -32,6 +44,8 @@ import hashlib
 import json
 import os
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lorafleet import __version__
@@ -52,6 +66,8 @@ PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.pickle", "*.ckpt")
 _ID_PART = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _CHUNK = 1 << 20
+_RETRIES = 5  # dropped connections in a row, without a byte between them, before giving up
+_RETRY_WAIT = 1.0  # seconds before asking again
 
 
 class HubError(LorafleetError):
@@ -83,8 +99,8 @@ def _is_id_shaped(source: object) -> bool:
 
 
 def download(repo_id: str, *, revision: str | None = None, kind: str = "adapter", token: str | None = None,
-             progress: bool = True, endpoint: str | None = None,
-             cache_dir: str | os.PathLike | None = None) -> tuple[Path, dict]:
+             progress: bool = True, endpoint: str | None = None, cache_dir: str | os.PathLike | None = None,
+             partials=None, have: Callable[[str, int], Path | None] | None = None) -> tuple[Path | None, dict]:
     """Download what lorafleet needs of `repo_id` at `revision` (default: the repo's default
     branch) into the Hub cache and verify it.
 
@@ -93,8 +109,14 @@ def download(repo_id: str, *, revision: str | None = None, kind: str = "adapter"
     `token` overrides HF_TOKEN / the saved login. `endpoint` and `cache_dir` default to HF_ENDPOINT
     and HF_HUB_CACHE (else HF_HOME/hub) as set now, else huggingface_hub's own defaults.
 
-    Returns (the snapshot folder, {"repo_id", "revision": the commit sha, "files": {name:
-    {"sha256", "size"}}}). Raises `HubError`, with a one-line message, on any failure.
+    With `partials` (a `store.Partials`, open), LFS files are taken from `have(sha256, size)` (a
+    file already stored) or the Hub cache when there, else downloaded resumably into a partial
+    file (see above), which stays claimed until `partials` is closed; the rest as without it.
+
+    Returns (the snapshot folder in the Hub cache: every file without `partials`, only those
+    huggingface_hub fetched with it, None if none; {"repo_id", "revision": the commit sha,
+    "files": {name: {"sha256", "size"}}, "paths": {name: where the verified file is}}). Raises
+    `HubError`, with a one-line message, on any failure.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
@@ -125,12 +147,156 @@ def download(repo_id: str, *, revision: str | None = None, kind: str = "adapter"
         _verify(Path(index_path), MODEL_INDEX, siblings[MODEL_INDEX], where, cache)
         index = _read_index(Path(index_path), where)
     wanted = _select(kind, siblings, index, where)
+    ours = [n for n in wanted if partials is not None and getattr(siblings[n], "lfs", None) is not None]
+    theirs = [n for n in wanted if n not in ours]
 
-    with _hub_errors(repo_id, revision, endpoint):
-        folder = Path(snapshot_download(repo_id, allow_patterns=[_literal(n) for n in wanted],
-                                        ignore_patterns=list(PICKLE_PATTERNS), **common))
-    files = {name: _verify(folder / name, name, siblings[name], where, cache) for name in wanted}
-    return folder, {"repo_id": repo_id, "revision": commit, "files": files}
+    files, paths, folder = {}, {}, None
+    if theirs:
+        with _hub_errors(repo_id, revision, endpoint):
+            folder = Path(snapshot_download(repo_id, allow_patterns=[_literal(n) for n in theirs],
+                                            ignore_patterns=list(PICKLE_PATTERNS), **common))
+        for name in theirs:
+            files[name], paths[name] = _verify(folder / name, name, siblings[name], where, cache), folder / name
+    for name in ours:
+        with _hub_errors(repo_id, revision, endpoint):
+            paths[name], files[name] = _obtain(repo_id, commit, name, siblings[name], where, partials, have,
+                                               endpoint=endpoint, cache=cache, token=token, progress=progress)
+    return folder, {"repo_id": repo_id, "revision": commit, "files": {n: files[n] for n in wanted},
+                    "paths": {n: paths[n] for n in wanted}}
+
+
+# -- LFS files, resumable across processes --------------------------------------------------------
+
+def _obtain(repo_id: str, commit: str, name: str, sibling, where: str, partials, have, *, endpoint: str,
+            cache: str, token: str | None, progress: bool) -> tuple[Path, dict]:
+    """(the verified file, {"sha256", "size"}) for an LFS file: stored already, in the Hub cache,
+    or downloaded into its partial file."""
+    from huggingface_hub import try_to_load_from_cache
+
+    sha256, size = sibling.lfs.sha256, sibling.lfs.size
+    record = {"sha256": sha256, "size": size}
+    stored = have(sha256, size) if have is not None else None
+    if stored is not None:
+        return stored, record  # the store's blobs are named by their sha256
+    part = partials.claim(repo_id, name, sha256)  # waits for a live pull fetching the same file
+    stored = have(sha256, size) if have is not None else None  # which may have stored it meanwhile
+    cached = try_to_load_from_cache(repo_id, name, cache_dir=cache, revision=commit)
+    if stored is not None or isinstance(cached, str):
+        part.unlink(missing_ok=True)
+        if stored is not None:
+            return stored, record
+        return Path(cached), _verify(Path(cached), name, sibling, where, cache)
+    _fetch(repo_id, commit, name, part, sha256, size, where, endpoint=endpoint, token=token, progress=progress)
+    return part, record
+
+
+def _fetch(repo_id: str, commit: str, name: str, part: Path, sha256: str, size: int, where: str, *,
+           endpoint: str, token: str | None, progress: bool) -> None:
+    """Complete `part` (which may hold the file's first bytes) from the Hub and check it against
+    `sha256`: a resumed file that does not match is fetched again from byte 0, once; a file that
+    does not match after a whole transfer is deleted and refused."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
+    headers = build_hf_headers(token=token, library_name="lorafleet", library_version=__version__)
+    headers["Accept-Encoding"] = "identity"  # byte ranges of the file itself, not of an encoding
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    with open(fd, "r+b", buffering=0) as f:  # unbuffered: what was received is in the file
+        if f.seek(0, os.SEEK_END) > size:
+            f.truncate(0)  # not a beginning of this file
+        started_over = False
+        while True:
+            resumed = f.seek(0, os.SEEK_END) > 0
+            resumed = _transfer(f, url, headers, name, size, where, progress) or resumed
+            actual = _sha256(part)
+            if actual == sha256:
+                return
+            if resumed and not started_over:
+                f.truncate(0)  # bytes from before (a killed pull, a dropped connection) were wrong
+                started_over = True
+                continue
+            f.close()
+            part.unlink(missing_ok=True)
+            raise HubError(f"{where}: {name} does not match the Hub's checksum (sha256 expected {sha256}, got "
+                           f"{actual}); the bad copy was removed: pull again")
+
+
+def _transfer(f, url: str, headers: dict, name: str, size: int, where: str, progress: bool) -> bool:
+    """Append to `f` the bytes it lacks of a `size`-byte file, from `url`, resuming a dropped
+    connection with a Range request (up to `_RETRIES` failures in a row without a byte between
+    them). Returns whether any answer was a range (the file was put together from more than
+    one transfer)."""
+    import httpx2
+    from huggingface_hub import constants, get_session
+    from huggingface_hub.utils import hf_raise_for_status
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    session, ranged, failures = get_session(), False, 0
+    with hf_tqdm(total=size, initial=f.tell(), unit="B", unit_scale=True, unit_divisor=1024, desc=name,
+                 disable=True if not progress else None) as bar:
+        while (start := f.seek(0, os.SEEK_END)) < size:
+            if failures > _RETRIES:
+                raise HubError(f"{where}: the Hub's answers to a download of {name} held no bytes "
+                               f"{failures} times in a row; pull again to resume it")
+            asked = {**headers, "Range": f"bytes={start}-"} if start else headers
+            got = 0
+            try:
+                with session.stream("GET", url, headers=asked, follow_redirects=True,
+                                    timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+                    if r.status_code == 200 and start:
+                        f.truncate(0)  # the range was ignored: the whole file comes
+                        f.seek(0)
+                        bar.reset(total=size)
+                    elif r.status_code == 206 and start:
+                        if _content_range(r.headers.get("Content-Range")) != (start, size):
+                            f.truncate(0)  # not the bytes asked for: start over, without a range
+                            bar.reset(total=size)
+                            failures += 1
+                            continue
+                        ranged = True
+                    elif r.status_code == 416 and start:
+                        f.truncate(0)  # the partial is longer than the file the Hub has
+                        bar.reset(total=size)
+                        failures += 1
+                        continue
+                    elif r.status_code != 200:
+                        hf_raise_for_status(r)
+                        raise HubError(f"{where}: the Hub answered {r.status_code} to a download of {name}")
+                    for chunk in r.iter_bytes():
+                        if f.tell() + len(chunk) > size:
+                            f.truncate(0)
+                            raise HubError(f"{where}: the Hub sent more than the {size} bytes it says {name} has")
+                        _write_all(f, chunk)
+                        got += len(chunk)
+                        bar.update(len(chunk))
+            except httpx2.TransportError:  # refused, timed out, dropped mid-body
+                if not got and failures >= _RETRIES:
+                    raise
+            failures = 0 if got else failures + 1
+            if f.tell() < size:
+                time.sleep(_RETRY_WAIT)
+    return ranged
+
+
+def _content_range(value: str | None) -> tuple[int, int] | None:
+    """(first byte, the file's size) of `bytes a-b/size`; None if not of that form."""
+    m = re.fullmatch(r"\s*bytes\s+(\d+)-(\d+)/(\d+)\s*", value or "")
+    return (int(m[1]), int(m[3])) if m else None
+
+
+def _write_all(f, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # -- which files -------------------------------------------------------------------------------

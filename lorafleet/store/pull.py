@@ -16,7 +16,9 @@ lorafleet reads are stored; pickled weights (`*.bin`, `*.pt`) never are.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -99,37 +101,48 @@ def pull(source: str, *, name: str | None = None, base: bool = False, revision: 
          for_model: str | None = None, strict_base: bool = False, store: Store | None = None,
          progress: bool = True, warn: Callable[[str], None] = lambda m: None) -> dict:
     """Validate and store SOURCE (a folder, or a Hub repo id) as NAME; returns the manifest.
-    A refusal raises (StoreError, AdapterError, ModelLoadError...) and leaves the store as it was."""
+    A refusal raises (StoreError, AdapterError, ModelLoadError...) and leaves the store as it was.
+
+    From the Hub, weight files are downloaded into the store's partial downloads (resumed by the
+    next pull if this one dies), claimed until the install has moved them into the store."""
     store = store or Store()
     kind = "models" if base else "adapters"
     name = check_name(name if name is not None else default_name(source))
     path = Path(source).expanduser()
     origin: dict = {}
     fetched: list[str] | None = None  # from the Hub: exactly the files it verified
-    if path.is_dir():
-        folder, origin["source"] = path, str(path.resolve())
-        if revision is not None:
-            raise StoreError("--revision is for Hub sources; SOURCE is a local folder")
-    else:
-        if not hub.is_repo_id(source):
-            raise StoreNotFoundError(f"{source!r} is neither a folder nor a Hugging Face repo id (org/name)")
-        folder, info = hub.download(source, revision=revision, kind="model" if base else "adapter",
-                                    progress=progress)
-        origin.update(source=f"hf:{source}", revision=info["revision"])
-        fetched = sorted(info["files"])
-    if base:
-        files, record = fetched or model_files(folder), _validate_model(folder)
-        with store.lock():
-            return store.install(kind, name, {f: folder / f for f in files}, {**record, **origin})
-    missing = [f for f in ADAPTER_FILES if not (folder / f).is_file()]
-    if missing:
-        raise StoreError(f"{folder}: not a PEFT adapter folder (missing {', '.join(missing)}; "
-                         "pickled adapter_model.bin files are never loaded)")
-    from lorafleet.memory.layout import LAYOUT_FILE
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lorafleet-pull-")))
+        take: list[Path] = []
+        if path.is_dir():
+            folder, origin["source"] = path, str(path.resolve())
+            if revision is not None:
+                raise StoreError("--revision is for Hub sources; SOURCE is a local folder")
+        else:
+            if not hub.is_repo_id(source):
+                raise StoreNotFoundError(f"{source!r} is neither a folder nor a Hugging Face repo id (org/name)")
+            partials = stack.enter_context(store.partials())
+            _, info = hub.download(source, revision=revision, kind="model" if base else "adapter",
+                                   progress=progress, partials=partials, have=store.blob)
+            origin.update(source=f"hf:{source}", revision=info["revision"])
+            fetched = sorted(info["files"])
+            folder = tmp / "files"  # the verified files, wherever each is (Hub cache, partial, store)
+            folder.mkdir()
+            for f, where in info["paths"].items():
+                os.symlink(os.path.abspath(where), folder / f)
+            take = list(info["paths"].values())
+        if base:
+            files, record = fetched or model_files(folder), _validate_model(folder)
+            with store.lock():
+                return store.install(kind, name, {f: folder / f for f in files}, {**record, **origin}, take=take)
+        missing = [f for f in ADAPTER_FILES if not (folder / f).is_file()]
+        if missing:
+            raise StoreError(f"{folder}: not a PEFT adapter folder (missing {', '.join(missing)}; "
+                             "pickled adapter_model.bin files are never loaded)")
+        from lorafleet.memory.layout import LAYOUT_FILE
 
-    with tempfile.TemporaryDirectory(prefix="lorafleet-pull-") as tmp:
-        laid_out = Path(tmp) / LAYOUT_FILE
+        laid_out = tmp / LAYOUT_FILE
         record = _validate_adapter(store, folder, for_model, strict_base, warn, laid_out)
         with store.lock():
             return store.install(kind, name, {**{f: folder / f for f in ADAPTER_FILES}, LAYOUT_FILE: laid_out},
-                                 {**record, **origin})
+                                 {**record, **origin}, take=take)

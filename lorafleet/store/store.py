@@ -7,6 +7,8 @@ Layout under `<LORAFLEET_HOME>/store/`:
     manifests/models/<name>.json       one per base
     manifests/adapters/<name>.json     one per adapter
     tmp/                               staging, on the same filesystem (renames are atomic)
+    tmp/partial/<key>.<sha256>.part    a file a pull is downloading from the Hub, kept when the
+    tmp/partial/<key>.lock             pull dies so that the next one resumes it (`Partials`)
     lock                               an flock held by whoever writes (pull, rm, gc)
 
 A manifest is the item's whole record: name, kind, files (name -> sha256, size), the snapshot
@@ -20,6 +22,12 @@ the old one, directory fsync). Killed at any point, the store holds the old mani
 one, each pointing at complete blobs; what a killed install leaves (tmp/ files, blobs and
 snapshots no manifest names) is invisible and removed by `gc`. `check()` verifies every
 manifest against its snapshot and blobs (sizes; sha256 too with `deep`).
+
+Partial downloads: a Hub pull writes each weight file into `tmp/partial/` under a name fixed by
+(repo, file name, expected sha256), holding that file's own flock while it writes, and keeps it
+when it fails or dies, so that the next pull of the same file asks only for the missing bytes.
+A partial is never a blob: only its verified bytes are moved into blobs/, by an install. `gc`
+removes the partials no live pull holds.
 
 Names: 1-128 of letters, digits, `.`, `_`, `-`, starting with a letter or digit, never `..`:
 a name becomes a file name, so nothing else is accepted.
@@ -36,6 +44,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from lorafleet import paths
@@ -43,7 +52,9 @@ from lorafleet.errors import LorafleetError
 
 KINDS = ("models", "adapters")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 FORMAT = 1
+PARTIAL_SUFFIX = ".part"
 
 
 class StoreError(LorafleetError):
@@ -81,12 +92,129 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _flock(path: Path, timeout: float | None, busy: str) -> int | None:
+    """An open descriptor of `path` (created if missing) holding its exclusive flock, which the
+    kernel releases when the descriptor is closed or its process dies. Waits up to `timeout`
+    seconds for another holder, then raises `StoreError(busy)`; with `timeout=None` it does not
+    wait and returns None when the lock is held. A lock file removed (by `gc`) while this waited
+    is not the one the path names any more: the lock is then taken again, on the new file."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline is None:
+                        os.close(fd)
+                        return None
+                    if time.monotonic() > deadline:
+                        raise StoreError(busy) from None
+                    time.sleep(0.05)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                    return fd
+            except FileNotFoundError:
+                pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+class Partials:
+    """The files Hub pulls are downloading into this store (`tmp/partial/`), which outlive a
+    pull that fails or is killed so that the next pull of the same file resumes it.
+
+    `claim(source, name, sha256)` takes the file's lock (`<key>.lock`, key: a digest of source
+    and name; waiting up to `timeout` s for another live pull downloading it, never for a dead
+    one: an flock dies with its holder), discards the key's partials of another sha256 (the file
+    changed upstream: stale), and returns the path its bytes go to, `<key>.<sha256>.part`, which
+    may hold its first bytes already. The locks are held until `close()` (or the end of the
+    `with`), so that a claimed file stays this pull's until it is installed or given up. What a
+    partial holds is unverified: the downloader checks the whole file against the sha256 before
+    anything uses it."""
+
+    def __init__(self, folder: Path, timeout: float = 600.0):
+        self.folder = Path(folder)
+        self.timeout = timeout
+        self._held: dict[str, int] = {}
+
+    def __enter__(self) -> Partials:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
+    @staticmethod
+    def key(source: str, name: str) -> str:
+        return hashlib.sha256(f"{source}\0{name}".encode()).hexdigest()[:32]
+
+    def claim(self, source: str, name: str, sha256: str) -> Path:
+        if not SHA256_RE.match(sha256 or ""):
+            raise StoreError(f"{source}: {name} has no sha256 to download it against (got {sha256!r})")
+        key = self.key(source, name)
+        for attempt in range(3) if key not in self._held else ():
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                self._held[key] = _flock(self.folder / f"{key}.lock", self.timeout,
+                                         f"another pull has been downloading {name} of {source} into this "
+                                         f"store for over {self.timeout:.0f} s; try again once it is done")
+                break
+            except FileNotFoundError:  # a gc removed the empty folder between the two calls
+                if attempt == 2:
+                    raise
+        path = self.folder / f"{key}.{sha256}{PARTIAL_SUFFIX}"
+        for other in self.folder.glob(f"{key}.*{PARTIAL_SUFFIX}"):
+            if other != path:
+                other.unlink(missing_ok=True)
+        return path
+
+    @staticmethod
+    def sweep(folder: Path) -> tuple[int, int]:
+        """Remove the partials (and lock files) no live pull holds: (files removed, their bytes)."""
+        count = size = 0
+        if not folder.is_dir():
+            return count, size
+        for key in sorted({p.name.split(".", 1)[0] for p in folder.iterdir()}):
+            fd = _flock(folder / f"{key}.lock", None, "")
+            if fd is None:
+                continue  # a live pull is downloading it
+            try:
+                for p in folder.iterdir():
+                    if p.name.split(".", 1)[0] != key or p.name == f"{key}.lock":
+                        continue
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p, ignore_errors=True)
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        n = p.lstat().st_size
+                        p.unlink()
+                        count, size = count + 1, size + n
+                (folder / f"{key}.lock").unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # unless a pull still holds something
+        return count, size
+
+
 class Store:
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else paths.home() / "store"
         self.blobs = self.root / "blobs" / "sha256"
         self.snapshots = self.root / "snapshots"
         self.tmp = self.root / "tmp"
+        self.partial = self.tmp / "partial"
 
     # -- reading (no lock: manifests are replaced atomically) ---------------------------------
     def manifest_path(self, kind: str, name: str) -> Path:
@@ -116,33 +244,46 @@ class Store:
         """The folder the engine loads: the item's snapshot (symlinks to its blobs)."""
         return self.snapshots / manifest["snapshot"]
 
+    def blob(self, sha256: str, size: int | None = None) -> Path | None:
+        """The stored file of that sha256 (and size), if the store has it."""
+        if not SHA256_RE.match(sha256 or ""):
+            return None
+        path = self.blobs / sha256
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return path if path.is_file() and (size is None or st.st_size == size) else None
+
+    def partials(self, timeout: float = 600.0) -> Partials:
+        """The store's partial downloads (`with store.partials() as p: p.claim(...)`)."""
+        return Partials(self.partial, timeout)
+
     # -- writing (under the lock) --------------------------------------------------------------
     @contextlib.contextmanager
     def lock(self, timeout: float = 600.0):
         """The writers' flock (released by the kernel if its holder dies)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with open(self.root / "lock", "a+") as f:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreError(f"the store {self.root} is locked by another pull, rm or gc "
-                                         f"for over {timeout:.0f} s") from None
-                    time.sleep(0.05)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        fd = _flock(self.root / "lock", timeout, f"the store {self.root} is locked by another pull, rm or gc "
+                                                 f"for over {timeout:.0f} s")
+        try:
+            yield
+        finally:
+            os.close(fd)
 
     def _staging(self) -> Path:
         self.tmp.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(dir=self.tmp))
 
-    def add_blob(self, source: Path, stage: Path) -> tuple[str, int]:
-        """Copy `source` in as a blob (hashing while copying); returns (sha256, size)."""
+    def add_blob(self, source: Path, stage: Path, take: bool = False) -> tuple[str, int]:
+        """Copy `source` in as a blob (hashing while copying); returns (sha256, size). A source
+        that is a blob already is used as it is; with `take`, a source in this store's tmp/ (a
+        finished partial download) is moved in, not copied."""
+        real = Path(os.path.realpath(source))
+        if real.parent == Path(os.path.realpath(self.blobs)) and SHA256_RE.match(real.name):
+            return real.name, real.stat().st_size  # trusted as any existing blob is (check --deep hashes)
+        if take and Path(os.path.realpath(self.tmp)) in real.parents:
+            return self._take_blob(real)
         h, size = hashlib.sha256(), 0
         tmp = stage / f"blob-{os.urandom(6).hex()}"
         with open(source, "rb") as src, open(tmp, "wb") as dst:
@@ -163,14 +304,38 @@ class Store:
             _fsync_dir(self.blobs)
         return digest, size
 
-    def install(self, kind: str, name: str, files: dict[str, Path], record: dict) -> dict:
+    def _take_blob(self, source: Path) -> tuple[str, int]:
+        """Move `source` (in tmp/) in as a blob: hashed where it is, synced, renamed."""
+        h, size = hashlib.sha256(), 0
+        with open(source, "rb+") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+                size += len(chunk)
+            os.fsync(f.fileno())
+        digest = h.hexdigest()
+        final = self.blobs / digest
+        if final.is_file() and final.stat().st_size == size:
+            source.unlink()
+            return digest, size
+        self.blobs.mkdir(parents=True, exist_ok=True)
+        os.chmod(source, 0o444)
+        os.replace(source, final)  # tmp/ and blobs/ share the store's filesystem
+        _fsync_dir(self.blobs)
+        return digest, size
+
+    def install(self, kind: str, name: str, files: dict[str, Path], record: dict,
+                take: Iterable[Path] = ()) -> dict:
         """Store `files` (file name in the item's folder -> the file to copy in) under `name`
-        with `record` (the kind's fields) as one atomic install; returns the manifest. The
-        caller holds `lock()`."""
+        with `record` (the kind's fields) as one atomic install; returns the manifest. Files in
+        `take` that lie in this store's tmp/ (finished partial downloads) are moved in rather
+        than copied. The caller holds `lock()`."""
         check_name(name)
+        taken = {os.path.realpath(p) for p in take}
         stage = self._staging()
         try:
-            entries = {f: dict(zip(("sha256", "size"), self.add_blob(files[f], stage))) for f in sorted(files)}
+            entries = {f: dict(zip(("sha256", "size"),
+                                   self.add_blob(files[f], stage, take=os.path.realpath(files[f]) in taken)))
+                       for f in sorted(files)}
             snapshot = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:32]
             final = self.snapshots / snapshot
             if not final.is_dir():
@@ -206,12 +371,21 @@ class Store:
         return manifest
 
     def gc(self) -> dict:
-        """Remove staging leftovers, and snapshots and blobs no manifest names (caller holds the lock)."""
+        """Remove staging leftovers, partial downloads no live pull holds, and snapshots and blobs
+        no manifest names (caller holds the lock)."""
         manifests = [m for kind in KINDS for m in self.list(kind)]
         snaps = {m["snapshot"] for m in manifests}
         blobs = {e["sha256"] for m in manifests for e in m["files"].values()}
-        removed = {"snapshots": 0, "blobs": 0, "bytes": 0}
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        removed = {"snapshots": 0, "blobs": 0, "bytes": 0, "partials": 0, "partial_bytes": 0}
+        for entry in self.tmp.iterdir() if self.tmp.is_dir() else ():
+            if entry == self.partial:
+                removed["partials"], removed["partial_bytes"] = Partials.sweep(entry)
+            elif entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.tmp.rmdir()  # unless a pull is downloading into tmp/partial/
         for snap in self.snapshots.iterdir() if self.snapshots.is_dir() else ():
             if snap.name not in snaps:
                 shutil.rmtree(snap, ignore_errors=True)

@@ -27,7 +27,13 @@ no connection outlives the server (a later server may get the same port).
 Hooks for tests: `log` (every request: method, path, query, Range, Authorization),
 `corrupt(repo, file)` (serve other bytes, same size, than the metadata describes), `uncorrupt`,
 `cut_after(repo, file, nbytes)` (the next GET of that file sends its headers, then only `nbytes`
-of the body, then closes the connection: an interrupted transfer).
+of the body, then closes the connection: an interrupted transfer), `stall_after(repo, file,
+nbytes)` (the next GET of that file sends `nbytes` of the body, sets `stalled`, then holds the
+connection open, sending nothing, until `release()` or 60 s: a transfer a test can kill the
+client in the middle of, deterministically), `sent(path_contains)` (body bytes written so far
+by the answers to GETs of matching paths), `ignore_ranges` (answer 200 and the whole file to a
+Range request, as some proxies do) and `misrange(repo, file)` (the next Range request for that
+file gets a 206 of other bytes than asked: from byte 0, with a Content-Range saying so).
 
 Pointing the client here (`point_hf_at`, used by the `hub` fixture): huggingface_hub reads
 HF_ENDPOINT and HF_HOME / HF_HUB_CACHE once, at import, so setting them later does not move the
@@ -98,6 +104,12 @@ class StandInHub:
         self.log: list[Request] = []
         self._corrupt: set[tuple[str, str]] = set()
         self._cuts: dict[tuple[str, str], int] = {}
+        self._stalls: dict[tuple[str, str], int] = {}
+        self._misranges: set[tuple[str, str]] = set()
+        self._sent: dict[str, int] = {}
+        self.ignore_ranges = False
+        self.stalled = threading.Event()
+        self._release = threading.Event()
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -126,6 +138,24 @@ class StandInHub:
         with self._lock:
             self._cuts[(repo_id, filename)] = nbytes
 
+    def stall_after(self, repo_id: str, filename: str, nbytes: int) -> None:
+        with self._lock:
+            self._stalls[(repo_id, filename)] = nbytes
+            self.stalled.clear()
+            self._release.clear()
+
+    def release(self) -> None:
+        """End a stalled answer (its connection closes without the rest of the body)."""
+        self._release.set()
+
+    def misrange(self, repo_id: str, filename: str) -> None:
+        with self._lock:
+            self._misranges.add((repo_id, filename))
+
+    def sent(self, path_contains: str) -> int:
+        with self._lock:
+            return sum(n for path, n in self._sent.items() if path_contains in path)
+
     def requests(self, method: str | None = None, path_contains: str | None = None) -> list[Request]:
         with self._lock:
             return [r for r in self.log if (method is None or r.method == method)
@@ -134,6 +164,7 @@ class StandInHub:
     def clear_log(self) -> None:
         with self._lock:
             self.log.clear()
+            self._sent.clear()
 
     # -- life --------------------------------------------------------------------------------
 
@@ -156,6 +187,7 @@ class StandInHub:
     def close(self) -> None:
         if self._server is None:
             return
+        self._release.set()  # a stalled answer ends
         self._server.shutdown()  # returns once serve_forever has stopped (within a poll interval)
         self._server.server_close()
         self._thread.join(timeout=5)
@@ -182,6 +214,20 @@ class StandInHub:
     def _take_cut(self, repo_id: str, filename: str) -> int | None:
         with self._lock:
             return self._cuts.pop((repo_id, filename), None)
+
+    def _take_stall(self, repo_id: str, filename: str) -> int | None:
+        with self._lock:
+            return self._stalls.pop((repo_id, filename), None)
+
+    def _take_misrange(self, repo_id: str, filename: str) -> bool:
+        with self._lock:
+            found = (repo_id, filename) in self._misranges
+            self._misranges.discard((repo_id, filename))
+            return found
+
+    def _count(self, path: str, nbytes: int) -> None:
+        with self._lock:
+            self._sent[path] = self._sent.get(path, 0) + nbytes
 
     def _find_repo(self, rest: str, sep: str) -> tuple[str, str] | None:
         """(repo_id, what follows it) for the longest known repo id that `rest` starts with,
@@ -334,7 +380,7 @@ class _Handler(BaseHTTPRequestHandler):
         headers.update({"X-Repo-Commit": self.hub.commit, "Accept-Ranges": "bytes",
                         "Content-Type": "application/octet-stream"})
         status, start, end = 200, 0, size - 1
-        wanted = self.headers.get("Range")
+        wanted = None if self.hub.ignore_ranges else self.headers.get("Range")
         if wanted is not None:
             span = _parse_range(wanted, size)
             if span == "unsatisfiable":
@@ -342,10 +388,13 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(416, b"", head, headers)
             if span is not None:
                 status, (start, end) = 206, span
+                if not head and self.hub._take_misrange(repo_id, filename):
+                    start, end = 0, end - start  # as many bytes as asked, from the wrong place
                 headers["Content-Range"] = f"bytes {start}-{end}/{size}"
         body = data[start:end + 1]
         cut = None if head else self.hub._take_cut(repo_id, filename)
-        self._send(status, body, head, headers, cut=cut)
+        stall = None if head else self.hub._take_stall(repo_id, filename)
+        self._send(status, body, head, headers, cut=cut, stall=stall)
 
     def _json(self, obj, head: bool) -> None:
         self._send(200, json.dumps(obj).encode(), head, {"Content-Type": "application/json"})
@@ -357,17 +406,28 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Error-Code"] = code
         self._send(status, json.dumps({"error": message}).encode(), head, headers)
 
-    def _send(self, status: int, body: bytes, head: bool, headers: dict, cut: int | None = None) -> None:
+    def _send(self, status: int, body: bytes, head: bool, headers: dict, cut: int | None = None,
+              stall: int | None = None) -> None:
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))  # the full length, even when cut
         self.send_header("Connection", "close")
         self.end_headers()
-        if not head:
-            self.wfile.write(body if cut is None else body[:cut])
-            self.wfile.flush()
         self.close_connection = True
+        if head:
+            return
+        part = body if cut is None and stall is None else body[:min(n for n in (cut, stall) if n is not None)]
+        try:
+            self.wfile.write(part)
+            self.wfile.flush()
+        except OSError:  # the client went away (killed)
+            return
+        finally:
+            self.hub._count(urlsplit(self.path).path, len(part))
+        if stall is not None:
+            self.hub.stalled.set()
+            self.hub._release.wait(60)
 
 
 def _true(values: list[str] | None) -> bool:
