@@ -36,7 +36,9 @@ import torch.nn.functional as F
 
 from lorafleet.kernels.build import compile_inline
 
-MAX_ROWS = 24  # more rows than this: torch's GEMM (measured crossover, see docs/structures.md)
+# more rows than this: torch's GEMM. Measured on tiny's 33 weights, one thread: 24 rows 20.9 ms here
+# against 23.6 ms for torch, 32 rows 32-38 ms against 26.9
+MAX_ROWS = 24
 
 _SOURCE = r"""
 #include <torch/extension.h>

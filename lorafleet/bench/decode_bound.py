@@ -5,7 +5,7 @@ the same run (`lora_decode.measure_bandwidth`: a streaming sum over 1 GiB).
 
 Per batch size (1, 8, 32 by default): the median time of a pure decode step (no adapters, short
 prompts, so the KV read is small beside the weights'), the bound, and their ratio (issue 18's
-target: within 1.5x at batch 1 and 8). The weight bytes are every distinct weight tensor of the
+target: within 1.5x at batch 1 and 8), in float32 or bfloat16 (half the bytes). The weight bytes are every distinct weight tensor of the
 model but the embedding table (a step reads one row of it per sequence), the LM head counted
 once even when tied to it.
 """
@@ -37,12 +37,13 @@ def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
 
 
 def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, rounds: int = 3,
-                     prompt_len: int = 16, threads: int | None = None, progress=None) -> dict:
+                     prompt_len: int = 16, threads: int | None = None, dtype: str = "float32",
+                     progress=None) -> dict:
     from lorafleet import Engine
 
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine(build_base(shape), device="cpu", pool_bytes=1 << 30)
+    engine = Engine(build_base(shape), device="cpu", dtype=dtype, pool_bytes=1 << 30)
     vocab = engine.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]

@@ -185,7 +185,7 @@ def decode_bound_table(results: list[dict]) -> Table:
     for r in results:
         for i, row in enumerate(r["batches"]):
             first = i == 0
-            table.add_row(r["shape"] if first else "", f"{r['weight_bytes'] / 2**20:.0f} MiB" if first else "",
+            table.add_row(f"{r['shape']} {r['dtype']}" if first else "", f"{r['weight_bytes'] / 2**20:.0f} MiB" if first else "",
                           f"{r['bandwidth_gb_s']:.1f}" if first else "", str(row["batch"]), f"{row['step_ms']:.2f}",
                           f"{row['bound_ms']:.2f}", f"{row['ratio']:.2f}x", f"{row['tokens_per_s']:.0f}")
     return table

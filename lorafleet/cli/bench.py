@@ -194,15 +194,19 @@ def decode_bound(
     model: Annotated[list[str] | None, _models("tiny and smol (micro with --quick)")] = None,
     batch: Annotated[list[int] | None, typer.Option(
         "--batch", min=1, help="Requests decoding together; repeat for more. Default: 1, 8 and 32.")] = None,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="float32 or bfloat16 (the weights' bytes halve; sums stay fp32).")] = "float32",
     quick: Quick = False, threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """A decode step of the base model (no adapters) at each batch size against its memory
     bound: the step's weight bytes over the read bandwidth measured in the same run."""
+    _check_choices("--dtype", [dtype], ("float32", "bfloat16"))
+
     def one(shape: str) -> dict:
         from lorafleet.bench.decode_bound import run_decode_bound
 
         return run_decode_bound(shape, batches=tuple(batch or (1, 8, 32)), steps=4 if quick else 16,
-                                rounds=1 if quick else 3, threads=threads, progress=_say)
+                                rounds=1 if quick else 3, threads=threads, dtype=dtype, progress=_say)
     _suite("decode-bound", model or (["micro"] if quick else ["tiny", "smol"]), one, "decode_bound_table", out, as_json)
 
 

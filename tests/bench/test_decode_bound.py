@@ -43,5 +43,11 @@ def test_the_cli_runs_it_and_writes_the_report(tmp_path):
                                       "--threads", "1", "--out", str(out)], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
     [row] = json.loads(out.read_text())["results"]
-    assert row["shape"] == "micro" and [b["batch"] for b in row["batches"]] == [2]
+    assert row["shape"] == "micro" and [b["batch"] for b in row["batches"]] == [2] and row["dtype"] == "float32"
     assert "decode-bound" in result.stdout
+
+
+def test_bf16_halves_the_bytes_a_step_reads(report):
+    bf16 = run_decode_bound("micro", batches=(1,), steps=2, rounds=1, threads=1, dtype="bfloat16")
+    assert bf16["dtype"] == "bfloat16" and report["dtype"] == "float32"
+    assert bf16["weight_bytes"] * 2 == report["weight_bytes"]
