@@ -8,8 +8,7 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
 - the N output rows are cut into blocks of NB weight rows, spread over torch's threads
   (`at::parallel_for`, so `torch.set_num_threads` governs it like every other op);
 - a block's NB rows are streamed once from memory, side by side, against a tile of TB x rows
-  held in NB x TB vector accumulators (16 fp32 lanes each, GCC vector extensions: AVX-512 where
-  the CPU has it, two AVX2 halves otherwise), then the next TB x rows reuse the same NB rows
+  held in NB x TB vector accumulators (`cpu_vector.py`'s 16-lane type), then the next TB x rows reuse the same NB rows
   from L1; so each weight byte comes from memory once per call whatever the number of rows;
 - tile shapes follow the rows: (NB, TB) = (6, 4) up to 4 rows, (4, 8) beyond (the best of ten
   shapes measured on tiny's weights): at most 32 accumulators, with the weight vectors read
@@ -34,13 +33,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.build import compile_inline
 
 # more rows than this: torch's GEMM. Measured on tiny's 33 weights, one thread: 24 rows 20.9 ms here
 # against 23.6 ms for torch, 32 rows 32-38 ms against 26.9
 MAX_ROWS = 24
 
-_SOURCE = r"""
+_SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -49,26 +49,6 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-// 16 bf16 -> 16 fp32: a bf16 is the top half of the fp32 with the same bits
-static inline v16 vload(const c10::BFloat16* p) {
-  u16x16 h; std::memcpy(&h, p, sizeof h);
-  const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-  v16 v; std::memcpy(&v, &u, sizeof v); return v;
-}
-static inline float hsum(v16 v) {
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 #if defined(__AVX512BF16__)
 // bf16 x bf16 on CPUs that have VDPBF16PS: each instruction multiplies 32 bf16 pairs exactly and
@@ -220,7 +200,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 def load():
     """The compiled matmul, or None when it cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
-    return compile_inline("lorafleet_linear_cpu_v2", _SOURCE, "linear")
+    return compile_inline("lorafleet_linear_cpu_v3", _SOURCE, "linear")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

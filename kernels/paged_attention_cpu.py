@@ -17,35 +17,16 @@ from __future__ import annotations
 
 import torch
 
+from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.build import compile_inline
 
-_SOURCE = r"""
+_SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
-
-// exp(x) for x <= 0 (scores minus their max), vectorizable: 2^(x log2 e) split into 2^i * 2^f,
-// 2^f by a degree-6 polynomial on [0, 1) (relative error < 2e-7, under fp32 rounding of the sum).
-static inline float exp_neg(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 // pages are scattered: the hardware prefetcher cannot guess the next one, so ask for its rows
 // while this one is computed
@@ -111,8 +92,13 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
         float m = -INFINITY;
         for (int64_t u = 0; u < L; ++u) m = std::max(m, sg[u]);
         float sum = 0.f;
-#pragma omp simd reduction(+:sum)
-        for (int64_t u = 0; u < L; ++u) { sg[u] = exp_neg(sg[u] - m); sum += sg[u]; }
+        int64_t u = 0;
+        for (; u + 16 <= L; u += 16) {
+          const v16 e = vexp(vload(sg + u) - m);
+          vstore(sg + u, e);
+          sum += hsum(e);
+        }
+        for (; u < L; ++u) { sg[u] = exp1(sg[u] - m); sum += sg[u]; }
         const float inv = 1.f / sum;
 #pragma omp simd
         for (int64_t u = 0; u < L; ++u) sg[u] *= inv;
@@ -148,7 +134,7 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
 def load():
     """The compiled decode kernel, or None when it cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1: see `build.compile_inline`)."""
-    return compile_inline("lorafleet_attn_cpu_v4", _SOURCE, "paged_decode")
+    return compile_inline("lorafleet_attn_cpu_v5", _SOURCE, "paged_decode")
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.build import compile_inline
 
-_SOURCE = r"""
+_SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -38,77 +39,6 @@ _SOURCE = r"""
 // the value as the reference's dtype would hold it: identity in fp32, rounded in bf16
 static inline float as(float v, float) { return v; }
 static inline float as(float v, c10::BFloat16) { return float(c10::BFloat16(v)); }
-
-// exp(x), vectorizable (std::exp is a scalar call in an omp simd loop: SiLU was 2.5 ms of
-// smol's decode step at batch 8): x clamped to [-87, 88], 2^(x log2 e) split into 2^i * 2^f, 2^f
-// by a degree-6 polynomial on [0, 1) (relative error < 2e-7)
-static inline float exp_clamped(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-// 16 lanes at a time, written with GCC vector types: the compiler left these loops scalar
-// under `omp simd` (a scalar exp took 3 ns an element; measured 12x slower than this)
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-static inline v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-static inline v16 vload(const c10::BFloat16* p) {
-  u16x16 h; std::memcpy(&h, p, sizeof h);
-  const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-  v16 v; std::memcpy(&v, &u, sizeof v); return v;
-}
-// each lane as bf16 holds it (round to nearest even; NaN stays NaN)
-static inline v16 vround(v16 v, c10::BFloat16) {
-  u32x16 u; std::memcpy(&u, &v, sizeof u);
-  const u32x16 r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const u32x16 keep = (u32x16)(v == v);
-  const u32x16 out = (r & keep) | ((u | 0x00400000u) & ~keep);
-  v16 o; std::memcpy(&o, &out, sizeof o); return o;
-}
-static inline v16 vround(v16 v, float) { return v; }
-static inline void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-static inline void vstore(c10::BFloat16* p, v16 v) {
-  v = vround(v, c10::BFloat16());
-  u32x16 u; std::memcpy(&u, &v, sizeof u);
-  const u16x16 h = __builtin_convertvector(u >> 16, u16x16);
-  std::memcpy(p, &h, sizeof h);
-}
-// exp_clamped on 16 lanes
-static inline v16 vexp(v16 x) {
-  const v16 lo = v16{} - 87.f, hi = v16{} + 88.f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const v16 t = x * 1.44269504088896341f;
-  i16v ti = __builtin_convertvector(t, i16v);           // toward zero
-  ti += (i16v)(__builtin_convertvector(ti, v16) > t);   // -1 where that was above t: floor
-  const v16 f = t - __builtin_convertvector(ti, v16);
-  v16 p = v16{} + 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const i16v bits = (ti + 127) << 23;
-  v16 scale; std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 constexpr int64_t GRAIN = 16;  // rows per task: one task (no threads woken) at decode sizes
 
@@ -244,7 +174,7 @@ static void silu_rows(const S* gu, int64_t ld, S* a, int64_t T, int64_t I) {
       }
       for (; d < I; ++d) {
         const float x = float(g[d]);
-        out[d] = S(as(x / (1.f + exp_clamped(-x)), S()) * float(g[d + I]));
+        out[d] = S(as(x / (1.f + exp1(-x)), S()) * float(g[d + I]));
       }
     }
   });
@@ -336,7 +266,7 @@ FUNCTIONS = ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "write_kv", "greed
 def load():
     """The compiled ops, or None when they cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
-    return compile_inline("lorafleet_pointwise_cpu_v5", _SOURCE, FUNCTIONS)
+    return compile_inline("lorafleet_pointwise_cpu_v6", _SOURCE, FUNCTIONS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
