@@ -134,3 +134,50 @@ def stepping(engine, until=None, timeout: float = 120.0):
     while not done():
         assert time.monotonic() < deadline, f"the engine did not get there within {timeout:.0f}s"
         yield engine.step()
+
+
+def assert_demo_fleet_matches_torch(kernels: str, monkeypatch, skills: int, max_tokens: int) -> None:
+    """The base and the first `skills` skills of the demo fleet in one batch, greedy: on the
+    `kernels` backend (LORAFLEET_KERNELS), token for token the torch path's answers, each the
+    answer its skill expects (so a row served with the wrong adapter shows)."""
+    from lorafleet import SamplingParams
+    from lorafleet.demo.evaluate import chat_prompt, fleet_engine
+    from lorafleet.demo.skills import SKILLS, expected, held_out_texts
+
+    tasks = [None, *list(SKILLS)[:skills]]
+    jobs = list(zip(tasks, held_out_texts(len(tasks))))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    got = {}
+    for name in (kernels, "torch"):
+        monkeypatch.setenv("LORAFLEET_KERNELS", name)
+        engine = fleet_engine()
+        try:
+            prompts = [chat_prompt(engine, task, text) for task, text in jobs]
+            got[name] = engine.generate(prompts, params, [task for task, _ in jobs])
+        finally:
+            engine.close()
+    for (task, text), out, ref in zip(jobs, got[kernels], got["torch"]):
+        assert out.token_ids == ref.token_ids, f"{task}({text!r}): {out.text!r} ({kernels}) vs {ref.text!r} (torch)"
+        assert expected(task, text).startswith(out.text), f"{task}({text!r}) answered {out.text!r}"
+
+
+def call_within(fn, deadline: float, what: str):
+    """fn() on a thread of its own; its result, or what it raised; the test fails if it is still
+    running after `deadline` seconds (a hung call cannot hang the test run)."""
+    import threading
+
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # handed to the test's thread below
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=what, daemon=True)
+    thread.start()
+    thread.join(deadline)
+    assert not thread.is_alive(), f"{what} did not finish within {deadline:.0f}s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

@@ -8,9 +8,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet import Engine, SamplingParams
-from lorafleet.demo.evaluate import chat_prompt, fleet_engine
-from lorafleet.demo.skills import SKILLS, expected, held_out_texts
-from tests.fixtures import ALL7, FAMILIES, build_adapter, build_model
+from tests.fixtures import ALL7, FAMILIES, assert_demo_fleet_matches_torch, build_adapter, build_model
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 3, [20, 21, 22], [30] * 17, [40, 41]]
@@ -47,18 +45,4 @@ def test_mixed_ranks_eager_and_at_fixed_decode_shapes(llama_dir, tmp_path, monke
 def test_the_demo_fleet_answers_through_the_triton_kernels(monkeypatch):
     """The base and three skills of different ranks and targets in one batch (10 tokens each:
     the interpreter is slow): token for token what the torch path answers."""
-    tasks = [None, *list(SKILLS)[:3]]
-    jobs = list(zip(tasks, held_out_texts(len(tasks))))
-    params = SamplingParams(max_tokens=10, temperature=0.0)
-    got = {}
-    for kernels in ("triton", "torch"):
-        monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
-        engine = fleet_engine()
-        try:
-            prompts = [chat_prompt(engine, task, text) for task, text in jobs]
-            got[kernels] = engine.generate(prompts, params, [task for task, _ in jobs])
-        finally:
-            engine.close()
-    for (task, text), out, ref in zip(jobs, got["triton"], got["torch"]):
-        assert out.token_ids == ref.token_ids, f"{task}({text!r}): {out.text!r} (triton) vs {ref.text!r} (torch)"
-        assert expected(task, text).startswith(out.text), f"{task}({text!r}) answered {out.text!r}"
+    assert_demo_fleet_matches_torch("triton", monkeypatch, skills=3, max_tokens=10)

@@ -10,12 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from lorafleet import Engine, SamplingParams
-from lorafleet.demo.evaluate import chat_prompt, fleet_engine
-from lorafleet.demo.skills import SKILLS, expected, held_out_texts
 from lorafleet.engine.request import Request
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels import linear_cpu
-from tests.fixtures import ALL7, FAMILIES, build_adapter, build_model
+from tests.fixtures import ALL7, FAMILIES, assert_demo_fleet_matches_torch, build_adapter, build_model
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(linear_cpu.load() is None, reason="the kernel does not build here")
@@ -148,20 +146,5 @@ def test_bf16_mixed_adapters_match_the_torch_path(llama_dir, tmp_path, monkeypat
 
 
 def test_the_demo_fleet_answers_through_the_kernel(monkeypatch):
-    """The base and four skills in one batch, token for token the torch path's answers, and the
-    answers the skills expect."""
-    tasks = [None, *list(SKILLS)[:4]]
-    jobs = list(zip(tasks, held_out_texts(len(tasks))))
-    params = SamplingParams(max_tokens=12, temperature=0.0)
-    got = {}
-    for kernels in ("cpu", "torch"):
-        monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
-        engine = fleet_engine()
-        try:
-            prompts = [chat_prompt(engine, task, text) for task, text in jobs]
-            got[kernels] = engine.generate(prompts, params, [task for task, _ in jobs])
-        finally:
-            engine.close()
-    for (task, text), out, ref in zip(jobs, got["cpu"], got["torch"]):
-        assert out.token_ids == ref.token_ids, f"{task}({text!r}): {out.text!r} (cpu) vs {ref.text!r} (torch)"
-        assert expected(task, text).startswith(out.text), f"{task}({text!r}) answered {out.text!r}"
+    """The base and four skills in one batch: the torch path's tokens, the skills' answers."""
+    assert_demo_fleet_matches_torch("cpu", monkeypatch, skills=4, max_tokens=12)

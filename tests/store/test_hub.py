@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from lorafleet.errors import LorafleetError
 from lorafleet.memory.layout import LAYOUT_FILE
 from lorafleet.store.hub import ADAPTER_FILES, HubError, download, is_repo_id
-from tests.fixtures import build_adapter
+from tests.fixtures import build_adapter, call_within
 from tests.store.hub_server import FAKE_COMMIT, StandInHub, git_blob_id, hub  # noqa: F401 (the fixture)
 
 REPO = "acme/tiny-lora"
@@ -28,21 +27,7 @@ PICKLE = "pytorch_model.bin"
 def pull(*args, deadline: float = 30.0, **kwargs):
     """`download(...)`, failing the test if it takes longer than `deadline` seconds."""
     kwargs.setdefault("progress", False)
-    result: dict = {}
-
-    def run():
-        try:
-            result["value"] = download(*args, **kwargs)
-        except BaseException as e:  # handed to the test's thread below
-            result["error"] = e
-
-    thread = threading.Thread(target=run, name="pull", daemon=True)
-    thread.start()
-    thread.join(deadline)
-    assert not thread.is_alive(), f"download{args} did not finish within {deadline:.0f}s"
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    return call_within(lambda: download(*args, **kwargs), deadline, f"download{args}")
 
 
 @pytest.fixture(scope="module")

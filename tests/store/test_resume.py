@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from lorafleet.store import hub as hub_module
 from lorafleet.store.hub import HubError
 from lorafleet.store.pull import pull as store_pull
 from lorafleet.store.store import PARTIAL_SUFFIX, Store, StoreError
+from tests.fixtures import call_within
 from tests.store.hub_server import FAKE_COMMIT, corrupted, hub  # noqa: F401 (the fixture)
 
 REPO = "acme/big"
@@ -56,21 +56,8 @@ def quick_retries(monkeypatch):
 
 def pull(store, deadline: float = 60.0):
     """The base pull of REPO, in this process, failing the test past `deadline` seconds."""
-    result: dict = {}
-
-    def run():
-        try:
-            result["value"] = store_pull(REPO, name="big", base=True, store=store, progress=False)
-        except BaseException as e:  # handed to the test's thread below
-            result["error"] = e
-
-    thread = threading.Thread(target=run, name="pull", daemon=True)
-    thread.start()
-    thread.join(deadline)
-    assert not thread.is_alive(), f"the pull did not finish within {deadline:.0f}s"
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    return call_within(lambda: store_pull(REPO, name="big", base=True, store=store, progress=False), deadline,
+                       "the pull")
 
 
 def weight_gets(hub):  # noqa: F811
