@@ -60,7 +60,7 @@ class LlamaModel(torch.nn.Module):
         self.dtype, self.device = t.dtype, t.device
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
-        self.kernels = backend.select(t.device, t.dtype)  # matmul, attention and LoRA ops for this device
+        self.kernels = backend.select(t.device, t.dtype)  # every op of the forward pass, for this device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
@@ -68,7 +68,7 @@ class LlamaModel(torch.nn.Module):
         logits_rows: [S] token rows whose next-token logits are wanted. Returns logits [S, V].
         `lora` (optional, a `lora.batch.LoraBatch`) has `apply(layer, group, x, out)` adding each
         row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down)."""
-        cfg, w, k = self.cfg, self.w, self.kernels
+        cfg, w, ops = self.cfg, self.w, self.kernels
         eps = cfg.rms_norm_eps
         x = w["embed"][input_ids]                                   # [T, H], the residual stream
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
@@ -76,29 +76,29 @@ class LlamaModel(torch.nn.Module):
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             # the previous layer's MLP output joins the residual stream as this norm reads it
-            h = k.rms_norm(x, w[p + "in_norm"], eps) if out is None else k.add_rms_norm(x, out, w[p + "in_norm"], eps)
-            qkv = k.linear(h, w[p + "qkv"], w.get(p + "qkv_b"))       # [T, Q+2K]
+            h = ops.rms_norm(x, w[p + "in_norm"], eps) if out is None else ops.add_rms_norm(x, out, w[p + "in_norm"], eps)
+            qkv = ops.linear(h, w[p + "qkv"], w.get(p + "qkv_b"))       # [T, Q+2K]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
-            kk = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:
-                q = k.rms_norm(q.reshape(-1, cfg.head_dim), w[p + "q_norm"], eps).view(q.shape)
-                kk = k.rms_norm(kk.reshape(-1, cfg.head_dim), w[p + "k_norm"], eps).view(kk.shape)
-            k.rope_(q, kk, self.cos, self.sin, positions)                # in place
-            o = k.attention(q, kk, v, kv_cache[:, i], attn, self.scale)  # [T, Q]
-            out = k.linear(o, w[p + "o"], w.get(p + "o_b"))
+                q = ops.rms_norm(q.reshape(-1, cfg.head_dim), w[p + "q_norm"], eps).view(q.shape)
+                k = ops.rms_norm(k.reshape(-1, cfg.head_dim), w[p + "k_norm"], eps).view(k.shape)
+            ops.rope_(q, k, self.cos, self.sin, positions)                # in place
+            o = ops.attention(q, k, v, kv_cache[:, i], attn, self.scale)  # [T, Q]
+            out = ops.linear(o, w[p + "o"], w.get(p + "o_b"))
             if lora is not None:
                 lora.apply(i, "o", o, out)
-            h = k.add_rms_norm(x, out, w[p + "post_norm"], eps)
-            gu = k.linear(h, w[p + "gate_up"], w.get(p + "gate_up_b"))  # [T, 2I]
+            h = ops.add_rms_norm(x, out, w[p + "post_norm"], eps)
+            gu = ops.linear(h, w[p + "gate_up"], w.get(p + "gate_up_b"))  # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gu)
-            a = k.silu_mul(gu)
-            out = k.linear(a, w[p + "down"], w.get(p + "down_b"))
+            a = ops.silu_mul(gu)
+            out = ops.linear(a, w[p + "down"], w.get(p + "down_b"))
             if lora is not None:
                 lora.apply(i, "down", a, out)
         x.add_(out)
-        x = k.rms_norm(x[logits_rows], w["norm"], eps)              # only rows that sample
-        return k.linear(x, w["lm_head"]).float()                    # [S, V]
+        x = ops.rms_norm(x[logits_rows], w["norm"], eps)              # only rows that sample
+        return ops.linear(x, w["lm_head"]).float()                    # [S, V]
