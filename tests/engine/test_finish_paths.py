@@ -6,6 +6,7 @@ makes the expected text known."""
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -79,7 +80,17 @@ def test_pool_full_length(fleet):
         small.close()
 
 
-def test_deadline(engine):
+def test_deadline(engine, monkeypatch):
+    """Each step held to >= 5 ms, so the 0.3 s deadline comes long before the model's length
+    limit whatever the machine (the demo model decodes a token in ~1 ms: fast enough to reach
+    its maximum length within 0.3 s)."""
+    execute = engine.runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(0.005)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", slow)
     params = SamplingParams(max_tokens=5000, temperature=0, ignore_eos=True)
     rid = engine.add_request(chat_prompt(engine, None, "hello world"), params, deadline_s=0.3)
     final = check_text_once(run(engine, rid), "deadline")
