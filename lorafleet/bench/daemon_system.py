@@ -86,11 +86,7 @@ class LorafleetDaemon(System):
         if self.proc is None:
             return
         self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        http_replay.stop_server(self.proc, 60)
         self.log.close()
         shutil.rmtree(self.root, ignore_errors=True)
 

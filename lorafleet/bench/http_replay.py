@@ -5,12 +5,14 @@ order, as soon as one finishes (its arrival is then the moment it is sent).
 
 A system gives `replay` one coroutine per request, `send(request, http, sent_at)`, which makes
 the call and returns that request's figures (`figures` builds them from the stream's token
-timestamps, the bench's own clock for every system). Imports only the standard library and httpx.
+timestamps, the bench's own clock for every system); `stop_server` ends a system's server.
+Imports only the standard library and httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from typing import Awaitable, Callable
 
@@ -43,3 +45,13 @@ def figures(req: BenchRequest, sent_at: float, first: float | None, last: float 
     return {"ttft_s": first - sent_at if first is not None else None,
             "tpot_s": (last - first) / (tokens - 1) if tokens > 1 and first is not None else None,
             "queue_s": None, "adapter_wait_s": None, "tokens": tokens, "adapter": req.adapter, **extra}
+
+
+def stop_server(proc: subprocess.Popen, timeout: float) -> None:
+    """Ask a system's server to stop (SIGTERM); kill it if it has not within `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)

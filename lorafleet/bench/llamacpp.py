@@ -471,12 +471,7 @@ class LlamaCpp(System):
         if self.proc is None:
             return
         self.http.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        http_replay.stop_server(self.proc, STOP_TIMEOUT_S)
         self.log.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
