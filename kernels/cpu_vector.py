@@ -1,4 +1,4 @@
-"""C++ shared by the CPU kernels (`linear_cpu`, `pointwise_cpu`, `paged_attention_cpu`), pasted
+"""C++ shared by the CPU kernels (`linear_cpu`, `pointwise_cpu`, `paged_attention_cpu`, `lora_cpu`), pasted
 at the top of each kernel's source: one definition of the 16-lane vector types, their loads and
 stores from fp32 and bf16, bf16 rounding, the horizontal sum and exp.
 

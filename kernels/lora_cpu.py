@@ -11,11 +11,19 @@ contiguous run, no per-step gather.
 
 Why it exists: with one token per adapter (decode over many adapters), the torch path issues
 ~11 tiny matmuls per adapter per layer, and the time goes to dispatch, not to reading weights.
-This kernel makes it one call per (layer, group), parallel over (segment, block of 4 rows)
-tasks: each weight row is read once per 4 rows of a segment (decode: once), so decode is
-memory-bound and prefill segments need no BLAS call on gathered copies. float32 and bfloat16
-(x, out and the pool in one dtype): sums in fp32, each output element rounded once when the
-segment's whole delta joins it, as the reference does.
+This kernel makes it one call per (layer, group) in two parallel passes over the pool:
+- shrink: tasks of 4 rank rows of one (segment, module); each A row is read from memory once
+  for all the segment's rows (4 x rows per vector tile), the products kept in fp32;
+- expand: tasks of 64 output columns of one (segment, module); the Bt block is read once for
+  all the segment's rows, summed over every rank row in registers, and each output element
+  gets the whole delta at once (rounded once).
+So even one adapter at batch 1 spreads over every thread and decode reads each weight once, at
+the memory bound. The first version's tasks were (segment, block of 4 rows): one adapter at
+batch 1 ran on one thread, and 8 rows of one adapter read its weights twice (measured on tiny's
+shapes, r64 on all 7 projections, caches cold: 247 -> 128 us per layer at batch 1, 334 -> 202
+us for 8 rows of one adapter, 1072 -> 908 us for 8 adapters of one row each, 19-21 GB/s).
+float32 and bfloat16 (x, out and the pool in one dtype): sums in fp32, each output element
+rounded once when the segment's whole delta joins it, as the reference does.
 It is compiled on first use with the machine's C++ compiler and cached (see `build.py`); where
 that is impossible lorafleet falls back to the torch reference and says so once.
 Set LORAFLEET_CPU_KERNELS=0 to force the reference; LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) makes a
@@ -26,30 +34,158 @@ from __future__ import annotations
 
 import torch
 
+from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.build import KernelUnavailableError, compile_inline, required  # noqa: F401  re-exported
 
-_SOURCE = r"""
+_SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <vector>
 
-constexpr int64_t RB = 4;  // rows of a segment per task: each weight row serves up to 4 rows
+// one (segment, module) of a call: rows [row0, row0 + n) against A [r, in] and Bt [r, n_out]
+// of one adapter, its shrink results at t + t_off ([n, r], fp32)
+struct Item {
+  int64_t row0, n, a_off, r, b_off, n_out, col, t_off;
+  const int64_t* table;
+};
 
-// calls f(pointer, first element, length) for each piece of logical elements [o, o + n) that
-// lies in one page
-template <class S, class F>
-static inline void pieces(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n, F f) {
+constexpr int64_t KR = 4;   // rank rows per shrink tile: each x element loaded serves four
+constexpr int64_t CW = 64;  // output columns per expand task: four vectors per row
+
+// the page that holds logical elements [o, o + n) of an adapter, or nullptr when they cross a page
+template <class S>
+static inline const S* in_page(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n) {
+  return o % E + n <= E ? w + table[o / E] * E + o % E : nullptr;
+}
+
+// logical elements [o, o + n) into `dst`, piece by piece across pages
+template <class S>
+static inline void gather(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n, S* dst) {
   for (int64_t done = 0; done < n;) {
     const int64_t page = (o + done) / E, off = (o + done) % E, len = std::min(n - done, E - off);
-    f(w + table[page] * E + off, done, len);
+    std::copy(w + table[page] * E + off, w + table[page] * E + off + len, dst + done);
     done += len;
   }
 }
 
-// S: the storage of x, out and the pool (float or bf16); every sum is fp32, and each output
-// element is rounded once, when the segment's whole delta is added to it
+// t[b * ldt + j] = a[j] . x[b] over K, for NJ rank rows and NB x rows (fp32 sums)
+template <class S, int NJ, int NB>
+static inline void shrink_tile(const S* const* a, const S* const* x, int64_t K, float* t, int64_t ldt) {
+  v16 acc[NB][NJ];
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < NJ; ++j) acc[b][j] = v16{};
+  int64_t d = 0;
+  for (; d + 16 <= K; d += 16) {
+    v16 av[NJ];
+    for (int j = 0; j < NJ; ++j) av[j] = vload(a[j] + d);
+    for (int b = 0; b < NB; ++b) {
+      const v16 xv = vload(x[b] + d);
+      for (int j = 0; j < NJ; ++j) acc[b][j] += av[j] * xv;
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < NJ; ++j) {
+      float s = hsum(acc[b][j]);
+      for (int64_t e = d; e < K; ++e) s += float(a[j][e]) * float(x[b][e]);
+      t[b * ldt + j] = s;
+    }
+}
+
+template <class S, int NJ>
+static inline void shrink_rows(const S* const* a, const S* xp, int64_t ldx, int64_t row0, int64_t n, int64_t K,
+                               float* t, int64_t ldt) {
+  int64_t b = 0;
+  for (; b + 4 <= n; b += 4) {
+    const S* x[4] = {xp + (row0 + b) * ldx, xp + (row0 + b + 1) * ldx, xp + (row0 + b + 2) * ldx,
+                     xp + (row0 + b + 3) * ldx};
+    shrink_tile<S, NJ, 4>(a, x, K, t + b * ldt, ldt);
+  }
+  for (; b < n; ++b) {
+    const S* x[1] = {xp + (row0 + b) * ldx};
+    shrink_tile<S, NJ, 1>(a, x, K, t + b * ldt, ldt);
+  }
+}
+
+// the shrink of rank rows [k0, k0 + KR) of one item, for all its rows
+template <class S>
+static void shrink(const Item& it, int64_t k0, const S* wp, int64_t E, const S* xp, int64_t ldx, int64_t in,
+                   float* t, std::vector<S>& buf) {
+  float* tk = t + it.t_off + k0;
+  const int64_t nk = std::min(KR, it.r - k0);
+  const S* a[KR];
+  bool direct = nk == KR;
+  for (int64_t j = 0; j < nk; ++j) {
+    a[j] = in_page(wp, it.table, E, it.a_off + (k0 + j) * in, in);
+    direct = direct && a[j];
+  }
+  if (direct) {
+    shrink_rows<S, KR>(a, xp, ldx, it.row0, it.n, in, tk, it.r);
+    return;
+  }
+  buf.resize(in);
+  for (int64_t j = 0; j < nk; ++j) {  // a tail, or a row across pages: one rank row at a time
+    const S* row = a[j];
+    if (!row) {
+      gather(wp, it.table, E, it.a_off + (k0 + j) * in, in, buf.data());
+      row = buf.data();
+    }
+    shrink_rows<S, 1>(&row, xp, ldx, it.row0, it.n, in, tk + j, it.r);
+  }
+}
+
+// out[rows, col + c0 ...] += t[rows] @ Bt[:, c0 : c0 + w] for NB rows, w <= CW columns: each
+// output element is summed in fp32 over every rank row and rounded once
+template <class S, int NB>
+static inline void expand_tile(const Item& it, int64_t b0, int64_t c0, int64_t w, const float* t,
+                               const S* const* bt, S* op, int64_t ldo) {
+  v16 acc[NB][CW / 16];
+  for (int b = 0; b < NB; ++b)
+    for (int q = 0; q < CW / 16; ++q) acc[b][q] = v16{};
+  for (int64_t k = 0; k < it.r; ++k) {
+    v16 bv[CW / 16];
+    for (int q = 0; q < CW / 16; ++q) bv[q] = vload(bt[k] + 16 * q);
+    for (int b = 0; b < NB; ++b) {
+      const float c = t[(b0 + b) * it.r + k];
+      for (int q = 0; q < CW / 16; ++q) acc[b][q] += c * bv[q];
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    S* y = op + (it.row0 + b0 + b) * ldo + it.col + c0;
+    if (w == CW) {
+      for (int q = 0; q < CW / 16; ++q) vstore(y + 16 * q, vload(y + 16 * q) + acc[b][q]);
+    } else {
+      float sum[CW];
+      for (int q = 0; q < CW / 16; ++q) vstore(sum + 16 * q, acc[b][q]);
+      for (int64_t c = 0; c < w; ++c) y[c] = S(float(y[c]) + sum[c]);
+    }
+  }
+}
+
+// the expand of output columns [c0, c0 + CW) of one item, for all its rows; rank rows whose
+// columns cross a page, and the last, narrower block, are first copied out (zero padded)
+template <class S>
+static void expand(const Item& it, int64_t c0, const S* wp, int64_t E, const float* t, S* op, int64_t ldo,
+                   std::vector<S>& buf, std::vector<const S*>& bt) {
+  const int64_t w = std::min(CW, it.n_out - c0);
+  bt.resize(it.r);
+  buf.assign(it.r * CW, S(0.f));
+  for (int64_t k = 0; k < it.r; ++k) {
+    const int64_t o = it.b_off + k * it.n_out + c0;
+    bt[k] = w == CW ? in_page(wp, it.table, E, o, w) : nullptr;
+    if (!bt[k]) {
+      gather(wp, it.table, E, o, w, buf.data() + k * CW);
+      bt[k] = buf.data() + k * CW;
+    }
+  }
+  const float* ti = t + it.t_off;
+  int64_t b = 0;
+  for (; b + 4 <= it.n; b += 4) expand_tile<S, 4>(it, b, c0, w, ti, bt.data(), op, ldo);
+  for (; b < it.n; ++b) expand_tile<S, 1>(it, b, c0, w, ti, bt.data(), op, ldo);
+}
+
+// S: the storage of x, out and the pool (float or bf16)
 template <class S>
 static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& w, int64_t E,
                    const torch::Tensor& seg, const torch::Tensor& meta, const torch::Tensor& tables) {
@@ -61,109 +197,33 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t S_ = seg.size(0), M = meta.size(1), in = x.size(1), maxp = tables.size(1);
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  std::vector<int64_t> tasks;  // (segment, first row) pairs
-  for (int64_t s = 0; s < S_; ++s)
-    for (int64_t row = sp[2 * s]; row < sp[2 * s + 1]; row += RB) { tasks.push_back(s); tasks.push_back(row); }
-  at::parallel_for(0, (int64_t)tasks.size() / 2, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> t, xf, acc;
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t s = tasks[2 * task], row0 = tasks[2 * task + 1];
-      const int64_t nb = std::min(RB, sp[2 * s + 1] - row0);
-      const int64_t* table = tp + s * maxp;
-      // the block's rows in fp32 (rows past the block repeat its first: computed, never stored)
-      xf.resize(RB * in);
-      for (int64_t b = 0; b < RB; ++b) {
-        const S* xr = xp + (row0 + (b < nb ? b : 0)) * ldx;
-        for (int64_t d = 0; d < in; ++d) xf[b * in + d] = float(xr[d]);
-      }
-      const float* xr[RB] = {xf.data(), xf.data() + in, xf.data() + 2 * in, xf.data() + 3 * in};
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t* f = mp + (s * M + m) * 5;
-        const int64_t a_off = f[0], r = f[1], b_off = f[2], n_out = f[3], col = f[4];
-        if (r == 0) continue;
-        t.assign(RB * r, 0.f);
-        acc.assign(nb * n_out, 0.f);
-        auto one_row = [&](int64_t k) {  // t[b, k] for one rank row, in pieces across pages
-          float sum[RB] = {0.f, 0.f, 0.f, 0.f};
-          pieces(wp, table, E, a_off + k * in, in, [&](const S* a, int64_t d0, int64_t len) {
-            const float *x0 = xr[0] + d0, *x1 = xr[1] + d0, *x2 = xr[2] + d0, *x3 = xr[3] + d0;
-            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+:s0, s1, s2, s3)
-            for (int64_t d = 0; d < len; ++d) {
-              const float av = float(a[d]);
-              s0 += av * x0[d]; s1 += av * x1[d]; s2 += av * x2[d]; s3 += av * x3[d];
-            }
-            sum[0] += s0; sum[1] += s1; sum[2] += s2; sum[3] += s3;
-          });
-          for (int64_t b = 0; b < RB; ++b) t[b * r + k] = sum[b];
-        };
-        auto one_expand = [&](int64_t k) {  // acc[b] += t[b, k] * Bt[k], in pieces across pages
-          pieces(wp, table, E, b_off + k * n_out, n_out, [&](const S* bt, int64_t d0, int64_t len) {
-            for (int64_t b = 0; b < nb; ++b) {
-              const float c = t[b * r + k];
-              float* y = acc.data() + b * n_out + d0;
-#pragma omp simd
-              for (int64_t d = 0; d < len; ++d) y[d] += c * float(bt[d]);
-            }
-          });
-        };
-        // shrink: t[b, k] = A[k] . x[b]; two rank rows at a time when each lies in one page
-        // (8 running sums: each x element loaded serves two rows of A)
-        int64_t k = 0;
-        for (; k + 2 <= r; k += 2) {
-          const int64_t o0 = a_off + k * in, o1 = o0 + in;
-          if (o0 % E + in > E || o1 % E + in > E) {
-            one_row(k);
-            one_row(k + 1);
-            continue;
-          }
-          const S *a0 = wp + table[o0 / E] * E + o0 % E, *a1 = wp + table[o1 / E] * E + o1 % E;
-          const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[3];
-          float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f, s20 = 0.f, s21 = 0.f, s30 = 0.f, s31 = 0.f;
-#pragma omp simd reduction(+:s00, s01, s10, s11, s20, s21, s30, s31)
-          for (int64_t d = 0; d < in; ++d) {
-            const float u = float(a0[d]), v = float(a1[d]);
-            s00 += u * x0[d]; s01 += v * x0[d]; s10 += u * x1[d]; s11 += v * x1[d];
-            s20 += u * x2[d]; s21 += v * x2[d]; s30 += u * x3[d]; s31 += v * x3[d];
-          }
-          t[k] = s00; t[k + 1] = s01; t[r + k] = s10; t[r + k + 1] = s11;
-          t[2 * r + k] = s20; t[2 * r + k + 1] = s21; t[3 * r + k] = s30; t[3 * r + k + 1] = s31;
-        }
-        if (k < r) one_row(k);
-        // expand: acc[b] += sum_k t[b, k] * Bt[k]; four rank rows at a time when each lies in
-        // one page (one pass over acc per four rows of Bt instead of one per row)
-        k = 0;
-        for (; k + 4 <= r; k += 4) {
-          const S* bt[4];
-          bool in_page = true;
-          for (int64_t j = 0; j < 4; ++j) {
-            const int64_t o = b_off + (k + j) * n_out;
-            in_page = in_page && o % E + n_out <= E;
-            bt[j] = in_page ? wp + table[o / E] * E + o % E : nullptr;
-          }
-          if (!in_page) {
-            for (int64_t j = 0; j < 4; ++j) one_expand(k + j);
-            continue;
-          }
-          const S *b0 = bt[0], *b1 = bt[1], *b2 = bt[2], *b3 = bt[3];
-          for (int64_t b = 0; b < nb; ++b) {
-            const float* c = t.data() + b * r + k;
-            const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
-            float* y = acc.data() + b * n_out;
-#pragma omp simd
-            for (int64_t d = 0; d < n_out; ++d)
-              y[d] += c0 * float(b0[d]) + c1 * float(b1[d]) + c2 * float(b2[d]) + c3 * float(b3[d]);
-          }
-        }
-        for (; k < r; ++k) one_expand(k);
-        for (int64_t b = 0; b < nb; ++b) {  // out += delta, rounded once
-          S* y = op + (row0 + b) * ldo + col;
-          const float* dv = acc.data() + b * n_out;
-#pragma omp simd
-          for (int64_t d = 0; d < n_out; ++d) y[d] = S(float(y[d]) + dv[d]);
-        }
-      }
+  std::vector<Item> items;
+  std::vector<std::pair<int64_t, int64_t>> shrinks, expands;  // (item, first rank row / column)
+  int64_t t_size = 0;
+  for (int64_t s = 0; s < S_; ++s) {
+    const int64_t n = sp[2 * s + 1] - sp[2 * s];
+    for (int64_t m = 0; m < M && n > 0; ++m) {
+      const int64_t* f = mp + (s * M + m) * 5;
+      if (f[1] == 0) continue;
+      const int64_t i = items.size();
+      items.push_back({sp[2 * s], n, f[0], f[1], f[2], f[3], f[4], t_size, tp + s * maxp});
+      t_size += n * f[1];
+      for (int64_t k = 0; k < f[1]; k += KR) shrinks.emplace_back(i, k);
+      for (int64_t c = 0; c < f[3]; c += CW) expands.emplace_back(i, c);
     }
+  }
+  if (items.empty()) return;
+  std::vector<float> t(t_size);
+  at::parallel_for(0, (int64_t)shrinks.size(), 1, [&](int64_t a, int64_t b) {
+    std::vector<S> buf;
+    for (int64_t i = a; i < b; ++i)
+      shrink<S>(items[shrinks[i].first], shrinks[i].second, wp, E, xp, ldx, in, t.data(), buf);
+  });
+  at::parallel_for(0, (int64_t)expands.size(), 1, [&](int64_t a, int64_t b) {
+    std::vector<S> buf;
+    std::vector<const S*> bt;
+    for (int64_t i = a; i < b; ++i)
+      expand<S>(items[expands[i].first], expands[i].second, wp, E, t.data(), op, ldo, buf, bt);
   });
 }
 
@@ -185,7 +245,7 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
 def load():
     """The compiled LoRA kernel, or None when it cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
-    return compile_inline("lorafleet_lora_cpu_v5", _SOURCE, "lora_paged")
+    return compile_inline("lorafleet_lora_cpu_v6", _SOURCE, "lora_paged")
 
 
 def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,
