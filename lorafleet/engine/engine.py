@@ -65,7 +65,8 @@ class Engine:
                                          self.kv, cfg.min_resident_steps, cfg.eviction)
         self.prefetcher = Prefetcher(self.adapters, cfg.prefetch_workers)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   residency=self.adapters, policy=POLICIES[cfg.policy]())
+                                   residency=self.adapters, policy=POLICIES[cfg.policy](),
+                                   max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self._decode_graphs())
         eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
         self.outputs = OutputProcessor(eos, self.max_model_len)  # the one owner of the stop tokens

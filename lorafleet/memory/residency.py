@@ -126,6 +126,7 @@ class AdapterResidency:
         self.step = 0
         self.pin_host = pool.tensor.device.type == "cuda"
         self._idle_lru: OrderedDict[AdapterEntry, None] = OrderedDict()  # ready, unpinned; LRU first
+        self.idle_pages = 0  # the pages of the adapters in `_idle_lru`
 
     # -- registry ----------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -235,14 +236,23 @@ class AdapterResidency:
         assert entry.ready, f"adapter {entry.name!r} pinned while not on the device"
         entry.pins += 1
         entry.last_used = time.monotonic()
-        self._idle_lru.pop(entry, None)
+        self._from_idle(entry)
 
     def unpin(self, entry: AdapterEntry) -> None:
         assert entry.pins > 0, f"adapter {entry.name!r} unpinned more often than pinned"
         entry.pins -= 1
         entry.last_used = time.monotonic()
         if not entry.pins:
-            self._idle_lru[entry] = None  # the most recently used end
+            self._to_idle(entry)  # the most recently used end
+
+    def _to_idle(self, entry: AdapterEntry) -> None:
+        if entry not in self._idle_lru:
+            self.idle_pages += len(entry.pages)
+        self._idle_lru[entry] = None
+
+    def _from_idle(self, entry: AdapterEntry) -> None:
+        if self._idle_lru.pop(entry, False) is None:
+            self.idle_pages -= len(entry.pages)
 
     # -- load transitions (the prefetcher) -----------------------------------------------
     def load_started(self, entry: AdapterEntry, future) -> None:
@@ -297,7 +307,7 @@ class AdapterResidency:
         entry.ready_step = self.step
         entry.device_loads += 1
         entry.last_used = time.monotonic()
-        self._idle_lru[entry] = None
+        self._to_idle(entry)
 
     # -- device tier -------------------------------------------------------------------
     def pages_needed(self, entry: AdapterEntry) -> int:
@@ -321,6 +331,14 @@ class AdapterResidency:
         adapters are pinned and unpinned: no sort, no scan of the registry)."""
         young = self.step - self.min_resident_steps
         return [e for e in self._idle_lru if e not in protect and (for_kv or e.ready_step <= young)]
+
+    def reclaimable(self, protect: AdapterEntry | None = None) -> int:
+        """Pages KV could have without preempting anyone: free ones, cached KV blocks and idle
+        adapters' (but `protect`'s)."""
+        pages = self.pool.num_free + self.pool.num_cached + self.idle_pages
+        if protect is not None and protect in self._idle_lru:
+            pages -= len(protect.pages)
+        return pages
 
     def make_room(self, pages: int, protect: Container[AdapterEntry] = frozenset(), for_kv: bool = False) -> bool:
         """Evict idle adapters (unpinned, not in `protect`; young ones only for KV) and cached KV
@@ -351,7 +369,7 @@ class AdapterResidency:
         self._drop_if_unused(entry)
 
     def _free_device(self, entry: AdapterEntry) -> None:
-        self._idle_lru.pop(entry, None)
+        self._from_idle(entry)
         self.pool.free(entry.pages)
         entry.pages, entry.ready, entry.page_table, entry.kernel_meta = None, False, None, None
 
@@ -372,6 +390,7 @@ class AdapterResidency:
         idle = [e for e in itertools.chain(self.entries.values(), self.retired) if e.ready and not e.pins]
         assert set(idle) == set(self._idle_lru), "the idle LRU disagrees with the adapters' state"
         assert list(self._idle_lru) == sorted(self._idle_lru, key=lambda e: e.last_used), "idle LRU out of order"
+        assert self.idle_pages == sum(len(e.pages) for e in self._idle_lru), "idle page count drifted"
         strays = set(by_owner) - {-1, 0, CACHED}
         assert not strays, f"pages held by unknown adapter owners {sorted(strays)}"
 
