@@ -53,6 +53,8 @@ struct Item {
 
 constexpr int64_t KR = 4;   // rank rows per shrink tile: each x element loaded serves four
 constexpr int64_t CW = 64;  // output columns per expand task: four vectors per row
+constexpr int64_t PF = 8;   // Bt rows prefetched ahead: a task's rows are n_out apart, which the
+                            // hardware prefetcher does not follow
 
 // the page that holds logical elements [o, o + n) of an adapter, or nullptr when they cross a page
 template <class S>
@@ -144,6 +146,8 @@ static inline void expand_tile(const Item& it, int64_t b0, int64_t c0, int64_t w
   for (int b = 0; b < NB; ++b)
     for (int q = 0; q < CW / 16; ++q) acc[b][q] = v16{};
   for (int64_t k = 0; k < it.r; ++k) {
+    if (b0 == 0 && k + PF < it.r)  // the first rows read Bt from memory: its later rows ahead
+      for (int q = 0; q < CW / 16; q += 64 / (16 * (int)sizeof(S))) __builtin_prefetch(bt[k + PF] + 16 * q, 0, 3);
     v16 bv[CW / 16];
     for (int q = 0; q < CW / 16; ++q) bv[q] = vload(bt[k] + 16 * q);
     for (int b = 0; b < NB; ++b) {
@@ -170,13 +174,15 @@ static void expand(const Item& it, int64_t c0, const S* wp, int64_t E, const flo
                    std::vector<S>& buf, std::vector<const S*>& bt) {
   const int64_t w = std::min(CW, it.n_out - c0);
   bt.resize(it.r);
-  buf.assign(it.r * CW, S(0.f));
+  buf.resize(it.r * CW);
   for (int64_t k = 0; k < it.r; ++k) {
     const int64_t o = it.b_off + k * it.n_out + c0;
     bt[k] = w == CW ? in_page(wp, it.table, E, o, w) : nullptr;
     if (!bt[k]) {
-      gather(wp, it.table, E, o, w, buf.data() + k * CW);
-      bt[k] = buf.data() + k * CW;
+      S* row = buf.data() + k * CW;
+      gather(wp, it.table, E, o, w, row);
+      std::fill(row + w, row + CW, S(0.f));
+      bt[k] = row;
     }
   }
   const float* ti = t + it.t_off;
@@ -245,7 +251,7 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
 def load():
     """The compiled LoRA kernel, or None when it cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
-    return compile_inline("lorafleet_lora_cpu_v6", _SOURCE, "lora_paged")
+    return compile_inline("lorafleet_lora_cpu_v8", _SOURCE, "lora_paged")
 
 
 def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,

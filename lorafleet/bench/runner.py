@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from lorafleet import openmp
 from lorafleet.bench import plots
 from lorafleet.bench.adapters import warm_up_adapter, workload_adapters
 from lorafleet.bench.fixtures import build_base, get_shape
@@ -144,8 +145,11 @@ def _run_isolated(job: Job, scratch: Path) -> dict:
     job_path, out_path = scratch / "job.json", scratch / "result.json"
     job_path.write_text(job.to_json())
     out_path.unlink(missing_ok=True)
+    env = dict(os.environ)
+    if get_system(job.system).subject:  # lorafleet's runs wait as `lorafleet serve` does
+        openmp.set_defaults(env)
     proc = subprocess.run([sys.executable, "-m", "lorafleet.bench.worker", str(job_path), str(out_path)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if proc.returncode == 0 and out_path.is_file():
         return json.loads(out_path.read_text())
     last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -110,6 +110,9 @@ def serve(
                                  served_model_name=served_model_name)
             return _detach(argv, sock, log_file, api_key)
         _setup_logging()
+        from lorafleet import openmp
+
+        openmp.set_defaults()  # before the engine imports torch
         try:
             _run(model, config, engine_options, adapters, resolve)
         except KeyboardInterrupt:  # before the daemon took over the signals: nothing to drain
