@@ -11,8 +11,8 @@ kernel: on `tiny`'s shapes an o_proj LoRA call took 36 us on 2 threads against 1
 across the gaps inside a step, not across the gaps between steps, where the daemon's event loop
 and its clients need the cores (ACTIVE alone spins for minutes: through the daemon, 70 tokens/s
 instead of 130 at batch 1). Measured in-process, `tiny`, batch 1 on one rank-64 adapter: a step
-10.3 -> 8.4 ms, its LoRA calls 2.4 -> 1.5 ms; through the daemon (`bench llama-cpp`, 1 in flight):
-one adapter 95 -> 115 tokens/s, eight in turn 104 -> 125.
+10.3 -> 8.4 ms, its LoRA calls 2.4 -> 1.5 ms; through the daemon (README, Kernels): one adapter at
+1 in flight 95 -> 115 tokens/s, eight in turn 104 -> 125.
 Both are defaults: a variable the user set wins.
 """
 

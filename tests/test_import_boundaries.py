@@ -16,7 +16,7 @@ def imported_after(code: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module", ["lorafleet", "lorafleet.cli.main", "lorafleet.errors", "lorafleet.client",
-                                    "lorafleet.paths", "lorafleet.config", "lorafleet.tui.app"])
+                                    "lorafleet.paths", "lorafleet.config", "lorafleet.openmp", "lorafleet.tui.app"])
 def test_front_ends_do_not_import_torch(module):
     mods = imported_after(f"import {module}")
     assert not {"torch", "triton"} & mods, f"{module} imports torch/triton"
