@@ -201,8 +201,8 @@ class Scheduler:
             reserve = self.watermark_pages if self.running else 0  # alone, it may use the watermark
             # and grow into whatever room is left; with others, the expected growth of all of them
             # must fit in what could be freed, but nothing is evicted for it before it is needed
-            expected = promised + self._expected_pages(req) if self.running else need
-            if not (self._could_hold(reserve + max(need, expected), req.lora)
+            expected = promised + self._expected_pages(req) if self.running else need  # >= need
+            if not (self._could_hold(reserve + expected, req.lora)
                     and self._room(need + reserve, protect=req.lora)):
                 self.kv.unadopt(req, cached)
                 req.num_computed = 0

@@ -251,7 +251,7 @@ class AdapterResidency:
         self._idle_lru[entry] = None
 
     def _from_idle(self, entry: AdapterEntry) -> None:
-        if self._idle_lru.pop(entry, False) is None:
+        if self._idle_lru.pop(entry, False) is None:  # it was idle (the LRU's values are None)
             self.idle_pages -= len(entry.pages)
 
     # -- load transitions (the prefetcher) -----------------------------------------------
