@@ -182,7 +182,6 @@ def lora_decode(
     of those adapters' weights at the bandwidth measured in the same run; tokens/s against
     PEFT's mixed-adapter batch."""
     def one(shape: str) -> dict:
-        _engine_process()
         from lorafleet.bench.lora_decode import run_lora_decode
 
         return run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
@@ -204,7 +203,6 @@ def decode_bound(
     _check_choices("--dtype", [dtype], ("float32", "bfloat16"))
 
     def one(shape: str) -> dict:
-        _engine_process()
         from lorafleet.bench.decode_bound import run_decode_bound
 
         return run_decode_bound(shape, batches=tuple(batch or (1, 8, 32)), steps=4 if quick else 16,
@@ -225,7 +223,6 @@ def switch(
     _check_choices("--source", [source], ("store", "folder"))
 
     def one(shape: str) -> dict:
-        _engine_process()
         from lorafleet.bench.switch_cost import run_switch_cost
 
         return run_switch_cost(shape, batch=8 if quick else 32, cold=16 if quick else 96, steps=8 if quick else 48,
@@ -246,7 +243,6 @@ def overhead(
     decode step (schedule, batch build, sampling, output processing; target <= 15% on tiny, 64
     requests over 8 adapters) and the time to add 1,000 requests at once (target < 50 ms)."""
     def one(shape: str) -> dict:
-        _engine_process()
         from lorafleet.bench.overhead import run_overhead
 
         return run_overhead(shape, running=running, num_adapters=adapters, steps=steps, burst=burst, device=device,
@@ -266,7 +262,6 @@ def store_load(
     validated, hashed); median CPU time of the loading thread, both in one run (target: <= 3 ms
     for rank 16 on q/k/v/o of smol)."""
     def one(shape: str) -> dict:
-        _engine_process()
         from lorafleet.bench.store_load import run_store_load
 
         return run_store_load(shape, rank=rank, repeats=repeats)
@@ -293,7 +288,6 @@ def stats_cost(
     workload without polls and with one a second, interleaved, tokens/s of each and their ratio;
     a profile of a poll."""
     def one(shape: str) -> dict:
-        _engine_process()
         from lorafleet.bench.stats_cost import run_stats_cost
 
         return run_stats_cost(shape, num_adapters=adapters, batch=batch, min_steps=steps, polls=polls, rounds=rounds,
@@ -313,7 +307,6 @@ def gpu(
     adapter, 8 and MANY adapters, mixed ranks 8-256 against their uniform mean; decode-graph
     captures, replays and re-captures. Runs on the CPU too (small shapes)."""
     def one(shape: str) -> dict:
-        _engine_process()
         from lorafleet.bench.gpu import run_gpu_bench
         from lorafleet.model.loader import resolve_device
 
@@ -384,7 +377,12 @@ def _print(report: dict, as_json: bool) -> None:
 def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str, out: str | None,
            as_json: bool) -> None:
     """lora-decode, decode-bound, switch, overhead, store-load, stats-cost and gpu: one result per
-    shape, `tables.<table>` of them, the JSON report."""
+    shape, `tables.<table>` of them, the JSON report. Each runs lorafleet's engine in this
+    process: its OpenMP workers wait as under `lorafleet serve` (`lorafleet/openmp.py`), set
+    before anything here imports torch."""
+    from lorafleet import openmp
+
+    openmp.set_defaults()
     from lorafleet.bench.report import resolve_out_path, write_json
 
     _check_shapes(shapes)
@@ -403,14 +401,6 @@ def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: 
 
         Console().print(getattr(tables, table)(results))
     err_console.print(f"wrote {path}", highlight=False)
-
-
-def _engine_process() -> None:
-    """This process runs lorafleet's engine in-process: its OpenMP workers wait as under
-    `lorafleet serve` (`lorafleet/openmp.py`), set before the command imports torch."""
-    from lorafleet import openmp
-
-    openmp.set_defaults()
 
 
 def _say(message: str) -> None:
