@@ -50,6 +50,7 @@ from pathlib import Path
 
 from lorafleet import __version__
 from lorafleet.errors import LorafleetError
+from lorafleet.store.store import sha256_file
 
 KINDS = ("adapter", "model")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -209,7 +210,7 @@ def _fetch(repo_id: str, commit: str, name: str, part: Path, sha256: str, size: 
         while True:
             resumed = f.seek(0, os.SEEK_END) > 0
             resumed = _transfer(f, url, headers, name, size, where, progress) or resumed
-            actual = _sha256(part)
+            actual = sha256_file(part)
             if actual == sha256:
                 return
             if resumed and not started_over:
@@ -289,14 +290,6 @@ def _write_all(f, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[f.write(view):]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # -- which files -------------------------------------------------------------------------------
