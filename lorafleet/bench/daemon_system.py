@@ -79,7 +79,7 @@ class LorafleetDaemon(System):
 
     def finish(self, job: Job) -> dict:
         stats = self.client.stats()
-        return {"daemon_stats": {k: v for k, v in stats.get("engine", stats).items()
+        return {"daemon_stats": {k: v for k, v in stats["engine"].items()
                                  if isinstance(v, (int, float, str))}}
 
     def close(self) -> None:
