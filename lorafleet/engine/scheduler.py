@@ -142,11 +142,13 @@ class Scheduler:
         return req.lora is None or req.lora.ready
 
     def _room(self, pages: int, protect=None) -> bool:
-        """Free pages for KV, evicting idle adapters (never `protect`) if that is enough."""
+        """Free pages for KV, evicting idle adapters (never `protect`; those of waiting requests
+        last) if that is enough."""
         if self.kv.pool.can_allocate(pages):
             return True
         keep = {protect} if protect is not None else set()
-        return self.residency is not None and self.residency.make_room(pages, keep, for_kv=True)
+        return self.residency is not None and self.residency.make_room(pages, keep, for_kv=True,
+                                                                       wanted=self.waiting_loras)
 
     def _could_hold(self, pages: int, protect=None) -> bool:
         """Whether `pages` could be had for KV without preempting: free, or evictable."""

@@ -21,6 +21,10 @@ answer); across kinds a page is kept longer the dearer its kind is to bring back
 `policy="lru"` cost and reuse are left out: plain LRU over both kinds (the comparison the
 `shared-prefix-pressure` benchmark makes).
 
+Outside the order, for KV (admissions, growth): an idle adapter that a waiting request wants
+goes only when nothing else is left (`AdapterResidency.make_room`'s `wanted`), whatever the
+policy; it was loaded for that request, which would otherwise miss the step and load it again.
+
 This object decides and counts; the residency evicts adapters and the KV manager cached blocks.
 """
 

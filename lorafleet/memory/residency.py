@@ -23,7 +23,8 @@ Contracts:
   one order (`memory/eviction.py`: least expected loss per byte, LRU within each kind), and
   only when pages are needed (for KV or another adapter). An adapter made ready less than
   `min_resident_steps` steps ago is spared when another adapter wants its pages (hysteresis,
-  so two hot sets do not thrash the pool); KV pressure may still take it.
+  so two hot sets do not thrash the pool); KV pressure may still take it, but an adapter that a
+  waiting request wants only when nothing else is left.
 - An adapter's pages may lie anywhere in the pool: the kernels read its weights through its
   page table (`page_table`, fixed for its stay) and its metadata (`kernel_meta`, logical
   offsets, fixed for its life), so nothing is gathered per step and no eviction is ever made
@@ -340,21 +341,35 @@ class AdapterResidency:
             pages -= len(protect.pages)
         return pages
 
-    def make_room(self, pages: int, protect: Container[AdapterEntry] = frozenset(), for_kv: bool = False) -> bool:
+    def make_room(self, pages: int, protect: Container[AdapterEntry] = frozenset(), for_kv: bool = False,
+                  wanted: Container[AdapterEntry] = frozenset()) -> bool:
         """Evict idle adapters (unpinned, not in `protect`; young ones only for KV) and cached KV
-        blocks, in the eviction order, until `pages` are free. Evicts nothing when that would
-        not suffice."""
+        blocks, in the eviction order, until `pages` are free; adapters in `wanted` (those of
+        waiting requests) only when nothing else is left. Evicts nothing when that would not
+        suffice.
+
+        Why `wanted` go last: an adapter loaded for a waiting request that another request's
+        admission evicts makes its request miss the step (a whole prefill, when the other one
+        brought a prompt) and load again. LRU spares it by luck (it was just loaded, so it is
+        the most recent); an order by cost per byte did not (an adapter is cheap to bring back
+        per byte, so it went before older KV blocks), and measured 3.1 s of exposed waits in
+        all on `shared-prefix-pressure` where LRU had none."""
         if self.pool.can_allocate(pages):
             return True
         idle = self._idle(protect, for_kv)
         short = pages - self.pool.num_free
         if self.pool.num_cached + sum(len(e.pages) for e in idle) < short:
             return False
+        others = [e for e in idle if e not in wanted]
+        last = [e for e in idle if e in wanted]
         now, i = time.monotonic(), 0
         while not self.pool.can_allocate(pages):
-            adapter = idle[i] if i < len(idle) else None
-            if self.order.kv_first(self.kv.oldest_cached(self.order.reuse_aware),
-                                   adapter.last_used if adapter else None, now):
+            adapter = others[i] if i < len(others) else None
+            kv_since = self.kv.oldest_cached(self.order.reuse_aware)
+            if adapter is None and kv_since is None:
+                self._evict(last.pop(0))
+                self.order.evictions["adapters"] += 1
+            elif self.order.kv_first(kv_since, adapter.last_used if adapter else None, now):
                 self.kv.evict_cached(self.order.reuse_aware)
                 self.order.evictions["kv_blocks"] += 1
             else:

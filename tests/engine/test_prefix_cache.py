@@ -228,6 +228,29 @@ def test_the_engine_evicts_in_its_order(llama_dir, adapters, policy):
         assert ev["evicted_kv_blocks"] > 0 and ev["evicted_kv_blocks"] + e.pool.num_cached >= cached
 
 
+def test_an_adapter_a_waiting_request_wants_is_evicted_for_kv_last(llama_dir, adapters):
+    """The cost order would give up the idle adapter before dear cached blocks; when a waiting
+    request wants that adapter (just loaded for it), the blocks go first and the adapter only
+    when nothing else is left. Without `wanted`, the adapter goes first."""
+    probe = engine(llama_dir, adapters)
+    probe.load_adapter("kv", adapters["kv"])
+    need = len(probe.adapters.get("kv").pages)
+    for wanted in (False, True):
+        e = engine(llama_dir, adapters, pool_bytes=(need + 5) * probe.pool.page_bytes, eviction="cost")
+        e.generate(shared_prompts(1, prefix_len=64, tails=(0, 0)), GREEDY)
+        e.generate([[5, 6, 7]], GREEDY, adapters=["kv"])
+        kv, cached = e.adapters.get("kv"), e.pool.num_cached
+        assert cached >= 3 and kv.ready
+        e.adapters.order.recompute_s_per_token = 1.0  # recomputing is dear: the order prefers the adapter
+        e.adapters.step += 100
+        assert e.adapters.make_room(e.pool.num_free + 1, for_kv=True, wanted={kv} if wanted else ())
+        assert kv.ready == wanted and e.pool.num_cached == (cached - 1 if wanted else cached)
+        if wanted:  # only the wanted adapter is left to give: it goes
+            assert e.adapters.make_room(e.pool.num_free + cached, for_kv=True, wanted={kv})
+            assert not kv.ready and e.pool.num_cached == 0
+        e.check_integrity()
+
+
 def test_the_cache_can_be_turned_off(llama_dir):
     e = engine(llama_dir, prefix_cache=False)
     prompts = shared_prompts(4)

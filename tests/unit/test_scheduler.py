@@ -21,7 +21,7 @@ class Entry(SimpleNamespace):
 
 
 class StubResidency:
-    """Adapters own pool pages; make_room evicts unpinned, unprotected ones."""
+    """Adapters own pool pages; make_room evicts unpinned, unprotected ones, wanted ones last."""
 
     def __init__(self, pool, adapters):
         self.pool, self.entries = pool, {}
@@ -29,8 +29,8 @@ class StubResidency:
             pages = pool.allocate(n, pool.new_owner(name))
             self.entries[name] = Entry(name=name, ready=True, pins=0, pages=pages, kv_salt=name.encode())
 
-    def make_room(self, pages, protect=frozenset(), for_kv=False):
-        for e in self.entries.values():
+    def make_room(self, pages, protect=frozenset(), for_kv=False, wanted=frozenset()):
+        for e in sorted(self.entries.values(), key=lambda e: e in wanted):
             if self.pool.can_allocate(pages):
                 break
             if e.ready and e not in protect and not e.pins:
