@@ -14,10 +14,10 @@ an entry's fields).
    CUDA stream on GPUs, a plain copy on CPU); when it is on disk, start its load, and when pages
    can be had now, copy it in the same task (its size is known from the file header): one
    hand-off instead of two, so a cold adapter is ready one step sooner;
-3. when recent loads were short (a stored adapter: ~2 ms; at most `MAX_TICK_WAIT_S`), wait for
-   the wanted ones in flight, harvesting as each lands (and giving pages to one that landed on
-   the host only), until all have landed or `TICK_WAIT_LOADS` times the recent average has
-   passed (at most `MAX_TICK_WAIT_S`): a cold adapter then serves in the step it arrived before,
+3. when such work is short (its typical time, below, at most `MAX_TICK_WAIT_S`; a stored
+   adapter loads in ~3 ms), wait for the wanted ones in flight, harvesting as each lands (and
+   giving pages to one that landed on the host only), until all have landed or
+   `TICK_WAIT_LOADS` typical times have passed (at most `MAX_TICK_WAIT_S`): a cold adapter then serves in the step it arrived before,
    not one step later (a step can be a long prefill), at the price of a few milliseconds of
    that step. The deadline is a multiple of the typical time, not the typical time: about half
    of all loads take longer, and one that missed the step by a millisecond cost its request the
@@ -60,8 +60,8 @@ from lorafleet.memory.residency import AdapterEntry, AdapterResidency, check_nam
 
 log = logging.getLogger("lorafleet.prefetch")
 
-# `tick` waits for in-flight loads of wanted adapters when loads take this long at most (a
-# stored adapter: ~2 ms), for the moving average of recent loads' seconds
+# `tick` waits for in-flight loads (copies) of wanted adapters when the median of recent loads
+# (copies) is this long at most, and never longer than this
 MAX_TICK_WAIT_S = 0.01
 TICK_WAIT_LOADS = 3.0  # the tick's deadline, in typical (median) loads or copies
 PRIOR_LOAD_S = 0.005

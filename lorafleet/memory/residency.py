@@ -351,9 +351,8 @@ class AdapterResidency:
         Why `wanted` go last: an adapter loaded for a waiting request that another request's
         admission evicts makes its request miss the step (a whole prefill, when the other one
         brought a prompt) and load again. LRU spares it by luck (it was just loaded, so it is
-        the most recent); an order by cost per byte did not (an adapter is cheap to bring back
-        per byte, so it went before older KV blocks), and measured 3.1 s of exposed waits in
-        all on `shared-prefix-pressure` where LRU had none."""
+        the most recent); an order by cost per byte need not (an adapter is cheap to bring back
+        per byte, so it may go before older KV blocks)."""
         if self.pool.can_allocate(pages):
             return True
         idle = self._idle(protect, for_kv)
