@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,7 +46,16 @@ def test_lorafleet_replays_poisson_arrivals_and_measures_every_request(micro_dir
     assert 0 < pool["peak_occupancy"] <= 1 and pool["peak_adapter_pages"] > 0
 
 
-def test_adapters_on_disk_are_loaded_on_first_use_and_the_wait_is_exposed(micro_dir):
+def test_adapters_on_disk_are_loaded_on_first_use_and_the_wait_is_exposed(micro_dir, monkeypatch):
+    from lorafleet.memory import prefetch
+
+    load = prefetch._load
+
+    def slow_load(*args, **kwargs):  # longer than the tick ever waits (a short load would be waited for)
+        time.sleep(20 * prefetch.MAX_TICK_WAIT_S)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(prefetch, "_load", slow_load)
     job = job_for(micro_dir, dataclasses.replace(SMALL, residency="registered"))
     result = LorafleetInProcess(threads=1).run(job)
     check_served(result, job)
