@@ -181,3 +181,16 @@ def call_within(fn, deadline: float, what: str):
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+def slow_down(monkeypatch, module, name: str, seconds: float) -> None:
+    """Make `module.name` (a function) sleep `seconds` before it runs, for this test."""
+    import time
+
+    fn = getattr(module, name)
+
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, slowed)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from lorafleet.bench.jobs import MAX_REPEATS, Job, more_replays, weight_bytes
 from lorafleet.bench.lorafleet_system import LorafleetInProcess
 from lorafleet.bench.systems import MergedAccounting, get_system
 from lorafleet.bench.workloads import BenchRequest, Workload, make_requests
+from tests.fixtures import slow_down
 
 SMALL = Workload("small", 6, (4, 12), (3, 6), num_adapters=3, ranks=(4, 8), base_fraction=0.2, seed=2)
 
@@ -49,13 +49,7 @@ def test_lorafleet_replays_poisson_arrivals_and_measures_every_request(micro_dir
 def test_adapters_on_disk_are_loaded_on_first_use_and_the_wait_is_exposed(micro_dir, monkeypatch):
     from lorafleet.memory import prefetch
 
-    load = prefetch._load
-
-    def slow_load(*args, **kwargs):  # longer than the tick ever waits (a short load would be waited for)
-        time.sleep(20 * prefetch.MAX_TICK_WAIT_S)
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(prefetch, "_load", slow_load)
+    slow_down(monkeypatch, prefetch, "_load", 20 * prefetch.MAX_TICK_WAIT_S)  # longer than the tick ever waits
     job = job_for(micro_dir, dataclasses.replace(SMALL, residency="registered"))
     result = LorafleetInProcess(threads=1).run(job)
     check_served(result, job)

@@ -25,7 +25,7 @@ from lorafleet.model.config import ModelConfig
 from lorafleet.store.pull import pull
 from lorafleet.store.resolver import StoreResolver
 from lorafleet.store.store import Store
-from tests.fixtures import ALL7, build_adapter, stepping
+from tests.fixtures import ALL7, build_adapter, slow_down, stepping
 
 VARIANTS = {
     "all7": dict(r=8, lora_alpha=16, target_modules=ALL7),
@@ -136,13 +136,7 @@ def test_a_cold_stored_adapter_serves_in_the_step_it_arrived_before(llama_dir, t
     pull(str(build_adapter(llama_dir, tmp_path / "src", r=4, target_modules=ALL7)), name="a", store=store)
     engine = Engine(store.folder(store.get("models", "base")), pool_bytes=4 << 20)
     StoreResolver(store).resolve(engine, "a")
-    load = prefetch._load
-
-    def slow_load(*args, **kwargs):  # never landed before the first tick looks, however fast the disk
-        time.sleep(0.2)
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(prefetch, "_load", slow_load)
+    slow_down(monkeypatch, prefetch, "_load", 0.2)  # never landed before the first tick looks
     monkeypatch.setattr(prefetch, "MAX_TICK_WAIT_S", 5.0)  # a deadline the 2-core CI machine always meets
     engine.prefetcher.load_s = 5.0 if short_loads else 6.0
     rid = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), adapter="a")
@@ -152,11 +146,11 @@ def test_a_cold_stored_adapter_serves_in_the_step_it_arrived_before(llama_dir, t
     assert [o.request_id for o in done] == [rid] and len(done[0].token_ids) == 3
 
 
-def test_the_tick_waits_for_every_wanted_load_a_few_averages_long(llama_dir, tmp_path, stored, monkeypatch):
-    """Two cold adapters arrive together and each load takes longer than the recent average
-    (about half of all loads do): the tick waits for both, up to TICK_WAIT_LOADS averages, so
-    both requests run in the first step. Waiting one average, or for the first landing only,
-    left them for the next step, which may be a whole long prefill later."""
+def test_the_tick_waits_for_every_wanted_load_a_few_typical_times_long(llama_dir, tmp_path, stored, monkeypatch):
+    """Two cold adapters arrive together and each load takes longer than the typical load
+    (about half of all loads do): the tick waits for both, up to TICK_WAIT_LOADS typical times,
+    so both requests run in the first step. Waiting one typical time, or for the first landing
+    only, left them for the next step, which may be a whole long prefill later."""
     from lorafleet.memory import prefetch
 
     store, _ = stored
@@ -166,15 +160,10 @@ def test_the_tick_waits_for_every_wanted_load_a_few_averages_long(llama_dir, tmp
     resolver = StoreResolver(store)
     for name in ("a", "b"):
         resolver.resolve(engine, name)
-    slow, load = 0.3, prefetch._load
-
-    def slow_load(*args, **kwargs):
-        time.sleep(slow)
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(prefetch, "_load", slow_load)
+    slow = 0.3
+    slow_down(monkeypatch, prefetch, "_load", slow)
     monkeypatch.setattr(prefetch, "MAX_TICK_WAIT_S", 5.0)  # the cap out of the way: the multiple decides
-    engine.prefetcher.load_s = 2 * slow / 3  # the deadline, 3 averages = 2x each load: a wide margin
+    engine.prefetcher.load_s = 2 * slow / 3  # the deadline, 3 typical loads = 2x each load: a wide margin
     rids = [engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0), adapter=name)
             for name in ("a", "b")]
     t0 = time.monotonic()
@@ -200,13 +189,8 @@ def test_a_copy_back_from_the_host_is_waited_for_by_its_own_typical_time(llama_d
     entry = engine.adapters.get("a")
     engine.adapters.step += 100  # past the hysteresis
     assert engine.adapters.make_room(engine.pool.num_free + 1) and not entry.ready and entry.host is not None
-    slow, copy = 0.2, prefetch.copy_in
-
-    def slow_copy(*args, **kwargs):
-        time.sleep(slow)
-        return copy(*args, **kwargs)
-
-    monkeypatch.setattr(prefetch, "copy_in", slow_copy)
+    slow = 0.2
+    slow_down(monkeypatch, prefetch, "copy_in", slow)
     monkeypatch.setattr(prefetch, "MAX_TICK_WAIT_S", 1.0)
     engine.prefetcher.load_s = 2.0                 # disk loads over the cap: never waited for
     engine.prefetcher.copy_s = 2 * slow / 3        # copies: 3 typical = 2x this one
