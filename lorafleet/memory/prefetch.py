@@ -17,9 +17,9 @@ an entry's fields).
 3. when such work is short (its typical time, below, at most `MAX_TICK_WAIT_S`; a stored
    adapter loads in ~3 ms), wait for the wanted ones in flight, harvesting as each lands (and
    giving pages to one that landed on the host only), until all have landed or
-   `TICK_WAIT_LOADS` typical times have passed (at most `MAX_TICK_WAIT_S`): a cold adapter then serves in the step it arrived before,
-   not one step later (a step can be a long prefill), at the price of a few milliseconds of
-   that step. The deadline is a multiple of the typical time, not the typical time: about half
+   `TICK_WAIT_LOADS` typical times have passed, never longer than `MAX_TICK_WAIT_S`: a cold
+   adapter then serves in the step it arrived before, not one step later (a step can be a long
+   prefill), at the price of a few milliseconds of that step. The deadline is a multiple of the typical time, not the typical time: about half
    of all loads take longer, and one that missed the step by a millisecond cost its request the
    whole step (measured on `shared-prefix-pressure`: 4 of 27 cold loads missed a 3 ms wait, and
    a miss before a 576-token prefill cost its request 0.75-0.86 s). The typical time is the
