@@ -56,8 +56,10 @@ class Kernels:
         q: [T, H, D]; k, v: [T, KVH, D]; kv: one layer's view [P, 2, B, KVH, D]. Returns [T, H*D]."""
         self.write_kv(kv, k, v, meta.slot_pages, meta.slot_offsets)
         t, h, d = q.shape
-        out = q.new_empty(t, h, d)
         nd = meta.num_decode
+        if nd == t:  # decode rows only (a decode step): no output to assemble
+            return self.decode(q, kv, meta.decode_block_tables, meta.decode_context_lens, scale).reshape(t, h * d)
+        out = q.new_empty(t, h, d)
         if nd:
             out[:nd] = self.decode(q[:nd], kv, meta.decode_block_tables, meta.decode_context_lens, scale)
         if meta.prefills:

@@ -71,6 +71,9 @@ log = logging.getLogger("lorafleet.kernels")
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+# extra flags for a build without AVX-512 on a CPU that has it: the tests run the AVX2 tile shapes
+# of the matmul kernels (`cpu_vector`'s `vw`) wherever they run
+NO_AVX512 = ("-mno-avx512f",)
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 STAMP = "lorafleet-built.json"
 TORCH_BATON = "lock"  # torch's FileBaton in the build directory
@@ -95,11 +98,12 @@ def required() -> bool:
     return os.environ.get("LORAFLEET_REQUIRE_CPU_KERNELS", "0") == "1"
 
 
-def compile_inline(name: str, source: str, function: str | Sequence[str]):
+def compile_inline(name: str, source: str, function: str | Sequence[str], cflags: Sequence[str] = ()):
     """Build (once per source, torch build, flags, compiler and CPU, in lorafleet's cache) and load
     a C++ CPU kernel binding `function` (a name or a list of names); None when that is impossible
     here (said once on stderr) or disabled with LORAFLEET_CPU_KERNELS=0, unless
-    LORAFLEET_REQUIRE_CPU_KERNELS=1, which raises KernelUnavailableError instead."""
+    LORAFLEET_REQUIRE_CPU_KERNELS=1, which raises KernelUnavailableError instead. `cflags` join
+    CFLAGS (and the key); a build with other flags needs its own `name` (one module per name)."""
     if name not in _modules:
         with _lock:
             if name not in _modules:
@@ -109,7 +113,7 @@ def compile_inline(name: str, source: str, function: str | Sequence[str]):
                 else:
                     functions = [function] if isinstance(function, str) else list(function)
                     try:
-                        module = _load_or_build(name, source, functions)
+                        module = _load_or_build(name, source, functions, tuple(cflags))
                     except Exception as e:  # no compiler, headers or ninja; a timeout: the reference still works
                         _why_not[name] = e
                         if not required():
@@ -185,13 +189,13 @@ def cpu_identity() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def _load_or_build(name: str, source: str, functions: list[str]):
+def _load_or_build(name: str, source: str, functions: list[str], extra: tuple[str, ...] = ()):
     compiler = compiler_identity()
     if compiler.startswith("missing: "):
         cxx = os.environ.get("CXX") or "c++"
         raise CompilerMissingError(f"no C++ compiler: {cxx!r} does not run ({compiler.split(': ', 2)[-1]}); "
                                    "install g++ or clang++, or point CXX at one")
-    key = build_key(name, source, functions)
+    key = build_key(name, source, functions, CFLAGS + extra)
     root = cache_dir()
     build_dir = root / f"{name}-{key[:16]}"
     module = _load_built(build_dir)
@@ -202,10 +206,10 @@ def _load_or_build(name: str, source: str, functions: list[str]):
         module = _load_built(build_dir)  # built by another process while this one waited
         if module is not None:
             return module
-        return _build(name, source, functions, build_dir, key)
+        return _build(name, source, functions, build_dir, key, extra)
 
 
-def _build(name: str, source: str, functions: list[str], build_dir: Path, key: str):
+def _build(name: str, source: str, functions: list[str], build_dir: Path, key: str, extra: tuple[str, ...] = ()):
     from torch.utils import cpp_extension  # looked up at call time: tests replace load_inline
 
     if (build_dir / STAMP).exists():  # a finished build that no longer loads: start over
@@ -219,7 +223,7 @@ def _build(name: str, source: str, functions: list[str], build_dir: Path, key: s
                        f"usually 30-90 s) into {build_dir}")
     start = time.monotonic()
     module = cpp_extension.load_inline(name=name, cpp_sources=[source], functions=functions,
-                                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                                       extra_cflags=[*CFLAGS, *extra], extra_ldflags=list(LDFLAGS),
                                        build_directory=str(build_dir), verbose=False)
     seconds = time.monotonic() - start
     library = Path(getattr(module, "__file__", "") or "")

@@ -4,7 +4,9 @@ stores from fp32 and bf16, bf16 rounding, the horizontal sum and exp.
 
 The loops are written with GCC vector types rather than left to `#pragma omp simd`: the
 compiler left SiLU's exp, RoPE and the argmax scalar under it (a scalar exp took 3 ns an
-element). `v16` is 16 fp32 lanes: one AVX-512 register, two AVX2 halves elsewhere.
+element). `v16` is 16 fp32 lanes: one AVX-512 register, two AVX2 halves elsewhere. `vw` is one
+register of either set (16 lanes or 8): the type of the matmul tiles (`linear_cpu`, `lora_cpu`),
+whose accumulators must all fit in the register file.
 """
 
 SOURCE = r"""
@@ -72,4 +74,39 @@ static inline v16 vexp(v16 x) {
 }
 // the same for one value (loop tails, softmax rows)
 static inline float exp1(float x) { return vexp(v16{} + x)[0]; }
+
+// `vw`: one register of the widest vector set the CPU has, for the tiles of the matmul kernels
+// (`linear_cpu`, `lora_cpu`), whose many accumulators must all stay in registers. AVX-512 has
+// 32 registers of 16 lanes (vw is v16); AVX2 has 16 of 8 lanes (vw is v8), where a v16 takes two
+// registers and tiles of v16 spilled to the stack (8 rows of a decode matmul read the weights at
+// 2 GB/s, a third of torch's GEMM, on an AMD EPYC without AVX-512)
+#if defined(__AVX512F__)
+typedef v16 vw;
+constexpr int VW = 16;
+static inline float whsum(vw v) { return hsum(v); }
+#else
+typedef v8 vw;
+constexpr int VW = 8;
+static inline float whsum(vw v) {
+  const v4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+typedef uint16_t u16w __attribute__((vector_size(VW * 2)));
+typedef uint32_t u32w __attribute__((vector_size(VW * 4)));
+static inline vw wload(const float* p) { vw v; std::memcpy(&v, p, sizeof v); return v; }
+static inline vw wload(const c10::BFloat16* p) {
+  u16w h; std::memcpy(&h, p, sizeof h);
+  const u32w u = __builtin_convertvector(h, u32w) << 16;
+  vw v; std::memcpy(&v, &u, sizeof v); return v;
+}
+static inline void wstore(float* p, vw v) { std::memcpy(p, &v, sizeof v); }
+static inline void wstore(c10::BFloat16* p, vw v) {  // rounded as vround does
+  u32w u; std::memcpy(&u, &v, sizeof u);
+  const u32w r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const u32w keep = (u32w)(v == v);
+  const u32w o = (r & keep) | ((u | 0x00400000u) & ~keep);
+  const u16w h = __builtin_convertvector(o >> 16, u16w);
+  std::memcpy(p, &h, sizeof h);
+}
 """

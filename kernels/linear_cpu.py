@@ -10,16 +10,21 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
 - a block's NB rows are streamed once from memory, side by side, against a tile of TB x rows
   held in NB x TB vector accumulators (`cpu_vector.py`'s 16-lane type), then the next TB x rows reuse the same NB rows
   from L1; so each weight byte comes from memory once per call whatever the number of rows;
-- tile shapes follow the rows: (NB, TB) = (6, 4) up to 4 rows, (4, 8) beyond (the best of ten
-  shapes measured on tiny's weights): at most 32 accumulators, with the weight vectors read
-  once per tile; the rows left after the full tiles take the smallest tile of halved height
-  that holds them;
+- tile shapes follow the rows and the vector registers (`cpu_vector`'s `vw`: 32 of 16 lanes
+  with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (4, 8) with
+  AVX-512 and (1, 8) with AVX2 (each the best of 8-10 shapes measured on tiny's weights); the
+  weight vectors are read once per tile; the rows left after the full tiles take the smallest
+  tile of halved height that holds them. With AVX-512's (4, 8) on AVX2, 32 accumulators of two
+  registers each spilled to the stack: 8 rows ran at 2 GB/s, 32 ms for tiny's weights against
+  6 ms now and torch's 20 (AMD EPYC, 2 threads);
 - while the first tile of a block runs, the next block's rows are prefetched, so memory keeps
   streaming while the FMAs run (without it, 8 rows took 1.5x as long);
 - bf16 weights and activations: half the bytes of fp32 per step. Where the CPU has AVX512-BF16,
   `VDPBF16PS` multiplies bf16 pairs exactly and sums them into fp32 (no widening: with it, the
-  kernel was compute-bound from 4 rows on); elsewhere each vector is widened to fp32 in
-  registers (a 16-bit shift). Accumulation is fp32 either way, the result rounded once to bf16.
+  kernel was compute-bound from 4 rows on); elsewhere each weight vector is widened to fp32 in
+  registers (a 16-bit shift) and x is widened once per call, not once per weight row (on AVX2,
+  tiny's weights at 8 rows: 18 -> 7.8 ms, as fast as fp32 there: compute-bound). Accumulation
+  is fp32 either way, the result rounded once to bf16.
 Past MAX_ROWS rows (prefill), a call goes to torch's GEMM, which is better there: the weights
 are reused across many rows and the problem is compute-bound.
 
@@ -34,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import compile_inline
+from lorafleet.kernels.build import NO_AVX512, compile_inline
 
 # more rows than this: torch's GEMM. Measured on tiny's 33 weights, one thread: 24 rows 20.9 ms here
 # against 23.6 ms for torch, 32 rows 32-38 ms against 26.9
@@ -80,33 +85,43 @@ static inline void tile_dpbf16(const c10::BFloat16* const* w, const c10::BFloat1
 }
 #endif
 
+// The tile's x rows: bf16 x is widened to fp32 once per call where the CPU lacks VDPBF16PS, not
+// once per weight row in the tile (that made bf16 at 8 rows compute-bound on AVX2: 18 ms for
+// tiny's 59 MB, slower than fp32's twice the bytes)
+template <class S> struct XOf { using type = S; };
+#if !defined(__AVX512BF16__)
+template <> struct XOf<c10::BFloat16> { using type = float; };
+#endif
+template <class S> using X = typename XOf<S>::type;
+
 // out[j][t] = w[j] . x[t] over K, for NB weight rows and TB x rows; with `pf`, the rows of the
 // next block are prefetched as these stream by (one cache line of each per 64 bytes read here)
 template <class S, int NB, int TB>
-static inline void tile(const S* const* w, const S* const* x, int64_t K, float (*out)[TB], const S* const* pf) {
+static inline void tile(const S* const* w, const X<S>* const* x, int64_t K, float (*out)[TB], const S* const* pf) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<S, c10::BFloat16>) {
     tile_dpbf16<NB, TB>(w, x, K, out, pf);
     return;
   }
 #endif
-  v16 acc[NB][TB];
+  constexpr int LINE = 64 / int(sizeof(S));  // elements per cache line
+  vw acc[NB][TB];
   for (int j = 0; j < NB; ++j)
-    for (int t = 0; t < TB; ++t) acc[j][t] = v16{};
+    for (int t = 0; t < TB; ++t) acc[j][t] = vw{};
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    v16 wv[NB];
-    if (pf && (sizeof(S) == 4 || k % 32 == 0))
+  for (; k + VW <= K; k += VW) {
+    vw wv[NB];
+    if (pf && k % LINE == 0)
       for (int j = 0; j < NB; ++j) __builtin_prefetch(pf[j] + k, 0, 3);
-    for (int j = 0; j < NB; ++j) wv[j] = vload(w[j] + k);
+    for (int j = 0; j < NB; ++j) wv[j] = wload(w[j] + k);
     for (int t = 0; t < TB; ++t) {
-      const v16 xv = vload(x[t] + k);
+      const vw xv = wload(x[t] + k);
       for (int j = 0; j < NB; ++j) acc[j][t] += wv[j] * xv;
     }
   }
   for (int j = 0; j < NB; ++j)
     for (int t = 0; t < TB; ++t) {
-      float s = hsum(acc[j][t]);
+      float s = whsum(acc[j][t]);
       for (int64_t d = k; d < K; ++d) s += float(w[j][d]) * float(x[t][d]);
       out[j][t] = s;
     }
@@ -123,12 +138,12 @@ struct Args {
 // row (computed, never stored), so a tile always has its full shape
 template <class S, int NB, int TB>
 static void block(const Args& a, int64_t t0, int64_t tb, int64_t n0, int64_t nn) {
-  const S* xp = static_cast<const S*>(a.x);
+  const X<S>* xp = static_cast<const X<S>*>(a.x);
   const S* wp = static_cast<const S*>(a.w);
   const S* bp = static_cast<const S*>(a.bias);
   S* yp = static_cast<S*>(a.y);
   const S* w[NB];
-  const S* x[TB];
+  const X<S>* x[TB];
   for (int j = 0; j < NB; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, nn - 1)) * a.K;
   for (int t = 0; t < TB; ++t) x[t] = xp + (t0 + std::min<int64_t>(t, tb - 1)) * a.ldx;
   // the first tile of a block reads its rows from memory: it prefetches the next block's
@@ -174,7 +189,11 @@ static void run(const Args& a) {
 template <class S>
 static void dispatch(const Args& a) {
   if (a.T <= 4) run<S, 6, 4>(a);
+#if defined(__AVX512F__)
   else run<S, 4, 8>(a);
+#else
+  else run<S, 1, 8>(a);  // AVX2: 8 accumulators, one weight row at a time (the best of 8 shapes)
+#endif
 }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -190,6 +209,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   if (x.scalar_type() == at::kFloat) dispatch<float>(a);
   else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear: float32 or bfloat16 only");
+    torch::Tensor xf;  // x in fp32, where the tile takes it so (X<S>): kept alive through the call
+    if constexpr (!std::is_same_v<X<c10::BFloat16>, c10::BFloat16>) {
+      xf = x.to(at::kFloat);
+      a.x = xf.data_ptr();
+      a.ldx = xf.stride(0);
+    }
     dispatch<c10::BFloat16>(a);
   }
   return y;
@@ -197,9 +222,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 """
 
 
-def load():
+def load(avx2: bool = False):
     """The compiled matmul, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
+    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: built without AVX-512 (`build.NO_AVX512`) even where
+    the CPU has it, so that tests cover the AVX2 tiles too."""
+    if avx2:
+        return compile_inline("lorafleet_linear_cpu_v3_avx2", _SOURCE, "linear", cflags=NO_AVX512)
     return compile_inline("lorafleet_linear_cpu_v3", _SOURCE, "linear")
 
 

@@ -13,10 +13,14 @@ Why it exists: with one token per adapter (decode over many adapters), the torch
 ~11 tiny matmuls per adapter per layer, and the time goes to dispatch, not to reading weights.
 This kernel makes it one call per (layer, group) in two parallel passes over the pool:
 - shrink: tasks of 4 rank rows of one (segment, module); each A row is read from memory once
-  for all the segment's rows (4 x rows per vector tile), the products kept in fp32;
+  for all the segment's rows (4 x rows per vector tile; 2 on AVX2), the products kept in fp32;
 - expand: tasks of 64 output columns of one (segment, module); the Bt block is read once for
-  all the segment's rows, summed over every rank row in registers, and each output element
-  gets the whole delta at once (rounded once).
+  all the segment's rows (4 rows per tile; 1 on AVX2), summed over every rank row in registers,
+  and each output element gets the whole delta at once (rounded once).
+The tiles are sized to the CPU's register file (`cpu_vector`'s `vw`): the AVX-512 shapes ran
+out of registers on AVX2 (an AMD EPYC without AVX-512, tiny's shapes, r64 on all 7 projections:
+8 rows of one adapter took 9.2 ms a step against 1.9-2.4 ms with the AVX2 shapes, 8 adapters
+of one row each 13.8 ms against 8.3-10.6).
 So even one adapter at batch 1 spreads over every thread and decode reads each weight once, at
 the memory bound. The first version's tasks were (segment, block of 4 rows): one adapter at
 batch 1 ran on one thread, and 8 rows of one adapter read its weights twice (measured on tiny's
@@ -35,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import KernelUnavailableError, compile_inline, required  # noqa: F401  re-exported
+from lorafleet.kernels.build import NO_AVX512, KernelUnavailableError, compile_inline, required  # noqa: F401  re-exported
 
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
@@ -51,8 +55,18 @@ struct Item {
   const int64_t* table;
 };
 
+// Tile shapes, so that every accumulator of a tile stays in a register (cpu_vector's `vw`):
+#if defined(__AVX512F__)    // 32 registers of 16 lanes
 constexpr int64_t KR = 4;   // rank rows per shrink tile: each x element loaded serves four
+constexpr int SR = 4;       // x rows per shrink tile: 16 accumulators
 constexpr int64_t CW = 64;  // output columns per expand task: four vectors per row
+constexpr int ER = 4;       // x rows per expand tile: 16 accumulators
+#else                       // AVX2: 16 registers of 8 lanes (the best of 14 shapes on tiny's, r64)
+constexpr int64_t KR = 4;
+constexpr int SR = 2;       // 8 accumulators
+constexpr int64_t CW = 64;
+constexpr int ER = 1;       // 8 accumulators
+#endif
 constexpr int64_t PF = 8;   // Bt rows prefetched ahead: a task's rows are n_out apart, which the
                             // hardware prefetcher does not follow
 
@@ -75,21 +89,21 @@ static inline void gather(const S* w, const int64_t* table, int64_t E, int64_t o
 // t[b * ldt + j] = a[j] . x[b] over K, for NJ rank rows and NB x rows (fp32 sums)
 template <class S, int NJ, int NB>
 static inline void shrink_tile(const S* const* a, const S* const* x, int64_t K, float* t, int64_t ldt) {
-  v16 acc[NB][NJ];
+  vw acc[NB][NJ];
   for (int b = 0; b < NB; ++b)
-    for (int j = 0; j < NJ; ++j) acc[b][j] = v16{};
+    for (int j = 0; j < NJ; ++j) acc[b][j] = vw{};
   int64_t d = 0;
-  for (; d + 16 <= K; d += 16) {
-    v16 av[NJ];
-    for (int j = 0; j < NJ; ++j) av[j] = vload(a[j] + d);
+  for (; d + VW <= K; d += VW) {
+    vw av[NJ];
+    for (int j = 0; j < NJ; ++j) av[j] = wload(a[j] + d);
     for (int b = 0; b < NB; ++b) {
-      const v16 xv = vload(x[b] + d);
+      const vw xv = wload(x[b] + d);
       for (int j = 0; j < NJ; ++j) acc[b][j] += av[j] * xv;
     }
   }
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < NJ; ++j) {
-      float s = hsum(acc[b][j]);
+      float s = whsum(acc[b][j]);
       for (int64_t e = d; e < K; ++e) s += float(a[j][e]) * float(x[b][e]);
       t[b * ldt + j] = s;
     }
@@ -99,10 +113,10 @@ template <class S, int NJ>
 static inline void shrink_rows(const S* const* a, const S* xp, int64_t ldx, int64_t row0, int64_t n, int64_t K,
                                float* t, int64_t ldt) {
   int64_t b = 0;
-  for (; b + 4 <= n; b += 4) {
-    const S* x[4] = {xp + (row0 + b) * ldx, xp + (row0 + b + 1) * ldx, xp + (row0 + b + 2) * ldx,
-                     xp + (row0 + b + 3) * ldx};
-    shrink_tile<S, NJ, 4>(a, x, K, t + b * ldt, ldt);
+  for (; b + SR <= n; b += SR) {
+    const S* x[SR];
+    for (int i = 0; i < SR; ++i) x[i] = xp + (row0 + b + i) * ldx;
+    shrink_tile<S, NJ, SR>(a, x, K, t + b * ldt, ldt);
   }
   for (; b < n; ++b) {
     const S* x[1] = {xp + (row0 + b) * ldx};
@@ -142,26 +156,27 @@ static void shrink(const Item& it, int64_t k0, const S* wp, int64_t E, const S* 
 template <class S, int NB>
 static inline void expand_tile(const Item& it, int64_t b0, int64_t c0, int64_t w, const float* t,
                                const S* const* bt, S* op, int64_t ldo) {
-  v16 acc[NB][CW / 16];
+  constexpr int Q = CW / VW;  // vectors per row
+  vw acc[NB][Q];
   for (int b = 0; b < NB; ++b)
-    for (int q = 0; q < CW / 16; ++q) acc[b][q] = v16{};
+    for (int q = 0; q < Q; ++q) acc[b][q] = vw{};
   for (int64_t k = 0; k < it.r; ++k) {
     if (b0 == 0 && k + PF < it.r)  // the first rows read Bt from memory: its later rows ahead
-      for (int q = 0; q < CW / 16; q += 64 / (16 * (int)sizeof(S))) __builtin_prefetch(bt[k + PF] + 16 * q, 0, 3);
-    v16 bv[CW / 16];
-    for (int q = 0; q < CW / 16; ++q) bv[q] = vload(bt[k] + 16 * q);
+      for (int64_t c = 0; c < CW; c += 64 / (int)sizeof(S)) __builtin_prefetch(bt[k + PF] + c, 0, 3);
+    vw bv[Q];
+    for (int q = 0; q < Q; ++q) bv[q] = wload(bt[k] + VW * q);
     for (int b = 0; b < NB; ++b) {
       const float c = t[(b0 + b) * it.r + k];
-      for (int q = 0; q < CW / 16; ++q) acc[b][q] += c * bv[q];
+      for (int q = 0; q < Q; ++q) acc[b][q] += c * bv[q];
     }
   }
   for (int b = 0; b < NB; ++b) {
     S* y = op + (it.row0 + b0 + b) * ldo + it.col + c0;
     if (w == CW) {
-      for (int q = 0; q < CW / 16; ++q) vstore(y + 16 * q, vload(y + 16 * q) + acc[b][q]);
+      for (int q = 0; q < Q; ++q) wstore(y + VW * q, wload(y + VW * q) + acc[b][q]);
     } else {
       float sum[CW];
-      for (int q = 0; q < CW / 16; ++q) vstore(sum + 16 * q, acc[b][q]);
+      for (int q = 0; q < Q; ++q) wstore(sum + VW * q, acc[b][q]);
       for (int64_t c = 0; c < w; ++c) y[c] = S(float(y[c]) + sum[c]);
     }
   }
@@ -187,7 +202,7 @@ static void expand(const Item& it, int64_t c0, const S* wp, int64_t E, const flo
   }
   const float* ti = t + it.t_off;
   int64_t b = 0;
-  for (; b + 4 <= it.n; b += 4) expand_tile<S, 4>(it, b, c0, w, ti, bt.data(), op, ldo);
+  for (; b + ER <= it.n; b += ER) expand_tile<S, ER>(it, b, c0, w, ti, bt.data(), op, ldo);
   for (; b < it.n; ++b) expand_tile<S, 1>(it, b, c0, w, ti, bt.data(), op, ldo);
 }
 
@@ -248,9 +263,12 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
 }
 """
 
-def load():
+def load(avx2: bool = False):
     """The compiled LoRA kernel, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
+    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: built without AVX-512 (`build.NO_AVX512`) even where
+    the CPU has it, so that tests cover the AVX2 tiles too."""
+    if avx2:
+        return compile_inline("lorafleet_lora_cpu_v8_avx2", _SOURCE, "lora_paged", cflags=NO_AVX512)
     return compile_inline("lorafleet_lora_cpu_v8", _SOURCE, "lora_paged")
 
 

@@ -9,6 +9,7 @@ fused (qkv, gate_up) for fewer calls; each LoRA target still gets its own slice 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +45,22 @@ def rope_cache(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device) -> tu
     return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
 
 
+class Layer(NamedTuple):
+    """One decoder layer's tensors (None where the family has none: biases, q/k norms)."""
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_b: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down: torch.Tensor
+    down_b: torch.Tensor | None
+
+
 class LlamaModel(torch.nn.Module):
     """Weights live in plain tensors (see `loader.py`), named as below:
 
@@ -61,6 +78,8 @@ class LlamaModel(torch.nn.Module):
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = backend.select(t.device, t.dtype)  # every op of the forward pass, for this device
+        # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
+        self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
@@ -71,32 +90,31 @@ class LlamaModel(torch.nn.Module):
         cfg, w, ops = self.cfg, self.w, self.kernels
         eps = cfg.rms_norm_eps
         x = w["embed"][input_ids]                                   # [T, H], the residual stream
-        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        q_shape, kv_shape = (-1, cfg.num_heads, cfg.head_dim), (-1, cfg.num_kv_heads, cfg.head_dim)
         out = None
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
+        for i, lw in enumerate(self.layers):
             # the previous layer's MLP output joins the residual stream as this norm reads it
-            h = ops.rms_norm(x, w[p + "in_norm"], eps) if out is None else ops.add_rms_norm(x, out, w[p + "in_norm"], eps)
-            qkv = ops.linear(h, w[p + "qkv"], w.get(p + "qkv_b"))       # [T, Q+2K]
+            h = ops.rms_norm(x, lw.in_norm, eps) if out is None else ops.add_rms_norm(x, out, lw.in_norm, eps)
+            qkv = ops.linear(h, lw.qkv, lw.qkv_b)                      # [T, Q+2K]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
-            q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = qkv.split(qkv_sizes, dim=1)
+            q, k, v = q.view(q_shape), k.view(kv_shape), v.view(kv_shape)
             if cfg.qk_norm:
-                q = ops.rms_norm(q.reshape(-1, cfg.head_dim), w[p + "q_norm"], eps).view(q.shape)
-                k = ops.rms_norm(k.reshape(-1, cfg.head_dim), w[p + "k_norm"], eps).view(k.shape)
+                q = ops.rms_norm(q.reshape(-1, cfg.head_dim), lw.q_norm, eps).view(q.shape)
+                k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, eps).view(k.shape)
             ops.rope_(q, k, self.cos, self.sin, positions)                # in place
             o = ops.attention(q, k, v, kv_cache[:, i], attn, self.scale)  # [T, Q]
-            out = ops.linear(o, w[p + "o"], w.get(p + "o_b"))
+            out = ops.linear(o, lw.o, lw.o_b)
             if lora is not None:
                 lora.apply(i, "o", o, out)
-            h = ops.add_rms_norm(x, out, w[p + "post_norm"], eps)
-            gu = ops.linear(h, w[p + "gate_up"], w.get(p + "gate_up_b"))  # [T, 2I]
+            h = ops.add_rms_norm(x, out, lw.post_norm, eps)
+            gu = ops.linear(h, lw.gate_up, lw.gate_up_b)                 # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gu)
             a = ops.silu_mul(gu)
-            out = ops.linear(a, w[p + "down"], w.get(p + "down_b"))
+            out = ops.linear(a, lw.down, lw.down_b)
             if lora is not None:
                 lora.apply(i, "down", a, out)
         x.add_(out)

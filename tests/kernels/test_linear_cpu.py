@@ -1,5 +1,6 @@
 """The CPU decode matmul computes `F.linear`: within 1e-5 relative in fp32 and within bf16's
-rounding in bf16, on odd shapes, every tile remainder, strided rows and with biases; past
+rounding in bf16, on odd shapes, every tile remainder, strided rows and with biases, in the
+build for this CPU and in one without AVX-512 (`isa`: other tile shapes); past
 MAX_ROWS rows it is torch's GEMM itself; and the engine on it gives the torch path's greedy
 tokens on every parity family and on the demo fleet."""
 
@@ -29,7 +30,7 @@ def exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp32_equals_the_exact_product_within_1e_5(n, k, bias):
+def test_fp32_equals_the_exact_product_within_1e_5(n, k, bias, isa):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -44,7 +45,7 @@ def test_fp32_equals_the_exact_product_within_1e_5(n, k, bias):
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_bf16_rounds_the_fp32_sum_once(n, k):
+def test_bf16_rounds_the_fp32_sum_once(n, k, isa):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
@@ -58,7 +59,7 @@ def test_bf16_rounds_the_fp32_sum_once(n, k):
         assert ((got.double() - ref).abs() <= ref.abs() * 2 ** -8 + slack).all(), (t, n, k)
 
 
-def test_rows_with_a_stride_and_columns_with_one():
+def test_rows_with_a_stride_and_columns_with_one(isa):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g)
     wide = torch.randn(6, 50, generator=g)

@@ -1,5 +1,6 @@
 """The CPU LoRA kernel and the torch reference compute the same page-addressed LoRA, and both
-equal the dense computation (tests/kernels/lora_cases.py)."""
+equal the dense computation (tests/kernels/lora_cases.py); the kernel in the build for this CPU
+and in one without AVX-512 (`isa`: other tile shapes)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from tests.kernels.lora_cases import lora_case
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(lora_cpu.load() is None, reason="the kernel does not build here")
-OPS = {"cpu": lora_cpu.lora_paged, "reference": reference.lora_paged}
+OPS = {"cpu": lora_cpu.lora_paged, "cpu-avx2": lambda *args: lora_cpu.load(avx2=True).lora_paged(*args),
+       "reference": reference.lora_paged}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -32,7 +34,7 @@ def test_random_heterogeneous_segments_on_scattered_pages(op, seed):
 
 
 @pytest.mark.parametrize("rank", [1, 3, 8, 24, 64, 128, 256])
-def test_every_rank_with_tensors_across_page_boundaries(rank):
+def test_every_rank_with_tensors_across_page_boundaries(rank, isa):
     case = lora_case(rank, 48, [32, 16, 16], [[rank, rank, 0], [0, 0, rank]], [1, 7], page_elems=97)
     got = case.base.clone()
     lora_cpu.lora_paged(*case.args(got))
@@ -49,7 +51,7 @@ def test_no_segments_and_empty_segments_change_nothing():
     assert torch.equal(got, case.base)
 
 
-def test_writes_into_a_wider_output_through_its_row_stride():
+def test_writes_into_a_wider_output_through_its_row_stride(isa):
     case = lora_case(3, 32, [16, 8, 8], [[4, 2, 0], [1, 0, 7]], [1, 6])
     wide = torch.randn(case.x.shape[0], 64)
     view = wide[:, :32]             # the group's output inside a larger buffer
@@ -59,7 +61,7 @@ def test_writes_into_a_wider_output_through_its_row_stride():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed):
+def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
     rng = random.Random(seed)
     n_seg = rng.randint(1, 8)
     ranks = [[rng.choice([0, 1, 8, 24, 64]) for _ in range(3)] for _ in range(n_seg)]

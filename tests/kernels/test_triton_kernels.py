@@ -45,7 +45,14 @@ def check_lora(case, E=100, **bounds):
     reference.lora_paged(x, ref, w, E, seg, meta, tables)
     lora_triton.lora_paged(x, got, w, E, seg, meta, tables, **bounds)
     assert not torch.isnan(got).any()
-    torch.testing.assert_close(got.float(), ref.float(), **TOL[x.dtype])
+    if x.dtype == torch.float32:
+        # fp32 sums in another order (the interpreter's matmuls on this CPU): within 1e-5 of the
+        # sum of the terms' magnitudes, which a rank-256 row exceeds by far its absolute 1e-5
+        mag = out.abs()
+        reference.lora_paged(x.abs(), mag, w.abs(), E, seg, meta, tables)
+        assert ((got - ref).abs() <= 1e-5 * mag).all(), (got - ref).abs().max().item()
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), **TOL[x.dtype])
     assert torch.equal(got[~covered], out[~covered]), "rows in no segment must stay untouched"
     return got
 

@@ -1,0 +1,20 @@
+"""Fixtures of the kernel tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.kernels import linear_cpu, lora_cpu
+
+
+@pytest.fixture(params=["native", "avx2"])
+def isa(request, monkeypatch):
+    """A test that takes this runs twice: on the build for this CPU, then on one without AVX-512
+    (`load(avx2=True)`), whose matmul tiles have other shapes (`cpu_vector`'s `vw`). So a CI
+    machine with AVX-512 checks the AVX2 tiles too; without AVX-512 both builds are AVX2."""
+    if request.param == "avx2":
+        for module in (linear_cpu, lora_cpu):
+            native = module.load
+            assert native(avx2=True) is not native()
+            monkeypatch.setattr(module, "load", lambda native=native: native(avx2=True))
+    return request.param
