@@ -14,13 +14,13 @@ Why it exists: with one token per adapter (decode over many adapters), the torch
 This kernel makes it one call per (layer, group) in two parallel passes over the pool:
 - shrink: tasks of 4 rank rows of one (segment, module); each A row is read from memory once
   for all the segment's rows (4 x rows per vector tile; 2 on AVX2), the products kept in fp32;
-- expand: tasks of 64 output columns of one (segment, module); the Bt block is read once for
-  all the segment's rows (4 rows per tile; 1 on AVX2), summed over every rank row in registers,
-  and each output element gets the whole delta at once (rounded once).
+- expand: tasks of 64 output columns (128 on AVX2) of one (segment, module); the Bt block is
+  read once for all the segment's rows (4 rows per tile; 1 on AVX2), summed over every rank
+  row in registers, and each output element gets the whole delta at once (rounded once).
 The tiles are sized to the CPU's register file (`cpu_vector`'s `vw`): the AVX-512 shapes ran
 out of registers on AVX2 (an AMD EPYC without AVX-512, tiny's shapes, r64 on all 7 projections:
 8 rows of one adapter took 9.2 ms a step against 1.9-2.4 ms with the AVX2 shapes, 8 adapters
-of one row each 13.8 ms against 8.3-10.6).
+of one row each 13.8 ms against 8.1-9.0).
 So even one adapter at batch 1 spreads over every thread and decode reads each weight once, at
 the memory bound. The first version's tasks were (segment, block of 4 rows): one adapter at
 batch 1 ran on one thread, and 8 rows of one adapter read its weights twice (measured on tiny's
@@ -61,11 +61,11 @@ constexpr int64_t KR = 4;   // rank rows per shrink tile: each x element loaded 
 constexpr int SR = 4;       // x rows per shrink tile: 16 accumulators
 constexpr int64_t CW = 64;  // output columns per expand task: four vectors per row
 constexpr int ER = 4;       // x rows per expand tile: 16 accumulators
-#else                       // AVX2: 16 registers of 8 lanes (the best of 14 shapes on tiny's, r64)
+#else                       // AVX2: 16 registers of 8 lanes (the best of 18 shapes on tiny's, r64)
 constexpr int64_t KR = 4;
 constexpr int SR = 2;       // 8 accumulators
-constexpr int64_t CW = 64;
-constexpr int ER = 1;       // 8 accumulators
+constexpr int64_t CW = 128; // 512 contiguous bytes of each Bt row per task
+constexpr int ER = 1;       // 16 accumulators, Bt read straight into the FMAs
 #endif
 constexpr int64_t PF = 8;   // Bt rows prefetched ahead: a task's rows are n_out apart, which the
                             // hardware prefetcher does not follow
