@@ -8,8 +8,9 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
 - the N output rows are cut into blocks of NB weight rows, spread over torch's threads
   (`at::parallel_for`, so `torch.set_num_threads` governs it like every other op);
 - a block's NB rows are streamed once from memory, side by side, against a tile of TB x rows
-  held in NB x TB vector accumulators (`cpu_vector.py`'s 16-lane type), then the next TB x rows reuse the same NB rows
-  from L1; so each weight byte comes from memory once per call whatever the number of rows;
+  held in NB x TB vector accumulators (`cpu_vector.py`'s `vw`), then the next TB x rows reuse
+  the same NB rows from L1; so each weight byte comes from memory once per call whatever the
+  number of rows;
 - tile shapes follow the rows and the vector registers (`cpu_vector`'s `vw`: 32 of 16 lanes
   with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (4, 8) with
   AVX-512 and (1, 8) with AVX2 (each the best of 8-10 shapes measured on tiny's weights); the
