@@ -13,7 +13,8 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
   number of rows;
 - tile shapes follow the rows and the vector registers (`cpu_vector`'s `vw`: 32 of 16 lanes
   with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (4, 8) with
-  AVX-512 and (1, 8) with AVX2 (each the best of 8-10 shapes measured on tiny's weights); the
+  AVX-512; with AVX2 (1, 8) up to 8 rows and (2, 4) beyond (each the best of 5-10 shapes
+  measured on tiny's weights); the
   weight vectors are read once per tile; the rows left after the full tiles take the smallest
   tile of halved height that holds them. With AVX-512's (4, 8) on AVX2, 32 accumulators of two
   registers each spilled to the stack: 8 rows ran at 2 GB/s, 32 ms for tiny's weights against
@@ -26,8 +27,9 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
   registers (a 16-bit shift) and x is widened once per call, not once per weight row (on AVX2,
   tiny's weights at 8 rows: 18 -> 7.8 ms, as fast as fp32 there: compute-bound). Accumulation
   is fp32 either way, the result rounded once to bf16.
-Past MAX_ROWS rows (prefill), a call goes to torch's GEMM, which is better there: the weights
-are reused across many rows and the problem is compute-bound.
+Past `max_rows()` rows (prefill), a call goes to torch's GEMM, which is better there: the
+weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
+with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each.
 
 Semantics: those of `F.linear` (the reference in `reference.linear`), fp32 accumulation in a
 different order: equal to it within 1e-5 relative in fp32. Built and cached like the other CPU
@@ -42,10 +44,8 @@ import torch.nn.functional as F
 from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.build import NO_AVX512, compile_inline
 
-# more rows than this: torch's GEMM. Measured on tiny's 33 weights, one thread: 24 rows 20.9 ms here
-# against 23.6 ms for torch, 32 rows 32-38 ms against 26.9
-MAX_ROWS = 24
 
+FUNCTIONS = ["linear", "max_rows"]
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -193,7 +193,21 @@ static void dispatch(const Args& a) {
 #if defined(__AVX512F__)
   else run<S, 4, 8>(a);
 #else
-  else run<S, 1, 8>(a);  // AVX2: 8 accumulators, one weight row at a time (the best of 8 shapes)
+  // AVX2 (the best of 8 shapes at 8 rows, of 5 at 12-64): 8 accumulators either way
+  else if (a.T <= 8) run<S, 1, 8>(a);  // one weight row at a time, as it streams from memory
+  else run<S, 2, 4>(a);                // compute-bound: 6 loads per 8 FMAs instead of 9
+#endif
+}
+
+// more rows than this: torch's GEMM (`linear` in Python). With AVX-512 (an Intel host, tiny's 33
+// weights, one thread): 24 rows 20.9 ms here against 23.6 ms for torch, 32 rows 32-38 against
+// 26.9. With AVX2 (an AMD EPYC, 2 threads), torch's GEMM ran at 37-60 GFLOP/s where the (2, 4)
+// tiles ran at ~77: 64 rows 48.8 ms against 64.9-80.8; past that the x rows outgrow L2
+int64_t max_rows() {
+#if defined(__AVX512F__)
+  return 24;
+#else
+  return 64;
 #endif
 }
 
@@ -228,15 +242,22 @@ def load(avx2: bool = False):
     LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: built without AVX-512 (`build.NO_AVX512`) even where
     the CPU has it, so that tests cover the AVX2 tiles too."""
     if avx2:
-        return compile_inline("lorafleet_linear_cpu_v3_avx2", _SOURCE, "linear", cflags=NO_AVX512)
-    return compile_inline("lorafleet_linear_cpu_v3", _SOURCE, "linear")
+        return compile_inline("lorafleet_linear_cpu_v3_avx2", _SOURCE, FUNCTIONS, cflags=NO_AVX512)
+    return compile_inline("lorafleet_linear_cpu_v3", _SOURCE, FUNCTIONS)
+
+
+def max_rows() -> int:
+    """Rows up to which `linear` runs the kernel, torch's GEMM beyond (prefill): 24 where the
+    build has AVX-512, 64 with AVX2 (measured per instruction set: see the C++ `max_rows`)."""
+    return load().max_rows()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16): the
-    kernel up to MAX_ROWS rows, torch's GEMM beyond."""
-    if x.shape[0] > MAX_ROWS:
+    kernel up to `max_rows()` rows, torch's GEMM beyond."""
+    kernel = load()
+    if x.shape[0] > kernel.max_rows():
         return F.linear(x, w, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return load().linear(x, w, bias)
+    return kernel.linear(x, w, bias)

@@ -1,7 +1,7 @@
 """The CPU decode matmul computes `F.linear`: within 1e-5 relative in fp32 and within bf16's
 rounding in bf16, on odd shapes, every tile remainder, strided rows and with biases, in the
 build for this CPU and in one without AVX-512 (`isa`: other tile shapes); past
-MAX_ROWS rows it is torch's GEMM itself; and the engine on it gives the torch path's greedy
+`max_rows()` rows it is torch's GEMM itself; and the engine on it gives the torch path's greedy
 tokens on every parity family and on the demo fleet."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from lorafleet import Engine, SamplingParams
 from lorafleet.engine.request import Request
 from lorafleet.engine.scheduler import Chunk
-from lorafleet.kernels import linear_cpu
+from lorafleet.kernels import build, linear_cpu
 from tests.fixtures import ALL7, FAMILIES, assert_demo_fleet_matches_torch, build_adapter, build_model
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(linear_cpu.load() is None, reason="the kernel does not build here")
 
-ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, linear_cpu.MAX_ROWS]  # every tile and remainder shape
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 31, 64]  # every tile and remainder shape, to max_rows()
 SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (200, 1536)]  # (N, K)
 
 
@@ -70,11 +70,19 @@ def test_rows_with_a_stride_and_columns_with_one(isa):
     assert linear_cpu.linear(torch.randn(0, 24), w).shape == (0, 40)
 
 
-def test_past_max_rows_it_is_torchs_gemm():
+def test_past_max_rows_it_is_torchs_gemm(isa):
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(30, 20, generator=g), torch.randn(30, generator=g)
-    x = torch.randn(linear_cpu.MAX_ROWS + 1, 20, generator=g)
+    x = torch.randn(linear_cpu.max_rows() + 1, 20, generator=g)
     assert torch.equal(linear_cpu.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_the_kernel_serves_up_to_24_rows_with_avx512_and_64_with_avx2():
+    """Where torch's GEMM takes over, per build: 64 rows where it has no AVX-512 (on the AMD host
+    it was measured on, torch's GEMM ran at about half the kernel's rate up to there)."""
+    has_avx512 = " avx512f" in build.cpu_identity()
+    assert linear_cpu.load().max_rows() == (24 if has_avx512 else 64)
+    assert linear_cpu.load(avx2=True).max_rows() == 64
 
 
 def test_mismatched_inputs_are_refused_with_the_reason():
@@ -88,7 +96,8 @@ def test_mismatched_inputs_are_refused_with_the_reason():
 
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 5, [20, 21, 22], [30] * 17, [40, 41]]  # 35 rows: GEMM, then kernel
+# a prefill of 92 rows (past max_rows() in both builds: torch's GEMM), then decode steps on the kernel
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 10, [20, 21, 22], [30] * 17, [40, 41]]
 
 
 def greedy(kernels: str, monkeypatch, folder, **options):
