@@ -193,7 +193,7 @@ static void dispatch(const Args& a) {
 #if defined(__AVX512F__)
   else run<S, 4, 8>(a);
 #else
-  // AVX2 (the best of 8 shapes at 8 rows, of 5 at 12-64): 8 accumulators either way
+  // AVX2 (the best of 8 shapes at 8 rows, of 3-5 at 12-64): 8 accumulators either way
   else if (a.T <= 8) run<S, 1, 8>(a);  // one weight row at a time, as it streams from memory
   else run<S, 2, 4>(a);                // compute-bound: 6 loads per 8 FMAs instead of 9
 #endif
