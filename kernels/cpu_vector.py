@@ -22,34 +22,45 @@ typedef int32_t i16v __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
-static inline v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-// 16 bf16 -> 16 fp32: a bf16 is the top half of the fp32 with the same bits
-static inline v16 vload(const c10::BFloat16* p) {
-  u16x16 h; std::memcpy(&h, p, sizeof h);
-  const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-  v16 v; std::memcpy(&v, &u, sizeof v); return v;
+// bf16 <-> fp32 on any lane count (U16, U32: the unsigned vectors of V's lanes), for v16 and vw:
+// a bf16 is the top half of the fp32 with the same bits
+template <class V, class U32, class U16>
+static inline V bf16_widen(const c10::BFloat16* p) {
+  U16 h; std::memcpy(&h, p, sizeof h);
+  const U32 u = __builtin_convertvector(h, U32) << 16;
+  V v; std::memcpy(&v, &u, sizeof v); return v;
 }
+// each lane's bits rounded to the nearest even bf16 (the low half zero; NaN stays NaN)
+template <class U32, class V>
+static inline U32 bf16_round_bits(V v) {
+  U32 u; std::memcpy(&u, &v, sizeof u);
+  const U32 r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const U32 keep = (U32)(v == v);
+  return (r & keep) | ((u | 0x00400000u) & ~keep);
+}
+template <class U16, class U32, class V>
+static inline void bf16_store(c10::BFloat16* p, V v) {
+  const U16 h = __builtin_convertvector(bf16_round_bits<U32>(v) >> 16, U16);
+  std::memcpy(p, &h, sizeof h);
+}
+
+static inline v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+static inline v16 vload(const c10::BFloat16* p) { return bf16_widen<v16, u32x16, u16x16>(p); }
 // each lane as the dtype holds it: identity in fp32; in bf16 rounded to nearest even (NaN stays NaN)
 static inline v16 vround(v16 v, float) { return v; }
 static inline v16 vround(v16 v, c10::BFloat16) {
-  u32x16 u; std::memcpy(&u, &v, sizeof u);
-  const u32x16 r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const u32x16 keep = (u32x16)(v == v);
-  const u32x16 out = (r & keep) | ((u | 0x00400000u) & ~keep);
+  const u32x16 out = bf16_round_bits<u32x16>(v);
   v16 o; std::memcpy(&o, &out, sizeof o); return o;
 }
 static inline void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-static inline void vstore(c10::BFloat16* p, v16 v) {
-  v = vround(v, c10::BFloat16());
-  u32x16 u; std::memcpy(&u, &v, sizeof u);
-  const u16x16 h = __builtin_convertvector(u >> 16, u16x16);
-  std::memcpy(p, &h, sizeof h);
-}
-static inline float hsum(v16 v) {
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+static inline void vstore(c10::BFloat16* p, v16 v) { bf16_store<u16x16, u32x16>(p, v); }
+static inline float hsum(v8 a) {
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+static inline float hsum(v16 v) {
+  return hsum(v8(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)));
 }
 // exp(x) on 16 lanes, x clamped to [-87, 88]: 2^(x log2 e) split into 2^i * 2^f, 2^f by a
 // degree-6 polynomial on [0, 1) (relative error < 2e-7, under fp32 rounding of the sum)
@@ -83,30 +94,14 @@ static inline float exp1(float x) { return vexp(v16{} + x)[0]; }
 #if defined(__AVX512F__)
 typedef v16 vw;
 constexpr int VW = 16;
-static inline float whsum(vw v) { return hsum(v); }
 #else
 typedef v8 vw;
 constexpr int VW = 8;
-static inline float whsum(vw v) {
-  const v4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
 #endif
 typedef uint16_t u16w __attribute__((vector_size(VW * 2)));
 typedef uint32_t u32w __attribute__((vector_size(VW * 4)));
 static inline vw wload(const float* p) { vw v; std::memcpy(&v, p, sizeof v); return v; }
-static inline vw wload(const c10::BFloat16* p) {
-  u16w h; std::memcpy(&h, p, sizeof h);
-  const u32w u = __builtin_convertvector(h, u32w) << 16;
-  vw v; std::memcpy(&v, &u, sizeof v); return v;
-}
+static inline vw wload(const c10::BFloat16* p) { return bf16_widen<vw, u32w, u16w>(p); }
 static inline void wstore(float* p, vw v) { std::memcpy(p, &v, sizeof v); }
-static inline void wstore(c10::BFloat16* p, vw v) {  // rounded as vround does
-  u32w u; std::memcpy(&u, &v, sizeof u);
-  const u32w r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  const u32w keep = (u32w)(v == v);
-  const u32w o = (r & keep) | ((u | 0x00400000u) & ~keep);
-  const u16w h = __builtin_convertvector(o >> 16, u16w);
-  std::memcpy(p, &h, sizeof h);
-}
+static inline void wstore(c10::BFloat16* p, vw v) { bf16_store<u16w, u32w>(p, v); }
 """

@@ -122,7 +122,7 @@ static inline void tile(const S* const* w, const X<S>* const* x, int64_t K, floa
   }
   for (int j = 0; j < NB; ++j)
     for (int t = 0; t < TB; ++t) {
-      float s = whsum(acc[j][t]);
+      float s = hsum(acc[j][t]);
       for (int64_t d = k; d < K; ++d) s += float(w[j][d]) * float(x[t][d]);
       out[j][t] = s;
     }

@@ -103,7 +103,7 @@ static inline void shrink_tile(const S* const* a, const S* const* x, int64_t K, 
   }
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < NJ; ++j) {
-      float s = whsum(acc[b][j]);
+      float s = hsum(acc[b][j]);
       for (int64_t e = d; e < K; ++e) s += float(a[j][e]) * float(x[b][e]);
       t[b * ldt + j] = s;
     }
