@@ -71,8 +71,8 @@ log = logging.getLogger("lorafleet.kernels")
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-# extra flags for a build without AVX-512 on a CPU that has it: the tests run the AVX2 tile shapes
-# of the matmul kernels (`cpu_vector`'s `vw`) wherever they run
+# extra flags for a build without AVX-512 on a CPU that has it (`load_kernel(avx2=True)`): the tests
+# run the AVX2 code of every CPU kernel (`cpu_vector`'s `vw` of 8 lanes) wherever they run
 NO_AVX512 = ("-mno-avx512f",)
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 STAMP = "lorafleet-built.json"
@@ -125,6 +125,14 @@ def compile_inline(name: str, source: str, function: str | Sequence[str], cflags
         cause = why if isinstance(why, BaseException) else None
         raise KernelUnavailableError(f"CPU kernel {name} unavailable and LORAFLEET_REQUIRE_CPU_KERNELS=1: {why}") from cause
     return _modules[name]
+
+
+def load_kernel(name: str, source: str, function: str | Sequence[str], avx2: bool = False):
+    """`compile_inline` for this CPU, or with `avx2` a build without AVX-512 (`NO_AVX512`, its own
+    module `name`_avx2) even where the CPU has it, so that tests cover the AVX2 code too."""
+    if avx2:
+        return compile_inline(f"{name}_avx2", source, function, cflags=NO_AVX512)
+    return compile_inline(name, source, function)
 
 
 def cache_dir() -> Path:

@@ -13,14 +13,15 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
   number of rows;
 - tile shapes follow the rows and the vector registers (`cpu_vector`'s `vw`: 32 of 16 lanes
   with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (4, 8) with
-  AVX-512; with AVX2 (1, 8) up to 8 rows and (2, 4) beyond (each the best of 5-10 shapes
-  measured on tiny's weights); the
-  weight vectors are read once per tile; the rows left after the full tiles take the smallest
-  tile of halved height that holds them. With AVX-512's (4, 8) on AVX2, 32 accumulators of two
+  AVX-512; with AVX2 (8, 1) for one fp32 row, (6, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
+  (each the best of 5-10 shapes measured on tiny's weights); the weight vectors are read once
+  per tile; the rows left after the full tiles take the smallest tile of halved height that
+  holds them. With AVX-512's (4, 8) on AVX2, 32 accumulators of two
   registers each spilled to the stack: 8 rows ran at 2 GB/s, 32 ms for tiny's weights against
   6 ms now and torch's 20 (AMD EPYC, 2 threads);
 - while the first tile of a block runs, the next block's rows are prefetched, so memory keeps
-  streaming while the FMAs run (without it, 8 rows took 1.5x as long);
+  streaming while the FMAs run (without it, 8 rows took 1.5x as long); but not for one fp32
+  row on AVX2, where the hardware prefetcher alone kept memory busier (23 GB/s against 21);
 - bf16 weights and activations: half the bytes of fp32 per step. Where the CPU has AVX512-BF16,
   `VDPBF16PS` multiplies bf16 pairs exactly and sums them into fp32 (no widening: with it, the
   kernel was compute-bound from 4 rows on); elsewhere each weight vector is widened to fp32 in
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import NO_AVX512, compile_inline
+from lorafleet.kernels.build import load_kernel
 
 
 FUNCTIONS = ["linear", "max_rows"]
@@ -136,8 +137,8 @@ struct Args {
 };
 
 // rows [t0, t0 + tb) against weight rows [n0, n0 + nn); pointers past the end repeat the last
-// row (computed, never stored), so a tile always has its full shape
-template <class S, int NB, int TB>
+// row (computed, never stored), so a tile always has its full shape. PF: prefetch the next block
+template <class S, int NB, int TB, bool PF>
 static void block(const Args& a, int64_t t0, int64_t tb, int64_t n0, int64_t nn) {
   const X<S>* xp = static_cast<const X<S>*>(a.x);
   const S* wp = static_cast<const S*>(a.w);
@@ -153,47 +154,52 @@ static void block(const Args& a, int64_t t0, int64_t tb, int64_t n0, int64_t nn)
   const S* pf[NB];
   for (int j = 0; j < NB; ++j) pf[j] = wp + std::min<int64_t>(n0 + NB + j, a.N - 1) * a.K;
   float out[NB][TB];
-  tile<S, NB, TB>(w, x, a.K, out, t0 == 0 && n0 + NB < a.N ? pf : nullptr);
+  tile<S, NB, TB>(w, x, a.K, out, PF && t0 == 0 && n0 + NB < a.N ? pf : nullptr);
   for (int t = 0; t < tb; ++t)
     for (int j = 0; j < nn; ++j)
       yp[(t0 + t) * a.ldy + n0 + j] = S(out[j][t] + (bp ? float(bp[n0 + j]) : 0.f));
 }
 
-template <class S, int NB, int TB>
+template <class S, int NB, int TB, bool PF>
 static void rest_rows(const Args& a, int64_t t0, int64_t n0, int64_t nn) {
   // rows left after the full tiles: one tile of the smallest shape that holds them
   const int64_t rest = a.T - t0;
   if constexpr (TB > 1) {
-    if (rest <= TB / 2) { rest_rows<S, NB, TB / 2>(a, t0, n0, nn); return; }
+    if (rest <= TB / 2) { rest_rows<S, NB, TB / 2, PF>(a, t0, n0, nn); return; }
   }
-  block<S, NB, TB>(a, t0, rest, n0, nn);
+  block<S, NB, TB, PF>(a, t0, rest, n0, nn);
 }
 
-template <class S, int NB, int TB>
+template <class S, int NB, int TB, bool PF>
 static void tiles(const Args& a, int64_t n0, int64_t nn) {
   int64_t t0 = 0;
-  for (; t0 + TB <= a.T; t0 += TB) block<S, NB, TB>(a, t0, TB, n0, nn);
-  if (t0 < a.T) rest_rows<S, NB, TB>(a, t0, n0, nn);
+  for (; t0 + TB <= a.T; t0 += TB) block<S, NB, TB, PF>(a, t0, TB, n0, nn);
+  if (t0 < a.T) rest_rows<S, NB, TB, PF>(a, t0, n0, nn);
 }
 
-template <class S, int NB, int TB>
+template <class S, int NB, int TB, bool PF = true>
 static void run(const Args& a) {
   const int64_t blocks = (a.N + NB - 1) / NB;
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB;
-      tiles<S, NB, TB>(a, n0, std::min<int64_t>(NB, a.N - n0));
+      tiles<S, NB, TB, PF>(a, n0, std::min<int64_t>(NB, a.N - n0));
     }
   });
 }
 
 template <class S>
 static void dispatch(const Args& a) {
-  if (a.T <= 4) run<S, 6, 4>(a);
 #if defined(__AVX512F__)
+  if (a.T <= 4) run<S, 6, 4>(a);
   else run<S, 4, 8>(a);
 #else
-  // AVX2 (the best of 8 shapes at 8 rows, of 3-5 at 12-64): 8 accumulators either way
+  // AVX2 (each the best of 5-10 shapes measured on an AMD EPYC): one fp32 row streams 8 weight
+  // rows side by side with no prefetch (tiny's weights at 23 GB/s, 21 with (6, 1) and its
+  // prefetch; bf16, compute-bound by the widening, ran 20% slower so); 8 accumulators from 2
+  // rows on
+  if (a.T == 1 && std::is_same_v<S, float>) run<S, 8, 1, false>(a);
+  else if (a.T <= 4) run<S, 6, 4>(a);
   else if (a.T <= 8) run<S, 1, 8>(a);  // one weight row at a time, as it streams from memory
   else run<S, 2, 4>(a);                // compute-bound: 6 loads per 8 FMAs instead of 9
 #endif
@@ -239,11 +245,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 
 def load(avx2: bool = False):
     """The compiled matmul, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: built without AVX-512 (`build.NO_AVX512`) even where
-    the CPU has it, so that tests cover the AVX2 tiles too."""
-    if avx2:
-        return compile_inline("lorafleet_linear_cpu_v3_avx2", _SOURCE, FUNCTIONS, cflags=NO_AVX512)
-    return compile_inline("lorafleet_linear_cpu_v3", _SOURCE, FUNCTIONS)
+    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: the build without AVX-512 (`build.load_kernel`)."""
+    return load_kernel("lorafleet_linear_cpu_v3", _SOURCE, FUNCTIONS, avx2)
 
 
 def max_rows() -> int:

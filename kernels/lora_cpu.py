@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import NO_AVX512, KernelUnavailableError, compile_inline, required  # noqa: F401  re-exported
+from lorafleet.kernels.build import load_kernel
 
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
@@ -265,11 +265,8 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
 
 def load(avx2: bool = False):
     """The compiled LoRA kernel, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: built without AVX-512 (`build.NO_AVX512`) even where
-    the CPU has it, so that tests cover the AVX2 tiles too."""
-    if avx2:
-        return compile_inline("lorafleet_lora_cpu_v8_avx2", _SOURCE, "lora_paged", cflags=NO_AVX512)
-    return compile_inline("lorafleet_lora_cpu_v8", _SOURCE, "lora_paged")
+    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: the build without AVX-512 (`build.load_kernel`)."""
+    return load_kernel("lorafleet_lora_cpu_v8", _SOURCE, "lora_paged", avx2)
 
 
 def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import compile_inline
+from lorafleet.kernels.build import load_kernel
 
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
@@ -93,9 +93,9 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
         for (int64_t u = 0; u < L; ++u) m = std::max(m, sg[u]);
         float sum = 0.f;
         int64_t u = 0;
-        for (; u + 16 <= L; u += 16) {
-          const v16 e = vexp(vload(sg + u) - m);
-          vstore(sg + u, e);
+        for (; u + VW <= L; u += VW) {
+          const vw e = wexp(wload(sg + u) - m);
+          wstore(sg + u, e);
           sum += hsum(e);
         }
         for (; u < L; ++u) { sg[u] = exp1(sg[u] - m); sum += sg[u]; }
@@ -131,10 +131,11 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
 """
 
 
-def load():
+def load(avx2: bool = False):
     """The compiled decode kernel, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1: see `build.compile_inline`)."""
-    return compile_inline("lorafleet_attn_cpu_v5", _SOURCE, "paged_decode")
+    LORAFLEET_REQUIRE_CPU_KERNELS=1: see `build.compile_inline`). `avx2`: the build without
+    AVX-512 (`build.load_kernel`)."""
+    return load_kernel("lorafleet_attn_cpu_v6", _SOURCE, "paged_decode", avx2)
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import compile_inline
+from lorafleet.kernels.build import load_kernel
 
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
@@ -118,12 +118,12 @@ static void rope_heads(S* x, int64_t s0, int64_t s1, int64_t T, int64_t heads, i
         S* v = x + t * s0 + j * s1;
         // reference: x * cos + cat(-x2, x1) * sin, each product and the sum in the dtype
         int64_t d = 0;
-        for (; d + 16 <= h; d += 16) {
-          const v16 a = vload(v + d), b = vload(v + d + h);
-          const v16 lo = vround(a * vload(c + d), S()) + vround(-b * vload(s + d), S());
-          const v16 hi = vround(b * vload(c + d + h), S()) + vround(a * vload(s + d + h), S());
-          vstore(v + d, lo);
-          vstore(v + d + h, hi);
+        for (; d + VW <= h; d += VW) {
+          const vw a = wload(v + d), b = wload(v + d + h);
+          const vw lo = wround(a * wload(c + d), S()) + wround(-b * wload(s + d), S());
+          const vw hi = wround(b * wload(c + d + h), S()) + wround(a * wload(s + d + h), S());
+          wstore(v + d, lo);
+          wstore(v + d + h, hi);
         }
         for (; d < h; ++d) {
           const float a = float(v[d]), b = float(v[d + h]);
@@ -168,9 +168,9 @@ static void silu_rows(const S* gu, int64_t ld, S* a, int64_t T, int64_t I) {
       const S* g = gu + t * ld;
       S* out = a + t * I;
       int64_t d = 0;
-      for (; d + 16 <= I; d += 16) {
-        const v16 x = vload(g + d);
-        vstore(out + d, vround(x / (1.f + vexp(-x)), S()) * vload(g + d + I));
+      for (; d + VW <= I; d += VW) {
+        const vw x = wload(g + d);
+        wstore(out + d, wround(x / (1.f + wexp(-x)), S()) * wload(g + d + I));
       }
       for (; d < I; ++d) {
         const float x = float(g[d]);
@@ -231,24 +231,24 @@ std::tuple<torch::Tensor, torch::Tensor> greedy(torch::Tensor logits) {
       const float* row = lp + s * ld;
       // pass 1: the largest value, and whether any is NaN or infinite (x - x is 0 only for
       // finite x); NaN lanes never win a > comparison
-      v16 vm = v16{} + row[0];
-      i16v vbad = i16v{};
+      vw vm = vw{} + row[0];
+      iw vbad = iw{};
       int64_t i = 0;
-      for (; i + 16 <= V; i += 16) {
-        const v16 x = vload(row + i);
+      for (; i + VW <= V; i += VW) {
+        const vw x = wload(row + i);
         vm = x > vm ? x : vm;
-        vbad |= (i16v)((x - x) != 0.f);
+        vbad |= (iw)((x - x) != 0.f);
       }
       float m = vm[0];
       int bad = 0;
-      for (int l = 0; l < 16; ++l) { m = vm[l] > m ? vm[l] : m; bad |= vbad[l] != 0; }
+      for (int l = 0; l < VW; ++l) { m = vm[l] > m ? vm[l] : m; bad |= vbad[l] != 0; }
       for (; i < V; ++i) { m = row[i] > m ? row[i] : m; bad |= (row[i] - row[i]) != 0.f; }
-      // pass 2: the first index holding it, 16 at a time
+      // pass 2: the first index holding it, a register at a time
       int64_t at = 0;
-      for (; at + 16 <= V; at += 16) {
-        const i16v eq = (i16v)(vload(row + at) == m);
+      for (; at + VW <= V; at += VW) {
+        const iw eq = (iw)(wload(row + at) == m);
         int any = 0;
-        for (int l = 0; l < 16; ++l) any |= eq[l];
+        for (int l = 0; l < VW; ++l) any |= eq[l];
         if (any) break;
       }
       while (at < V && !(row[at] == m)) ++at;
@@ -263,10 +263,10 @@ std::tuple<torch::Tensor, torch::Tensor> greedy(torch::Tensor logits) {
 FUNCTIONS = ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "write_kv", "greedy"]
 
 
-def load():
+def load(avx2: bool = False):
     """The compiled ops, or None when they cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1)."""
-    return compile_inline("lorafleet_pointwise_cpu_v6", _SOURCE, FUNCTIONS)
+    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: the build without AVX-512 (`build.load_kernel`)."""
+    return load_kernel("lorafleet_pointwise_cpu_v7", _SOURCE, FUNCTIONS, avx2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

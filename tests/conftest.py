@@ -43,8 +43,8 @@ def pytest_configure(config):
         pointwise_cpu.load()
         lora_cpu.load()
         paged_attention_cpu.load()
-        linear_cpu.load(avx2=True)  # tests/kernels' `isa` fixture: the AVX2 tiles, wherever the CPU
-        lora_cpu.load(avx2=True)    # has AVX-512 too
+        for kernel in (linear_cpu, pointwise_cpu, lora_cpu, paged_attention_cpu):
+            kernel.load(avx2=True)  # tests/kernels' `isa` fixture: the AVX2 code, wherever the CPU has AVX-512 too
     except build.KernelUnavailableError as e:
         pytest.exit(f"{e}\n(unset LORAFLEET_REQUIRE_CPU_KERNELS to test the torch fallback instead)",
                     returncode=pytest.ExitCode.INTERNAL_ERROR)

@@ -5,7 +5,11 @@ the same run (`lora_decode.measure_bandwidth`: a streaming sum over 1 GiB).
 
 Per batch size (1, 8, 32 by default): the median time of a pure decode step (no adapters, short
 prompts, so the KV read is small beside the weights'), the bound, and their ratio (issue 18's
-target: within 1.5x at batch 1 and 8), in float32 or bfloat16 (half the bytes). The weight bytes are every distinct weight tensor of the
+target: within 1.5x at batch 1 and 8), in float32 or bfloat16 (half the bytes). The bandwidth
+is measured again after each round and each round's steps are set against their own round's
+bound; the ratio is the median of those. On a shared machine whose speed drifts over seconds
+(steps of one model 6.7 ms in one minute and 11 in the next, on an AMD EPYC VM), one bandwidth
+taken at the end made the ratio follow the drift rather than the code. The weight bytes are every distinct weight tensor of the
 model but the embedding table (a step reads one row of it per sequence), the LM head counted
 once even when tied to it.
 """
@@ -48,23 +52,30 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     decode_step_time(engine, prompts[:2], [None] * 2, 2)  # warm-up: first allocations, kernel builds
-    times = {b: [] for b in batches}
-    for r in range(rounds):
-        for b in batches:
-            step, _ = decode_step_time(engine, prompts[:b], [None] * b, steps)
-            times[b].append(step)
-            if progress:
-                progress(f"{shape} round {r + 1}/{rounds} batch {b}: decode step {step * 1e3:.2f} ms")
     nbytes = step_weight_bytes(engine.model.w)
-    bandwidth = measure_bandwidth()
+    times, ratios, bandwidths = {b: [] for b in batches}, {b: [] for b in batches}, []
+    for r in range(rounds):
+        round_steps = {}
+        for b in batches:
+            round_steps[b], _ = decode_step_time(engine, prompts[:b], [None] * b, steps)
+            times[b].append(round_steps[b])
+        bandwidths.append(measure_bandwidth())  # the bound of this round's steps, measured beside them
+        for b in batches:
+            ratios[b].append(round_steps[b] * bandwidths[-1] / nbytes)
+            if progress:
+                progress(f"{shape} round {r + 1}/{rounds} batch {b}: decode step {round_steps[b] * 1e3:.2f} ms, "
+                         f"{ratios[b][-1]:.2f}x the bound at {bandwidths[-1] / 1e9:.1f} GB/s")
+    bandwidth = statistics.median(bandwidths)
     bound = nbytes / bandwidth
     rows = []
     for b in batches:
         step = statistics.median(times[b])
-        rows.append({"batch": b, "step_ms": step * 1e3, "bound_ms": bound * 1e3, "ratio": step / bound,
+        rows.append({"batch": b, "step_ms": step * 1e3, "bound_ms": bound * 1e3, "ratio": statistics.median(ratios[b]),
+                     "round_step_ms": [t * 1e3 for t in times[b]], "round_ratios": ratios[b],
                      "tokens_per_s": b / step, "effective_gb_s": nbytes / step / 1e9})
     return {"benchmark": "decode-bound", "shape": shape, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "steps": steps, "rounds": rounds,
             "weight_bytes": nbytes, "bandwidth_gb_s": bandwidth / 1e9, "bound_ms": bound * 1e3,
+            "round_bandwidths_gb_s": [bw / 1e9 for bw in bandwidths],
             "batches": rows, "target_ratio": TARGET_RATIO,
             "target_met": all(r["ratio"] <= TARGET_RATIO for r in rows if r["batch"] in (1, 8))}

@@ -181,7 +181,8 @@ def lora_decode_table(results: list[dict]) -> Table:
 def decode_bound_table(results: list[dict]) -> Table:
     table = _table("decode-bound: a base-model decode step against reading its weights once",
                    ["shape", "weights", "read GB/s", "batch", "step ms", "bound ms", "ratio", "tok/s"],
-                   f"target: <= {results[0]['target_ratio']}x the bound at batch 1 and 8", left=1)
+                   f"ratio: the median over rounds of a round's step against its own bound; read GB/s and "
+                   f"bound: their medians\ntarget: <= {results[0]['target_ratio']}x the bound at batch 1 and 8", left=1)
     for r in results:
         for i, row in enumerate(r["batches"]):
             first = i == 0

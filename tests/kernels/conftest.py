@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.kernels import linear_cpu, lora_cpu
+from lorafleet.kernels import linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
+
+CPU_KERNELS = (linear_cpu, lora_cpu, pointwise_cpu, paged_attention_cpu)
 
 
 @pytest.fixture(params=["native", "avx2"])
 def isa(request, monkeypatch):
     """A test that takes this runs twice: on the build for this CPU, then on one without AVX-512
-    (`load(avx2=True)`), whose matmul tiles have other shapes (`cpu_vector`'s `vw`). So a CI
-    machine with AVX-512 checks the AVX2 tiles too; without AVX-512 both builds are AVX2."""
+    (`load(avx2=True)`), whose vectors have 8 lanes, not 16 (`cpu_vector`'s `vw`), and whose
+    matmul tiles have other shapes. So a CI machine with AVX-512 checks the AVX2 code too;
+    without AVX-512 both builds are AVX2."""
     if request.param == "avx2":
-        for module in (linear_cpu, lora_cpu):
+        for module in CPU_KERNELS:
             native = module.load
             assert native(avx2=True) is not native()
             monkeypatch.setattr(module, "load", lambda native=native: native(avx2=True))

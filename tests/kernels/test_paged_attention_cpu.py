@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="the 
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim, block", [(4, 2, 16, 16), (9, 3, 64, 16), (8, 8, 8, 4), (6, 1, 24, 8)])
-def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, block):
+def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, block, isa):
     g = torch.Generator().manual_seed(heads * 100 + dim)
     pages, layers = 40, 3
     pool = torch.randn(pages, layers, 2, block, kv_heads, dim, generator=g)

@@ -26,7 +26,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [1, 15, 64, 577])
-def test_rms_norm_and_the_residual_add_before_it(dtype, hidden):
+def test_rms_norm_and_the_residual_add_before_it(dtype, hidden, isa):
     g = torch.Generator().manual_seed(hidden)
     for t in ROWS:
         wide = torch.randn(t, hidden + 5, generator=g).to(dtype)
@@ -42,7 +42,7 @@ def test_rms_norm_and_the_residual_add_before_it(dtype, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 8), (9, 3, 64), (2, 2, 2)])
-def test_rope_in_place_on_views_of_the_fused_qkv(dtype, heads, kv_heads, dim):
+def test_rope_in_place_on_views_of_the_fused_qkv(dtype, heads, kv_heads, dim, isa):
     g = torch.Generator().manual_seed(heads * dim)
     positions_max = 50
     angles = torch.rand(positions_max, dim // 2, generator=g) * 6
@@ -65,7 +65,7 @@ def test_rope_in_place_on_views_of_the_fused_qkv(dtype, heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_times_up(dtype):
+def test_silu_times_up(dtype, isa):
     g = torch.Generator().manual_seed(7)
     for t in ROWS:
         for inter in (1, 33, 1536):
@@ -88,7 +88,7 @@ def test_bad_inputs_are_refused_with_the_reason():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kv_rows_land_in_their_slots_and_nowhere_else(dtype):
+def test_kv_rows_land_in_their_slots_and_nowhere_else(dtype, isa):
     g = torch.Generator().manual_seed(11)
     pages, layers, block, kvh, dim, t = 6, 3, 4, 2, 8, 5
     pool = torch.randn(pages, layers, 2, block, kvh, dim, generator=g).to(dtype)
@@ -105,7 +105,7 @@ def test_kv_rows_land_in_their_slots_and_nowhere_else(dtype):
         pointwise_cpu.write_kv(kv, k, v, torch.tensor([6, 0, 0, 0, 0]), slot_offsets)
 
 
-def test_greedy_takes_the_first_largest_and_flags_non_finite_rows():
+def test_greedy_takes_the_first_largest_and_flags_non_finite_rows(isa):
     g = torch.Generator().manual_seed(12)
     logits = torch.randn(7, 1000, generator=g)
     logits[1, [17, 400]] = 50.0                  # a tie: the first wins
