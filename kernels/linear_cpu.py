@@ -16,9 +16,9 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
   AVX-512; with AVX2 (8, 1) for one fp32 row, (6, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
   (each the best of 5-10 shapes measured on tiny's weights); the weight vectors are read once
   per tile; the rows left after the full tiles take the smallest tile of halved height that
-  holds them. With AVX-512's (4, 8) on AVX2, 32 accumulators of two
-  registers each spilled to the stack: 8 rows ran at 2 GB/s, 32 ms for tiny's weights against
-  6 ms now and torch's 20 (AMD EPYC, 2 threads);
+  holds them. With AVX-512's (4, 8) on AVX2, 32 accumulators of two registers each spilled to
+  the stack: 8 rows ran at 2 GB/s, 32 ms for tiny's weights against 6 ms now and torch's 20
+  (AMD EPYC, 2 threads);
 - while the first tile of a block runs, the next block's rows are prefetched, so memory keeps
   streaming while the FMAs run (without it, 8 rows took 1.5x as long); but not for one fp32
   row on AVX2, where the hardware prefetcher alone kept memory busier (23 GB/s against 21);

@@ -5,13 +5,14 @@ the same run (`lora_decode.measure_bandwidth`: a streaming sum over 1 GiB).
 
 Per batch size (1, 8, 32 by default): the median time of a pure decode step (no adapters, short
 prompts, so the KV read is small beside the weights'), the bound, and their ratio (issue 18's
-target: within 1.5x at batch 1 and 8), in float32 or bfloat16 (half the bytes). The bandwidth
-is measured again after each round and each round's steps are set against their own round's
-bound; the ratio is the median of those. On a shared machine whose speed drifts over seconds
-(steps of one model 6.7 ms in one minute and 11 in the next, on an AMD EPYC VM), one bandwidth
-taken at the end made the ratio follow the drift rather than the code. The weight bytes are every distinct weight tensor of the
-model but the embedding table (a step reads one row of it per sequence), the LM head counted
-once even when tied to it.
+target: within 1.5x at batch 1 and 8), in float32 or bfloat16 (half the bytes). The weight
+bytes are every distinct weight tensor of the model but the embedding table (a step reads one
+row of it per sequence), the LM head counted once even when tied to it.
+
+The bandwidth is measured again after each round, and each round's steps are set against their
+own round's bound; the ratio is the median of those. On a shared machine whose speed drifts
+over minutes (a `tiny` step at batch 1 took 6.7 ms in one minute and 11 in another, on an AMD
+EPYC VM), one bandwidth taken at the end let the ratio follow the drift rather than the code.
 """
 
 from __future__ import annotations
