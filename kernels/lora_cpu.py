@@ -22,8 +22,9 @@ This kernel makes it one call per (layer, group) in two or three parallel passes
   the partials into the output (rounded once). Column tasks read each Bt row in 512-byte pieces
   n_out apart; whole rows stream. Measured on tiny's shapes, r64 on all 7 projections, an AMD
   EPYC (AVX2), the LoRA calls of one step, old and new alternated: one adapter at batch 1
-  2.12 -> 1.88 ms, 8 adapters of one row each 12.5 -> 10.6 ms (8 rank rows a task; 16 and 32
-  were 2-5% faster still, 4 slower).
+  2.12 -> 1.88 ms, 8 adapters of one row each 12.5 -> 10.6 ms, with 8 rank rows a task. In
+  another run 16 rows took 1.83 and 10.2 ms against 8's 1.87 and 10.4 (32: 1.81 and 9.9; 4:
+  1.95 and 11.4); 16 keeps a rank-64 module at 4 tasks for the threads.
 The tiles are sized to the CPU's register file (`cpu_vector`'s `vw`): the AVX-512 shapes ran
 out of registers on AVX2 (an AMD EPYC without AVX-512, tiny's shapes, r64 on all 7 projections:
 8 rows of one adapter took 9.2 ms a step against 1.9-2.4 ms with the AVX2 shapes, 8 adapters
@@ -220,7 +221,7 @@ static void expand(const Item& it, int64_t c0, const S* wp, int64_t E, const flo
 // A one-row segment (decode) reads Bt by whole rows instead: a task takes KE rank rows and adds
 // each, scaled by the row's shrink result, to an fp32 partial of all n_out columns (in L1), so
 // Bt streams from memory in contiguous rows rather than in CW-column pieces n_out apart; a
-// second pass sums the partials into the output, each element rounded once.
+// last pass sums the partials into the output, each element rounded once.
 template <class S>
 static inline void axpy(float c, const S* x, float* y, int64_t n) {
   const vw cv = vw{} + c;
