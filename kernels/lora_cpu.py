@@ -88,14 +88,23 @@ static inline const S* in_page(const S* w, const int64_t* table, int64_t E, int6
   return o % E + n <= E ? w + table[o / E] * E + o % E : nullptr;
 }
 
-// logical elements [o, o + n) into `dst`, piece by piece across pages
-template <class S>
-static inline void gather(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n, S* dst) {
+// f(piece, done, len) for each piece of logical elements [o, o + n) that lies in one page:
+// elements [done, done + len) of the range, at `piece`
+template <class S, class F>
+static inline void each_piece(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n, F f) {
   for (int64_t done = 0; done < n;) {
     const int64_t page = (o + done) / E, off = (o + done) % E, len = std::min(n - done, E - off);
-    std::copy(w + table[page] * E + off, w + table[page] * E + off + len, dst + done);
+    f(w + table[page] * E + off, done, len);
     done += len;
   }
+}
+
+// logical elements [o, o + n) into `dst`
+template <class S>
+static inline void gather(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n, S* dst) {
+  each_piece(w, table, E, o, n, [&](const S* piece, int64_t done, int64_t len) {
+    std::copy(piece, piece + len, dst + done);
+  });
 }
 
 // t[b * ldt + j] = a[j] . x[b] over K, for NJ rank rows and NB x rows (fp32 sums)
@@ -236,12 +245,9 @@ static void expand_rows(const Item& it, int64_t k0, const S* wp, int64_t E, cons
   std::fill(part, part + it.n_out, 0.f);
   for (int64_t k = k0; k < std::min(it.r, k0 + KE); ++k) {
     const float c = t[it.t_off + k];
-    const int64_t o = it.b_off + k * it.n_out;
-    for (int64_t done = 0; done < it.n_out;) {  // the row, piece by piece across pages
-      const int64_t page = (o + done) / E, off = (o + done) % E, len = std::min(it.n_out - done, E - off);
-      axpy(c, wp + it.table[page] * E + off, part + done, len);
-      done += len;
-    }
+    each_piece(wp, it.table, E, it.b_off + k * it.n_out, it.n_out, [&](const S* piece, int64_t done, int64_t len) {
+      axpy(c, piece, part + done, len);
+    });
   }
 }
 

@@ -54,25 +54,23 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     decode_step_time(engine, prompts[:2], [None] * 2, 2)  # warm-up: first allocations, kernel builds
     nbytes = step_weight_bytes(engine.model.w)
-    times, ratios, bandwidths = {b: [] for b in batches}, {b: [] for b in batches}, []
+    times, bandwidths = {b: [] for b in batches}, []
     for r in range(rounds):
-        round_steps = {}
         for b in batches:
-            round_steps[b], _ = decode_step_time(engine, prompts[:b], [None] * b, steps)
-            times[b].append(round_steps[b])
+            times[b].append(decode_step_time(engine, prompts[:b], [None] * b, steps)[0])
         bandwidths.append(measure_bandwidth())  # the bound of this round's steps, measured beside them
-        for b in batches:
-            ratios[b].append(round_steps[b] * bandwidths[-1] / nbytes)
-            if progress:
-                progress(f"{shape} round {r + 1}/{rounds} batch {b}: decode step {round_steps[b] * 1e3:.2f} ms, "
-                         f"{ratios[b][-1]:.2f}x the bound at {bandwidths[-1] / 1e9:.1f} GB/s")
+        if progress:
+            for b in batches:
+                progress(f"{shape} round {r + 1}/{rounds} batch {b}: decode step {times[b][-1] * 1e3:.2f} ms, "
+                         f"{times[b][-1] * bandwidths[-1] / nbytes:.2f}x the bound at {bandwidths[-1] / 1e9:.1f} GB/s")
     bandwidth = statistics.median(bandwidths)
     bound = nbytes / bandwidth
     rows = []
     for b in batches:
         step = statistics.median(times[b])
-        rows.append({"batch": b, "step_ms": step * 1e3, "bound_ms": bound * 1e3, "ratio": statistics.median(ratios[b]),
-                     "round_step_ms": [t * 1e3 for t in times[b]], "round_ratios": ratios[b],
+        ratios = [t * bw / nbytes for t, bw in zip(times[b], bandwidths)]  # each round's step over its own bound
+        rows.append({"batch": b, "step_ms": step * 1e3, "bound_ms": bound * 1e3, "ratio": statistics.median(ratios),
+                     "round_step_ms": [t * 1e3 for t in times[b]], "round_ratios": ratios,
                      "tokens_per_s": b / step, "effective_gb_s": nbytes / step / 1e9})
     return {"benchmark": "decode-bound", "shape": shape, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "steps": steps, "rounds": rounds,
