@@ -31,3 +31,30 @@ def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, b
     ref = reference.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
     got = paged_attention_cpu.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
     assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 4), (16, 8), (6, 2), (6, 3)])
+def test_a_small_batch_splits_its_kv_heads_between_tasks(batch, heads, kv_heads, isa, two_threads):
+    """Below two sequences a thread, a task takes only some of a sequence's kv heads (halved
+    while even: 4 -> 2 -> 1 for one sequence on 2 threads); every split gives the reference."""
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(batch * 10 + kv_heads)
+    pages, block, dim = 30, 8, 16
+    kv = torch.randn(pages, 2, 2, block, kv_heads, dim, generator=g)[:, 0]
+    lens = [3 * block + 1, block, 5][:batch]
+    perm = torch.randperm(pages, generator=g).tolist()
+    tables = torch.tensor([perm[4 * i:4 * i + 4] for i in range(batch)])
+    q = torch.randn(batch, heads, dim, generator=g)
+    lens_t = torch.tensor(lens)
+    ref = reference.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
+    got = paged_attention_cpu.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
+    assert (got - ref).abs().max().item() < 1e-5
