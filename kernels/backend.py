@@ -81,8 +81,8 @@ def torch_kernels() -> Kernels:
 
 
 def cpu_kernels(dtype: torch.dtype) -> Kernels:
-    """The C++ kernels where they serve (built; decode attention in fp32, the others in fp32 and
-    bf16), the reference for the rest."""
+    """The C++ kernels where they serve (built; fp32 and bf16), the reference for the rest
+    (prefill attention)."""
     from lorafleet.kernels import linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
 
     linear, lora, decode, write_kv = reference.linear, _lora_reference, reference.paged_decode, reference.write_kv
@@ -95,7 +95,7 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     if dtype in (torch.float32, torch.bfloat16) and lora_cpu.load() is not None:
         def lora(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None):
             lora_cpu.lora_paged(x, out, w, page_elems, seg, meta, tables)
-    if dtype == torch.float32 and paged_attention_cpu.load() is not None:
+    if dtype in (torch.float32, torch.bfloat16) and paged_attention_cpu.load() is not None:
         decode = paged_attention_cpu.paged_decode
     return Kernels("cpu", linear, lora=lora, write_kv=write_kv, decode=decode, prefill=reference.paged_prefill,
                    **rows)

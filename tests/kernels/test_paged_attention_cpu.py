@@ -58,3 +58,21 @@ def test_a_small_batch_splits_its_kv_heads_between_tasks(batch, heads, kv_heads,
     ref = reference.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
     got = paged_attention_cpu.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
     assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (6, 3, 24), (4, 4, 8)])
+def test_bf16_pages_give_the_fp32_reference_rounded_once(heads, kv_heads, dim, isa):
+    """bf16 q and pages, fp32 scores, softmax and sums: each output element is the fp32 reference
+    on the same values, rounded once to bf16 (half a bf16 step, 2^-9 relative; 2^-8 allowed)."""
+    g = torch.Generator().manual_seed(dim)
+    pages, block = 30, 16
+    kv = torch.randn(pages, 2, 2, block, kv_heads, dim, generator=g).to(torch.bfloat16)[:, 1]
+    lens = [1, 2 * block + 3, 70]
+    perm = torch.randperm(pages, generator=g).tolist()
+    tables = torch.tensor([perm[5 * i:5 * i + 5] for i in range(len(lens))])
+    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
+    lens_t = torch.tensor(lens)
+    got = paged_attention_cpu.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    ref = reference.paged_decode(q.float(), kv.float(), tables, lens_t, dim ** -0.5)
+    assert ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
