@@ -63,6 +63,29 @@ static inline void prefetch_rows4(const S* base, int64_t stride, int64_t width) 
     for (int64_t d = 0; d < width; d += LINE) __builtin_prefetch(base + r * stride + d, 0, 3);
 }
 
+// f(t, hh, rows, m): token rows [t, t + m) (m <= 4) of kv head hh of a task, page by page, four at
+// a time; `half` points at the task's first kv head in K or V of a page (table[blk] * sP from
+// it). rows[j] past m repeat the last row (computed, never kept). The same rows of the next page
+// are asked for meanwhile
+template <class S, class F>
+static inline void each_row_group(const S* half, const int64_t* table, int64_t L, int64_t BS, int64_t sP,
+                                  int64_t sT, int64_t sK, int64_t HG, int64_t D, F f) {
+  for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
+    const S* page = half + table[blk] * sP;
+    const S* next = t0 + BS < L ? half + table[blk + 1] * sP : nullptr;
+    const int64_t n = std::min(BS, L - t0);
+    for (int64_t u = 0; u < n; u += 4) {
+      const int64_t m = std::min<int64_t>(4, n - u);
+      for (int64_t hh = 0; hh < HG; ++hh) {
+        const S* rows[4];
+        for (int64_t j = 0; j < 4; ++j) rows[j] = page + (u + std::min(j, m - 1)) * sT + hh * sK;
+        if (next) prefetch_rows4(next + u * sT + hh * sK, sT, D);
+        f(t0 + u, hh, rows, m);
+      }
+    }
+  }
+}
+
 // S: the storage of q, the pool and out (float or bf16); q is widened once per task, scores,
 // softmax and the output sums are fp32, each output element rounded once at the end
 template <class S>
@@ -97,33 +120,22 @@ static void decode_t(const torch::Tensor& q, const torch::Tensor& kv, const torc
       for (int64_t e = 0; e < GH * D; ++e) qf[e] = float(qb[e]);
       const int64_t* table = tp + b * maxb;
       // scores, page by page (no division per token), four keys at a time with independent sums
-      for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
-        const S* kpage = kvp + table[blk] * sP + kh0 * sK;
-        const int64_t n = std::min(BS, L - t0);
-        const S* knext = t0 + BS < L ? kvp + table[blk + 1] * sP + kh0 * sK : nullptr;
-        for (int64_t u = 0; u < n; u += 4) {
-          const int64_t m = std::min<int64_t>(4, n - u);
-          for (int64_t hh = 0; hh < HG; ++hh) {
-            const S* k[4];
-            for (int64_t j = 0; j < 4; ++j) k[j] = kpage + (u + std::min(j, m - 1)) * sT + hh * sK;
-            if (knext) prefetch_rows4(knext + u * sT + hh * sK, sT, D);
-            for (int64_t g = 0; g < G; ++g) {
-              const float* qg = qf.data() + (hh * G + g) * D;
-              vw a0{}, a1{}, a2{}, a3{};
-              for (int64_t d = 0; d < DV; d += VW) {
-                const vw qv = wload(qg + d);
-                a0 += qv * wload(k[0] + d); a1 += qv * wload(k[1] + d);
-                a2 += qv * wload(k[2] + d); a3 += qv * wload(k[3] + d);
-              }
-              float r[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
-              for (int64_t d = DV; d < D; ++d)
-                for (int64_t j = 0; j < 4; ++j) r[j] += qg[d] * float(k[j][d]);
-              float* sg = s.data() + (hh * G + g) * L + t0 + u;
-              for (int64_t j = 0; j < m; ++j) sg[j] = r[j] * sc;
-            }
+      each_row_group(kvp + kh0 * sK, table, L, BS, sP, sT, sK, HG, D, [&](int64_t t, int64_t hh, const S* const* k, int64_t m) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + (hh * G + g) * D;
+          vw a0{}, a1{}, a2{}, a3{};
+          for (int64_t d = 0; d < DV; d += VW) {
+            const vw qv = wload(qg + d);
+            a0 += qv * wload(k[0] + d); a1 += qv * wload(k[1] + d);
+            a2 += qv * wload(k[2] + d); a3 += qv * wload(k[3] + d);
           }
+          float r[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+          for (int64_t d = DV; d < D; ++d)
+            for (int64_t j = 0; j < 4; ++j) r[j] += qg[d] * float(k[j][d]);
+          float* sg = s.data() + (hh * G + g) * L + t;
+          for (int64_t j = 0; j < m; ++j) sg[j] = r[j] * sc;
         }
-      }
+      });
       for (int64_t g = 0; g < GH; ++g) {  // softmax over each head's scores
         float* sg = s.data() + g * L;
         float mx = -INFINITY;
@@ -142,30 +154,19 @@ static void decode_t(const torch::Tensor& q, const torch::Tensor& kv, const torc
       }
       std::fill(of.begin(), of.end(), 0.f);
       // values, page by page, four rows at a time into each head's fp32 output
-      for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
-        const S* vpage = kvp + table[blk] * sP + s2 + kh0 * sK;
-        const int64_t n = std::min(BS, L - t0);
-        const S* vnext = t0 + BS < L ? kvp + table[blk + 1] * sP + s2 + kh0 * sK : nullptr;
-        for (int64_t u = 0; u < n; u += 4) {
-          const int64_t m = std::min<int64_t>(4, n - u);
-          for (int64_t hh = 0; hh < HG; ++hh) {
-            const S* v[4];
-            for (int64_t j = 0; j < 4; ++j) v[j] = vpage + (u + std::min(j, m - 1)) * sT + hh * sK;
-            if (vnext) prefetch_rows4(vnext + u * sT + hh * sK, sT, D);
-            for (int64_t g = 0; g < G; ++g) {
-              const float* sg = s.data() + (hh * G + g) * L + t0 + u;
-              float p[4] = {sg[0], 0.f, 0.f, 0.f};  // rows past the page's end weigh nothing
-              for (int64_t j = 1; j < m; ++j) p[j] = sg[j];
-              float* o = of.data() + (hh * G + g) * D;
-              for (int64_t d = 0; d < DV; d += VW)
-                wstore(o + d, wload(o + d) + p[0] * wload(v[0] + d) + p[1] * wload(v[1] + d)
-                                           + p[2] * wload(v[2] + d) + p[3] * wload(v[3] + d));
-              for (int64_t d = DV; d < D; ++d)
-                o[d] += p[0] * float(v[0][d]) + p[1] * float(v[1][d]) + p[2] * float(v[2][d]) + p[3] * float(v[3][d]);
-            }
-          }
+      each_row_group(kvp + s2 + kh0 * sK, table, L, BS, sP, sT, sK, HG, D, [&](int64_t t, int64_t hh, const S* const* v, int64_t m) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* sg = s.data() + (hh * G + g) * L + t;
+          float p[4] = {sg[0], 0.f, 0.f, 0.f};  // rows past the page's end weigh nothing
+          for (int64_t j = 1; j < m; ++j) p[j] = sg[j];
+          float* o = of.data() + (hh * G + g) * D;
+          for (int64_t d = 0; d < DV; d += VW)
+            wstore(o + d, wload(o + d) + p[0] * wload(v[0] + d) + p[1] * wload(v[1] + d)
+                                       + p[2] * wload(v[2] + d) + p[3] * wload(v[3] + d));
+          for (int64_t d = DV; d < D; ++d)
+            o[d] += p[0] * float(v[0][d]) + p[1] * float(v[1][d]) + p[2] * float(v[2][d]) + p[3] * float(v[3][d]);
         }
-      }
+      });
       S* ob = op + (b * H + kh0 * G) * D;
       for (int64_t e = 0; e < GH * D; ++e) ob[e] = S(of[e]);
     }
@@ -191,7 +192,7 @@ def load(avx2: bool = False):
     """The compiled decode kernel, or None when it cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1: see `build.compile_inline`). `avx2`: the build without
     AVX-512 (`build.load_kernel`)."""
-    return load_kernel("lorafleet_attn_cpu_v9", _SOURCE, "paged_decode", avx2)
+    return load_kernel("lorafleet_attn_cpu_v10", _SOURCE, "paged_decode", avx2)
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

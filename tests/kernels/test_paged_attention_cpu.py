@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafleet import Engine, SamplingParams
+from lorafleet.engine.request import Request
+from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels import paged_attention_cpu
 from lorafleet.kernels import reference
 
@@ -46,7 +49,6 @@ def two_threads():
 def test_a_small_batch_splits_its_kv_heads_between_tasks(batch, heads, kv_heads, isa, two_threads):
     """Below two sequences a thread, a task takes only some of a sequence's kv heads (halved
     while even: 4 -> 2 -> 1 for one sequence on 2 threads); every split gives the reference."""
-    torch.set_num_threads(2)
     g = torch.Generator().manual_seed(batch * 10 + kv_heads)
     pages, block, dim = 30, 8, 16
     kv = torch.randn(pages, 2, 2, block, kv_heads, dim, generator=g)[:, 0]
@@ -76,3 +78,28 @@ def test_bf16_pages_give_the_fp32_reference_rounded_once(heads, kv_heads, dim, i
     assert got.dtype == torch.bfloat16
     ref = reference.paged_decode(q.float(), kv.float(), tables, lens_t, dim ** -0.5)
     assert ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
+
+
+def test_a_bf16_engine_decodes_on_the_kernel(llama_dir, monkeypatch):
+    """A bf16 engine's decode rows go to the kernel (the torch path's gather + SDPA before): a
+    prefill, then two decode steps of two sequences, the logits the torch path's within bf16 noise."""
+    logits = {}
+    for kernels in ("cpu", "torch"):
+        monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
+        engine = Engine(llama_dir, pool_bytes=4 << 20, dtype="bfloat16")
+        assert (engine.model.kernels.decode is paged_attention_cpu.paged_decode) == (kernels == "cpu")
+        reqs = [Request(f"r{i}", list(range(5 + i, 30 + 3 * i)), SamplingParams()) for i in range(2)]
+        for req in reqs:
+            engine.kv.grow(req.request_id, req.num_tokens)
+            engine.runner.execute([Chunk(req, req.num_tokens)])
+            req.num_computed = req.num_tokens
+        steps = []
+        for token in (7, 11):
+            for req in reqs:
+                req.output_token_ids.append(token)
+                engine.kv.grow(req.request_id, req.num_tokens)
+            steps.append(engine.runner.execute([Chunk(req, 1) for req in reqs]).float())
+            for req in reqs:
+                req.num_computed = req.num_tokens
+        logits[kernels] = torch.stack(steps)
+    assert (logits["cpu"] - logits["torch"]).abs().max().item() < 0.1  # 0.03 here; a wrong context moves them ~1
