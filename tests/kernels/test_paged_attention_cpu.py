@@ -15,24 +15,31 @@ from lorafleet.kernels import reference
 pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="the kernel does not build here")
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim, block", [(4, 2, 16, 16), (9, 3, 64, 16), (8, 8, 8, 4), (6, 1, 24, 8)])
-def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, block, isa):
-    g = torch.Generator().manual_seed(heads * 100 + dim)
+def scattered_case(seed: int, heads: int, kv_heads: int, dim: int, block: int, lens: list[int],
+                   dtype: torch.dtype = torch.float32):
+    """q [B, heads, dim], one layer's strided view of a pool (as the model passes it) whose pages
+    the sequences hold in random order, their tables (page 0 past a context's last page) and
+    lengths, in `dtype`."""
+    g = torch.Generator().manual_seed(seed)
     pages, layers = 40, 3
-    pool = torch.randn(pages, layers, 2, block, kv_heads, dim, generator=g)
-    kv = pool[:, 1]  # a layer's strided view, as the model passes it
-    lens = [1, block, block + 1, 3 * block - 2, 5]
+    kv = torch.randn(pages, layers, 2, block, kv_heads, dim, generator=g).to(dtype)[:, 1]
     perm = torch.randperm(pages, generator=g).tolist()
+    width = max(-(-n // block) for n in lens)
     tables, at = [], 0
     for n in lens:
         nb = -(-n // block)
-        tables.append(perm[at:at + nb] + [0] * (4 - nb))
+        tables.append(perm[at:at + nb] + [0] * (width - nb))
         at += nb
-    tables = torch.tensor(tables)
-    lens_t = torch.tensor(lens)
-    q = torch.randn(len(lens), heads, dim, generator=g)
-    ref = reference.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
-    got = paged_attention_cpu.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    return q, kv, torch.tensor(tables), torch.tensor(lens)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, block", [(4, 2, 16, 16), (9, 3, 64, 16), (8, 8, 8, 4), (6, 1, 24, 8)])
+def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, block, isa):
+    q, kv, tables, lens = scattered_case(heads * 100 + dim, heads, kv_heads, dim, block,
+                                         [1, block, block + 1, 3 * block - 2, 5])
+    ref = reference.paged_decode(q, kv, tables, lens, dim ** -0.5)
+    got = paged_attention_cpu.paged_decode(q, kv, tables, lens, dim ** -0.5)
     assert (got - ref).abs().max().item() < 1e-5
 
 
@@ -49,16 +56,11 @@ def two_threads():
 def test_a_small_batch_splits_its_kv_heads_between_tasks(batch, heads, kv_heads, isa, two_threads):
     """Below two sequences a thread, a task takes only some of a sequence's kv heads (halved
     while even: 4 -> 2 -> 1 for one sequence on 2 threads); every split gives the reference."""
-    g = torch.Generator().manual_seed(batch * 10 + kv_heads)
-    pages, block, dim = 30, 8, 16
-    kv = torch.randn(pages, 2, 2, block, kv_heads, dim, generator=g)[:, 0]
-    lens = [3 * block + 1, block, 5][:batch]
-    perm = torch.randperm(pages, generator=g).tolist()
-    tables = torch.tensor([perm[4 * i:4 * i + 4] for i in range(batch)])
-    q = torch.randn(batch, heads, dim, generator=g)
-    lens_t = torch.tensor(lens)
-    ref = reference.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
-    got = paged_attention_cpu.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
+    block, dim = 8, 16
+    q, kv, tables, lens = scattered_case(batch * 10 + kv_heads, heads, kv_heads, dim, block,
+                                         [3 * block + 1, block, 5][:batch])
+    ref = reference.paged_decode(q, kv, tables, lens, dim ** -0.5)
+    got = paged_attention_cpu.paged_decode(q, kv, tables, lens, dim ** -0.5)
     assert (got - ref).abs().max().item() < 1e-5
 
 
@@ -66,17 +68,11 @@ def test_a_small_batch_splits_its_kv_heads_between_tasks(batch, heads, kv_heads,
 def test_bf16_pages_give_the_fp32_reference_rounded_once(heads, kv_heads, dim, isa):
     """bf16 q and pages, fp32 scores, softmax and sums: each output element is the fp32 reference
     on the same values, rounded once to bf16 (half a bf16 step, 2^-9 relative; 2^-8 allowed)."""
-    g = torch.Generator().manual_seed(dim)
-    pages, block = 30, 16
-    kv = torch.randn(pages, 2, 2, block, kv_heads, dim, generator=g).to(torch.bfloat16)[:, 1]
-    lens = [1, 2 * block + 3, 70]
-    perm = torch.randperm(pages, generator=g).tolist()
-    tables = torch.tensor([perm[5 * i:5 * i + 5] for i in range(len(lens))])
-    q = torch.randn(len(lens), heads, dim, generator=g).to(torch.bfloat16)
-    lens_t = torch.tensor(lens)
-    got = paged_attention_cpu.paged_decode(q, kv, tables, lens_t, dim ** -0.5)
+    block = 16
+    q, kv, tables, lens = scattered_case(dim, heads, kv_heads, dim, block, [1, 2 * block + 3, 70], torch.bfloat16)
+    got = paged_attention_cpu.paged_decode(q, kv, tables, lens, dim ** -0.5)
     assert got.dtype == torch.bfloat16
-    ref = reference.paged_decode(q.float(), kv.float(), tables, lens_t, dim ** -0.5)
+    ref = reference.paged_decode(q.float(), kv.float(), tables, lens, dim ** -0.5)
     assert ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
 
 
