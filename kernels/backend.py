@@ -16,7 +16,10 @@ Every op keeps the semantics of its reference in `reference.py`:
   other backends ignore them);
 - `write_kv(kv, k, v, slot_pages, slot_offsets)`, `decode(q, kv, tables, lens, scale)`,
   `prefill(q, k, v, kv, meta, scale, out)`: `reference.write_kv`, `paged_decode`,
-  `paged_prefill`; `attention()` runs the three for one layer.
+  `paged_prefill`; `attention()` runs the three for one layer;
+- `decode_layers(x, layers, kv, cos, sin, positions, meta, scale, eps, heads, kv_heads, head_dim,
+  lora)`: `LlamaModel.layers_` for a decode-only step, where a backend has it in one call (the
+  CPU: `decode_layers_cpu`), else None.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Kernels:
     write_kv: Callable
     decode: Callable
     prefill: Callable
+    decode_layers: Callable | None = None  # every layer of a decode-only step in one call (the CPU's)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -83,7 +87,7 @@ def torch_kernels() -> Kernels:
 def cpu_kernels(dtype: torch.dtype) -> Kernels:
     """The C++ kernels where they serve (built; fp32 and bf16), the reference for the rest
     (prefill attention)."""
-    from lorafleet.kernels import linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
+    from lorafleet.kernels import decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
 
     linear, lora, decode, write_kv = reference.linear, _lora_reference, reference.paged_decode, reference.write_kv
     rows = REFERENCE_ROW_OPS
@@ -97,8 +101,12 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
             lora_cpu.lora_paged(x, out, w, page_elems, seg, meta, tables)
     if dtype in (torch.float32, torch.bfloat16) and paged_attention_cpu.load() is not None:
         decode = paged_attention_cpu.paged_decode
+    layers = None  # the layers in one call: only where it would call the very kernels chosen above
+    if (linear is linear_cpu.linear and rows["rms_norm"] is pointwise_cpu.rms_norm and lora is not _lora_reference
+            and decode is paged_attention_cpu.paged_decode and decode_layers_cpu.load() is not None):
+        layers = decode_layers_cpu.decode_layers
     return Kernels("cpu", linear, lora=lora, write_kv=write_kv, decode=decode, prefill=reference.paged_prefill,
-                   **rows)
+                   decode_layers=layers, **rows)
 
 
 def triton_kernels() -> Kernels:

@@ -80,18 +80,34 @@ class LlamaModel(torch.nn.Module):
         self.kernels = backend.select(t.device, t.dtype)  # every op of the forward pass, for this device
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
+        self.flat_layers = [t for lw in self.layers for t in lw]    # as `Kernels.decode_layers` takes them
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [pages, L, 2, block, KVH, D] (a view of the pool);
         logits_rows: [S] token rows whose next-token logits are wanted. Returns logits [S, V].
         `lora` (optional, a `lora.batch.LoraBatch`) has `apply(layer, group, x, out)` adding each
-        row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down)."""
+        row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down).
+        A decode-only step runs its layers in one call where the kernels have one
+        (`Kernels.decode_layers`, the CPU's), the same ops as `layers` in C++."""
         cfg, w, ops = self.cfg, self.w, self.kernels
-        eps = cfg.rms_norm_eps
         x = w["embed"][input_ids]                                   # [T, H], the residual stream
-        qkv_sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-        q_shape, kv_shape = (-1, cfg.num_heads, cfg.head_dim), (-1, cfg.num_kv_heads, cfg.head_dim)
+        if ops.decode_layers is not None and attn.num_decode == x.shape[0]:
+            out = ops.decode_layers(x, self.flat_layers, kv_cache, self.cos, self.sin, positions, attn, self.scale,
+                                    cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lora)
+        else:
+            out = self.layers_(x, positions, attn, kv_cache, lora)
+        x.add_(out)
+        x = ops.rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)  # only rows that sample
+        return ops.linear(x, w["lm_head"]).float()                    # [S, V]
+
+    def layers_(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
+                lora=None) -> torch.Tensor:
+        """Every decoder layer over the residual stream x [T, H] (updated in place); returns the
+        last layer's MLP output, which the caller adds to x."""
+        cfg, ops = self.cfg, self.kernels
+        eps = cfg.rms_norm_eps
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
         out = None
         for i, lw in enumerate(self.layers):
             # the previous layer's MLP output joins the residual stream as this norm reads it
@@ -99,8 +115,9 @@ class LlamaModel(torch.nn.Module):
             qkv = ops.linear(h, lw.qkv, lw.qkv_b)                      # [T, Q+2K]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
-            q, k, v = qkv.split(qkv_sizes, dim=1)
-            q, k, v = q.view(q_shape), k.view(kv_shape), v.view(kv_shape)
+            # [T, H+2KVH, D] cut into q, k, v heads (split_with_sizes: one call, a third of
+            # Tensor.split's and three views' time)
+            q, k, v = torch.split_with_sizes(qkv.view(x.shape[0], -1, cfg.head_dim), heads, 1)
             if cfg.qk_norm:
                 q = ops.rms_norm(q.reshape(-1, cfg.head_dim), lw.q_norm, eps).view(q.shape)
                 k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, eps).view(k.shape)
@@ -117,6 +134,4 @@ class LlamaModel(torch.nn.Module):
             out = ops.linear(a, lw.down, lw.down_b)
             if lora is not None:
                 lora.apply(i, "down", a, out)
-        x.add_(out)
-        x = ops.rms_norm(x[logits_rows], w["norm"], eps)              # only rows that sample
-        return ops.linear(x, w["lm_head"]).float()                    # [S, V]
+        return out
