@@ -13,8 +13,9 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
   number of rows;
 - tile shapes follow the rows and the vector registers (`cpu_vector`'s `vw`: 32 of 16 lanes
   with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (4, 8) with
-  AVX-512; with AVX2 (8, 1) for one fp32 row, (6, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
-  (each the best of 5-10 shapes measured on tiny's weights); the weight vectors are read once
+  AVX-512; with AVX2 (8, 1) for one fp32 row, (6, 4) up to 4, (1, 8) up to 8 (but (2, 4) where
+  fp32 x rows pass 40 KB, more than L1 keeps beside the weights) and (2, 4) beyond (each the best
+  of 5-10 shapes measured on tiny's weights); the weight vectors are read once
   per tile; the rows left after the full tiles take the smallest tile of halved height that
   holds them. With AVX-512's (4, 8) on AVX2, 32 accumulators of two registers each spilled to
   the stack: 8 rows ran at 2 GB/s, 32 ms for tiny's weights against 6 ms now and torch's 20
@@ -200,6 +201,10 @@ static void dispatch(const Args& a) {
   // rows on
   if (a.T == 1 && std::is_same_v<S, float>) run<S, 8, 1, false>(a);
   else if (a.T <= 4) run<S, 6, 4>(a);
+  // fp32 x rows past 40 KB (8 rows of a 1,536-wide input: `tiny`'s down projection) leave L1
+  // to the weight stream: (1, 8) reloaded all 8 from L2 for every weight vector, 15 GB/s
+  // against 17 with (2, 4) (7 rows: 17.1 and 17.4; 6 rows, 36 KB: even)
+  else if (a.T <= 8 && std::is_same_v<S, float> && a.T * a.K * 4 > 40 * 1024) run<S, 2, 4>(a);
   else if (a.T <= 8) run<S, 1, 8>(a);  // one weight row at a time, as it streams from memory
   else run<S, 2, 4>(a);                // compute-bound: 6 loads per 8 FMAs instead of 9
 #endif
@@ -246,7 +251,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 def load(avx2: bool = False):
     """The compiled matmul, or None when it cannot be built here (an error instead with
     LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: the build without AVX-512 (`build.load_kernel`)."""
-    return load_kernel("lorafleet_linear_cpu_v3", _SOURCE, FUNCTIONS, avx2)
+    return load_kernel("lorafleet_linear_cpu_v4", _SOURCE, FUNCTIONS, avx2)
 
 
 def max_rows() -> int:
