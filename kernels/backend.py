@@ -85,28 +85,20 @@ def torch_kernels() -> Kernels:
 
 
 def cpu_kernels(dtype: torch.dtype) -> Kernels:
-    """The C++ kernels where they serve (built; fp32 and bf16), the reference for the rest
-    (prefill attention)."""
-    from lorafleet.kernels import decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
+    """The C++ kernels where they serve (built: `cpu_module`; fp32 and bf16), with the reference
+    for prefill attention; the references for everything where they do not."""
+    from lorafleet.kernels import cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
 
-    linear, lora, decode, write_kv = reference.linear, _lora_reference, reference.paged_decode, reference.write_kv
-    rows = REFERENCE_ROW_OPS
-    if dtype in (torch.float32, torch.bfloat16) and linear_cpu.load() is not None:
-        linear = linear_cpu.linear
-    if dtype in (torch.float32, torch.bfloat16) and pointwise_cpu.load() is not None:
-        rows = {op: getattr(pointwise_cpu, op) for op in ROW_OPS}
-        write_kv = pointwise_cpu.write_kv
-    if dtype in (torch.float32, torch.bfloat16) and lora_cpu.load() is not None:
-        def lora(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None):
-            lora_cpu.lora_paged(x, out, w, page_elems, seg, meta, tables)
-    if dtype in (torch.float32, torch.bfloat16) and paged_attention_cpu.load() is not None:
-        decode = paged_attention_cpu.paged_decode
-    layers = None  # the layers in one call: only where it would call the very kernels chosen above
-    if (linear is linear_cpu.linear and rows["rms_norm"] is pointwise_cpu.rms_norm and lora is not _lora_reference
-            and decode is paged_attention_cpu.paged_decode and decode_layers_cpu.load() is not None):
-        layers = decode_layers_cpu.decode_layers
-    return Kernels("cpu", linear, lora=lora, write_kv=write_kv, decode=decode, prefill=reference.paged_prefill,
-                   decode_layers=layers, **rows)
+    if dtype not in (torch.float32, torch.bfloat16) or cpu_module.load() is None:
+        return Kernels("cpu", reference.linear, lora=_lora_reference, write_kv=reference.write_kv,
+                       decode=reference.paged_decode, prefill=reference.paged_prefill, **REFERENCE_ROW_OPS)
+
+    def lora(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None):
+        lora_cpu.lora_paged(x, out, w, page_elems, seg, meta, tables)
+
+    return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
+                   decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
+                   decode_layers=decode_layers_cpu.decode_layers, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
 
 
 def triton_kernels() -> Kernels:

@@ -10,31 +10,28 @@ call; the model's Python still embeds the tokens and runs the final norm and LM 
 the one call against the Python loop, alternated in one process: 0.93x the time at batch 1,
 0.96x at batch 8, 0.94x at batch 8 over 8 adapters.
 
-How: the extension's source is the four kernels' own sources (`linear_cpu`, `pointwise_cpu`,
-`lora_cpu`, `paged_attention_cpu`), each in its C++ namespace, after `cpu_vector`'s shared code
-and their `#include`s gathered once, followed by the driver below. So the kernels are compiled
-from one text, never copied: a change to a kernel changes this build's key too (`build.py`).
+How: the driver below is compiled in the CPU kernels' one extension (`cpu_module`), after the
+four kernels' sources (`linear_cpu` as `lin::`, `pointwise_cpu` as `pw::`, `lora_cpu` as
+`lo::`, `paged_attention_cpu` as `att::`), whose C++ functions it calls directly.
 
 Semantics: those of the Python loop on the CPU kernels, op for op and in the same order, so the
 result is the same bit for bit (`tests/kernels/test_decode_layers_cpu.py` asserts equality);
 rows past `linear_cpu.max_rows()` go to torch's GEMM as `linear_cpu.linear` sends them. Only
 decode rows (one query token per sequence): a step with a prefill row runs the Python loop.
-Built and cached like the other CPU kernels; LORAFLEET_CPU_KERNELS=0 forces the references.
+LORAFLEET_CPU_KERNELS=0 forces the references.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lorafleet.kernels import cpu_vector, linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
-from lorafleet.kernels.build import load_kernel
+from lorafleet.kernels.cpu_module import load
 
-# each kernel's source, in its namespace (the namespace names are what the driver calls)
-KERNELS = {"lin": linear_cpu._SOURCE, "pw": pointwise_cpu._SOURCE, "lo": lora_cpu._SOURCE,
-           "att": paged_attention_cpu._SOURCE}
+FUNCTIONS = ["decode_layers"]
 FIELDS = 12  # tensors per layer, in `llama.Layer`'s order
 
-_DRIVER = r"""
+DRIVER = r"""
+#include <vector>
 using OptT = c10::optional<torch::Tensor>;
 
 static torch::Tensor lin_(const torch::Tensor& x, const OptT& w, const OptT& b) {
@@ -92,28 +89,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<OptT> w, torch::Tensor 
   }
   return out;
 }
-"""
-
-
-def _source() -> str:
-    includes, bodies = [], []
-    for ns, src in KERNELS.items():
-        assert src.startswith(cpu_vector.SOURCE), f"{ns}: a kernel source starts with cpu_vector.SOURCE"
-        body = []
-        for line in src[len(cpu_vector.SOURCE):].splitlines():
-            (includes if line.startswith("#include") else body).append(line)
-        bodies.append(f"namespace {ns} {{\n" + "\n".join(body) + f"\n}}  // namespace {ns}\n")
-    head = "\n".join(dict.fromkeys(includes)) + "\n#include <vector>\n"
-    return cpu_vector.SOURCE + head + "\n".join(bodies) + _DRIVER.replace("FIELDS_", str(FIELDS))
-
-
-_SOURCE = _source()
-
-
-def load(avx2: bool = False):
-    """The compiled driver, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: the build without AVX-512 (`build.load_kernel`)."""
-    return load_kernel("lorafleet_decode_layers_cpu_v2", _SOURCE, "decode_layers", avx2)
+""".replace("FIELDS_", str(FIELDS))
 
 
 def decode_layers(x: torch.Tensor, layers: list, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -34,8 +34,8 @@ weights are reused across many rows and the problem is compute-bound. Where that
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each.
 
 Semantics: those of `F.linear` (the reference in `reference.linear`), fp32 accumulation in a
-different order: equal to it within 1e-5 relative in fp32. Built and cached like the other CPU
-kernels (`build.py`); LORAFLEET_CPU_KERNELS=0 forces the reference.
+different order: equal to it within 1e-5 relative in fp32. Built with the other CPU kernels,
+as one extension (`cpu_module`); LORAFLEET_CPU_KERNELS=0 forces the reference.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import load_kernel
+from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
 
 FUNCTIONS = ["linear", "max_rows"]
@@ -246,12 +246,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   return y;
 }
 """
-
-
-def load(avx2: bool = False):
-    """The compiled matmul, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: the build without AVX-512 (`build.load_kernel`)."""
-    return load_kernel("lorafleet_linear_cpu_v4", _SOURCE, FUNCTIONS, avx2)
 
 
 def max_rows() -> int:

@@ -36,7 +36,7 @@ shapes, r64 on all 7 projections, caches cold: 247 -> 128 us per layer at batch 
 us for 8 rows of one adapter, 1072 -> 908 us for 8 adapters of one row each, 19-21 GB/s).
 float32 and bfloat16 (x, out and the pool in one dtype): sums in fp32, each output element
 rounded once when the segment's whole delta joins it, as the reference does.
-It is compiled on first use with the machine's C++ compiler and cached (see `build.py`); where
+It is compiled on first use with the other CPU kernels, as one extension (`cpu_module`); where
 that is impossible lorafleet falls back to the torch reference and says so once.
 Set LORAFLEET_CPU_KERNELS=0 to force the reference; LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) makes a
 kernel that cannot be loaded an error instead (`KernelUnavailableError`, with the build error).
@@ -47,8 +47,9 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import load_kernel
+from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
+FUNCTIONS = ["lora_paged"]
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -343,11 +344,6 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
   }
 }
 """
-
-def load(avx2: bool = False):
-    """The compiled LoRA kernel, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: the build without AVX-512 (`build.load_kernel`)."""
-    return load_kernel("lorafleet_lora_cpu_v9", _SOURCE, "lora_paged", avx2)
 
 
 def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,

@@ -40,8 +40,9 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import load_kernel
+from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
+FUNCTIONS = ["paged_decode"]
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -186,13 +187,6 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
   }
 }
 """
-
-
-def load(avx2: bool = False):
-    """The compiled decode kernel, or None when it cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1: see `build.compile_inline`). `avx2`: the build without
-    AVX-512 (`build.load_kernel`)."""
-    return load_kernel("lorafleet_attn_cpu_v10", _SOURCE, "paged_decode", avx2)
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,

@@ -16,7 +16,7 @@ Semantics: each op is its reference in `reference.py` (`rms_norm`, `add_rms_norm
 (bf16: after the normalisation and after the weight; each RoPE product and their sum; SiLU and
 the product), so bf16 results are the reference's bit for bit but for the order of the norm's
 sum. Rows are spread over torch's threads only when there are enough of them (prefill).
-Built and cached like the other CPU kernels (`build.py`); LORAFLEET_CPU_KERNELS=0 forces the
+Built with the other CPU kernels, as one extension (`cpu_module`); LORAFLEET_CPU_KERNELS=0 forces the
 references.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels import cpu_vector
-from lorafleet.kernels.build import load_kernel
+from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
@@ -261,12 +261,6 @@ std::tuple<torch::Tensor, torch::Tensor> greedy(torch::Tensor logits) {
 """
 
 FUNCTIONS = ["rms_norm", "add_rms_norm", "rope_", "silu_mul", "write_kv", "greedy"]
-
-
-def load(avx2: bool = False):
-    """The compiled ops, or None when they cannot be built here (an error instead with
-    LORAFLEET_REQUIRE_CPU_KERNELS=1). `avx2`: the build without AVX-512 (`build.load_kernel`)."""
-    return load_kernel("lorafleet_pointwise_cpu_v7", _SOURCE, FUNCTIONS, avx2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -36,15 +36,11 @@ def pytest_configure(config):
     takes a minute, which must not be spent inside a daemon a test is waiting for. With
     LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) a kernel that does not build stops the run here, with
     the build error, before any test could skip or quietly take the torch path."""
-    from lorafleet.kernels import build, linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
+    from lorafleet.kernels import build, cpu_module
 
     try:
-        linear_cpu.load()
-        pointwise_cpu.load()
-        lora_cpu.load()
-        paged_attention_cpu.load()
-        for kernel in (linear_cpu, pointwise_cpu, lora_cpu, paged_attention_cpu):
-            kernel.load(avx2=True)  # tests/kernels' `isa` fixture: the AVX2 code, wherever the CPU has AVX-512 too
+        cpu_module.load()
+        cpu_module.load(avx2=True)  # tests/kernels' `isa` fixture: the AVX2 code, wherever the CPU has AVX-512 too
     except build.KernelUnavailableError as e:
         pytest.exit(f"{e}\n(unset LORAFLEET_REQUIRE_CPU_KERNELS to test the torch fallback instead)",
                     returncode=pytest.ExitCode.INTERNAL_ERROR)
