@@ -37,8 +37,9 @@ def source() -> tuple[str, tuple[str, ...]]:
     """(the extension's C++, the names it binds)."""
     from lorafleet.kernels import decode_layers_cpu
 
+    kernels = _kernels()
     includes, bodies, using = [], [], []
-    for ns, module in _kernels().items():
+    for ns, module in kernels.items():
         src = module._SOURCE
         assert src.startswith(cpu_vector.SOURCE), f"{module.__name__}: a kernel source starts with cpu_vector.SOURCE"
         body = []
@@ -47,7 +48,7 @@ def source() -> tuple[str, tuple[str, ...]]:
         bodies.append(f"namespace {ns} {{\n" + "\n".join(body) + f"\n}}  // namespace {ns}\n")
         using += [f"using {ns}::{fn};" for fn in module.FUNCTIONS]
     text = "\n".join([cpu_vector.SOURCE, *dict.fromkeys(includes), *bodies, *using, decode_layers_cpu.DRIVER])
-    functions = tuple(fn for m in _kernels().values() for fn in m.FUNCTIONS) + tuple(decode_layers_cpu.FUNCTIONS)
+    functions = tuple(fn for m in kernels.values() for fn in m.FUNCTIONS) + tuple(decode_layers_cpu.FUNCTIONS)
     return text, functions
 
 

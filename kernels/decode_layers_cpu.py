@@ -16,7 +16,7 @@ four kernels' sources (`linear_cpu` as `lin::`, `pointwise_cpu` as `pw::`, `lora
 
 Semantics: those of the Python loop on the CPU kernels, op for op and in the same order, so the
 result is the same bit for bit (`tests/kernels/test_decode_layers_cpu.py` asserts equality);
-rows past `linear_cpu.max_rows()` go to torch's GEMM as `linear_cpu.linear` sends them. Only
+rows past `linear_cpu.max_rows()` go to torch's GEMM, as `lin::linear` sends every caller's. Only
 decode rows (one query token per sequence): a step with a prefill row runs the Python loop.
 LORAFLEET_CPU_KERNELS=0 forces the references.
 """
@@ -33,11 +33,6 @@ FIELDS = 12  # tensors per layer, in `llama.Layer`'s order
 DRIVER = r"""
 #include <vector>
 using OptT = c10::optional<torch::Tensor>;
-
-static torch::Tensor lin_(const torch::Tensor& x, const OptT& w, const OptT& b) {
-  if (x.size(0) > lin::max_rows()) return at::linear(x, *w, b);  // as `linear_cpu.linear` (prefill sizes)
-  return lin::linear(x, *w, b);
-}
 
 // One decode step through every layer. x [T, H]: the embedded tokens, the residual stream
 // (updated in place); w: FIELDS tensors per layer (None where the family has none); kv: the pool
@@ -64,7 +59,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<OptT> w, torch::Tensor 
   for (int64_t i = 0; i < L; ++i) {
     const OptT* lw = w.data() + i * F;  // in_norm qkv qkv_b q_norm k_norm o o_b post_norm gate_up gate_up_b down down_b
     torch::Tensor h = out.defined() ? pw::add_rms_norm(x, out, *lw[0], eps) : pw::rms_norm(x, *lw[0], eps);
-    torch::Tensor qkv = lin_(h, lw[1], lw[2]);
+    torch::Tensor qkv = lin::linear(h, *lw[1], lw[2]);
     delta(i, 0, h, qkv);
     const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D});
     torch::Tensor q = heads.narrow(1, 0, H), k = heads.narrow(1, H, KVH), v = heads.narrow(1, H + KVH, KVH);
@@ -78,13 +73,13 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<OptT> w, torch::Tensor 
     torch::Tensor o = torch::empty({T, H, D}, x.options());
     att::paged_decode(q.contiguous(), layer_kv, tables, lens, scale, o);
     o = o.view({T, H * D});
-    out = lin_(o, lw[5], lw[6]);
+    out = lin::linear(o, *lw[5], lw[6]);
     delta(i, 1, o, out);
     h = pw::add_rms_norm(x, out, *lw[7], eps);
-    torch::Tensor gu = lin_(h, lw[8], lw[9]);
+    torch::Tensor gu = lin::linear(h, *lw[8], lw[9]);
     delta(i, 2, h, gu);
     const torch::Tensor a = pw::silu_mul(gu);
-    out = lin_(a, lw[10], lw[11]);
+    out = lin::linear(a, *lw[10], lw[11]);
     delta(i, 3, a, out);
   }
   return out;

@@ -41,7 +41,6 @@ as one extension (`cpu_module`); LORAFLEET_CPU_KERNELS=0 forces the reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
@@ -222,9 +221,13 @@ int64_t max_rows() {
 #endif
 }
 
+// F.linear(x, w, bias): the kernel up to max_rows() rows, torch's GEMM beyond (prefill), here so
+// that every caller (the Python wrapper, the decode-layers driver) takes the same path
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [T, K] and w [N, K]");
-  TORCH_CHECK(x.stride(1) == 1 && w.is_contiguous(), "linear: x rows and w must be contiguous");
+  if (x.size(0) > max_rows()) return at::linear(x, w, bias);
+  if (x.stride(1) != 1) x = x.contiguous();
+  TORCH_CHECK(w.is_contiguous(), "linear: w must be contiguous");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w differ in dtype");
   if (bias) TORCH_CHECK(bias->scalar_type() == w.scalar_type() && bias->is_contiguous() &&
                         bias->numel() == w.size(0), "linear: bias");
@@ -256,10 +259,5 @@ def max_rows() -> int:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16): the
-    kernel up to `max_rows()` rows, torch's GEMM beyond."""
-    kernel = load()
-    if x.shape[0] > kernel.max_rows():
-        return F.linear(x, w, bias)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return kernel.linear(x, w, bias)
+    kernel up to `max_rows()` rows, torch's GEMM beyond (the C++ `linear` decides)."""
+    return load().linear(x, w, bias)
