@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from lorafleet.errors import PoolExhaustedError
+from lorafleet.memory import hugepages
 
 FREE = -1
 CACHED = -2  # KV blocks kept for prefix reuse, held by no sequence (memory/kv.py)
@@ -43,7 +44,11 @@ class PagePool:
         # adapter copied into it, whose page faults would stall the steps running beside it.
         # One row more than the pages handed out: `scratch_page`, which no one owns, receives
         # what the padding rows of a fixed-shape (graph-captured) decode step write
-        self.tensor = torch.zeros(num_pages + 1, page_elems, dtype=dtype, device=device)  # [P + 1, E]
+        # On the CPU, on huge pages where the host has them (`hugepages`: the pages are scattered,
+        # and a decode step reads many of them)
+        device = torch.device(device)
+        self.tensor = (hugepages.zeros(num_pages + 1, page_elems, dtype=dtype) if device.type == "cpu" else
+                       torch.zeros(num_pages + 1, page_elems, dtype=dtype, device=device))  # [P + 1, E]
         self.scratch_page = num_pages
         self._owner = np.full(num_pages, FREE, dtype=np.int64)  # page -> owner id
         self._owner_names: dict[int, str] = {KV: "kv", CACHED: "cached"}

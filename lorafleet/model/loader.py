@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lorafleet.errors import ConfigError, ModelLoadError
+from lorafleet.memory import hugepages
 from lorafleet.model.config import MODULE_BLOCK, ModelConfig
 from lorafleet.model.llama import LlamaModel
 
@@ -154,4 +155,8 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=Non
     device = torch.device(device)
     dtype = resolve_dtype(dtype, cfg, device)
     tensors = _read(weight_files(folder), expected_shapes(cfg), dtype, device)
-    return LlamaModel(cfg, fuse(cfg, tensors), max_len or cfg.max_model_len)
+    weights = fuse(cfg, tensors)
+    if device.type == "cpu":
+        tensors.clear()  # `weights` holds the last reference: each old tensor is freed as it moves
+        hugepages.place(weights)  # a decode step streams them all: on huge pages, fewer TLB misses
+    return LlamaModel(cfg, weights, max_len or cfg.max_model_len)
