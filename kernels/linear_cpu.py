@@ -13,13 +13,15 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
   number of rows;
 - tile shapes follow the rows and the vector registers (`cpu_vector`'s `vw`: 32 of 16 lanes
   with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (4, 8) with
-  AVX-512; with AVX2 (8, 1) for one fp32 row, (6, 4) up to 4, (1, 8) up to 8 (but (2, 4) where
+  AVX-512; with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 (but (2, 4) where
   fp32 x rows pass 40 KB, more than L1 keeps beside the weights) and (2, 4) beyond (each the best
-  of 5-10 shapes measured on tiny's weights); the weight vectors are read once
-  per tile; the rows left after the full tiles take the smallest tile of halved height that
-  holds them. With AVX-512's (4, 8) on AVX2, 32 accumulators of two registers each spilled to
-  the stack: 8 rows ran at 2 GB/s, 32 ms for tiny's weights against 6 ms now and torch's 20
-  (AMD EPYC, 2 threads);
+  of 5-10 shapes measured on tiny's weights; (1, 4) replaced (6, 4) once the weights sat on huge
+  pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); the weight vectors are read
+  once per tile; the rows left after the full tiles take the smallest tile of halved height that
+  holds them, the count of real rows a compile-time constant of the tile like its shape (as a
+  runtime count, 5-7 rows took 1.15-1.2x the time of 8). With AVX-512's (4, 8) on AVX2, 32
+  accumulators of two registers each spilled to the stack: 8 rows ran at 2 GB/s, 32 ms for
+  tiny's weights against 6 ms now and torch's 20 (AMD EPYC, 2 threads);
 - while the first tile of a block runs, the next block's rows are prefetched, so memory keeps
   streaming while the FMAs run (without it, 8 rows took 1.5x as long); but not for one fp32
   row on AVX2, where the hardware prefetcher alone kept memory busier (23 GB/s against 21);
@@ -96,6 +98,15 @@ template <> struct XOf<c10::BFloat16> { using type = float; };
 #endif
 template <class S> using X = typename XOf<S>::type;
 
+// The next block's rows are asked for non-temporal (prefetchnta) on AVX2: on an AMD EPYC, with
+// the weights on huge pages, 0.93-0.97x the time of prefetcht0 at 2-8 fp32 rows (`tiny`'s
+// weights), 0.98-1.0x in bf16. Untried with AVX-512: its hint stays the one measured there
+#if defined(__AVX512F__)
+#define PF_HINT 3
+#else
+#define PF_HINT 0
+#endif
+
 // out[j][t] = w[j] . x[t] over K, for NB weight rows and TB x rows; with `pf`, the rows of the
 // next block are prefetched as these stream by (one cache line of each per 64 bytes read here)
 template <class S, int NB, int TB>
@@ -114,7 +125,7 @@ static inline void tile(const S* const* w, const X<S>* const* x, int64_t K, floa
   for (; k + VW <= K; k += VW) {
     vw wv[NB];
     if (pf && k % LINE == 0)
-      for (int j = 0; j < NB; ++j) __builtin_prefetch(pf[j] + k, 0, 3);
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(pf[j] + k, 0, PF_HINT);
     for (int j = 0; j < NB; ++j) wv[j] = wload(w[j] + k);
     for (int t = 0; t < TB; ++t) {
       const vw xv = wload(x[t] + k);
@@ -136,10 +147,14 @@ struct Args {
   void* y; int64_t ldy;
 };
 
-// rows [t0, t0 + tb) against weight rows [n0, n0 + nn); pointers past the end repeat the last
-// row (computed, never stored), so a tile always has its full shape. PF: prefetch the next block
-template <class S, int NB, int TB, bool PF>
-static void block(const Args& a, int64_t t0, int64_t tb, int64_t n0, int64_t nn) {
+// rows [t0, t0 + R) against weight rows [n0, n0 + nn); pointers past the end repeat the last
+// row (computed, never stored), so a tile always has its full shape. PF: prefetch the next block.
+// R, the rows that are real, is a template argument like the tile's shape: with R a runtime
+// count, a tile of 5-7 rows in (1, 8) ran 22% slower than the full 8 (`tiny`'s weights, the
+// same x rows: 21.4 against 27.3 GB/s), the same FMAs on the same data
+template <class S, int NB, int TB, bool PF, int R>
+static void block(const Args& a, int64_t t0, int64_t n0, int64_t nn) {
+  constexpr int64_t tb = R;
   const X<S>* xp = static_cast<const X<S>*>(a.x);
   const S* wp = static_cast<const S*>(a.w);
   const S* bp = static_cast<const S*>(a.bias);
@@ -160,6 +175,15 @@ static void block(const Args& a, int64_t t0, int64_t tb, int64_t n0, int64_t nn)
       yp[(t0 + t) * a.ldy + n0 + j] = S(out[j][t] + (bp ? float(bp[n0 + j]) : 0.f));
 }
 
+// the last tile's rows: R counts down to `rest`, so that `block` gets it as a constant
+template <class S, int NB, int TB, bool PF, int R = TB>
+static void rest_block(const Args& a, int64_t t0, int64_t rest, int64_t n0, int64_t nn) {
+  if constexpr (R > TB / 2 + 1) {  // rest_rows sends fewer rows to a tile of half the height
+    if (rest < R) { rest_block<S, NB, TB, PF, R - 1>(a, t0, rest, n0, nn); return; }
+  }
+  block<S, NB, TB, PF, R>(a, t0, n0, nn);
+}
+
 template <class S, int NB, int TB, bool PF>
 static void rest_rows(const Args& a, int64_t t0, int64_t n0, int64_t nn) {
   // rows left after the full tiles: one tile of the smallest shape that holds them
@@ -167,13 +191,13 @@ static void rest_rows(const Args& a, int64_t t0, int64_t n0, int64_t nn) {
   if constexpr (TB > 1) {
     if (rest <= TB / 2) { rest_rows<S, NB, TB / 2, PF>(a, t0, n0, nn); return; }
   }
-  block<S, NB, TB, PF>(a, t0, rest, n0, nn);
+  rest_block<S, NB, TB, PF>(a, t0, rest, n0, nn);
 }
 
 template <class S, int NB, int TB, bool PF>
 static void tiles(const Args& a, int64_t n0, int64_t nn) {
   int64_t t0 = 0;
-  for (; t0 + TB <= a.T; t0 += TB) block<S, NB, TB, PF>(a, t0, TB, n0, nn);
+  for (; t0 + TB <= a.T; t0 += TB) block<S, NB, TB, PF, TB>(a, t0, n0, nn);
   if (t0 < a.T) rest_rows<S, NB, TB, PF>(a, t0, n0, nn);
 }
 
@@ -196,15 +220,16 @@ static void dispatch(const Args& a) {
 #else
   // AVX2 (each the best of 5-10 shapes measured on an AMD EPYC): one fp32 row streams 8 weight
   // rows side by side with no prefetch (tiny's weights at 23 GB/s, 21 with (6, 1) and its
-  // prefetch; bf16, compute-bound by the widening, ran 20% slower so); 8 accumulators from 2
-  // rows on
+  // prefetch; bf16, compute-bound by the widening, ran 20% slower so); from 2 rows on one weight
+  // row at a time against 4 or 8 x rows, as it streams from memory ((6, 4), six weight rows side
+  // by side, took 1.11-1.2x the time of (1, 4) at 2-4 rows, weights on huge pages)
   if (a.T == 1 && std::is_same_v<S, float>) run<S, 8, 1, false>(a);
-  else if (a.T <= 4) run<S, 6, 4>(a);
+  else if (a.T <= 4) run<S, 1, 4>(a);
   // fp32 x rows past 40 KB (8 rows of a 1,536-wide input: `tiny`'s down projection) leave L1
   // to the weight stream: (1, 8) reloaded all 8 from L2 for every weight vector, 15 GB/s
   // against 17 with (2, 4) (7 rows: 17.1 and 17.4; 6 rows, 36 KB: even)
   else if (a.T <= 8 && std::is_same_v<S, float> && a.T * a.K * 4 > 40 * 1024) run<S, 2, 4>(a);
-  else if (a.T <= 8) run<S, 1, 8>(a);  // one weight row at a time, as it streams from memory
+  else if (a.T <= 8) run<S, 1, 8>(a);
   else run<S, 2, 4>(a);                // compute-bound: 6 loads per 8 FMAs instead of 9
 #endif
 }
