@@ -16,7 +16,9 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
   AVX-512; with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 (but (2, 4) where
   fp32 x rows pass 40 KB, more than L1 keeps beside the weights) and (2, 4) beyond (each the best
   of 5-10 shapes measured on tiny's weights; (1, 4) replaced (6, 4) once the weights sat on huge
-  pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); the weight vectors are read
+  pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); x rows of more than 32 KB
+  (2-8 of them) go by chunks of K instead, a chunk of x in L1 against a group of weight rows
+  (`run_kchunks`); the weight vectors are read
   once per tile; the rows left after the full tiles take the smallest tile of halved height that
   holds them, the count of real rows a compile-time constant of the tile like its shape (as a
   runtime count, 5-7 rows took 1.15-1.2x the time of 8). With AVX-512's (4, 8) on AVX2, 32
@@ -109,7 +111,7 @@ template <class S> using X = typename XOf<S>::type;
 
 // out[j][t] = w[j] . x[t] over K, for NB weight rows and TB x rows; with `pf`, the rows of the
 // next block are prefetched as these stream by (one cache line of each per 64 bytes read here)
-template <class S, int NB, int TB>
+template <class S, int NB, int TB, int HINT = PF_HINT>
 static inline void tile(const S* const* w, const X<S>* const* x, int64_t K, float (*out)[TB], const S* const* pf) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<S, c10::BFloat16>) {
@@ -125,7 +127,7 @@ static inline void tile(const S* const* w, const X<S>* const* x, int64_t K, floa
   for (; k + VW <= K; k += VW) {
     vw wv[NB];
     if (pf && k % LINE == 0)
-      for (int j = 0; j < NB; ++j) __builtin_prefetch(pf[j] + k, 0, PF_HINT);
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(pf[j] + k, 0, HINT);
     for (int j = 0; j < NB; ++j) wv[j] = wload(w[j] + k);
     for (int t = 0; t < TB; ++t) {
       const vw xv = wload(x[t] + k);
@@ -212,6 +214,73 @@ static void run(const Args& a) {
   });
 }
 
+// x rows wider than L1 keeps beside the weight stream (8 fp32 rows of a 1,536-wide input, `tiny`'s
+// and `smol`'s down projection: 48 KB): a tile reloads every x vector from L2 for each weight
+// vector (down streamed at 13-15 GB/s at 8 rows against ~25 for the other shapes). Here K goes
+// in chunks of KC, each chunk of the x rows (16 KB) against a group of G weight rows, so that it
+// stays in L1 while the rows' pieces go by; sums are kept per chunk and added up. The pieces of a
+// group are not contiguous, so the next group's rows (which are) are asked for a piece's worth
+// at a time while this group's are computed, with prefetcht0 (non-temporal lines were gone again
+// before their turn: no faster than (2, 4)). Measured on an AMD EPYC (AVX2, 2 threads, weights
+// on huge pages), against the tiles before, alternated: `tiny`'s 8 down weights at 7-8 rows
+// 0.81-0.87x the time, all 33 of its weights 0.95x at 6-8 rows; 4 weights of [1024, 11008]
+// (a Llama-2-7B down projection's width) 0.92x at 2 rows, 0.86x at 4, 0.65x at 6, 0.61x at 8,
+// and [1024, 4096] 0.88x at 4 rows, 0.81x at 8. At 5 rows of 1,536 (30 KB), even: the threshold
+constexpr int64_t KCHUNK_BYTES = 32 * 1024;  // x rows past this go by chunks of K
+
+template <class S, int TB, int R>
+static void run_kchunks(const Args& a) {
+  constexpr int G = 8;
+  constexpr int64_t KC = 16 * 1024 / (TB * int64_t(sizeof(X<S>)));
+  const X<S>* xp = static_cast<const X<S>*>(a.x);
+  const S* wp = static_cast<const S*>(a.w);
+  const S* bp = static_cast<const S*>(a.bias);
+  S* yp = static_cast<S*>(a.y);
+  at::parallel_for(0, (a.N + G - 1) / G, 1, [&](int64_t g0, int64_t g1) {
+    float part[G][TB];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * G, nn = std::min<int64_t>(G, a.N - n0);
+      // the next group's rows (contiguous) are asked for a piece's worth at a time, spread over
+      // this group's pieces, so memory streams while every piece here comes from cache
+      const S* next = g + 1 < g1 ? wp + (n0 + G) * a.K : nullptr;
+      const int64_t next_len = next ? std::min<int64_t>(G, a.N - n0 - G) * a.K : 0;
+      for (int64_t j = 0; j < nn; ++j)
+        for (int t = 0; t < TB; ++t) part[j][t] = 0.f;
+      int64_t piece = 0;
+      for (int64_t kc = 0; kc < a.K; kc += KC) {
+        const int64_t len = std::min(KC, a.K - kc);
+        const X<S>* x[TB];
+        for (int t = 0; t < TB; ++t) x[t] = xp + std::min(t, R - 1) * a.ldx + kc;
+        for (int64_t j = 0; j < nn; ++j, ++piece) {
+          const S* w[1] = {wp + (n0 + j) * a.K + kc};
+          const int64_t off = piece * KC;
+          const S* pf[1] = {next + off};
+          float out[1][TB];
+          tile<S, 1, TB, 3>(w, x, len, out, off + len <= next_len ? pf : nullptr);
+          for (int t = 0; t < TB; ++t) part[j][t] += out[0][t];
+        }
+      }
+      for (int t = 0; t < R; ++t)
+        for (int64_t j = 0; j < nn; ++j)
+          yp[t * a.ldy + n0 + j] = S(part[j][t] + (bp ? float(bp[n0 + j]) : 0.f));
+    }
+  });
+}
+
+template <class S>
+static void kchunks(const Args& a) {
+  switch (a.T) {
+    case 2: run_kchunks<S, 4, 2>(a); break;
+    case 3: run_kchunks<S, 4, 3>(a); break;
+    case 4: run_kchunks<S, 4, 4>(a); break;
+    case 5: run_kchunks<S, 8, 5>(a); break;
+    case 6: run_kchunks<S, 8, 6>(a); break;
+    case 7: run_kchunks<S, 8, 7>(a); break;
+    case 8: run_kchunks<S, 8, 8>(a); break;
+    default: TORCH_CHECK(false, "linear: K chunks take 2-8 rows");
+  }
+}
+
 template <class S>
 static void dispatch(const Args& a) {
 #if defined(__AVX512F__)
@@ -224,11 +293,9 @@ static void dispatch(const Args& a) {
   // row at a time against 4 or 8 x rows, as it streams from memory ((6, 4), six weight rows side
   // by side, took 1.11-1.2x the time of (1, 4) at 2-4 rows, weights on huge pages)
   if (a.T == 1 && std::is_same_v<S, float>) run<S, 8, 1, false>(a);
+  // x rows past KCHUNK_BYTES would leave L1 to the weight stream: K in chunks (`run_kchunks`)
+  else if (a.T >= 2 && a.T <= 8 && a.T * a.K * int64_t(sizeof(X<S>)) > KCHUNK_BYTES) kchunks<S>(a);
   else if (a.T <= 4) run<S, 1, 4>(a);
-  // fp32 x rows past 40 KB (8 rows of a 1,536-wide input: `tiny`'s down projection) leave L1
-  // to the weight stream: (1, 8) reloaded all 8 from L2 for every weight vector, 15 GB/s
-  // against 17 with (2, 4) (7 rows: 17.1 and 17.4; 6 rows, 36 KB: even)
-  else if (a.T <= 8 && std::is_same_v<S, float> && a.T * a.K * 4 > 40 * 1024) run<S, 2, 4>(a);
   else if (a.T <= 8) run<S, 1, 8>(a);
   else run<S, 2, 4>(a);                // compute-bound: 6 loads per 8 FMAs instead of 9
 #endif
