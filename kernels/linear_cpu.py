@@ -13,12 +13,11 @@ torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memor
   number of rows;
 - tile shapes follow the rows and the vector registers (`cpu_vector`'s `vw`: 32 of 16 lanes
   with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (4, 8) with
-  AVX-512; with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 (but (2, 4) where
-  fp32 x rows pass 40 KB, more than L1 keeps beside the weights) and (2, 4) beyond (each the best
-  of 5-10 shapes measured on tiny's weights; (1, 4) replaced (6, 4) once the weights sat on huge
-  pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); x rows of more than 32 KB
-  (2-8 of them) go by chunks of K instead, a chunk of x in L1 against a group of weight rows
-  (`run_kchunks`); the weight vectors are read
+  AVX-512; with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
+  (each the best of 5-10 shapes measured on tiny's weights; (1, 4) replaced (6, 4) once the
+  weights sat on huge pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); but 2-8
+  x rows of more than 40 KB, more than L1 keeps beside the weight stream, go by chunks of K, a
+  chunk of x in L1 against a group of weight rows (`run_kchunks`); the weight vectors are read
   once per tile; the rows left after the full tiles take the smallest tile of halved height that
   holds them, the count of real rows a compile-time constant of the tile like its shape (as a
   runtime count, 5-7 rows took 1.15-1.2x the time of 8). With AVX-512's (4, 8) on AVX2, 32
@@ -223,10 +222,12 @@ static void run(const Args& a) {
 // at a time while this group's are computed, with prefetcht0 (non-temporal lines were gone again
 // before their turn: no faster than (2, 4)). Measured on an AMD EPYC (AVX2, 2 threads, weights
 // on huge pages), against the tiles before, alternated: `tiny`'s 8 down weights at 7-8 rows
-// 0.81-0.87x the time, all 33 of its weights 0.95x at 6-8 rows; 4 weights of [1024, 11008]
-// (a Llama-2-7B down projection's width) 0.92x at 2 rows, 0.86x at 4, 0.65x at 6, 0.61x at 8,
-// and [1024, 4096] 0.88x at 4 rows, 0.81x at 8. At 5 rows of 1,536 (30 KB), even: the threshold
-constexpr int64_t KCHUNK_BYTES = 32 * 1024;  // x rows past this go by chunks of K
+// 0.81-0.87x the time, all 33 of its weights 0.95x at 7-8 rows (whole `tiny` decode steps: 0.99x
+// at batch 7, 1.01x at 8, within the noise); 4 weights of [1024, 11008] (a Llama-2-7B down
+// projection's width) 0.92x at 2 rows, 0.86x at 4, 0.65x at 6, 0.61x at 8, and [1024, 4096]
+// 0.88x at 4 rows, 0.81x at 8. Below 40 KB of x no gain: 6 rows of 1,536 (36 KB) took 1.03x and
+// 1.08x the time of the (1, 8) tile in whole `tiny` decode steps
+constexpr int64_t KCHUNK_BYTES = 40 * 1024;  // x rows past this go by chunks of K
 
 template <class S, int TB, int R>
 static void run_kchunks(const Args& a) {

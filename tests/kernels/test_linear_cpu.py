@@ -20,7 +20,7 @@ from tests.fixtures import ALL7, FAMILIES, assert_demo_fleet_matches_torch, buil
 pytestmark = pytest.mark.skipif(linear_cpu.load() is None, reason="the kernel does not build here")
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 24, 31, 64]  # every tile and remainder shape, to max_rows()
-SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (200, 1536), (37, 4100)]  # (N, K)
+SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (200, 1536), (37, 4100), (9, 6000)]  # (N, K)
 
 
 def exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
