@@ -255,7 +255,7 @@ static void run_kchunks(const Args& a) {
         for (int64_t j = 0; j < nn; ++j, ++piece) {
           const S* w[1] = {wp + (n0 + j) * a.K + kc};
           const int64_t off = piece * KC;
-          const S* pf[1] = {next + off};
+          const S* pf[1] = {next ? next + off : nullptr};
           float out[1][TB];
           tile<S, 1, TB, 3>(w, x, len, out, off + len <= next_len ? pf : nullptr);
           for (int t = 0; t < TB; ++t) part[j][t] += out[0][t];
@@ -292,7 +292,7 @@ static void dispatch(const Args& a) {
   // rows side by side with no prefetch (tiny's weights at 23 GB/s, 21 with (6, 1) and its
   // prefetch; bf16, compute-bound by the widening, ran 20% slower so); from 2 rows on one weight
   // row at a time against 4 or 8 x rows, as it streams from memory ((6, 4), six weight rows side
-  // by side, took 1.11-1.2x the time of (1, 4) at 2-4 rows, weights on huge pages)
+  // by side, took 1.09-1.17x the time of (1, 4) at 2-4 rows, weights on huge pages)
   if (a.T == 1 && std::is_same_v<S, float>) run<S, 8, 1, false>(a);
   // x rows past KCHUNK_BYTES would leave L1 to the weight stream: K in chunks (`run_kchunks`)
   else if (a.T >= 2 && a.T <= 8 && a.T * a.K * int64_t(sizeof(X<S>)) > KCHUNK_BYTES) kchunks<S>(a);
