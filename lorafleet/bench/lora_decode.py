@@ -29,7 +29,7 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of a streaming read: the best of `repeats` sums over an nbytes float32 tensor, on
     huge pages where the host has them, as the model's weights are (`memory.hugepages`): 4 KiB
     pages read ~10% slower on an AMD EPYC, and would make the bound easier than the machine."""
-    x = hugepages.zeros(nbytes // 4, dtype=torch.float32).fill_(1)
+    x = hugepages.empty(nbytes // 4, dtype=torch.float32).fill_(1)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()

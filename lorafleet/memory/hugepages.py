@@ -24,6 +24,7 @@ this for CPU tensors only.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -48,13 +49,15 @@ def _bytes(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(m, dtype=torch.uint8)  # keeps `m` alive
 
 
+def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty(*shape, dtype=dtype)` on the CPU, on huge pages where they can be had (taken
+    as the first write touches each page)."""
+    return _bytes(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+
+
 def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.zeros(*shape, dtype=dtype)` on the CPU, on huge pages where they can be had (every
-    page touched now, by the zeroing)."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    return _bytes(numel * dtype.itemsize).view(dtype).view(shape).zero_()
+    """`torch.zeros(*shape, dtype=dtype)` likewise (every page touched now, by the zeroing)."""
+    return empty(*shape, dtype=dtype).zero_()
 
 
 def place(tensors: dict[str, torch.Tensor]) -> None:

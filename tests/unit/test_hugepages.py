@@ -52,9 +52,11 @@ def test_place_moves_every_tensor_into_one_advised_buffer_keeping_values_and_tie
     assert all(advised(t) for t in w.values())
 
 
-def test_zeros_is_an_advised_zeroed_tensor_and_the_switch_turns_it_off(monkeypatch):
+def test_zeros_and_empty_are_advised_tensors_and_the_switch_turns_them_off(monkeypatch):
     t = hugepages.zeros(3, MB, dtype=torch.float32)
     assert t.shape == (3, MB) and t.dtype == torch.float32 and not t.any() and advised(t)
+    e = hugepages.empty(2, MB, dtype=torch.bfloat16)
+    assert e.shape == (2, MB) and e.dtype == torch.bfloat16 and advised(e)
     monkeypatch.setenv(hugepages.ENV, "0")
     assert not hugepages.enabled()
     plain = hugepages.zeros(3, MB, dtype=torch.float32)
