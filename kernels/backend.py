@@ -17,9 +17,12 @@ Every op keeps the semantics of its reference in `reference.py`:
 - `write_kv(kv, k, v, slot_pages, slot_offsets)`, `decode(q, kv, tables, lens, scale)`,
   `prefill(q, k, v, kv, meta, scale, out)`: `reference.write_kv`, `paged_decode`,
   `paged_prefill`; `attention()` runs the three for one layer;
-- `decode_layers(x, layers, kv, cos, sin, positions, meta, scale, eps, heads, kv_heads, head_dim,
-  lora)`: `LlamaModel.layers_` for a decode-only step, where a backend has it in one call (the
-  CPU: `decode_layers_cpu`), else None.
+- `decode_forward(model, input_ids, positions, meta, kv, logits_rows, lora)`: `LlamaModel.forward`
+  for a decode-only step, where a backend has it in one call (the CPU: `decode_layers_cpu`),
+  else None;
+- `decode_batch(table, rows, starts, ids, block_size)`: `ModelRunner.prepare` for a pure decode
+  step (every row one token that samples) in one call where a backend has it (the CPU:
+  `decode_layers_cpu.decode_batch`), else None.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class Kernels:
     write_kv: Callable
     decode: Callable
     prefill: Callable
-    decode_layers: Callable | None = None  # every layer of a decode-only step in one call (the CPU's)
+    decode_forward: Callable | None = None  # the forward pass of a decode-only step in one call (the CPU's)
+    decode_batch: Callable | None = None   # a pure decode step's batch tensors in one call (the CPU's)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -98,7 +102,8 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
 
     return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
                    decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
-                   decode_layers=decode_layers_cpu.decode_layers, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
+                   decode_forward=decode_layers_cpu.decode_forward, decode_batch=decode_layers_cpu.decode_batch,
+                   **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
 
 
 def triton_kernels() -> Kernels:

@@ -26,11 +26,13 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels.cpu_module import load
+from lorafleet.kernels.reference import AttentionMetadata
 
-FUNCTIONS = ["decode_layers"]
+FUNCTIONS = ["decode_layers", "decode_forward", "decode_batch"]
 FIELDS = 12  # tensors per layer, in `llama.Layer`'s order
 
 DRIVER = r"""
+#include <algorithm>
 #include <vector>
 using OptT = c10::optional<torch::Tensor>;
 
@@ -38,20 +40,20 @@ using OptT = c10::optional<torch::Tensor>;
 // (updated in place); w: FIELDS tensors per layer (None where the family has none); kv: the pool
 // [pages, L, 2, block, KVH, D]; lora: empty, or (pool [n], seg, meta [L, G, S, slots, 5], tables)
 // with `E` elements per page. Returns the last layer's MLP output (not yet in x).
-torch::Tensor decode_layers(torch::Tensor x, std::vector<OptT> w, torch::Tensor kv, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_pages,
-                            torch::Tensor slot_offsets, torch::Tensor tables, torch::Tensor lens, double scale,
-                            double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora,
-                            int64_t E) {
+// (`layers` touches no Python object: its callers release the GIL around it, so that other
+// threads (the adapter loaders, the server) run meanwhile, as they did between the Python loop's
+// calls; holding the GIL through a step stalled a stream 3-4x its median step while a 200 MB
+// adapter loaded)
+static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const torch::Tensor& kv,
+                            const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
+                            const torch::Tensor& slot_pages, const torch::Tensor& slot_offsets,
+                            const torch::Tensor& tables, const torch::Tensor& lens, double scale, double eps,
+                            int64_t H, int64_t KVH, int64_t D, const std::vector<torch::Tensor>& lora, int64_t E) {
   constexpr int64_t F = FIELDS_;
   TORCH_CHECK(w.size() % F == 0 && kv.dim() == 6 && int64_t(w.size() / F) == kv.size(1),
               "decode_layers: ", F, " tensors per layer of the pool's ", kv.size(1));
   TORCH_CHECK(lora.empty() || lora.size() == 4, "decode_layers: lora is (pool, seg, meta, tables) or empty");
   const int64_t T = x.size(0), L = kv.size(1);
-  // no Python object is touched below: other threads (the adapter loaders, the server) run
-  // meanwhile, as they did between the Python loop's calls (holding the GIL through a step
-  // stalled a stream 3-4x its median step while a 200 MB adapter loaded)
-  pybind11::gil_scoped_release no_gil;
   auto delta = [&](int64_t i, int64_t g, const torch::Tensor& in, torch::Tensor& out) {
     if (!lora.empty()) lo::lora_paged(in, out, lora[0], E, lora[1], lora[2].select(0, i).select(0, g), lora[3]);
   };
@@ -84,6 +86,71 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<OptT> w, torch::Tensor 
   }
   return out;
 }
+
+torch::Tensor decode_layers(torch::Tensor x, std::vector<OptT> w, torch::Tensor kv, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_pages,
+                            torch::Tensor slot_offsets, torch::Tensor tables, torch::Tensor lens, double scale,
+                            double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora,
+                            int64_t E) {
+  pybind11::gil_scoped_release no_gil;
+  return layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D, lora, E);
+}
+
+// `LlamaModel.forward` for a decode-only step: the tokens' embedding rows, `layers`, the last
+// MLP output into the residual stream, then the final norm and the LM head on the rows that
+// sample (all of them where `rows` has every row); returns fp32 logits [S, V]. The ops of the
+// Python forward, in its order, so the logits are the same bit for bit.
+torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tensor embed, std::vector<OptT> w,
+                             torch::Tensor norm, torch::Tensor lm_head, torch::Tensor kv, torch::Tensor cos,
+                             torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_pages,
+                             torch::Tensor slot_offsets, torch::Tensor tables, torch::Tensor lens, double scale,
+                             double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora,
+                             int64_t E) {
+  pybind11::gil_scoped_release no_gil;
+  torch::Tensor x = embed.index_select(0, ids);
+  x.add_(layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D,
+                lora, E));
+  if (rows.size(0) != x.size(0)) x = x.index_select(0, rows);
+  return lin::linear(pw::rms_norm(x, norm, eps), lm_head, c10::nullopt).to(at::kFloat);
+}
+
+// A pure decode step's batch tensors (`ModelRunner.prepare`'s, for rows that each decode one
+// token and sample it), built in one call: table [rows, blocks] the KV manager's block table;
+// per sequence its table row, its position (tokens computed so far) and its token. Returns
+// (ids, positions, slot pages, slot offsets, context lengths, logits rows, block tables
+// [n, width]), views of one allocation; width covers the longest sequence's blocks.
+std::vector<torch::Tensor> decode_batch(torch::Tensor table, std::vector<int64_t> rows, std::vector<int64_t> starts,
+                                        std::vector<int64_t> ids, int64_t bs) {
+  const int64_t n = rows.size();
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "decode_batch: table is a contiguous [rows, blocks] int64 array");
+  TORCH_CHECK(int64_t(starts.size()) == n && int64_t(ids.size()) == n && bs > 0,
+              "decode_batch: one row, start and token per sequence");
+  const int64_t R = table.size(0), C = table.size(1);
+  int64_t width = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < R && starts[i] >= 0 && starts[i] / bs < C,
+                "decode_batch: sequence ", i, " is outside the block table");
+    width = std::max(width, starts[i] / bs + 1);
+  }
+  torch::Tensor all = torch::empty({n * (6 + width)}, torch::dtype(at::kLong));
+  int64_t* p = all.data_ptr<int64_t>();
+  const int64_t* t = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = starts[i], *row = t + rows[i] * C;
+    p[i] = ids[i];
+    p[n + i] = s;
+    p[2 * n + i] = row[s / bs];
+    p[3 * n + i] = s % bs;
+    p[4 * n + i] = s + 1;
+    p[5 * n + i] = i;
+    std::copy(row, row + width, p + 6 * n + i * width);
+  }
+  std::vector<torch::Tensor> out;
+  for (int64_t k = 0; k < 6; ++k) out.push_back(all.narrow(0, k * n, n));
+  out.push_back(all.narrow(0, 6 * n, n * width).view({n, width}));
+  return out;
+}
 """.replace("FIELDS_", str(FIELDS))
 
 
@@ -98,3 +165,33 @@ def decode_layers(x: torch.Tensor, layers: list, kv: torch.Tensor, cos: torch.Te
     return load().decode_layers(x, layers, kv, cos, sin, positions, meta.slot_pages, meta.slot_offsets,
                                 meta.decode_block_tables, meta.decode_context_lens, scale, eps, heads, kv_heads,
                                 head_dim, extra, 0 if lora is None else lora.page_elems)
+
+
+def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv: torch.Tensor,
+                   logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
+    """`model.forward` (a `LlamaModel`) for a decode-only step (`meta.num_decode == len(input_ids)`)
+    in one call: the embedding, every layer (the C++ `decode_layers`), the final norm and the LM
+    head; returns fp32 logits [S, V] for `logits_rows`. The same ops in the same order as the
+    Python forward around `decode_layers`, so the same logits bit for bit. Why: those few ops
+    ran cold after the layers' weights had streamed through the caches, ~0.1-0.2 ms a step."""
+    cfg, w = model.cfg, model.w
+    extra = [] if lora is None else [lora.weights, lora.seg, lora.meta, lora.tables]
+    return load().decode_forward(input_ids, logits_rows, w["embed"], model.flat_layers, w["norm"], w["lm_head"], kv,
+                                 model.cos, model.sin, positions, meta.slot_pages, meta.slot_offsets,
+                                 meta.decode_block_tables, meta.decode_context_lens, model.scale, cfg.rms_norm_eps,
+                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, extra,
+                                 0 if lora is None else lora.page_elems)
+
+
+def decode_batch(table, rows: list[int], starts: list[int], ids: list[int], block_size: int):
+    """A pure decode step's batch, as `ModelRunner.prepare` returns it (input ids [n], positions
+    [n], `AttentionMetadata`, logits rows [n]), for n sequences that each decode one token and
+    sample it: `table` the KV manager's block table (a numpy int64 array), each sequence's `rows`
+    in it, its `starts` (tokens computed so far: the new token's position) and its token `ids`.
+    The block tables are as wide as the longest sequence needs (the general path: as wide as
+    the most blocks a row holds; attention reads only `lens` tokens either way)."""
+    ids_t, pos, pages, offsets, lens, out_rows, tables = load().decode_batch(
+        torch.from_numpy(table), rows, starts, ids, block_size)
+    meta = AttentionMetadata(slot_pages=pages, slot_offsets=offsets, num_decode=len(rows),
+                             decode_block_tables=tables, decode_context_lens=lens)
+    return ids_t, pos, meta, out_rows

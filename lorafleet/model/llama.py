@@ -80,7 +80,7 @@ class LlamaModel(torch.nn.Module):
         self.kernels = backend.select(t.device, t.dtype)  # every op of the forward pass, for this device
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
-        self.flat_layers = [t for lw in self.layers for t in lw]    # as `Kernels.decode_layers` takes them
+        self.flat_layers = [t for lw in self.layers for t in lw]    # as `Kernels.decode_forward` passes them
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
@@ -88,15 +88,13 @@ class LlamaModel(torch.nn.Module):
         logits_rows: [S] token rows whose next-token logits are wanted. Returns logits [S, V].
         `lora` (optional, a `lora.batch.LoraBatch`) has `apply(layer, group, x, out)` adding each
         row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down).
-        A decode-only step runs its layers in one call where the kernels have one
-        (`Kernels.decode_layers`, the CPU's), the same ops as `layers` in C++."""
+        A decode-only step runs in one call where the kernels have one (`Kernels.decode_forward`,
+        the CPU's): the same ops as below, `layers_` included, in C++."""
         cfg, w, ops = self.cfg, self.w, self.kernels
+        if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0]:
+            return ops.decode_forward(self, input_ids, positions, attn, kv_cache, logits_rows, lora)
         x = w["embed"][input_ids]                                   # [T, H], the residual stream
-        if ops.decode_layers is not None and attn.num_decode == x.shape[0]:
-            out = ops.decode_layers(x, self.flat_layers, kv_cache, self.cos, self.sin, positions, attn, self.scale,
-                                    cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lora)
-        else:
-            out = self.layers_(x, positions, attn, kv_cache, lora)
+        out = self.layers_(x, positions, attn, kv_cache, lora)
         x.add_(out)
         x = ops.rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)  # only rows that sample
         return ops.linear(x, w["lm_head"]).float()                    # [S, V]

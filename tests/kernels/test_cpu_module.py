@@ -28,10 +28,11 @@ def test_every_kernel_module_loads_the_one_build_with_every_function(avx2):
 
 def test_the_backend_takes_every_op_from_it_or_none(monkeypatch):
     ops = backend.cpu_kernels(torch.float32)
-    assert (ops.linear, ops.decode, ops.rms_norm, ops.decode_layers) == (
-        linear_cpu.linear, paged_attention_cpu.paged_decode, pointwise_cpu.rms_norm, decode_layers_cpu.decode_layers)
+    assert (ops.linear, ops.decode, ops.rms_norm, ops.decode_forward, ops.decode_batch) == (
+        linear_cpu.linear, paged_attention_cpu.paged_decode, pointwise_cpu.rms_norm, decode_layers_cpu.decode_forward,
+        decode_layers_cpu.decode_batch)
     for dtype, load in ((torch.float16, cpu_module.load), (torch.float32, lambda avx2=False: None)):
         monkeypatch.setattr(cpu_module, "load", load)  # fp16: no kernel has it; None: the build failed
         ops = backend.cpu_kernels(dtype)
-        assert (ops.linear, ops.decode, ops.rms_norm, ops.write_kv, ops.decode_layers) == (
-            reference.linear, reference.paged_decode, reference.rms_norm, reference.write_kv, None)
+        assert (ops.linear, ops.decode, ops.rms_norm, ops.write_kv, ops.decode_forward, ops.decode_batch) == (
+            reference.linear, reference.paged_decode, reference.rms_norm, reference.write_kv, None, None)

@@ -45,9 +45,9 @@ def decode_step_both_ways(engine: Engine, requests: int) -> dict:
                 if way == "loop":
                     out = model.layers_(xs, positions, attn, kv, lora)
                 else:
-                    out = model.kernels.decode_layers(xs, model.flat_layers, kv, model.cos, model.sin, positions,
-                                                      attn, model.scale, cfg.rms_norm_eps, cfg.num_heads,
-                                                      cfg.num_kv_heads, cfg.head_dim, lora)
+                    out = decode_layers_cpu.decode_layers(xs, model.flat_layers, kv, model.cos, model.sin,
+                                                          positions, attn, model.scale, cfg.rms_norm_eps,
+                                                          cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lora)
                 seen[way] = (out, xs, kv)
             seen["lora"] = lora
         return real(input_ids, positions, attn, kv_cache, logits_rows, lora)
@@ -78,7 +78,7 @@ def test_one_call_equals_the_python_loop_bit_for_bit(family_dirs, family, dtype,
     model_dir, adapters = family_dirs[family]
     names = ["r4", None, "r16", "r4", None]
     engine = start(model_dir, adapters, dtype, names)
-    assert engine.model.kernels.decode_layers is decode_layers_cpu.decode_layers
+    assert engine.model.kernels.decode_forward is decode_layers_cpu.decode_forward
     seen = decode_step_both_ways(engine, len(names))
     seg = seen["lora"].seg  # r4 and r16 segments; the two base rows in none
     assert seg.shape[0] == 2 and (seg[:, 1] - seg[:, 0]).sum().item() == 3
@@ -101,18 +101,18 @@ def test_the_engine_decodes_through_it_and_prefills_through_the_loop(family_dirs
     model_dir, adapters = family_dirs["qwen2"]
     names = ["r16", None, "r4"]
     calls = {"call": 0, "loop": 0}
-    real_call = decode_layers_cpu.decode_layers
+    real_call = decode_layers_cpu.decode_forward
 
     def call(*args):
         calls["call"] += 1
         return real_call(*args)
 
-    monkeypatch.setattr(decode_layers_cpu, "decode_layers", call)
+    monkeypatch.setattr(decode_layers_cpu, "decode_forward", call)
     tokens = {}
     for kernels in ("cpu", "torch"):
         monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
         engine = start(model_dir, adapters, "float32", names)
-        assert (engine.model.kernels.decode_layers is call) == (kernels == "cpu")
+        assert (engine.model.kernels.decode_forward is call) == (kernels == "cpu")
         if kernels == "cpu":
             real_loop = engine.model.layers_
 
@@ -130,3 +130,97 @@ def test_the_engine_decodes_through_it_and_prefills_through_the_loop(family_dirs
         if kernels == "cpu":
             assert calls["loop"] >= 1 and calls["call"] >= 7 and calls["loop"] + calls["call"] == steps
     assert tokens["cpu"] == tokens["torch"]
+
+
+def test_a_pure_decode_batch_in_one_call_equals_the_general_prepare(family_dirs):
+    """The runner's pure decode steps take `decode_batch` (one C++ call) and get what its general
+    path builds: ids, positions, KV slots, context lengths, logits rows and block tables (as
+    wide as the longest sequence needs: the general path's may be wider, and equal up to there);
+    the prefill step does not take it; a sequence outside the table is refused."""
+    import dataclasses
+
+    model_dir, adapters = family_dirs["llama"]
+    engine = start(model_dir, adapters, "float32", ["r4", None, "r16", None, "r4"])
+    runner = engine.runner
+    assert runner.model.kernels.decode_batch is decode_layers_cpu.decode_batch
+    calls = []
+
+    def counted(*args):
+        calls.append(len(args[1]))
+        return decode_layers_cpu.decode_batch(*args)
+
+    fast_ops = runner.model.kernels = dataclasses.replace(runner.model.kernels, decode_batch=counted)
+    general_ops = dataclasses.replace(fast_ops, decode_batch=None)
+    real, compared, general_steps = runner.prepare, [], []
+
+    def both(chunks, all_logits=False):
+        before = len(calls)
+        ids, pos, meta, rows = real(chunks, all_logits)
+        runner.model.kernels = general_ops
+        try:
+            g_ids, g_pos, g_meta, g_rows = real(chunks, all_logits)
+        finally:
+            runner.model.kernels = fast_ops
+        if len(calls) == before:  # the general path both times: a step with prompt rows
+            assert any(c.num_tokens > 1 for c in chunks)
+            general_steps.append(len(chunks))
+            return ids, pos, meta, rows
+        for a, b in ((ids, g_ids), (pos, g_pos), (rows, g_rows), (meta.slot_pages, g_meta.slot_pages),
+                     (meta.slot_offsets, g_meta.slot_offsets), (meta.decode_context_lens, g_meta.decode_context_lens)):
+            assert a.dtype == b.dtype == torch.long and torch.equal(a, b)
+        assert meta.num_decode == g_meta.num_decode == len(chunks) and not meta.prefills
+        width = meta.decode_block_tables.shape[1]
+        assert width == int((pos // engine.kv.block_size).max()) + 1 <= g_meta.decode_block_tables.shape[1]
+        assert torch.equal(meta.decode_block_tables, g_meta.decode_block_tables[:, :width])
+        compared.append(width)
+        return ids, pos, meta, rows
+
+    runner.prepare = both
+    while engine.has_unfinished():
+        engine.step()
+    assert general_steps and len(compared) >= 6 and max(compared) >= 3  # contexts of 1 to 3 pages
+    table = engine.kv.block_table
+    with pytest.raises(RuntimeError, match="outside the block table"):
+        decode_layers_cpu.decode_batch(table, [table.shape[0]], [0], [5], engine.kv.block_size)
+    with pytest.raises(RuntimeError, match="outside the block table"):
+        decode_layers_cpu.decode_batch(table, [0], [table.shape[1] * engine.kv.block_size], [5], engine.kv.block_size)
+
+
+@pytest.mark.parametrize("family,dtype", [(f, "float32") for f in FAMILIES] + [("qwen3", "bfloat16")])
+def test_the_forward_in_one_call_equals_the_python_forward_bit_for_bit(family_dirs, family, dtype):
+    """`decode_forward` (embedding, layers, final norm, LM head in one call) gives the Python
+    forward's logits and KV pages bit for bit, for every row and for a subset of the rows, with
+    adapters of two ranks and the base in the batch; the engine's model takes it."""
+    import dataclasses
+
+    model_dir, adapters = family_dirs[family]
+    names = ["r4", None, "r16", "r4", None]
+    engine = start(model_dir, adapters, dtype, names)
+    model = engine.model
+    assert model.kernels.decode_forward is decode_layers_cpu.decode_forward
+    python_ops = dataclasses.replace(model.kernels, decode_forward=None)
+    fast_ops, real, compared = model.kernels, model.forward, []
+
+    def spy(input_ids, positions, attn, kv_cache, logits_rows, lora=None):
+        if attn.num_decode == len(input_ids) == len(names) and not compared:
+            for rows in (logits_rows, logits_rows[[1, 3, 4]]):
+                got = {}
+                for way, ops in (("python", python_ops), ("call", fast_ops)):
+                    kv = kv_cache.clone()
+                    model.kernels = ops
+                    try:
+                        got[way] = (real(input_ids, positions, attn, kv, rows, lora), kv)
+                    finally:
+                        model.kernels = fast_ops
+                (a, kv_a), (b, kv_b) = got["python"], got["call"]
+                assert a.dtype == b.dtype == torch.float32 and a.shape == (len(rows), model.cfg.vocab_size)
+                assert torch.equal(a, b) and torch.equal(kv_a, kv_b)
+                compared.append(len(rows))
+        return real(input_ids, positions, attn, kv_cache, logits_rows, lora)
+
+    model.forward = spy
+    for _ in range(40):
+        engine.step()
+        if compared:
+            break
+    assert compared == [len(names), 3]
