@@ -19,6 +19,17 @@ result is the same bit for bit (`tests/kernels/test_decode_layers_cpu.py` assert
 rows past `linear_cpu.max_rows()` go to torch's GEMM, as `lin::linear` sends every caller's. Only
 decode rows (one query token per sequence): a step with a prefill row runs the Python loop.
 LORAFLEET_CPU_KERNELS=0 forces the references.
+
+Two more calls for a decode step, because every Python call after the layers' weights have
+streamed through the caches runs cold (on an AMD EPYC VM a numpy cumsum of 8 numbers took
+25-80 us after a 128 MB read, 2.5 us warm):
+- `decode_forward`: the whole forward pass of a decode-only step (the embedding, the layers,
+  the final norm and the LM head), `Kernels.decode_forward`; the Python forward's logits bit
+  for bit. Alone, alternated with the Python around `decode_layers` in one process: `tiny`
+  steps 0.97-0.99x the time at batch 1, 0.98-1.01x at batch 8 (three runs; within the noise).
+- `decode_batch`: a pure decode step's batch tensors (`ModelRunner.prepare`), in one call
+  instead of ~30 numpy and torch calls that took 0.32-0.4 ms of a `tiny` step at batch 1 and 8
+  (0.07-0.1 ms in one call); steps 0.91-0.94x the time at batch 1, 0.93-0.99x at batch 8.
 """
 
 from __future__ import annotations
@@ -172,8 +183,7 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta
     """`model.forward` (a `LlamaModel`) for a decode-only step (`meta.num_decode == len(input_ids)`)
     in one call: the embedding, every layer (the C++ `decode_layers`), the final norm and the LM
     head; returns fp32 logits [S, V] for `logits_rows`. The same ops in the same order as the
-    Python forward around `decode_layers`, so the same logits bit for bit. Why: those few ops
-    ran cold after the layers' weights had streamed through the caches, ~0.1-0.2 ms a step."""
+    Python forward around `decode_layers`, so the same logits bit for bit (why: the module doc)."""
     cfg, w = model.cfg, model.w
     extra = [] if lora is None else [lora.weights, lora.seg, lora.meta, lora.tables]
     return load().decode_forward(input_ids, logits_rows, w["embed"], model.flat_layers, w["norm"], w["lm_head"], kv,
