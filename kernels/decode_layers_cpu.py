@@ -172,10 +172,18 @@ def decode_layers(x: torch.Tensor, layers: list, kv: torch.Tensor, cos: torch.Te
     tokens (updated in place, as the Python loop updates it); `layers` the model's
     `llama.Layer`s flattened (FIELDS per layer); `meta` the step's `AttentionMetadata`; `lora` a
     `lora.batch.LoraBatch` or None. Returns the last layer's MLP output, for the caller to add."""
-    extra = [] if lora is None else [lora.weights, lora.seg, lora.meta, lora.tables]
-    return load().decode_layers(x, layers, kv, cos, sin, positions, meta.slot_pages, meta.slot_offsets,
-                                meta.decode_block_tables, meta.decode_context_lens, scale, eps, heads, kv_heads,
-                                head_dim, extra, 0 if lora is None else lora.page_elems)
+    return load().decode_layers(x, layers, *_step_args(kv, cos, sin, positions, meta, scale, eps, heads, kv_heads,
+                                                      head_dim, lora))
+
+
+def _step_args(kv, cos, sin, positions, meta, scale, eps, heads, kv_heads, head_dim, lora) -> tuple:
+    """The arguments after the weights that the C++ `decode_layers` and `decode_forward` both take,
+    in their order: the pool, RoPE tables, the step's attention metadata, the model's numbers,
+    and the LoRA batch's tensors (none without adapters) with its page size."""
+    lora_tensors = [] if lora is None else [lora.weights, lora.seg, lora.meta, lora.tables]
+    return (kv, cos, sin, positions, meta.slot_pages, meta.slot_offsets, meta.decode_block_tables,
+            meta.decode_context_lens, scale, eps, heads, kv_heads, head_dim, lora_tensors,
+            0 if lora is None else lora.page_elems)
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv: torch.Tensor,
@@ -185,12 +193,9 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta
     head; returns fp32 logits [S, V] for `logits_rows`. The same ops in the same order as the
     Python forward around `decode_layers`, so the same logits bit for bit (why: the module doc)."""
     cfg, w = model.cfg, model.w
-    extra = [] if lora is None else [lora.weights, lora.seg, lora.meta, lora.tables]
-    return load().decode_forward(input_ids, logits_rows, w["embed"], model.flat_layers, w["norm"], w["lm_head"], kv,
-                                 model.cos, model.sin, positions, meta.slot_pages, meta.slot_offsets,
-                                 meta.decode_block_tables, meta.decode_context_lens, model.scale, cfg.rms_norm_eps,
-                                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, extra,
-                                 0 if lora is None else lora.page_elems)
+    return load().decode_forward(input_ids, logits_rows, w["embed"], model.flat_layers, w["norm"], w["lm_head"],
+                                 *_step_args(kv, model.cos, model.sin, positions, meta, model.scale, cfg.rms_norm_eps,
+                                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lora))
 
 
 def decode_batch(table, rows: list[int], starts: list[int], ids: list[int], block_size: int):
