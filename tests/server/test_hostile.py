@@ -10,6 +10,7 @@ an eager load of a 200 MB adapter does not stall running streams.
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import socket
@@ -267,18 +268,25 @@ def test_an_eager_200_mb_load_does_not_stall_running_streams(tmp_path_factory, b
                 r = await http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big_adapter)})
                 loaded = (t0, time.monotonic())
                 return r, loaded, await asyncio.gather(*streams)
-        r, (t0, t1), streams = asyncio.run(run())
+        # The arrival times are taken here: a collection of this process's heap (large after hundreds
+        # of tests) would show as a gap in the daemon's stream, so the clock side does not collect.
+        gc.collect()
+        gc.disable()
+        try:
+            r, (t0, t1), streams = asyncio.run(run())
+        finally:
+            gc.enable()
         assert r.status_code == 200, r.text
         assert r.json()["adapter"]["tier"] == "device" and r.json()["adapter"]["params"] > 50_000_000
         text, reason, times = streams[0]
         gaps = [(b - a, a - t0) for a, b in zip(times, times[1:])]
-        during = [g for g, at in gaps if -g < at < t1 - t0]
+        during = [(g, at) for g, at in gaps if -g < at < t1 - t0]
         median = statistics.median(g for g, _ in gaps)
         assert t1 - t0 > 5 * median, "the load was too quick to tell anything"
         assert len(during) > 10, "the stream ended before the load"
-        worst = max(gaps)
-        assert max(during) < 3 * median, f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s " \
-                                         f"load; median {median * 1e3:.1f} ms"
+        worst = max(during)
+        assert worst[0] < 3 * median, f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s " \
+                                      f"load; median {median * 1e3:.1f} ms"
     finally:
         daemon.kill()
 
