@@ -36,6 +36,19 @@ Past `max_rows()` rows (prefill), a call goes to torch's GEMM, which is better t
 weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each.
 
+Measured, not adopted (AMD EPYC, AVX2, 2 threads, 2026-12-02, the host in a slow phase; a
+throwaway prototype against this kernel in one process, `tiny`'s 33 weights from memory, best of
+7, both on huge pages): W packed once into panels of 16 output rows ([N / 16, K, 16], each panel
+one contiguous stream, the next panel prefetched a line per k), x broadcast an element at a time
+into 12 accumulators of 6 rows x 16 outputs (8 loads per 12 FMAs against (1, 8)'s 9 per 8, no
+horizontal sums), rows in passes of 6 then 2 over chunks of 128 of K. It took 0.84-0.88x this
+kernel's time at 8 rows, 0.80-0.93x at 4 and 0.88-0.99x at 1 (its 4-row pass on one real row);
+on cached weights 85-100 against 64-93 GFLOP/s at 8 rows. Passes of 4 + 4 rows (8 accumulators)
+or no prefetch: 0.94-1.04x. Not adopted yet because the layout is not torch's: the prefill GEMM,
+the torch and Triton paths and their tests read W as [N, K], so it needs either a second
+copy of the base weights (the memory this project exists to save) or every consumer reading
+panels.
+
 Semantics: those of `F.linear` (the reference in `reference.linear`), fp32 accumulation in a
 different order: equal to it within 1e-5 relative in fp32. Built with the other CPU kernels,
 as one extension (`cpu_module`); LORAFLEET_CPU_KERNELS=0 forces the reference.
