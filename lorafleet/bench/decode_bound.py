@@ -9,6 +9,12 @@ target: within 1.5x at batch 1 and 8), in float32 or bfloat16 (half the bytes). 
 bytes are every distinct weight tensor of the model but the embedding table (a step reads one
 row of it per sequence), the LM head counted once even when tied to it.
 
+Beside each step, the profile of a miss: the step's matmuls alone (`matmul_time`: one
+`Kernels.linear` call per distinct weight matrix, on as many random rows as the batch, the best
+of a few passes), against the same round's bound. Where the step misses its target, this says
+whether the matmuls already do (2026-12-02, AMD EPYC, `tiny` at batch 8 in a slow phase: they
+took 1.54-1.73x the bound alone) or the rest of the step (attention, norms, the engine) does.
+
 The bandwidth is measured again after each round, and each round's steps are set against their
 own round's bound; the ratio is the median of those. On a shared machine whose speed drifts
 over minutes (a `tiny` step at batch 1 took 6.7 ms in one minute and 11 in another, on an AMD
@@ -18,6 +24,7 @@ EPYC VM), one bandwidth taken at the end let the ratio follow the drift rather t
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -41,6 +48,33 @@ def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
     return total
 
 
+def matmul_weights(weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The distinct weight matrices a decode step multiplies: every 2-D weight but the embedding
+    table (the LM head counted once, whether or not it is the embedding's storage)."""
+    seen, out = set(), []
+    for name, t in weights.items():
+        if t.dim() == 2 and name != "embed" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out.append(t)
+    return out
+
+
+def matmul_time(model, rows: int, passes: int = 5) -> float:
+    """Seconds of a decode step's matmuls alone at `rows` rows: one `Kernels.linear` call per
+    distinct weight (`matmul_weights`) on random rows of its input width; the best of `passes`
+    passes over all of them (each pass streams every weight once, as a step does)."""
+    weights = matmul_weights(model.w)
+    g = torch.Generator().manual_seed(0)
+    xs = {k: torch.randn(rows, k, generator=g).to(model.dtype) for k in {w.shape[1] for w in weights}}
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for w in weights:
+            model.kernels.linear(xs[w.shape[1]], w)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, rounds: int = 3,
                      prompt_len: int = 16, threads: int | None = None, dtype: str = "float32",
                      progress=None) -> dict:
@@ -54,23 +88,28 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     decode_step_time(engine, prompts[:2], [None] * 2, 2)  # warm-up: first allocations, kernel builds
     nbytes = step_weight_bytes(engine.model.w)
-    times, bandwidths = {b: [] for b in batches}, []
+    times, matmuls, bandwidths = {b: [] for b in batches}, {b: [] for b in batches}, []
     for r in range(rounds):
         for b in batches:
             times[b].append(decode_step_time(engine, prompts[:b], [None] * b, steps)[0])
+            matmuls[b].append(matmul_time(engine.model, b))
         bandwidths.append(measure_bandwidth())  # the bound of this round's steps, measured beside them
         if progress:
             for b in batches:
                 progress(f"{shape} round {r + 1}/{rounds} batch {b}: decode step {times[b][-1] * 1e3:.2f} ms, "
-                         f"{times[b][-1] * bandwidths[-1] / nbytes:.2f}x the bound at {bandwidths[-1] / 1e9:.1f} GB/s")
+                         f"{times[b][-1] * bandwidths[-1] / nbytes:.2f}x the bound at {bandwidths[-1] / 1e9:.1f} GB/s; "
+                         f"its matmuls alone {matmuls[b][-1] * 1e3:.2f} ms")
     bandwidth = statistics.median(bandwidths)
     bound = nbytes / bandwidth
     rows = []
     for b in batches:
         step = statistics.median(times[b])
         ratios = [t * bw / nbytes for t, bw in zip(times[b], bandwidths)]  # each round's step over its own bound
+        mm_ratios = [t * bw / nbytes for t, bw in zip(matmuls[b], bandwidths)]
         rows.append({"batch": b, "step_ms": step * 1e3, "bound_ms": bound * 1e3, "ratio": statistics.median(ratios),
                      "round_step_ms": [t * 1e3 for t in times[b]], "round_ratios": ratios,
+                     "matmul_ms": statistics.median(matmuls[b]) * 1e3, "matmul_ratio": statistics.median(mm_ratios),
+                     "round_matmul_ms": [t * 1e3 for t in matmuls[b]], "round_matmul_ratios": mm_ratios,
                      "tokens_per_s": b / step, "effective_gb_s": nbytes / step / 1e9})
     return {"benchmark": "decode-bound", "shape": shape, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "steps": steps, "rounds": rounds,

@@ -199,7 +199,8 @@ def decode_bound(
     quick: Quick = False, threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """A decode step of the base model (no adapters) at each batch size against its memory
-    bound: the step's weight bytes over the read bandwidth measured in the same run."""
+    bound: the step's weight bytes over the read bandwidth measured in the same run; beside it,
+    the step's matmuls alone against the same bound."""
     _check_choices("--dtype", [dtype], ("float32", "bfloat16"))
 
     def one(shape: str) -> dict:

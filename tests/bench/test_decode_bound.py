@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from lorafleet.bench.decode_bound import run_decode_bound, step_weight_bytes
+from lorafleet.bench.decode_bound import matmul_weights, run_decode_bound, step_weight_bytes
 
 
 def test_weight_bytes_count_each_storage_once_and_the_embedding_only_as_the_head():
@@ -39,6 +39,11 @@ def test_the_report_sets_each_rounds_steps_against_that_rounds_bound(report):
         assert r["ratio"] == pytest.approx(statistics.median(r["round_ratios"]))
         assert r["step_ms"] == pytest.approx(statistics.median(steps))
         assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)
+        matmuls = r["round_matmul_ms"]  # the profile of a miss: the step's matmuls alone, each round
+        assert len(matmuls) == 3 and all(0 < m < t for m, t in zip(matmuls, steps))
+        assert r["round_matmul_ratios"] == pytest.approx([m / 1e3 * bw * 1e9 / nbytes for m, bw in zip(matmuls, bws)])
+        assert r["matmul_ms"] == pytest.approx(statistics.median(matmuls))
+        assert r["matmul_ratio"] == pytest.approx(statistics.median(r["round_matmul_ratios"]))
     assert report["target_met"] == all(r["ratio"] <= 1.5 for r in report["batches"] if r["batch"] in (1, 8))
 
 
@@ -52,6 +57,14 @@ def test_the_cli_runs_it_and_writes_the_report(tmp_path):
     [row] = json.loads(out.read_text())["results"]
     assert row["shape"] == "micro" and [b["batch"] for b in row["batches"]] == [2] and row["dtype"] == "float32"
     assert "decode-bound" in result.stdout
+
+
+def test_the_matmuls_timed_are_each_weight_matrix_once_and_no_embedding():
+    embed, qkv, head = torch.zeros(10, 4), torch.zeros(12, 4), torch.zeros(10, 4)
+    untied = {"embed": embed, "layers.0.qkv": qkv, "layers.0.norm": torch.zeros(4), "lm_head": head}
+    assert [t.data_ptr() for t in matmul_weights(untied)] == [qkv.data_ptr(), head.data_ptr()]
+    tied = {"embed": embed, "layers.0.qkv": qkv, "layers.1.qkv": qkv, "lm_head": embed}
+    assert [t.data_ptr() for t in matmul_weights(tied)] == [qkv.data_ptr(), embed.data_ptr()]
 
 
 def test_bf16_halves_the_bytes_a_step_reads(report):
