@@ -269,7 +269,7 @@ def test_an_eager_200_mb_load_does_not_stall_running_streams(tmp_path_factory, b
                 loaded = (t0, time.monotonic())
                 return r, loaded, await asyncio.gather(*streams)
         # The arrival times are taken here: a collection of this process's heap (large after hundreds
-        # of tests) would show as a gap in the daemon's stream, so the clock side does not collect.
+        # of tests) could show as a gap in the daemon's stream, so the clock side does not collect.
         gc.collect()
         gc.disable()
         try:
