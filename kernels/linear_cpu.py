@@ -4,7 +4,8 @@ weight once at close to the machine's memory bandwidth (issue 18).
 Why it exists: a decode step at small batch is a matrix-vector problem. torch's fp32 GEMM reads
 a weight at 4-6 GB/s at 1-8 rows on a machine that streams ~20-28 GB/s, so two thirds of a
 decode step went to `aten::mm` on the base weights while the memory bus idled. Here W keeps its
-torch layout ([N, K] row-major, the checkpoint's: no packed copy, no extra memory) and:
+torch layout ([N, K] row-major, the checkpoint's), or, in fp32 on AVX2, is packed once at load
+into panels in its own storage (`pack`, below: no copy kept, no extra memory), and:
 - the N output rows are cut into blocks of NB weight rows, spread over torch's threads
   (`at::parallel_for`, so `torch.set_num_threads` governs it like every other op);
 - a block's NB rows are streamed once from memory, side by side, against a tile of TB x rows
@@ -36,18 +37,23 @@ Past `max_rows()` rows (prefill), a call goes to torch's GEMM, which is better t
 weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each.
 
-Measured, not adopted (AMD EPYC, AVX2, 2 threads, 2026-12-02, the host in a slow phase; a
-throwaway prototype against this kernel in one process, `tiny`'s 33 weights from memory, best of
-7, both on huge pages): W packed once into panels of 16 output rows ([N / 16, K, 16], each panel
-one contiguous stream, the next panel prefetched a line per k), x broadcast an element at a time
-into 12 accumulators of 6 rows x 16 outputs (8 loads per 12 FMAs against (1, 8)'s 9 per 8, no
-horizontal sums), rows in passes of 6 then 2 over chunks of 128 of K. It took 0.84-0.88x this
-kernel's time at 8 rows, 0.80-0.93x at 4 and 0.88-0.99x at 1 (its 4-row pass on one real row);
-on cached weights 85-100 against 64-93 GFLOP/s at 8 rows. Passes of 4 + 4 rows (8 accumulators)
-or no prefetch: 0.94-1.04x. Not adopted yet because the layout is not torch's: the prefill GEMM,
-the torch and Triton paths and their tests read W as [N, K], so it needs either a second
-copy of the base weights (the memory this project exists to save) or every consumer reading
-panels.
+Packed panels (`pack`, `Kernels.pack`: the model packs its projections once, at load, in place;
+fp32 builds for AVX2 only, where they were measured; an N that 16 does not divide, bf16, a tied
+LM head (the embedding, read by rows) stay [N, K]): W as [N / 16, K, 16], each panel one
+contiguous stream with the next one prefetched a line per k, each x element broadcast against
+the panel's two vectors into 12 accumulators of 6 rows x 16 outputs (8 loads per 12 FMAs against
+(1, 8)'s 9 per 8, no horizontal sums), rows in passes of 6 and the rest (1-4 rows: one pass of 4)
+over chunks of 128 of K; past `max_rows()` rows the panel is laid out [N, K] again for torch's
+GEMM, a copy per call. First measured as a throwaway prototype (AMD EPYC, AVX2, 2 threads,
+2026-12-02, the host in a slow phase; `tiny`'s 33 weights from memory, best of 7, both on huge
+pages): 0.84-0.88x the (1, 8) tile's time at 8 rows, 0.80-0.93x at 4, 0.88-0.99x at 1; on
+cached weights 85-100 against 64-93 GFLOP/s at 8 rows; passes of 4 + 4 rows (8 accumulators) or
+no prefetch: 0.94-1.04x. As built, against the same weights unpacked, alternated in one process
+(the host slower still: `tiny`'s batch-1 step 7.5-10.6 ms): the matmuls alone (medians of 6-8
+rounds) `tiny` 0.91x the time at 1 row, 0.97x at 4, 0.94x at 8, `smol` 0.96x, 0.81x, 0.94x;
+whole decode steps, two engines alternated, `tiny` 0.91x at batch 1 and 0.93x at 8 (every one
+of 10 rounds below 1), `smol` 0.99x and 1.01x (6 rounds), a prefill of 4 x 256 tokens 0.82x
+and 0.84x; greedy tokens identical.
 
 Semantics: those of `F.linear` (the reference in `reference.linear`), fp32 accumulation in a
 different order: equal to it within 1e-5 relative in fp32. Built with the other CPU kernels,
@@ -62,7 +68,7 @@ from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
 
-FUNCTIONS = ["linear", "max_rows"]
+FUNCTIONS = ["linear", "max_rows", "panel_width"]
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -315,6 +321,93 @@ static void dispatch(const Args& a) {
 #endif
 }
 
+// W packed in panels of PW output rows, [N / PW, K, PW] (`pack`): a panel is one contiguous
+// stream, read once per call; for each k its PW weights are two vectors, and each x row's element
+// is broadcast against them, so the sums are PW lanes wide (no horizontal sums) and a pass of 6
+// rows keeps 12 accumulators for 8 loads per 12 FMAs, where the (1, 8) tile has 9 per 8. K goes
+// by chunks of PKC, so that a chunk of the panel stays in L1 while every pass of rows reads it;
+// the first pass of a chunk asks for the same chunk of the next panel. 1-4 rows go as one pass
+// of 4 (rows past T repeat the last, computed and never stored), 5-8 as 6 + the rest, and so on
+// (measured: see the module doc)
+constexpr int64_t PW = 2 * VW;
+constexpr int64_t PKC = 128;
+
+template <int TR>
+static inline void panel_pass(const float* wp, const float* const* x, int64_t k0, int64_t k1, vw (*st)[2],
+                              bool first, const float* pf) {
+  vw acc[TR][2];
+  for (int t = 0; t < TR; ++t) {
+    acc[t][0] = first ? vw{} : st[t][0];
+    acc[t][1] = first ? vw{} : st[t][1];
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    if (pf)
+      for (int64_t c = 0; c < PW; c += 16) __builtin_prefetch(pf + k * PW + c, 0, PF_HINT);
+    const vw w0 = wload(wp + k * PW), w1 = wload(wp + k * PW + VW);
+    for (int t = 0; t < TR; ++t) {
+      const float xv = x[t][k];
+      acc[t][0] += w0 * xv;
+      acc[t][1] += w1 * xv;
+    }
+  }
+  for (int t = 0; t < TR; ++t) {
+    st[t][0] = acc[t][0];
+    st[t][1] = acc[t][1];
+  }
+}
+
+// y [T, N] = x [T, K] @ W^T (+ bias) for W packed as [N / PW, K, PW], fp32, T <= max_rows()
+static void run_panels(const float* xp, int64_t ldx, int64_t T, const float* W, int64_t K, int64_t P,
+                       const float* bias, float* yp, int64_t ldy) {
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    vw st[64 + 4][2];  // each row's sums across the chunks of K (T <= 64, + the rows a pass of 4 repeats)
+    const float* xr[64 + 4];
+    for (int64_t t = 0; t < std::max<int64_t>(T, 4); ++t) xr[t] = xp + std::min(t, T - 1) * ldx;
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* wp = W + p * K * PW;
+      const float* next = p + 1 < p1 ? wp + K * PW : nullptr;
+      for (int64_t k0 = 0; k0 < K; k0 += PKC) {
+        const int64_t k1 = std::min(K, k0 + PKC);
+        const bool first = k0 == 0;
+        if (T <= 4) {
+          panel_pass<4>(wp, xr, k0, k1, st, first, next);
+          continue;
+        }
+        for (int64_t t0 = 0; t0 < T; t0 += 6) {
+          const float* const* x = xr + t0;
+          const float* pf = t0 == 0 ? next : nullptr;
+          switch (std::min<int64_t>(6, T - t0)) {
+            case 1: panel_pass<1>(wp, x, k0, k1, st + t0, first, pf); break;
+            case 2: panel_pass<2>(wp, x, k0, k1, st + t0, first, pf); break;
+            case 3: panel_pass<3>(wp, x, k0, k1, st + t0, first, pf); break;
+            case 4: panel_pass<4>(wp, x, k0, k1, st + t0, first, pf); break;
+            case 5: panel_pass<5>(wp, x, k0, k1, st + t0, first, pf); break;
+            default: panel_pass<6>(wp, x, k0, k1, st + t0, first, pf); break;
+          }
+        }
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        vw a0 = st[t][0], a1 = st[t][1];
+        if (bias) {
+          a0 += wload(bias + p * PW);
+          a1 += wload(bias + p * PW + VW);
+        }
+        wstore(yp + t * ldy + p * PW, a0);
+        wstore(yp + t * ldy + p * PW + VW, a1);
+      }
+    }
+  });
+}
+
+// the panel width `pack` uses, 0 where weights stay [N, K]: panels were measured on AVX2 only
+int64_t panel_width() {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  return PW;
+#else
+  return 0;
+#endif
+}
+
 // more rows than this: torch's GEMM (`linear` in Python). With AVX-512 (an Intel host, tiny's 33
 // weights, one thread): 24 rows 20.9 ms here against 23.6 ms for torch, 32 rows 32-38 against
 // 26.9. With AVX2 (an AMD EPYC, 2 threads), torch's GEMM ran at 37-60 GFLOP/s where the (2, 4)
@@ -330,6 +423,22 @@ int64_t max_rows() {
 // F.linear(x, w, bias): the kernel up to max_rows() rows, torch's GEMM beyond (prefill), here so
 // that every caller (the Python wrapper, the decode-layers driver) takes the same path
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  if (w.dim() == 3) {  // packed panels (`pack`): fp32 only
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && w.size(2) == PW && w.is_contiguous(),
+                "linear: x [T, K] and packed w [N / ", PW, ", K, ", PW, "]");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear: packed w is float32");
+    const int64_t N = w.size(0) * PW;
+    if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                          "linear: bias");
+    if (x.size(0) > max_rows())  // prefill: torch's GEMM on the weight laid out [N, K] again
+      return at::linear(x, w.transpose(1, 2).reshape({N, w.size(1)}), bias);
+    if (x.stride(1) != 1) x = x.contiguous();
+    auto y = torch::empty({x.size(0), N}, x.options());
+    if (x.size(0) == 0 || N == 0) return y;
+    run_panels(x.data_ptr<float>(), x.stride(0), x.size(0), w.data_ptr<float>(), w.size(1), w.size(0),
+               bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), y.stride(0));
+    return y;
+  }
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [T, K] and w [N, K]");
   if (x.size(0) > max_rows()) return at::linear(x, w, bias);
   if (x.stride(1) != 1) x = x.contiguous();
@@ -364,6 +473,22 @@ def max_rows() -> int:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16): the
-    kernel up to `max_rows()` rows, torch's GEMM beyond (the C++ `linear` decides)."""
+    """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16), or w
+    packed by `pack`: the kernel up to `max_rows()` rows, torch's GEMM beyond (the C++ `linear`
+    decides)."""
     return load().linear(x, w, bias)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """A base weight [N, K] laid out for `linear` as panels [N / PW, K, PW] (PW: the build's
+    `panel_width`), in its own storage: the values move, no memory is added, and the tensor given
+    must not be read as [N, K] again. Returned as is where it stays [N, K]: not float32, N not a
+    multiple of PW, or a build without panels (AVX-512: not measured there)."""
+    pw = load().panel_width()
+    if not pw or w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] % pw or not w.is_contiguous():
+        return w
+    n, k = w.shape
+    panels = w.view(n // pw, pw, k).transpose(1, 2).contiguous()
+    flat = w.view(-1)
+    flat.copy_(panels.view(-1))
+    return flat.view(n // pw, k, pw)

@@ -49,11 +49,12 @@ def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
 
 
 def matmul_weights(weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The distinct weight matrices a decode step multiplies: every 2-D weight but the embedding
-    table (the LM head counted once, whether or not it is the embedding's storage)."""
+    """The distinct weight matrices a decode step multiplies: every weight of two dimensions or
+    more (a matrix, or one packed into panels by `Kernels.pack`) but the embedding table (the LM
+    head counted once, whether or not it is the embedding's storage)."""
     seen, out = set(), []
     for name, t in weights.items():
-        if t.dim() == 2 and name != "embed" and t.data_ptr() not in seen:
+        if t.dim() >= 2 and name != "embed" and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             out.append(t)
     return out

@@ -45,6 +45,9 @@ def rope_cache(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device) -> tu
     return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's weights that only `Kernels.linear` reads
+
+
 class Layer(NamedTuple):
     """One decoder layer's tensors (None where the family has none: biases, q/k norms)."""
     in_norm: torch.Tensor
@@ -66,7 +69,10 @@ class LlamaModel(torch.nn.Module):
 
     embed [V, H]; per layer: in_norm [H], qkv [Q+2K, H] (+qkv_b), q_norm/k_norm [D] (Qwen3),
     o [H, Q] (+o_b), post_norm [H], gate_up [2I, H] (+gate_up_b), down [H, I] (+down_b);
-    norm [H]; lm_head [V, H] (the embedding itself when tied).
+    norm [H]; lm_head [V, H] (the embedding itself when tied). Where the kernels lay weights
+    out for their `linear` (`Kernels.pack`: the CPU's panels in fp32 on AVX2), the projections
+    and an untied LM head are packed here, once, in their own storage: read them through
+    `Kernels.linear` only.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int):
@@ -78,6 +84,10 @@ class LlamaModel(torch.nn.Module):
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = backend.select(t.device, t.dtype)  # every op of the forward pass, for this device
+        if self.kernels.pack is not None:  # the projections laid out for the kernels' `linear`, in place
+            heads = ["lm_head"] if weights["lm_head"].data_ptr() != t.data_ptr() else []  # a tied head is the embedding
+            for name in heads + [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in PROJECTIONS]:
+                weights[name] = self.kernels.pack(weights[name])
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
         self.flat_layers = [t for lw in self.layers for t in lw]    # as `Kernels.decode_forward` passes them

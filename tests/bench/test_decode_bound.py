@@ -63,6 +63,9 @@ def test_the_matmuls_timed_are_each_weight_matrix_once_and_no_embedding():
     embed, qkv, head = torch.zeros(10, 4), torch.zeros(12, 4), torch.zeros(10, 4)
     untied = {"embed": embed, "layers.0.qkv": qkv, "layers.0.norm": torch.zeros(4), "lm_head": head}
     assert [t.data_ptr() for t in matmul_weights(untied)] == [qkv.data_ptr(), head.data_ptr()]
+    panels = torch.zeros(2, 4, 16)  # a weight packed by `Kernels.pack` is a matrix too
+    assert [t.data_ptr() for t in matmul_weights({**untied, "layers.0.down": panels})] == \
+        [qkv.data_ptr(), head.data_ptr(), panels.data_ptr()]
     tied = {"embed": embed, "layers.0.qkv": qkv, "layers.1.qkv": qkv, "lm_head": embed}
     assert [t.data_ptr() for t in matmul_weights(tied)] == [qkv.data_ptr(), embed.data_ptr()]
 

@@ -95,6 +95,49 @@ def test_mismatched_inputs_are_refused_with_the_reason():
         linear_cpu.linear(torch.randn(2, 16).half(), w.half())
 
 
+def test_pack_lays_a_weight_out_as_panels_in_its_own_storage(isa):
+    pw = linear_cpu.load().panel_width()
+    assert pw == (0 if isa == "native" and " avx512f" in build.cpu_identity() else 16)
+    w = torch.randn(48, 37)
+    before, ptr = w.clone(), w.data_ptr()
+    packed = linear_cpu.pack(w)
+    if not pw:  # AVX-512: panels were measured on AVX2 only, the weight stays [N, K]
+        assert packed is w and torch.equal(w, before)
+        return
+    assert packed.shape == (3, 37, 16) and packed.data_ptr() == ptr  # no memory added
+    assert torch.equal(packed, before.view(3, 16, 37).transpose(1, 2))
+    for other in (torch.randn(40, 37), torch.randn(48, 37).bfloat16(), torch.randn(48, 74)[:, ::2]):
+        assert linear_cpu.pack(other) is other  # N not a multiple of 16, bf16, not contiguous
+
+
+@pytest.mark.parametrize("n, k", [(16, 1), (16, 33), (48, 100), (64, 513), (224, 1536), (32, 4100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_panels_equal_the_exact_product_within_1e_5(n, k, bias, isa):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = linear_cpu.pack(w.clone())
+    assert packed.dim() == (3 if linear_cpu.load().panel_width() else 2)
+    for t in ROWS + [linear_cpu.max_rows() + 1]:  # every pass of 4, of 6 and its rest; then torch's GEMM
+        x = torch.randn(t, k, generator=g)
+        got = linear_cpu.linear(x, packed, b)
+        scale = (x.double().abs() @ w.double().abs().T).max().item() + 1e-30
+        assert got.shape == (t, n) and (got.double() - exact(x, w, b)).abs().max().item() <= 1e-5 * scale, (t, n, k)
+
+
+def test_packed_weights_refuse_what_they_cannot_serve():
+    mod = linear_cpu.load(avx2=True)  # the build with panels, whatever this CPU has
+    packed = torch.randn(32, 16).view(2, 16, 16).transpose(1, 2).contiguous()
+    with pytest.raises(RuntimeError, match="packed w"):
+        mod.linear(torch.randn(2, 15), packed, None)
+    with pytest.raises(RuntimeError, match="packed w is float32"):
+        mod.linear(torch.randn(2, 16).bfloat16(), packed.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        mod.linear(torch.randn(2, 16), packed, torch.randn(31))
+    with pytest.raises(RuntimeError, match="packed w"):
+        mod.linear(torch.randn(2, 16), torch.randn(2, 16, 8), None)  # panels of another width
+
+
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # a prefill of 92 rows (past max_rows() in both builds: torch's GEMM), then decode steps on the kernel
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 10, [20, 21, 22], [30] * 17, [40, 41]]
@@ -113,6 +156,16 @@ def test_every_family_gives_the_torch_paths_tokens(family, tmp_path, monkeypatch
     got, engine = greedy("cpu", monkeypatch, folder)
     assert engine.model.kernels.linear is linear_cpu.linear
     assert got == greedy("torch", monkeypatch, folder)[0]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_fp32_model_packs_its_projections_but_not_the_embedding(tmp_path, monkeypatch, tied):
+    monkeypatch.setenv("LORAFLEET_KERNELS", "cpu")
+    engine = Engine(build_model(tmp_path, "llama", tie_word_embeddings=tied), pool_bytes=4 << 20)
+    w, dim = engine.model.w, 3 if linear_cpu.load().panel_width() else 2  # every N here is a multiple of 16
+    assert [w[f"layers.{i}.{n}"].dim() for i in range(2) for n in ("qkv", "o", "gate_up", "down")] == [dim] * 8
+    assert w["embed"].dim() == 2  # read by rows
+    assert (w["lm_head"] is w["embed"]) if tied else w["lm_head"].dim() == dim
 
 
 def test_bf16_models_run_on_the_kernel(llama_dir, monkeypatch):
