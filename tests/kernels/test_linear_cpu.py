@@ -1,8 +1,10 @@
 """The CPU decode matmul computes `F.linear`: within 1e-5 relative in fp32 and within bf16's
 rounding in bf16, on odd shapes, every tile remainder, strided rows and with biases, in the
 build for this CPU and in one without AVX-512 (`isa`: other tile shapes); past
-`max_rows()` rows it is torch's GEMM itself; and the engine on it gives the torch path's greedy
-tokens on every parity family and on the demo fleet."""
+`max_rows()` rows it is torch's GEMM itself; weights packed into panels (AVX2, fp32) give the
+same products, in their own storage, and an fp32 model packs its projections but never the
+embedding; and the engine on it gives the torch path's greedy tokens on every parity family
+and on the demo fleet."""
 
 from __future__ import annotations
 
