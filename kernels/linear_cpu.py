@@ -13,15 +13,19 @@ into panels in its own storage (`pack`, below: no copy kept, no extra memory), a
   the same NB rows from L1; so each weight byte comes from memory once per call whatever the
   number of rows;
 - tile shapes follow the rows and the vector registers (`cpu_vector`'s `vw`: 32 of 16 lanes
-  with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (4, 8) with
-  AVX-512; with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
+  with AVX-512, 16 of 8 with AVX2): (NB, TB) = (6, 4) up to 4 rows, beyond that (3, 8) with
+  AVX-512 (24 accumulators: (4, 8)'s 32 left no register for its weight vectors; on an Intel
+  Sapphire Rapids VM, 2 threads, huge pages, alternated in one process, the step's matmuls at
+  5-8 rows took 0.94-0.99x (4, 8)'s time on `tiny`'s and `smol`'s weights, and one weight on
+  cached rows ran at 145 against 133 GFLOP/s; a prefetch two to eight blocks ahead, or into L2,
+  took 1.02-1.13x); with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
   (each the best of 5-10 shapes measured on tiny's weights; (1, 4) replaced (6, 4) once the
   weights sat on huge pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); but 2-8
   x rows of more than 40 KB, more than L1 keeps beside the weight stream, go by chunks of K, a
   chunk of x in L1 against a group of weight rows (`run_kchunks`); the weight vectors are read
   once per tile; the rows left after the full tiles take the smallest tile of halved height that
   holds them, the count of real rows a compile-time constant of the tile like its shape (as a
-  runtime count, 5-7 rows took 1.15-1.2x the time of 8). With AVX-512's (4, 8) on AVX2, 32
+  runtime count, 5-7 rows took 1.15-1.2x the time of 8). With (4, 8), AVX-512's tile then, on AVX2, 32
   accumulators of two registers each spilled to the stack: 8 rows ran at 2 GB/s, 32 ms for
   tiny's weights against 6 ms now and torch's 20 (AMD EPYC, 2 threads);
 - while the first tile of a block runs, the next block's rows are prefetched, so memory keeps
@@ -38,7 +42,7 @@ weights are reused across many rows and the problem is compute-bound. Where that
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each.
 
 Packed panels (`pack`, `Kernels.pack`: the model packs its projections once, at load, in place;
-fp32 builds for AVX2 only, where they were measured; an N that 16 does not divide, bf16, a tied
+fp32 builds for AVX2 only: with AVX-512 they did not pay, below; an N that 16 does not divide, bf16, a tied
 LM head (the embedding, read by rows) stay [N, K]): W as [N / 16, K, 16], each panel one
 contiguous stream with the next one prefetched a line per k, each x element broadcast against
 the panel's two vectors into 12 accumulators of 6 rows x 16 outputs (8 loads per 12 FMAs against
@@ -53,7 +57,10 @@ no prefetch: 0.94-1.04x. As built, against the same weights unpacked, alternated
 rounds) `tiny` 0.91x the time at 1 row, 0.97x at 4, 0.94x at 8, `smol` 0.96x, 0.81x, 0.94x;
 whole decode steps, two engines alternated, `tiny` 0.91x at batch 1 and 0.93x at 8 (every one
 of 10 rounds below 1), `smol` 0.99x and 1.01x (6 rounds), a prefill of 4 x 256 tokens 0.82x
-and 0.84x; greedy tokens identical.
+and 0.84x; greedy tokens identical. With AVX-512 (panels of 32 outputs, two 16-lane vectors;
+an Intel Sapphire Rapids VM, 2 threads, `smol`'s weights, alternated in one process), as built
+for AVX2: 1.0x the [N, K] tiles' time at 1 row, 0.92x at 4, 1.30x at 8; with passes of 8 and
+12 rows: 0.90-0.95x at 8 rows but 1.06-1.17x at 1 (`tiny` too): not enabled there.
 
 Semantics: those of `F.linear` (the reference in `reference.linear`), fp32 accumulation in a
 different order: equal to it within 1e-5 relative in fp32. Built with the other CPU kernels,
@@ -305,7 +312,7 @@ template <class S>
 static void dispatch(const Args& a) {
 #if defined(__AVX512F__)
   if (a.T <= 4) run<S, 6, 4>(a);
-  else run<S, 4, 8>(a);
+  else run<S, 3, 8>(a);
 #else
   // AVX2 (each the best of 5-10 shapes measured on an AMD EPYC): one fp32 row streams 8 weight
   // rows side by side with no prefetch (tiny's weights at 23 GB/s, 21 with (6, 1) and its
@@ -399,7 +406,7 @@ static void run_panels(const float* xp, int64_t ldx, int64_t T, const float* W, 
   });
 }
 
-// the panel width `pack` uses, 0 where weights stay [N, K]: panels were measured on AVX2 only
+// the panel width `pack` uses, 0 where weights stay [N, K]: panels pay on AVX2 only (module doc)
 int64_t panel_width() {
 #if defined(__AVX2__) && !defined(__AVX512F__)
   return PW;
@@ -483,7 +490,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     """A base weight [N, K] laid out for `linear` as panels [N / PW, K, PW] (PW: the build's
     `panel_width`), in its own storage: the values move, no memory is added, and the tensor given
     must not be read as [N, K] again. Returned as is where it stays [N, K]: not float32, N not a
-    multiple of PW, or a build without panels (AVX-512: not measured there)."""
+    multiple of PW, or a build without panels (AVX-512: they did not pay there)."""
     pw = load().panel_width()
     if not pw or w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] % pw or not w.is_contiguous():
         return w
