@@ -18,7 +18,7 @@ into panels in its own storage (`pack`, below: no copy kept, no extra memory), a
   Sapphire Rapids VM, 2 threads, huge pages, alternated in one process, the step's matmuls at
   5-8 rows took 0.94-0.99x (4, 8)'s time on `tiny`'s and `smol`'s weights, and one weight on
   cached rows ran at 145 against 133 GFLOP/s; a prefetch two to eight blocks ahead, or into L2,
-  took 1.02-1.13x); with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
+  took 1.02-1.13x; 9-24 rows take the same tiles, not measured apart); with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
   (each the best of 5-10 shapes measured on tiny's weights; (1, 4) replaced (6, 4) once the
   weights sat on huge pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); but 2-8
   x rows of more than 40 KB, more than L1 keeps beside the weight stream, go by chunks of K, a
