@@ -44,7 +44,33 @@ def test_the_report_sets_each_rounds_steps_against_that_rounds_bound(report):
         assert r["round_matmul_ratios"] == pytest.approx([m / 1e3 * bw * 1e9 / nbytes for m, bw in zip(matmuls, bws)])
         assert r["matmul_ms"] == pytest.approx(statistics.median(matmuls))
         assert r["matmul_ratio"] == pytest.approx(statistics.median(r["round_matmul_ratios"]))
+        hosts = r["round_host_ms"]  # and the engine's part of each round's steps
+        assert len(hosts) == 3 and all(0 < h < t for h, t in zip(hosts, steps))
+        assert r["host_ms"] == pytest.approx(statistics.median(hosts))
     assert report["target_met"] == all(r["ratio"] <= 1.5 for r in report["batches"] if r["batch"] in (1, 8))
+    others = report["round_other_cores"]  # other work on the machine, each round
+    assert len(others) == 3 and all(o is None or o >= 0 for o in others)
+
+
+def test_a_round_beside_other_work_is_named_under_the_table(monkeypatch):
+    from rich.console import Console
+
+    from lorafleet.bench import decode_bound, tables
+
+    clock = {"busy": 0.0, "ours": 0.0}
+
+    def cpu_seconds():  # the machine busy 1.5 cores' worth per call beyond this process: other work
+        clock["busy"] += 1.5
+        return clock["busy"], clock["ours"]
+
+    monkeypatch.setattr(decode_bound, "cpu_seconds", cpu_seconds)
+    monkeypatch.setattr(decode_bound, "other_cores", lambda cpu_s, seconds: cpu_s / 2.0)  # as over 2 s
+    noisy = run_decode_bound("micro", batches=(1,), steps=2, rounds=2, threads=1)
+    assert noisy["round_other_cores"] == [0.75, 0.75] and noisy["other_cores"] == 0.75
+    console = Console(width=400, record=True)
+    console.print(tables.decode_bound_table([noisy]))
+    text = " ".join(console.export_text().split())  # the caption wraps at the table's width
+    assert "noisy: micro: other work" in text and "kept 0.8 cores busy in its busiest round" in text
 
 
 def test_the_cli_runs_it_and_writes_the_report(tmp_path):
