@@ -178,10 +178,15 @@ def lora_decode_table(results: list[dict]) -> Table:
     return table
 
 
+def _contended(other_cores: float | None) -> bool:
+    """Whether other work kept enough cores busy (`machine.other_cores`; None: unknown) to name a figure."""
+    return other_cores is not None and other_cores >= CONTENDED_CORES
+
+
 def decode_bound_table(results: list[dict]) -> Table:
     noisy = [f"\nnoisy: {r['shape']}: other work (other processes, the hypervisor's other guests) kept "
              f"{r['other_cores']:.1f} cores busy in its busiest round: the host's figures, not the code's"
-             for r in results if (r["other_cores"] or 0) >= CONTENDED_CORES]
+             for r in results if _contended(r["other_cores"])]
     table = _table("decode-bound: a base-model decode step against reading its weights once",
                    ["shape", "weights", "read GB/s", "batch", "step ms", "bound ms", "ratio", "tok/s", "matmuls ms",
                     "host ms"],
@@ -230,7 +235,7 @@ def overhead_table(results: list[dict]) -> Table:
     table.caption = (f"targets judged for {setting.get('shape')}, {setting.get('running')} requests over "
                      f"{setting.get('num_adapters')} adapters, {setting.get('burst')} at once")
     busy = [f"{r['shape']} {part}: {o:.1f}" for r in results for part in ("decode", "burst")
-            if (o := r[part]["other_cores"]) is not None and o >= CONTENDED_CORES]
+            if _contended(o := r[part]["other_cores"])]
     if busy:
         table.caption += "\nother processes kept cores busy meanwhile (cores): " + ", ".join(busy)
     return table
@@ -256,7 +261,7 @@ def stats_cost_table(results: list[dict]) -> Table:
                 ("  ratio", f"{ab['ratio']:.3f}x", "", "")]
         for i, (figure, measured, target, verdict) in enumerate(rows):
             table.add_row(r["shape"] if i == 0 else "", figure, measured, target, verdict)
-        busy = [o for x in ab["runs"] if (o := x["other_cores"]) is not None and o >= CONTENDED_CORES]
+        busy = [o for x in ab["runs"] if _contended(o := x["other_cores"])]
         top = ", ".join(f"{_function(x['function'])} {x['share']:.0%}" for x in r["profile"][:4])
         key, size = next(iter(p["json_bytes_by_key"].items()), ("", 0))
         captions.append(
