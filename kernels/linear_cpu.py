@@ -31,6 +31,9 @@ into panels in its own storage (`pack`, below: no copy kept, no extra memory), a
 - while the first tile of a block runs, the next block's rows are prefetched, so memory keeps
   streaming while the FMAs run (without it, 8 rows took 1.5x as long); but not for one fp32
   row on AVX2, where the hardware prefetcher alone kept memory busier (23 GB/s against 21);
+- with AVX-512, a tile's x rows of more than 32 KB (6-8 rows of a 1,536-wide input) go by
+  chunks of K of at most 16 KB, every block of a thread over one chunk before the next (`run`:
+  the matmuls of a `tiny` or `smol` step at 8 rows 0.93-0.96x the time, whole steps 0.93-0.97x);
 - bf16 weights and activations: half the bytes of fp32 per step. Where the CPU has AVX512-BF16,
   `VDPBF16PS` multiplies bf16 pairs exactly and sums them into fp32 (no widening: with it, the
   kernel was compute-bound from 4 rows on); elsewhere each weight vector is widened to fp32 in
@@ -84,6 +87,7 @@ _SOURCE = cpu_vector.SOURCE + r"""
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 
 #if defined(__AVX512BF16__)
@@ -174,13 +178,19 @@ struct Args {
   void* y; int64_t ldy;
 };
 
-// rows [t0, t0 + R) against weight rows [n0, n0 + nn); pointers past the end repeat the last
-// row (computed, never stored), so a tile always has its full shape. PF: prefetch the next block.
+// The span of K a pass of `run` covers: all of it, or one chunk of it where the x rows are too
+// wide to stay in L1 beside the weight stream; then `part` holds each output's fp32 sum over the
+// chunks before (T x N, row-major), and the last chunk adds the bias and stores y
+struct Span { int64_t k0, len; float* part; };
+
+// rows [t0, t0 + R) against weight rows [n0, n0 + nn), over the span c of K; pointers past the
+// end repeat the last row (computed, never stored), so a tile always has its full shape. PF:
+// prefetch, as the first tile runs, the same span of the weight rows [pn, pn + NB) (pn < 0: none).
 // R, the rows that are real, is a template argument like the tile's shape: with R a runtime
 // count, a tile of 5-7 rows in (1, 8) ran 22% slower than the full 8 (`tiny`'s weights, the
 // same x rows: 21.4 against 27.3 GB/s), the same FMAs on the same data
 template <class S, int NB, int TB, bool PF, int R>
-static void block(const Args& a, int64_t t0, int64_t n0, int64_t nn) {
+static void block(const Args& a, const Span& c, int64_t t0, int64_t n0, int64_t nn, int64_t pn, int64_t pk) {
   constexpr int64_t tb = R;
   const X<S>* xp = static_cast<const X<S>*>(a.x);
   const S* wp = static_cast<const S*>(a.w);
@@ -188,53 +198,94 @@ static void block(const Args& a, int64_t t0, int64_t n0, int64_t nn) {
   S* yp = static_cast<S*>(a.y);
   const S* w[NB];
   const X<S>* x[TB];
-  for (int j = 0; j < NB; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, nn - 1)) * a.K;
-  for (int t = 0; t < TB; ++t) x[t] = xp + (t0 + std::min<int64_t>(t, tb - 1)) * a.ldx;
+  for (int j = 0; j < NB; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, nn - 1)) * a.K + c.k0;
+  for (int t = 0; t < TB; ++t) x[t] = xp + (t0 + std::min<int64_t>(t, tb - 1)) * a.ldx + c.k0;
   // the first tile of a block reads its rows from memory: it prefetches the next block's
   // (the hardware prefetcher alone leaves memory idle while the FMAs run: measured 1.5x slower
   // at 8 rows)
   const S* pf[NB];
-  for (int j = 0; j < NB; ++j) pf[j] = wp + std::min<int64_t>(n0 + NB + j, a.N - 1) * a.K;
+  for (int j = 0; j < NB; ++j) pf[j] = wp + std::min<int64_t>(pn + j, a.N - 1) * a.K + pk;
   float out[NB][TB];
-  tile<S, NB, TB>(w, x, a.K, out, PF && t0 == 0 && n0 + NB < a.N ? pf : nullptr);
+  tile<S, NB, TB>(w, x, c.len, out, PF && t0 == 0 && pn >= 0 ? pf : nullptr);
   for (int t = 0; t < tb; ++t)
-    for (int j = 0; j < nn; ++j)
-      yp[(t0 + t) * a.ldy + n0 + j] = S(out[j][t] + (bp ? float(bp[n0 + j]) : 0.f));
+    for (int j = 0; j < nn; ++j) {
+      float v = out[j][t];
+      if (c.part) {  // a chunk of K: the sum so far, kept until the last chunk
+        float& p = c.part[(t0 + t) * a.N + n0 + j];
+        if (c.k0 > 0) v += p;
+        if (c.k0 + c.len < a.K) { p = v; continue; }
+      }
+      yp[(t0 + t) * a.ldy + n0 + j] = S(v + (bp ? float(bp[n0 + j]) : 0.f));
+    }
 }
 
 // the last tile's rows: R counts down to `rest`, so that `block` gets it as a constant
 template <class S, int NB, int TB, bool PF, int R = TB>
-static void rest_block(const Args& a, int64_t t0, int64_t rest, int64_t n0, int64_t nn) {
+static void rest_block(const Args& a, const Span& c, int64_t t0, int64_t rest, int64_t n0, int64_t nn, int64_t pn,
+                       int64_t pk) {
   if constexpr (R > TB / 2 + 1) {  // rest_rows sends fewer rows to a tile of half the height
-    if (rest < R) { rest_block<S, NB, TB, PF, R - 1>(a, t0, rest, n0, nn); return; }
+    if (rest < R) { rest_block<S, NB, TB, PF, R - 1>(a, c, t0, rest, n0, nn, pn, pk); return; }
   }
-  block<S, NB, TB, PF, R>(a, t0, n0, nn);
+  block<S, NB, TB, PF, R>(a, c, t0, n0, nn, pn, pk);
 }
 
 template <class S, int NB, int TB, bool PF>
-static void rest_rows(const Args& a, int64_t t0, int64_t n0, int64_t nn) {
+static void rest_rows(const Args& a, const Span& c, int64_t t0, int64_t n0, int64_t nn, int64_t pn, int64_t pk) {
   // rows left after the full tiles: one tile of the smallest shape that holds them
   const int64_t rest = a.T - t0;
   if constexpr (TB > 1) {
-    if (rest <= TB / 2) { rest_rows<S, NB, TB / 2, PF>(a, t0, n0, nn); return; }
+    if (rest <= TB / 2) { rest_rows<S, NB, TB / 2, PF>(a, c, t0, n0, nn, pn, pk); return; }
   }
-  rest_block<S, NB, TB, PF>(a, t0, rest, n0, nn);
+  rest_block<S, NB, TB, PF>(a, c, t0, rest, n0, nn, pn, pk);
 }
 
 template <class S, int NB, int TB, bool PF>
-static void tiles(const Args& a, int64_t n0, int64_t nn) {
+static void tiles(const Args& a, const Span& c, int64_t n0, int64_t nn, int64_t pn, int64_t pk) {
   int64_t t0 = 0;
-  for (; t0 + TB <= a.T; t0 += TB) block<S, NB, TB, PF, TB>(a, t0, n0, nn);
-  if (t0 < a.T) rest_rows<S, NB, TB, PF>(a, t0, n0, nn);
+  for (; t0 + TB <= a.T; t0 += TB) block<S, NB, TB, PF, TB>(a, c, t0, n0, nn, pn, pk);
+  if (t0 < a.T) rest_rows<S, NB, TB, PF>(a, c, t0, n0, nn, pn, pk);
 }
+
+// With AVX-512, x rows (one tile's: T <= TB) of more than XCHUNK_FROM bytes go by chunks of K of
+// at most XCHUNK_BYTES of x: each thread runs all its blocks over one chunk, then over the next,
+// so that the chunk of x stays in L1 while the weights stream by, and the next block's piece of
+// the same chunk is prefetched (after its last block, the range's first block's next chunk).
+// 8 rows of `tiny`'s and `smol`'s down projection (1,536 wide: 48 KB of x, all of L1) had every x
+// vector come from L2 for each weight vector. On an Intel Sapphire Rapids VM (2 threads, medians
+// of 31-41 alternated passes), `tiny`'s 33 weights at 8 rows took 0.93-0.96x the time of whole
+// rows (the down projection alone 0.88x), 0.94x at 7 and 6, and `smol`'s 211 at 8 rows 0.93x;
+// whole decode steps at batch 8, two engines alternated: `tiny` 0.95-0.97x (32 of 40 rounds
+// below 1), `smol` 0.93x (10 of 10). Chunks of at most 24 or 32 KB: 0.97-0.98x at 8 rows; 12 KB
+// (512-wide weights cut too), 1.10x; cutting `smol`'s 576-wide weights (18 KB at 8 rows) into
+// halves, 1.19x: rows read in pieces of 1.1 KB streamed worse than whole, hence XCHUNK_FROM.
+// (Summing 16 of a tile's accumulators at once by a transposing shuffle tree, beside it: 0.99x at
+// 8 rows, 1.03x at 4; not kept.) AVX2 keeps `run_kchunks` below, measured on its host
+constexpr int64_t XCHUNK_FROM = 32 * 1024, XCHUNK_BYTES = 16 * 1024;
 
 template <class S, int NB, int TB, bool PF = true>
 static void run(const Args& a) {
   const int64_t blocks = (a.N + NB - 1) / NB;
+  int64_t KC = a.K;  // the chunk of K
+#if defined(__AVX512F__)
+  const int64_t xk = a.T * int64_t(sizeof(X<S>));  // bytes of x per k
+  if (a.T <= TB && a.K * xk > XCHUNK_FROM) {
+    const int64_t most = std::max<int64_t>(32, XCHUNK_BYTES / xk / 32 * 32), chunks = (a.K + most - 1) / most;
+    KC = ((a.K + chunks - 1) / chunks + 31) / 32 * 32;  // even chunks, whole vectors (32 bf16 for VDPBF16PS)
+  }
+#endif
+  std::unique_ptr<float[]> part(KC < a.K ? new float[a.T * a.N] : nullptr);
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * NB;
-      tiles<S, NB, TB, PF>(a, n0, std::min<int64_t>(NB, a.N - n0));
+    for (int64_t k0 = 0; k0 < a.K; k0 += KC) {
+      const Span c{k0, std::min(KC, a.K - k0), part.get()};
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * NB;
+        int64_t pn = n0 + NB, pk = k0;  // the weight rows that stream next
+        if (part && b + 1 == b1) {  // this range's first block, in the next chunk
+          pn = k0 + KC < a.K ? b0 * NB : -1;
+          pk = k0 + KC;
+        }
+        tiles<S, NB, TB, PF>(a, c, n0, std::min<int64_t>(NB, a.N - n0), pn < a.N ? pn : -1, pk);
+      }
     }
   });
 }

@@ -1,6 +1,7 @@
 """The CPU decode matmul computes `F.linear`: within 1e-5 relative in fp32 and within bf16's
-rounding in bf16, on odd shapes, every tile remainder, strided rows and with biases, in the
-build for this CPU and in one without AVX-512 (`isa`: other tile shapes); past
+rounding in bf16, on odd shapes, every tile remainder, x rows wide enough to go by chunks of K,
+strided rows and with biases, in the build for this CPU and in one without AVX-512 (`isa`:
+other tile shapes); past
 `max_rows()` rows it is torch's GEMM itself; weights packed into panels (AVX2, fp32) give the
 same products, in their own storage, and an fp32 model packs its projections but never the
 embedding; and the engine on it gives the torch path's greedy tokens on every parity family
@@ -22,7 +23,8 @@ from tests.fixtures import ALL7, FAMILIES, assert_demo_fleet_matches_torch, buil
 pytestmark = pytest.mark.skipif(linear_cpu.load() is None, reason="the kernel does not build here")
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 24, 31, 64]  # every tile and remainder shape, to max_rows()
-SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (200, 1536), (37, 4100), (9, 6000)]  # (N, K)
+# (N, K); with AVX-512, 6-8 rows of 1,536 and 2 or more of 4,100 and 6,000 go by chunks of K (`run`)
+SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (200, 1536), (37, 4100), (9, 6000)]
 
 
 def exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
