@@ -18,7 +18,8 @@ into panels in its own storage (`pack`, below: no copy kept, no extra memory), a
   Sapphire Rapids VM, 2 threads, huge pages, alternated in one process, the step's matmuls at
   5-8 rows took 0.94-0.99x (4, 8)'s time on `tiny`'s and `smol`'s weights, and one weight on
   cached rows ran at 145 against 133 GFLOP/s; a prefetch two to eight blocks ahead, or into L2,
-  took 1.02-1.13x; 9-24 rows take the same tiles, not measured apart); with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
+  took 1.02-1.13x; 8 rows as two passes of (6, 4), each prefetching half of the next block,
+  1.09x; 9-24 rows take the same tiles, not measured apart); with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
   (each the best of 5-10 shapes measured on tiny's weights; (1, 4) replaced (6, 4) once the
   weights sat on huge pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); but 2-8
   x rows of more than 40 KB, more than L1 keeps beside the weight stream, go by chunks of K, a
@@ -254,7 +255,7 @@ static void tiles(const Args& a, const Span& c, int64_t n0, int64_t nn, int64_t 
 // vector come from L2 for each weight vector. On an Intel Sapphire Rapids VM (2 threads, medians
 // of 31-41 alternated passes), `tiny`'s 33 weights at 8 rows took 0.93-0.96x the time of whole
 // rows (the down projection alone 0.88x), 0.94x at 7 and 6, and `smol`'s 211 at 8 rows 0.93x;
-// whole decode steps at batch 8, two engines alternated: `tiny` 0.95-0.97x (32 of 40 rounds
+// whole decode steps at batch 8, two engines alternated: `tiny` 0.95-0.97x (48 of 60 rounds
 // below 1), `smol` 0.93x (10 of 10). Chunks of at most 24 or 32 KB: 0.97-0.98x at 8 rows; 12 KB
 // (512-wide weights cut too), 1.10x; cutting `smol`'s 576-wide weights (18 KB at 8 rows) into
 // halves, 1.19x: rows read in pieces of 1.1 KB streamed worse than whole, hence XCHUNK_FROM.
