@@ -40,7 +40,15 @@ into panels in its own storage (`pack`, below: no copy kept, no extra memory), a
   kernel was compute-bound from 4 rows on); elsewhere each weight vector is widened to fp32 in
   registers (a 16-bit shift) and x is widened once per call, not once per weight row (on AVX2,
   tiny's weights at 8 rows: 18 -> 7.8 ms, as fast as fp32 there: compute-bound). Accumulation
-  is fp32 either way, the result rounded once to bf16.
+  is fp32 either way, the result rounded once to bf16. (AMX-BF16 tiles, measured standalone on
+  the Sapphire Rapids VM at 8 rows, weights packed in tile order: 13.8-14.9 GB/s against
+  10.9-12.0 for `VDPBF16PS`; not built in);
+- what 8 fp32 rows leave above the bound is the FMAs: 8 multiply-adds per weight, and on the
+  Sapphire Rapids VM (1.4-1.75 G 512-bit FMAs a second a core) the (3, 8) tile on cached weights
+  ran at 31.6 GB/s of weights (2 threads, standalone) against 19-21 from memory, so its FMAs take
+  60-90% of the stream's time (`bench decode-bound`'s in-cache column); from memory it streamed
+  at 0.82-0.89x the rate of one row, its access pattern without the FMAs at 0.97-0.98x; 256-bit
+  tiles there, 0.79-0.91x the (3, 8) tile's rate.
 Past `max_rows()` rows (prefill), a call goes to torch's GEMM, which is better there: the
 weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each.

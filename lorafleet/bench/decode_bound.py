@@ -14,6 +14,11 @@ Beside each step, the profile of a miss: the step's matmuls alone (`matmul_time`
 of a few passes), against the same round's bound. Where the step misses its target, this says
 whether the matmuls already do (2026-12-02, AMD EPYC, `tiny` at batch 8 in a slow phase: they
 took 1.54-1.73x the bound alone) or the rest of the step (attention, norms, the engine) does;
+the matmuls' compute floor (`matmul_cached_time`: the same matmuls at the kernels' rate on
+weights kept in cache), which says whether the multiply-adds alone come near the bound (an
+Intel Sapphire Rapids VM, 2 threads, `tiny` at batch 8: 0.72-0.78x the bound, so the stream can
+reach the bound only if the FMAs hide under it entirely: 1.4-1.75 G 512-bit FMAs a second a
+core there, in a register-only microbenchmark);
 and the engine's part of the step (`host_ms`: its step records' `host_s`, the median over the
 same steps: scheduling, the batch, sampling and outputs, everything around the forward pass).
 
@@ -86,6 +91,38 @@ def matmul_time(model, rows: int, passes: int = 5) -> float:
     return best
 
 
+def matmul_cached_time(model, rows: int, slice_bytes: int = 2 << 20, calls: int = 16, passes: int = 3) -> float:
+    """Seconds a decode step's matmuls would take at `rows` rows if every weight stayed in cache:
+    the compute floor of the kernels at that batch, beside the memory bound (where it comes near
+    the bound, the FMAs and not the memory set the pace). Per distinct weight layout (all
+    dimensions but the first, and the dtype), the kernel's seconds per byte on a slice of about
+    `slice_bytes` of the first such weight (its first rows, kept in cache across `calls` calls;
+    the best of `passes`), times the bytes of every weight of that layout (`matmul_weights`).
+    2 MiB: on an Intel Sapphire Rapids VM (2 MB of L2 a core, 2 threads) `tiny`'s matmuls at 8
+    rows came to 5.9-6.2 ms with slices of 512 KiB, 5.0-5.2 with 1 MiB, 4.6-4.9 with 2 MiB and
+    4.5-5.3 with 4 MiB: smaller slices add each call's start to the floor, larger ones leave L2."""
+    weights = matmul_weights(model.w)
+    g = torch.Generator().manual_seed(0)
+    per_byte: dict[tuple, float] = {}
+    total = 0.0
+    for w in weights:
+        key = (tuple(w.shape[1:]), w.dtype)
+        if key not in per_byte:
+            row_bytes = w[0].numel() * w.element_size()
+            piece = w[:max(1, min(w.shape[0], slice_bytes // row_bytes))]
+            x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
+            model.kernels.linear(x, piece)  # into the cache
+            best = float("inf")
+            for _ in range(passes):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    model.kernels.linear(x, piece)
+                best = min(best, time.perf_counter() - t0)
+            per_byte[key] = best / (calls * piece.numel() * piece.element_size())
+        total += per_byte[key] * w.numel() * w.element_size()
+    return total
+
+
 def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, rounds: int = 3,
                      prompt_len: int = 16, threads: int | None = None, dtype: str = "float32",
                      progress=None) -> dict:
@@ -99,7 +136,8 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     decode_step_time(engine, prompts[:2], [None] * 2, 2)  # warm-up: first allocations, kernel builds
     nbytes = step_weight_bytes(engine.model.w)
-    times, matmuls, hosts, bandwidths = {b: [] for b in batches}, {b: [] for b in batches}, {b: [] for b in batches}, []
+    times, matmuls, hosts = {b: [] for b in batches}, {b: [] for b in batches}, {b: [] for b in batches}
+    cached, bandwidths = {b: [] for b in batches}, []
     others = []  # cores other work kept busy in each round (None where /proc cannot say)
     for r in range(rounds):
         before, started = cpu_seconds(), time.perf_counter()
@@ -107,13 +145,15 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
             times[b].append(decode_step_time(engine, prompts[:b], [None] * b, steps)[0])
             hosts[b].append(statistics.median(s["host_s"] for s in engine.step_records()[-steps:]))  # its decode steps
             matmuls[b].append(matmul_time(engine.model, b))
+            cached[b].append(matmul_cached_time(engine.model, b))
         bandwidths.append(measure_bandwidth())  # the bound of this round's steps, measured beside them
         others.append(other_cores(other_cpu_seconds(before, cpu_seconds()), time.perf_counter() - started))
         if progress:
             for b in batches:
                 progress(f"{shape} round {r + 1}/{rounds} batch {b}: decode step {times[b][-1] * 1e3:.2f} ms, "
                          f"{times[b][-1] * bandwidths[-1] / nbytes:.2f}x the bound at {bandwidths[-1] / 1e9:.1f} GB/s; "
-                         f"its matmuls alone {matmuls[b][-1] * 1e3:.2f} ms, the engine around the model {hosts[b][-1] * 1e3:.2f} ms")
+                         f"its matmuls alone {matmuls[b][-1] * 1e3:.2f} ms ({cached[b][-1] * 1e3:.2f} on weights in cache), "
+                         f"the engine around the model {hosts[b][-1] * 1e3:.2f} ms")
     bandwidth = statistics.median(bandwidths)
     bound = nbytes / bandwidth
     rows = []
@@ -121,10 +161,13 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
         step = statistics.median(times[b])
         ratios = [t * bw / nbytes for t, bw in zip(times[b], bandwidths)]  # each round's step over its own bound
         mm_ratios = [t * bw / nbytes for t, bw in zip(matmuls[b], bandwidths)]
+        cached_ratios = [t * bw / nbytes for t, bw in zip(cached[b], bandwidths)]
         rows.append({"batch": b, "step_ms": step * 1e3, "bound_ms": bound * 1e3, "ratio": statistics.median(ratios),
                      "round_step_ms": [t * 1e3 for t in times[b]], "round_ratios": ratios,
                      "matmul_ms": statistics.median(matmuls[b]) * 1e3, "matmul_ratio": statistics.median(mm_ratios),
                      "round_matmul_ms": [t * 1e3 for t in matmuls[b]], "round_matmul_ratios": mm_ratios,
+                     "cached_ms": statistics.median(cached[b]) * 1e3, "cached_ratio": statistics.median(cached_ratios),
+                     "round_cached_ms": [t * 1e3 for t in cached[b]], "round_cached_ratios": cached_ratios,
                      "host_ms": statistics.median(hosts[b]) * 1e3, "round_host_ms": [t * 1e3 for t in hosts[b]],
                      "tokens_per_s": b / step, "effective_gb_s": nbytes / step / 1e9})
     return {"benchmark": "decode-bound", "shape": shape, "dtype": str(engine.model.dtype).removeprefix("torch."),

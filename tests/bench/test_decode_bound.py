@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from lorafleet.bench.decode_bound import matmul_weights, run_decode_bound, step_weight_bytes
+from lorafleet.bench.decode_bound import matmul_cached_time, matmul_weights, run_decode_bound, step_weight_bytes
 
 
 def test_weight_bytes_count_each_storage_once_and_the_embedding_only_as_the_head():
@@ -44,6 +44,11 @@ def test_the_report_sets_each_rounds_steps_against_that_rounds_bound(report):
         assert r["round_matmul_ratios"] == pytest.approx([m / 1e3 * bw * 1e9 / nbytes for m, bw in zip(matmuls, bws)])
         assert r["matmul_ms"] == pytest.approx(statistics.median(matmuls))
         assert r["matmul_ratio"] == pytest.approx(statistics.median(r["round_matmul_ratios"]))
+        cached = r["round_cached_ms"]  # and their compute floor: the same matmuls on weights in cache
+        assert len(cached) == 3 and all(c > 0 for c in cached)
+        assert r["round_cached_ratios"] == pytest.approx([c / 1e3 * bw * 1e9 / nbytes for c, bw in zip(cached, bws)])
+        assert r["cached_ms"] == pytest.approx(statistics.median(cached))
+        assert r["cached_ratio"] == pytest.approx(statistics.median(r["round_cached_ratios"]))
         hosts = r["round_host_ms"]  # and the engine's part of each round's steps
         assert len(hosts) == 3 and all(0 < h < t for h, t in zip(hosts, steps))
         assert r["host_ms"] == pytest.approx(statistics.median(hosts))
@@ -100,3 +105,28 @@ def test_bf16_halves_the_bytes_a_step_reads(report):
     bf16 = run_decode_bound("micro", batches=(1,), steps=2, rounds=1, threads=1, dtype="bfloat16")
     assert bf16["dtype"] == "bfloat16" and report["dtype"] == "float32"
     assert bf16["weight_bytes"] * 2 == report["weight_bytes"]
+
+
+def test_the_compute_floor_is_each_layouts_rate_in_cache_times_the_bytes_of_its_weights():
+    """A kernel that takes 1 ns a byte: the floor is the step's matmul bytes in ns, timed on
+    slices no larger than asked, each layout (the dimensions after the first, the dtype) once."""
+    import time
+    from types import SimpleNamespace
+
+    seen = []
+
+    def linear(x, w):
+        seen.append((tuple(w.shape), w.dtype))
+        end = time.perf_counter() + w.numel() * w.element_size() * 1e-9
+        while time.perf_counter() < end:
+            pass
+        return x.new_zeros(x.shape[0], w.shape[0])
+
+    w = {"embed": torch.zeros(50, 1024), "layers.0.up": torch.zeros(64, 1024), "layers.1.up": torch.zeros(96, 1024),
+         "layers.0.down": torch.zeros(32, 512), "lm_head": torch.zeros(16, 512, dtype=torch.bfloat16)}
+    model = SimpleNamespace(w=w, kernels=SimpleNamespace(linear=linear))
+    floor = matmul_cached_time(model, rows=4, slice_bytes=64 << 10, calls=4, passes=2)
+    nbytes = sum(t.numel() * t.element_size() for n, t in w.items() if n != "embed")
+    assert floor == pytest.approx(nbytes * 1e-9, rel=0.15)
+    assert set(seen) == {((16, 1024), torch.float32), ((32, 512), torch.float32), ((16, 512), torch.bfloat16)}
+    assert all(r * c * (2 if d == torch.bfloat16 else 4) <= 64 << 10 for (r, c), d in seen)
