@@ -16,9 +16,9 @@ whether the matmuls already do (2026-12-02, AMD EPYC, `tiny` at batch 8 in a slo
 took 1.54-1.73x the bound alone) or the rest of the step (attention, norms, the engine) does;
 the matmuls' compute floor (`matmul_cached_time`: the same matmuls at the kernels' rate on
 weights kept in cache), which says whether the multiply-adds alone come near the bound (an
-Intel Sapphire Rapids VM, 2 threads, `tiny` at batch 8: 0.72-0.78x the bound, so the stream can
-reach the bound only if the FMAs hide under it entirely: 1.4-1.75 G 512-bit FMAs a second a
-core there, in a register-only microbenchmark);
+Intel Sapphire Rapids VM, 2 threads, 2026-12-03: at batch 8 0.59-0.89x the bound on `tiny` and
+0.58-0.82x on `smol` in six runs, so the stream can reach the bound only if the FMAs hide under
+it entirely; 1.4-1.75 G 512-bit FMAs a second a core there, in a register-only loop);
 and the engine's part of the step (`host_ms`: its step records' `host_s`, the median over the
 same steps: scheduling, the batch, sampling and outputs, everything around the forward pass).
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -110,9 +112,6 @@ def test_bf16_halves_the_bytes_a_step_reads(report):
 def test_the_compute_floor_is_each_layouts_rate_in_cache_times_the_bytes_of_its_weights():
     """A kernel that takes 1 ns a byte: the floor is the step's matmul bytes in ns, timed on
     slices no larger than asked, each layout (the dimensions after the first, the dtype) once."""
-    import time
-    from types import SimpleNamespace
-
     seen = []
 
     def linear(x, w):
