@@ -51,7 +51,8 @@ into panels in its own storage (`pack`, below: no copy kept, no extra memory), a
   tiles there, 0.79-0.91x the (3, 8) tile's rate.
 Past `max_rows()` rows (prefill), a call goes to torch's GEMM, which is better there: the
 weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
-with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each.
+with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each; in bf16 on a
+CPU with AMX, whose tiles torch's bf16 GEMM uses, from 13 rows on (`max_rows`).
 
 Packed panels (`pack`, `Kernels.pack`: the model packs its projections once, at load, in place;
 fp32 builds for AVX2 only: with AVX-512 they did not pay, below; an N that 16 does not divide, bf16, a tied
@@ -478,8 +479,18 @@ int64_t panel_width() {
 // more rows than this: torch's GEMM (`linear` in Python). With AVX-512 (an Intel host, tiny's 33
 // weights, one thread): 24 rows 20.9 ms here against 23.6 ms for torch, 32 rows 32-38 against
 // 26.9. With AVX2 (an AMD EPYC, 2 threads), torch's GEMM ran at 37-60 GFLOP/s where the (2, 4)
-// tiles ran at ~77: 64 rows 48.8 ms against 64.9-80.8; past that the x rows outgrow L2
-int64_t max_rows() {
+// tiles ran at ~77: 64 rows 48.8 ms against 64.9-80.8; past that the x rows outgrow L2.
+// bf16 where the CPU has AMX: torch's bf16 GEMM (oneDNN) runs on its tiles, and takes over from
+// 13 rows (an Intel Sapphire Rapids VM, 2 threads, medians of 9 alternated passes over `tiny`'s
+// 33 weights: the kernel's time against torch's 0.73-0.75x at 8-9 rows, 0.87-1.02x at 10-11
+// (`smol` too), 0.90-1.14x at 12, 1.19x at 13, 1.18-1.35x at 16, 1.50-1.69x at 20-24; with
+// oneDNN held to AVX512-BF16 (ONEDNN_MAX_CPU_ISA), torch's took 1.3-1.5x the kernel's at 13-24)
+int64_t max_rows(bool bf16) {
+#if defined(__AMX_BF16__)
+  if (bf16) return 12;
+#else
+  (void)bf16;
+#endif
 #if defined(__AVX512F__)
   return 24;
 #else
@@ -497,7 +508,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     const int64_t N = w.size(0) * PW;
     if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                           "linear: bias");
-    if (x.size(0) > max_rows())  // prefill: torch's GEMM on the weight laid out [N, K] again
+    if (x.size(0) > max_rows(false))  // prefill: torch's GEMM on the weight laid out [N, K] again
       return at::linear(x, w.transpose(1, 2).reshape({N, w.size(1)}), bias);
     if (x.stride(1) != 1) x = x.contiguous();
     auto y = torch::empty({x.size(0), N}, x.options());
@@ -507,7 +518,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     return y;
   }
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [T, K] and w [N, K]");
-  if (x.size(0) > max_rows()) return at::linear(x, w, bias);
+  if (x.size(0) > max_rows(x.scalar_type() == at::kBFloat16)) return at::linear(x, w, bias);
   if (x.stride(1) != 1) x = x.contiguous();
   TORCH_CHECK(w.is_contiguous(), "linear: w must be contiguous");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w differ in dtype");
@@ -533,10 +544,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 """
 
 
-def max_rows() -> int:
-    """Rows up to which `linear` runs the kernel, torch's GEMM beyond (prefill): 24 where the
-    build has AVX-512, 64 with AVX2 (measured per instruction set: see the C++ `max_rows`)."""
-    return load().max_rows()
+def max_rows(dtype: torch.dtype = torch.float32) -> int:
+    """Rows up to which `linear` runs the kernel on x of `dtype`, torch's GEMM beyond (prefill):
+    24 where the build has AVX-512, 64 with AVX2; bf16 12 where the CPU has AMX, whose tiles
+    torch's bf16 GEMM uses (measured: see the C++ `max_rows`)."""
+    return load().max_rows(dtype == torch.bfloat16)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -74,19 +74,24 @@ def test_rows_with_a_stride_and_columns_with_one(isa):
     assert linear_cpu.linear(torch.randn(0, 24), w).shape == (0, 40)
 
 
-def test_past_max_rows_it_is_torchs_gemm(isa):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_past_max_rows_it_is_torchs_gemm(isa, dtype):
     g = torch.Generator().manual_seed(4)
-    w, b = torch.randn(30, 20, generator=g), torch.randn(30, generator=g)
-    x = torch.randn(linear_cpu.max_rows() + 1, 20, generator=g)
+    w, b = torch.randn(30, 20, generator=g).to(dtype), torch.randn(30, generator=g).to(dtype)
+    rows = linear_cpu.load().max_rows(dtype == torch.bfloat16)
+    x = torch.randn(rows + 1, 20, generator=g).to(dtype)
     assert torch.equal(linear_cpu.linear(x, w, b), F.linear(x, w, b))
 
 
 def test_the_kernel_serves_up_to_24_rows_with_avx512_and_64_with_avx2():
     """Where torch's GEMM takes over, per build: 64 rows where it has no AVX-512 (on the AMD host
-    it was measured on, torch's GEMM ran at about half the kernel's rate up to there)."""
-    has_avx512 = " avx512f" in build.cpu_identity()
-    assert linear_cpu.load().max_rows() == (24 if has_avx512 else 64)
-    assert linear_cpu.load(avx2=True).max_rows() == 64
+    it was measured on, torch's GEMM ran at about half the kernel's rate up to there); in bf16,
+    12 where the CPU has AMX (torch's bf16 GEMM runs on its tiles)."""
+    has_avx512, has_amx = " avx512f" in build.cpu_identity(), " amx_bf16" in build.cpu_identity()
+    assert linear_cpu.load().max_rows(False) == linear_cpu.max_rows() == (24 if has_avx512 else 64)
+    assert linear_cpu.load(avx2=True).max_rows(False) == 64
+    assert linear_cpu.max_rows(torch.bfloat16) == (12 if has_amx else 24 if has_avx512 else 64)
+    assert linear_cpu.load(avx2=True).max_rows(True) == (12 if has_amx else 64)
 
 
 def test_mismatched_inputs_are_refused_with_the_reason():
