@@ -484,7 +484,7 @@ int64_t panel_width() {
 // 13 rows (an Intel Sapphire Rapids VM, 2 threads, medians of 9 alternated passes over `tiny`'s
 // 33 weights: the kernel's time against torch's 0.73-0.75x at 8-9 rows, 0.87-1.02x at 10-11
 // (`smol` too), 0.90-1.14x at 12, 1.19x at 13, 1.18-1.35x at 16, 1.50-1.69x at 20-24; with
-// oneDNN held to AVX512-BF16 (ONEDNN_MAX_CPU_ISA), torch's took 1.3-1.5x the kernel's at 13-24)
+// oneDNN held to AVX512-BF16 (ONEDNN_MAX_CPU_ISA), torch's took 1.2-1.5x the kernel's at 13-24)
 int64_t max_rows(bool bf16) {
 #if defined(__AMX_BF16__)
   if (bf16) return 12;
