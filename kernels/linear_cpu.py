@@ -99,6 +99,8 @@ _SOURCE = cpu_vector.SOURCE + r"""
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512BF16__)
 // bf16 x bf16 on CPUs that have VDPBF16PS: each instruction multiplies 32 bf16 pairs exactly and
@@ -485,9 +487,12 @@ int64_t panel_width() {
 // 33 weights: the kernel's time against torch's 0.73-0.75x at 8-9 rows, 0.87-1.02x at 10-11
 // (`smol` too), 0.90-1.14x at 12, 1.19x at 13, 1.18-1.35x at 16, 1.50-1.69x at 20-24; with
 // oneDNN held to AVX512-BF16 (ONEDNN_MAX_CPU_ISA), torch's took 1.2-1.5x the kernel's at 13-24)
+// (where the kernel lets this process use the AMX state at all: Linux 5.16 and later grant it on
+// request, as oneDNN asks for it before it uses the tiles; elsewhere torch's bf16 GEMM has none)
 int64_t max_rows(bool bf16) {
 #if defined(__AMX_BF16__)
-  if (bf16) return 12;
+  static const bool amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  if (bf16 && amx) return 12;
 #else
   (void)bf16;
 #endif
