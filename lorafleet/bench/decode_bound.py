@@ -43,7 +43,7 @@ import time
 import torch
 
 from lorafleet.bench.fixtures import build_base
-from lorafleet.bench.lora_decode import decode_step_time, measure_bandwidth
+from lorafleet.bench.lora_decode import best_seconds, decode_step_time, measure_bandwidth
 from lorafleet.bench.machine import cpu_seconds, other_cores, other_cpu_seconds
 
 TARGET_RATIO = 1.5
@@ -82,13 +82,11 @@ def matmul_time(model, rows: int, passes: int = 5) -> float:
     weights = matmul_weights(model.w)
     g = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(rows, k, generator=g).to(model.dtype) for k in {w.shape[1] for w in weights}}
-    best = float("inf")
-    for _ in range(passes):
-        t0 = time.perf_counter()
+
+    def one_pass():
         for w in weights:
             model.kernels.linear(xs[w.shape[1]], w)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_seconds(one_pass, passes)
 
 
 def matmul_cached_time(model, rows: int, slice_bytes: int = 2 << 20, calls: int = 16, passes: int = 3) -> float:
@@ -112,13 +110,11 @@ def matmul_cached_time(model, rows: int, slice_bytes: int = 2 << 20, calls: int 
             piece = w[:max(1, min(w.shape[0], slice_bytes // row_bytes))]
             x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
             model.kernels.linear(x, piece)  # into the cache
-            best = float("inf")
-            for _ in range(passes):
-                t0 = time.perf_counter()
+
+            def repeated():
                 for _ in range(calls):
                     model.kernels.linear(x, piece)
-                best = min(best, time.perf_counter() - t0)
-            per_byte[key] = best / (calls * piece.numel() * piece.element_size())
+            per_byte[key] = best_seconds(repeated, passes) / (calls * piece.numel() * piece.element_size())
         total += per_byte[key] * w.numel() * w.element_size()
     return total
 

@@ -25,16 +25,22 @@ from lorafleet.bench.fixtures import build_base
 from lorafleet.memory import hugepages
 
 
+def best_seconds(fn, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of `fn()` (the one least disturbed by other work)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of a streaming read: the best of `repeats` sums over an nbytes float32 tensor, on
     huge pages where the host has them, as the model's weights are (`memory.hugepages`): 4 KiB
     pages read ~10% slower on an AMD EPYC, and would make the bound easier than the machine."""
     x = hugepages.empty(nbytes // 4, dtype=torch.float32).fill_(1)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
+    best = best_seconds(x.sum, repeats)
     del x
     return nbytes / best
 
