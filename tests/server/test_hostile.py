@@ -251,42 +251,57 @@ def test_a_50_mb_body_is_refused_at_once_without_freezing_the_daemon(demo, chunk
 
 # -- eager loads off the engine thread --------------------------------------------------------------
 
+def load_beside_streams(daemon, name: str, path) -> tuple[float, str]:
+    """Load `path` as `name` while 32 streams run; the worst gap between two chunks of a stream
+    during the load, in median gaps of that stream, and what it was."""
+    bodies = [{**STREAM, "max_tokens": 240, "prompt": t} for t in held_out_texts(32)]
+
+    async def run():
+        async with daemon.async_http(timeout=120.0) as http:
+            streams = [asyncio.create_task(read_stream(http, b)) for b in bodies]
+            deadline = time.monotonic() + 60
+            while demo_running(await http.get("/v1/stats")) < len(bodies):
+                assert time.monotonic() < deadline, "the streams did not start"
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            r = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+            loaded = (t0, time.monotonic())
+            return r, loaded, await asyncio.gather(*streams)
+    # The arrival times are taken here: a collection of this process's heap (large after hundreds
+    # of tests) could show as a gap in the daemon's stream, so the clock side does not collect.
+    gc.collect()
+    gc.disable()
+    try:
+        r, (t0, t1), streams = asyncio.run(run())
+    finally:
+        gc.enable()
+    assert r.status_code == 200, r.text
+    assert r.json()["adapter"]["tier"] == "device" and r.json()["adapter"]["params"] > 50_000_000
+    text, reason, times = streams[0]
+    gaps = [(b - a, a - t0) for a, b in zip(times, times[1:])]
+    during = [(g, at) for g, at in gaps if -g < at < t1 - t0]
+    median = statistics.median(g for g, _ in gaps)
+    assert t1 - t0 > 5 * median, "the load was too quick to tell anything"
+    assert during, "the stream ended before the load"
+    worst = max(during)
+    if worst[0] < 3 * median:  # no stall: the stream must have run through the load to tell
+        assert len(during) > 10, "the stream ended before the load"
+    return worst[0] / median, (f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s load, "
+                               f"median {median * 1e3:.1f} ms")
+
+
 def test_an_eager_200_mb_load_does_not_stall_running_streams(tmp_path_factory, big_adapter):
+    """The adapter is loaded twice (under two names), and one of the two loads must pass: a stall
+    the load causes shows in every load, a hiccup of a shared host in one (CI once saw a single
+    118 ms gap, 6x the median, 0.08 s into a 3.91 s load; 10 runs here showed at most 1.8x)."""
     daemon = Daemon.start(tmp_path_factory.mktemp("eager"), "--pool-bytes", "512M")
     try:
-        bodies = [{**STREAM, "max_tokens": 240, "prompt": t} for t in held_out_texts(32)]
-
-        async def run():
-            async with daemon.async_http(timeout=120.0) as http:
-                streams = [asyncio.create_task(read_stream(http, b)) for b in bodies]
-                deadline = time.monotonic() + 60
-                while demo_running(await http.get("/v1/stats")) < len(bodies):
-                    assert time.monotonic() < deadline, "the streams did not start"
-                    await asyncio.sleep(0.002)
-                await asyncio.sleep(0.1)
-                t0 = time.monotonic()
-                r = await http.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big_adapter)})
-                loaded = (t0, time.monotonic())
-                return r, loaded, await asyncio.gather(*streams)
-        # The arrival times are taken here: a collection of this process's heap (large after hundreds
-        # of tests) could show as a gap in the daemon's stream, so the clock side does not collect.
-        gc.collect()
-        gc.disable()
-        try:
-            r, (t0, t1), streams = asyncio.run(run())
-        finally:
-            gc.enable()
-        assert r.status_code == 200, r.text
-        assert r.json()["adapter"]["tier"] == "device" and r.json()["adapter"]["params"] > 50_000_000
-        text, reason, times = streams[0]
-        gaps = [(b - a, a - t0) for a, b in zip(times, times[1:])]
-        during = [(g, at) for g, at in gaps if -g < at < t1 - t0]
-        median = statistics.median(g for g, _ in gaps)
-        assert t1 - t0 > 5 * median, "the load was too quick to tell anything"
-        assert len(during) > 10, "the stream ended before the load"
-        worst = max(during)
-        assert worst[0] < 3 * median, f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s " \
-                                      f"load; median {median * 1e3:.1f} ms"
+        first = load_beside_streams(daemon, "big", big_adapter)
+        with daemon.http() as c:
+            c.post("/v1/unload_lora_adapter", json={"lora_name": "big"}).raise_for_status()
+        second = load_beside_streams(daemon, "big-again", big_adapter)
+        assert min(first[0], second[0]) < 3, f"both loads stalled the streams: {first[1]}; {second[1]}"
     finally:
         daemon.kill()
 
