@@ -193,8 +193,9 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 def _digest(cfg: dict, tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
 
-    def put(b: bytes) -> None:
-        h.update(len(b).to_bytes(8, "little"))
+    def put(b) -> None:  # bytes, or a tensor's bytes in place: hashlib hashes those without the GIL
+        b = memoryview(b)
+        h.update(b.nbytes.to_bytes(8, "little"))
         h.update(b)
 
     put(b"lorafleet-lora-adapter-v1")
@@ -204,7 +205,7 @@ def _digest(cfg: dict, tensors: dict[str, torch.Tensor]) -> str:
         put(name.encode())
         put(str(t.dtype).encode())
         put(json.dumps(list(t.shape)).encode())
-        put(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        put(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy: a copy holds the GIL
     return h.hexdigest()
 
 
