@@ -251,9 +251,17 @@ def test_a_50_mb_body_is_refused_at_once_without_freezing_the_daemon(demo, chunk
 
 # -- eager loads off the engine thread --------------------------------------------------------------
 
-def load_beside_streams(daemon, name: str, path) -> tuple[float, str]:
-    """Load `path` as `name` while 32 streams run; the worst gap between two chunks of a stream
-    during the load, in median gaps of that stream, and what it was."""
+def cpu_jiffies() -> tuple[int, int]:
+    """(stolen, all) CPU time of this machine so far, in jiffies (Linux's /proc/stat): the
+    stolen share is the time a virtual machine's host ran others on its CPUs."""
+    fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+    return fields[7], sum(fields)
+
+
+def load_beside_streams(daemon, name: str, path) -> tuple[float, float, str]:
+    """Load `path` as `name` while 32 streams run: the worst gap between two chunks of a stream
+    during the load, in median gaps of that stream; the share of CPU time the host stole
+    meanwhile; and what the gap was."""
     bodies = [{**STREAM, "max_tokens": 240, "prompt": t} for t in held_out_texts(32)]
 
     async def run():
@@ -264,16 +272,17 @@ def load_beside_streams(daemon, name: str, path) -> tuple[float, str]:
                 assert time.monotonic() < deadline, "the streams did not start"
                 await asyncio.sleep(0.002)
             await asyncio.sleep(0.1)
-            t0 = time.monotonic()
+            cpu0, t0 = cpu_jiffies(), time.monotonic()
             r = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
             loaded = (t0, time.monotonic())
-            return r, loaded, await asyncio.gather(*streams)
+            cpu1 = cpu_jiffies()
+            return r, loaded, (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]), await asyncio.gather(*streams)
     # The arrival times are taken here: a collection of this process's heap (large after hundreds
     # of tests) could show as a gap in the daemon's stream, so the clock side does not collect.
     gc.collect()
     gc.disable()
     try:
-        r, (t0, t1), streams = asyncio.run(run())
+        r, (t0, t1), stolen, streams = asyncio.run(run())
     finally:
         gc.enable()
     assert r.status_code == 200, r.text
@@ -287,21 +296,32 @@ def load_beside_streams(daemon, name: str, path) -> tuple[float, str]:
     worst = max(during)
     if worst[0] < 3 * median:  # no stall: the stream must have run through the load to tell
         assert len(during) > 10, "the stream ended before the load"
-    return worst[0] / median, (f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s load, "
-                               f"median {median * 1e3:.1f} ms")
+    return worst[0] / median, stolen, (f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s "
+                                       f"load, median {median * 1e3:.1f} ms, {stolen:.0%} of the CPU stolen")
+
+
+MAX_STOLEN = 0.05  # a load during which the host took more of the CPU tells nothing of the daemon
 
 
 def test_an_eager_200_mb_load_does_not_stall_running_streams(tmp_path_factory, big_adapter):
-    """The adapter is loaded twice (under two names), and one of the two loads must pass: a stall
-    the load causes shows in every load, a hiccup of a shared host in one (CI once saw a single
-    118 ms gap, 6x the median, 0.08 s into a 3.91 s load; 10 runs here showed at most 1.8x)."""
+    """No gap between two chunks of a stream during the load exceeds 3 median gaps. On a virtual
+    machine whose host takes the CPUs now and then (seen here: 16-41% of the CPU time stolen during
+    some loads, with gaps of 3.7-4.6 medians; at most 8% stolen, at most 2.4 medians), a load
+    during which the host stole over MAX_STOLEN decides nothing: the adapter is loaded again
+    under a new name, up to 4 times, until one load ran on the CPUs it was given."""
     daemon = Daemon.start(tmp_path_factory.mktemp("eager"), "--pool-bytes", "512M")
     try:
-        first = load_beside_streams(daemon, "big", big_adapter)
-        with daemon.http() as c:
-            c.post("/v1/unload_lora_adapter", json={"lora_name": "big"}).raise_for_status()
-        second = load_beside_streams(daemon, "big-again", big_adapter)
-        assert min(first[0], second[0]) < 3, f"both loads stalled the streams: {first[1]}; {second[1]}"
+        seen = []
+        for attempt in range(4):
+            ratio, stolen, what = load_beside_streams(daemon, f"big-{attempt}", big_adapter)
+            seen.append(what)
+            if stolen <= MAX_STOLEN:
+                assert ratio < 3, f"the load stalled the streams: {what}"
+                break
+            with daemon.http() as c:
+                c.post("/v1/unload_lora_adapter", json={"lora_name": f"big-{attempt}"}).raise_for_status()
+        else:
+            pytest.fail(f"the host stole over {MAX_STOLEN:.0%} of the CPU during every load: " + "; ".join(seen))
     finally:
         daemon.kill()
 
