@@ -138,7 +138,7 @@ def llama_cpp(
     _check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
     path = resolve_out_path(out)
     with user_errors():
-        from lorafleet.bench.llamacpp import LlamaCppUnavailable, server_binary
+        from lorafleet.bench.llamacpp_build import LlamaCppUnavailable, server_binary
         from lorafleet.bench.runner import run_suite
         from lorafleet.bench.workloads import get_workload
 

@@ -17,8 +17,9 @@ import pytest
 from lorafleet.bench import http_replay
 from lorafleet.bench.adapters import workload_adapters
 from lorafleet.bench.jobs import Job
-from lorafleet.bench.llamacpp import (LlamaCpp, LlamaCppUnavailable, convert_adapter, convert_model, request_body,
-                                      server_binary, stand_in_tokenizer)
+from lorafleet.bench.llamacpp import LlamaCpp, request_body
+from lorafleet.bench.llamacpp_build import (LlamaCppUnavailable, convert_adapter, convert_model, server_binary,
+                                            stand_in_tokenizer)
 from lorafleet.bench.workloads import BenchRequest, Workload
 
 REQUIRE = os.environ.get("LORAFLEET_REQUIRE_LLAMACPP") == "1"

@@ -1,0 +1,352 @@
+"""What llama.cpp as a bench system (`llamacpp.py`) runs on: `llama-server` built once for this
+machine, and the bench's model and PEFT adapters converted to GGUF once.
+
+Where the server comes from. Built once from the llama.cpp sources that the pinned
+llama-cpp-python source distribution vendors (`vendor/llama.cpp`): `pip download` fetches it
+(its sha256 checked), cmake configures it for this CPU (GGML_NATIVE) with nothing fetched over
+the network (no OpenSSL, no prebuilt web UI) and ninja builds the llama-server target only.
+`LORAFLEET_LLAMA_SERVER=/path/to/llama-server` runs a binary of your own instead (the converters
+still come from the sdist). When the server or a conversion cannot be had (no cmake, no
+compiler, no registry, a converter's missing module), the system is reported skipped with the
+reason.
+
+Cache, outside the repository, under the bench's (`$LORAFLEET_HOME/bench/llama.cpp`, else
+`~/.cache/lorafleet/bench/llama.cpp`):
+  server-<key>/       llama-server and build.json; <key> digests everything that decides the
+                      build: the sdist (version, sha256), the cmake flags, the versions of cmake
+                      and of the C and C++ compilers, the machine and its CPU flags
+  server-<key>.log    the last build's output
+  converters-<version>-<sha>/  the vendored converters and their gguf-py
+  *.lock              the builders' flocks
+Each is made in a temporary sibling renamed into place once complete, under an flock of its own
+(the kernel releases it when its holder dies): a killed build leaves no half cache, and a second
+builder waits for the first and uses its result.
+
+Conversions. The bench's models have no tokenizer, and a GGUF needs a vocabulary, so the model's
+files are staged (symlinks) beside a stand-in tokenizer of the model's vocabulary size: `<unk>`,
+`<s>`, `</s>` at ids 0-2 (the bench models' pad/bos/eos), then `▁<id>` for every other id, whole
+ASCII pieces, so that every generated token streams as it comes. Prompts go as token ids and
+outputs come back as ids: its strings never matter. `convert_hf_to_gguf.py` and
+`convert_lora_to_gguf.py`, both `--outtype f32`, write into `<model>-gguf/` beside the base, each
+file named by a digest of its inputs (the files' bytes, the converters' sdist, the staging's form)
+and written under a temporary name, then renamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from lorafleet.bench.fixtures import SPECIAL_TOKENS, cache_root as bench_cache_root
+
+SDIST_NAME, SDIST_VERSION = "llama-cpp-python", "0.3.36"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+VENDORED = "vendor/llama.cpp"
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CCACHE=OFF",
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON")
+CONVERTERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", "gguf-py")
+SERVER_ENV = "LORAFLEET_LLAMA_SERVER"
+STAGE_FORM = 1            # the staged tokenizer's form: a new one converts every model again
+LOCK_WAIT_S = 3600        # for another process's build (a build takes minutes on 2 cores)
+STEP_TIMEOUT_S = 3600     # one step of a build: download, configure, compile
+CONVERT_TIMEOUT_S = 1800
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """llama-server or a conversion could not be had; the message says why (a skipped row's reason)."""
+
+
+def cache_root() -> Path:
+    return bench_cache_root() / "llama.cpp"
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+# -- llama-server ------------------------------------------------------------------------------
+
+def server_binary(say: Callable[[str], None] = _quiet) -> Path:
+    """`$LORAFLEET_LLAMA_SERVER`, else the cached build for this machine, built first if need be."""
+    own = os.environ.get(SERVER_ENV)
+    if own:
+        path = Path(own)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise LlamaCppUnavailable(f"{SERVER_ENV}={own} is not an executable file")
+        return path
+    inputs = build_inputs()
+    key = _digest_json(inputs)
+    root = cache_root()
+    final = root / f"server-{key}"
+    if (final / "llama-server").is_file():
+        return final / "llama-server"
+    cmake, ninja = _tool("cmake"), _tool("ninja")
+    missing = [name for name, path in (("cmake", cmake), ("ninja", ninja), ("a C++ compiler", inputs["cxx"]),
+                                       ("a C compiler", inputs["cc"])) if path is None]
+    if missing:
+        raise LlamaCppUnavailable(f"cannot build llama-server: {', '.join(missing)} not found "
+                                  "(`pip install cmake ninja` gives cmake and ninja)")
+    with _locked(root / f"server-{key}.lock", "llama-server"):
+        if (final / "llama-server").is_file():  # another process built it meanwhile
+            return final / "llama-server"
+        say(f"building llama-server from {SDIST_NAME} {SDIST_VERSION}'s llama.cpp into {final} "
+            f"(once; minutes on {os.cpu_count()} cores)")
+        log = root / f"server-{key}.log"
+        log.write_text("")
+        tmp = Path(tempfile.mkdtemp(prefix=f".server-{key}.", dir=root))
+        try:
+            started = time.perf_counter()
+            src = _extract(_download_sdist(tmp / "sdist", log), tmp / "src")
+            _step([cmake, "-S", str(src), "-B", str(tmp / "build"), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+                   *CMAKE_FLAGS], log, "configuring llama.cpp")
+            _step([cmake, "--build", str(tmp / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
+                  log, "building llama-server")
+            done = tmp / "done"
+            done.mkdir()
+            shutil.copy2(tmp / "build" / "bin" / "llama-server", done / "llama-server")
+            seconds = time.perf_counter() - started
+            (done / "build.json").write_text(json.dumps({**inputs, "build_seconds": seconds,
+                                                         "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
+            os.rename(done, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        say(f"built llama-server in {seconds:.0f} s")
+    return final / "llama-server"
+
+
+def build_inputs() -> dict:
+    """Everything that decides the build (the cache key's digest covers it all)."""
+    cc, cxx = os.environ.get("CC", "cc"), os.environ.get("CXX", "c++")
+    cmake = _tool("cmake")
+    return {"sdist": [SDIST_NAME, SDIST_VERSION, SDIST_SHA256], "cmake_flags": list(CMAKE_FLAGS),
+            "cmake": _version(cmake) if cmake else None, "cc": _version(cc), "cxx": _version(cxx),
+            "machine": platform.machine(), "cpu_flags": _cpu_flags()}
+
+
+def converters(say: Callable[[str], None] = _quiet) -> Path:
+    """The vendored converters (and the gguf-py they import), extracted once from the sdist."""
+    root = cache_root()
+    final = root / f"converters-{SDIST_VERSION}-{SDIST_SHA256[:12]}"
+    if (final / "convert_hf_to_gguf.py").is_file():
+        return final
+    with _locked(root / f"{final.name}.lock", "the converters"):
+        if (final / "convert_hf_to_gguf.py").is_file():
+            return final
+        say(f"fetching {SDIST_NAME} {SDIST_VERSION} for llama.cpp's converters")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        try:
+            _extract(_download_sdist(tmp / "sdist", tmp / "download.log"), tmp / "done", CONVERTERS)
+            os.rename(tmp / "done", final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _download_sdist(into: Path, log: Path) -> Path:
+    into.mkdir(parents=True)
+    # the source distribution of this one package only: with `--no-binary :all:` pip also built the
+    # sdist's build requirements from source to read its metadata (CMake itself: over 20 minutes)
+    _step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME, "--disable-pip-version-check",
+           "-d", str(into), f"{SDIST_NAME}=={SDIST_VERSION}"], log, f"downloading {SDIST_NAME} {SDIST_VERSION}")
+    [tarball] = into.glob("*.tar.gz")
+    digest = _file_digest(tarball)
+    if digest != SDIST_SHA256:
+        raise LlamaCppUnavailable(f"{tarball.name} has sha256 {digest}, expected {SDIST_SHA256}")
+    return tarball
+
+
+def _extract(tarball: Path, dest: Path, parts: tuple[str, ...] | None = None) -> Path:
+    """The vendored llama.cpp tree of the sdist (only its top-level `parts`, when given) into dest."""
+    prefix = f"{tarball.name.removesuffix('.tar.gz')}/{VENDORED}/"
+    with tarfile.open(tarball) as tar:
+        members = []
+        for m in tar.getmembers():
+            rel = m.name.removeprefix(prefix)
+            if rel == m.name or not rel or (parts is not None and rel.split("/")[0] not in parts):
+                continue
+            members.append(m.replace(name=rel))
+        if not members:
+            raise LlamaCppUnavailable(f"{tarball.name} has no {VENDORED}")
+        tar.extractall(dest, members=members, filter="data")
+    return dest
+
+
+def _step(cmd: list, log: Path, what: str) -> None:
+    """Run one step of a build, its output appended to `log`; its failure is the reason given."""
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(map(str, cmd))}\n")
+        out.flush()
+        try:
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=STEP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise LlamaCppUnavailable(f"{what} took over {STEP_TIMEOUT_S} s (log: {log})")
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-1]
+        raise LlamaCppUnavailable(f"{what} failed (exit {proc.returncode}): {tail} (log: {log})")
+
+
+@contextlib.contextmanager
+def _locked(path: Path, what: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LlamaCppUnavailable(f"waited {LOCK_WAIT_S} s for another process making {what} ({path})")
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _tool(name: str) -> str | None:
+    """A tool on PATH or beside this Python (a virtual environment's `pip install cmake ninja`)."""
+    return shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def _version(tool: str) -> str | None:
+    try:
+        proc = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0] if proc.returncode == 0 and lines else None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _digest_json(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _file_digest(path: Path, h=None) -> str:
+    h = h or hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- conversions -------------------------------------------------------------------------------
+
+def convert_model(model_dir: Path, say: Callable[[str], None] = _quiet) -> Path:
+    """The bench model as an f32 GGUF, converted once (cached beside it, by content)."""
+    model_dir = Path(model_dir)
+    conv = converters(say)
+    out = _gguf_dir(model_dir) / f"model-f32-{_inputs_digest(_model_files(model_dir))}.gguf"
+    if not out.is_file():
+        say(f"converting {model_dir.name} to GGUF")
+        with tempfile.TemporaryDirectory(prefix=".convert-", dir=out.parent) as tmp:
+            stage = _stage(model_dir, Path(tmp) / "model")
+            _convert([conv / "convert_hf_to_gguf.py", stage, "--outtype", "f32", "--outfile", Path(tmp) / "out.gguf"],
+                     f"converting {model_dir} to GGUF")
+            os.replace(Path(tmp) / "out.gguf", out)
+    return out
+
+
+def convert_adapter(model_dir: Path, adapter_dir: Path, say: Callable[[str], None] = _quiet) -> Path:
+    """A PEFT adapter of the bench model as an f32 GGUF LoRA adapter (cached beside the base, by content)."""
+    model_dir, adapter_dir = Path(model_dir), Path(adapter_dir)
+    conv = converters(say)
+    files = [model_dir / "config.json", adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"]
+    out = _gguf_dir(model_dir) / f"lora-f32-{_inputs_digest(files)}.gguf"
+    if not out.is_file():
+        say(f"converting adapter {adapter_dir.name} to GGUF")
+        with tempfile.TemporaryDirectory(prefix=".convert-", dir=out.parent) as tmp:
+            stage = _stage(model_dir, Path(tmp) / "model")
+            _convert([conv / "convert_lora_to_gguf.py", adapter_dir, "--base", stage, "--outtype", "f32",
+                      "--outfile", Path(tmp) / "out.gguf"], f"converting adapter {adapter_dir} to GGUF")
+            os.replace(Path(tmp) / "out.gguf", out)
+    return out
+
+
+def _model_files(model_dir: Path) -> list[Path]:
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        raise LlamaCppUnavailable(f"{model_dir} has no *.safetensors to convert")
+    return [model_dir / "config.json", *weights]
+
+
+def _inputs_digest(files: list[Path]) -> str:
+    h = hashlib.sha256(f"{SDIST_SHA256}/{STAGE_FORM}".encode())
+    for f in files:
+        h.update(f"\0{f.name}\0".encode())
+        _file_digest(f, h)
+    return h.hexdigest()[:16]
+
+
+def _gguf_dir(model_dir: Path) -> Path:
+    folder = model_dir.parent / f"{model_dir.name}-gguf"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _stage(model_dir: Path, stage: Path) -> Path:
+    """The model's files (symlinked) and a stand-in tokenizer of its vocabulary size."""
+    config = json.loads((model_dir / "config.json").read_text())
+    specials = {k: config[k] for k in SPECIAL_TOKENS}
+    if specials != SPECIAL_TOKENS:
+        raise LlamaCppUnavailable(f"{model_dir}: the stand-in tokenizer needs the bench models' special tokens "
+                                  f"{SPECIAL_TOKENS}, the config has {specials}")
+    stage.mkdir()
+    for f in model_dir.iterdir():
+        (stage / f.name).symlink_to(f.resolve())
+    (stage / "tokenizer.json").write_text(json.dumps(stand_in_tokenizer(config["vocab_size"])))
+    (stage / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "pad_token": "<unk>", "bos_token": "<s>",
+        "eos_token": "</s>", "add_bos_token": False, "add_eos_token": False}))
+    return stage
+
+
+def stand_in_tokenizer(vocab_size: int) -> dict:
+    """A `tokenizers` BPE vocabulary of the Llama kind (byte fallback, a decoder sequence: what
+    the converter takes for a Llama tokenizer) with no merges: ids 0-2 special, `▁<id>` after."""
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {**{s: i for i, s in enumerate(specials)}, **{f"\u2581{i}": i for i in range(len(specials), vocab_size)}}
+    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "pre_tokenizer": None,
+            "post_processor": None,
+            "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for i, s in enumerate(specials)],
+            "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
+            "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                      "vocab": vocab, "merges": []}}
+
+
+def _convert(args: list, what: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the converters' own gguf-py
+    try:
+        proc = subprocess.run([sys.executable, *map(str, args)], stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=CONVERT_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        raise LlamaCppUnavailable(f"{what} took over {CONVERT_TIMEOUT_S} s")
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise LlamaCppUnavailable(f"{what} failed (exit {proc.returncode}): {tail}")
