@@ -130,6 +130,14 @@ class DaemonUnreachableError(LorafleetError):
     code = "daemon_unreachable"
 
 
+class HubError(LorafleetError):
+    """A pull from the Hugging Face Hub failed: repo or revision not found, gated, unreachable,
+    no loadable files, or a downloaded file that does not match the Hub's checksum."""
+
+    http_status = 400
+    code = "hub_error"
+
+
 class ServerError(LorafleetError):
     """An error the daemon answered with, as the client sees it: the daemon's status, code and
     message."""

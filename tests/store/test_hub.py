@@ -15,7 +15,8 @@ import pytest
 
 from lorafleet.errors import LorafleetError
 from lorafleet.memory.layout import LAYOUT_FILE
-from lorafleet.store.hub import ADAPTER_FILES, HubError, download, is_repo_id
+from lorafleet.errors import HubError
+from lorafleet.store.hub import ADAPTER_FILES, download, is_repo_id
 from tests.fixtures import build_adapter, call_within
 from tests.store.hub_server import FAKE_COMMIT, StandInHub, git_blob_id, hub  # noqa: F401 (the fixture)
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from lorafleet.store import hub as hub_module
+from lorafleet.store import hub as hub_module, hub_fetch
 from lorafleet.store.hub import HubError
 from lorafleet.store.pull import pull as store_pull
 from lorafleet.store.store import PARTIAL_SUFFIX, Store, StoreError
@@ -51,7 +51,7 @@ def store(tmp_path) -> Store:
 
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(hub_module, "_RETRY_WAIT", 0.05)
+    monkeypatch.setattr(hub_fetch, "_RETRY_WAIT", 0.05)
 
 
 def pull(store, deadline: float = 60.0):
