@@ -130,6 +130,18 @@ class DaemonUnreachableError(LorafleetError):
     code = "daemon_unreachable"
 
 
+class StoreError(LorafleetError):
+    """A store operation was refused: a bad name, a missing item, an inconsistent file."""
+
+    http_status = 400
+    code = "store_error"
+
+
+class StoreNotFoundError(StoreError):
+    http_status = 404
+    code = "not_in_store"
+
+
 class HubError(LorafleetError):
     """A pull from the Hugging Face Hub failed: repo or revision not found, gated, unreachable,
     no loadable files, or a downloaded file that does not match the Hub's checksum."""

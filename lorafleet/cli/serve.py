@@ -127,7 +127,8 @@ def model_folder(model: Path | None) -> tuple[Path | None, str | None]:
     folder = model.expanduser()
     if folder.exists():
         return folder.resolve(), None
-    from lorafleet.store.store import Store, StoreError
+    from lorafleet.errors import StoreError
+    from lorafleet.store.store import Store
 
     store = Store()
     try:

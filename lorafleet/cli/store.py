@@ -10,8 +10,8 @@ import typer
 
 from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console,
                                   print_json, ranks_text, user_errors)
-from lorafleet.errors import DaemonUnreachableError
-from lorafleet.store.store import Store, StoreError
+from lorafleet.errors import DaemonUnreachableError, StoreError
+from lorafleet.store.store import Store
 
 models_app = typer.Typer(help="List and remove the base models in the store.", no_args_is_help=True)
 store_app = typer.Typer(help="Check the store's consistency and free unreferenced files.", no_args_is_help=True)

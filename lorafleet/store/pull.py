@@ -24,9 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from lorafleet.errors import StoreError, StoreNotFoundError
 from lorafleet.store import hub
 from lorafleet.store.hub import ADAPTER_FILES, MODEL_OPTIONAL  # the files a folder gives, as a repo does
-from lorafleet.store.store import Store, StoreError, StoreNotFoundError, check_name
+from lorafleet.store.store import Store, check_name
 
 
 def model_files(folder: Path) -> list[str]:

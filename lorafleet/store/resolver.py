@@ -21,7 +21,8 @@ import json
 import logging
 from pathlib import Path
 
-from lorafleet.store.store import Store, StoreError, check_name
+from lorafleet.errors import StoreError
+from lorafleet.store.store import Store, check_name
 
 log = logging.getLogger("lorafleet.server")
 

@@ -17,10 +17,11 @@ import time
 
 import pytest
 
+from lorafleet.errors import HubError, StoreError
 from lorafleet.store import hub as hub_module, hub_fetch
-from lorafleet.store.hub import HubError
+from lorafleet.store.partials import PARTIAL_SUFFIX
 from lorafleet.store.pull import pull as store_pull
-from lorafleet.store.store import PARTIAL_SUFFIX, Store, StoreError
+from lorafleet.store.store import Store
 from tests.fixtures import call_within
 from tests.store.hub_server import FAKE_COMMIT, corrupted, hub  # noqa: F401 (the fixture)
 

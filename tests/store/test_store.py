@@ -13,7 +13,8 @@ from lorafleet import Engine, SamplingParams
 from lorafleet.errors import AdapterError, LorafleetError
 from lorafleet.memory.layout import LAYOUT_FILE
 from lorafleet.store.pull import pull
-from lorafleet.store.store import Store, StoreError
+from lorafleet.errors import StoreError
+from lorafleet.store.store import Store
 from tests.engine.test_adapters import BROKEN, broken_adapter
 from tests.fixtures import ALL7, build_adapter, build_model
 
