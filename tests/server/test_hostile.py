@@ -291,8 +291,9 @@ def load_beside_streams(daemon, name: str, path) -> tuple[float, float, str]:
     worst = max(during)
     if worst[0] < 3 * median:  # no stall: the stream must have run through the load to tell
         assert len(during) > 10, "the stream ended before the load"
+    beside = "other work unknown" if other is None else f"other work on {other:.2f} cores"
     return worst[0] / median, other, (f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s "
-                                      f"load, median {median * 1e3:.1f} ms, other work on {other:.2f} cores")
+                                      f"load, median {median * 1e3:.1f} ms, {beside}")
 
 
 MAX_OTHER_CORES = 0.1  # beside more other work, a load's gaps are the host's as much as ours
