@@ -84,7 +84,7 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
     const torch::Tensor layer_kv = kv.select(1, i);
     pw::write_kv(layer_kv, k, v, slot_pages, slot_offsets);
     torch::Tensor o = torch::empty({T, H, D}, x.options());
-    att::paged_decode(q.contiguous(), layer_kv, tables, lens, scale, o);
+    att::paged_decode(q, layer_kv, tables, lens, scale, o);
     o = o.view({T, H * D});
     out = lin::linear(o, *lw[5], lw[6]);
     delta(i, 1, o, out);

@@ -96,6 +96,7 @@ static void decode_t(const torch::Tensor& q, const torch::Tensor& kv, const torc
   const int64_t BS = kv.size(2), KVH = kv.size(3), G = H / KVH, maxb = tables.size(1);
   const int64_t sP = kv.stride(0), s2 = kv.stride(1), sT = kv.stride(2), sK = kv.stride(3);
   const S* qp = q.data_ptr<S>();
+  const int64_t sq = q.stride(0);  // q may be a view of the qkv rows: heads contiguous, rows strided
   const S* kvp = kv.data_ptr<S>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
@@ -117,7 +118,7 @@ static void decode_t(const torch::Tensor& q, const torch::Tensor& kv, const torc
     for (int64_t i = next++; i < tasks; i = next++) {
       const int64_t b = i / NG, kh0 = (i % NG) * HG, L = lp[b];
       s.resize(GH * L);
-      const S* qb = qp + (b * H + kh0 * G) * D;  // the group's GH query heads, contiguous
+      const S* qb = qp + b * sq + kh0 * G * D;  // the group's GH query heads, contiguous
       for (int64_t e = 0; e < GH * D; ++e) qf[e] = float(qb[e]);
       const int64_t* table = tp + b * maxb;
       // scores, page by page (no division per token), four keys at a time with independent sums
@@ -178,7 +179,8 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
                   double scale, torch::Tensor out) {
   TORCH_CHECK(q.scalar_type() == kv.scalar_type() && out.scalar_type() == q.scalar_type(),
               "paged_decode: q, the pool and out differ in dtype");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kv.stride(4) == 1, "layout");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.is_contiguous() && kv.stride(4) == 1,
+              "paged_decode: q [B, H, D] with each row's heads contiguous, out contiguous");
   TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(), "metadata layout");
   if (q.scalar_type() == at::kFloat) decode_t<float>(q, kv, tables, lens, scale, out);
   else {
@@ -191,8 +193,10 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  scale: float) -> torch.Tensor:
-    """q: [B, H, D]; kv: [P, 2, block, KVH, D] (one layer's view of the pool), one dtype, float32
+    """q: [B, H, D] (rows may be strided, as views of a qkv projection are); kv: [P, 2, block, KVH, D] (one layer's view of the pool), one dtype, float32
     or bfloat16; tables: [B, maxb] long; lens: [B] long (>= 1). Returns [B, H, D] in q's dtype."""
-    out = torch.empty_like(q)
-    load().paged_decode(q.contiguous(), kv, tables, lens, scale, out)
+    if q.stride(2) != 1 or q.stride(1) != q.size(2):  # the kernel reads each row's heads side by side
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    load().paged_decode(q, kv, tables, lens, scale, out)
     return out

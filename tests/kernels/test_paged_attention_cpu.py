@@ -43,6 +43,26 @@ def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, b
     assert (got - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_is_read_in_place_from_the_qkv_rows(dtype, isa):
+    """The decode driver hands the kernel q as the qkv projection leaves it: [B, H, D] cut from
+    [B, H + 2 KVH, D], rows strided, no copy; it gives what a contiguous q gives. A q whose heads
+    are not side by side is refused by name (the Python wrapper copies such a q first)."""
+    heads, kv_heads, dim, block = 8, 4, 32, 16
+    q, kv, tables, lens = scattered_case(7, heads, kv_heads, dim, block, [1, block + 1, 40], dtype)
+    qkv = torch.randn(3, heads + 2 * kv_heads, dim).to(dtype)
+    qkv[:, :heads] = q
+    view = qkv[:, :heads]
+    assert not view.is_contiguous()
+    out = torch.empty(q.shape, dtype=dtype)
+    paged_attention_cpu.load().paged_decode(view, kv, tables, lens, dim ** -0.5, out)
+    assert torch.equal(out, paged_attention_cpu.paged_decode(q, kv, tables, lens, dim ** -0.5))
+    swapped = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, heads not contiguous
+    with pytest.raises(RuntimeError, match="paged_decode: q"):
+        paged_attention_cpu.load().paged_decode(swapped, kv, tables, lens, dim ** -0.5, out)
+    assert torch.equal(paged_attention_cpu.paged_decode(swapped, kv, tables, lens, dim ** -0.5), out)
+
+
 @pytest.fixture
 def two_threads():
     before = torch.get_num_threads()
