@@ -205,8 +205,9 @@ def health_ms(demo) -> float:
         return (time.perf_counter() - t0) * 1e3
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-def test_a_50_mb_body_is_refused_at_once_without_freezing_the_daemon(demo, chunked):
+def upload_50_mb(demo, chunked: bool) -> tuple[bytes, float, list[float]]:
+    """POST a 50 MB body to the daemon while timing /health calls: (the daemon's reply, seconds
+    until it came, every /health call's ms, during the upload and 5 after)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(demo.socket))
     size = 50 << 20
@@ -242,12 +243,26 @@ def test_a_50_mb_body_is_refused_at_once_without_freezing_the_daemon(demo, chunk
         stop.set()
         sock.close()
         sender.join(10)
-    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
-    assert elapsed < 1.0
     for _ in range(5):
         latencies.append(health_ms(demo))
-    assert max(latencies) < 100, latencies
-    assert demo.proc.poll() is None
+    return reply, elapsed, latencies
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_50_mb_body_is_refused_at_once_without_freezing_the_daemon(demo, chunked):
+    """The 413 comes within 1 s and no /health call meanwhile takes 100 ms. A daemon that reads
+    or parses the body before refusing it misses both on every upload; a host that takes this
+    VM's CPUs for a moment (seen for minutes at a time, see the eager-load test below) can delay
+    one call. So the upload runs again, 3 times at most, until one kept both bounds."""
+    tries = []
+    for _ in range(3):
+        reply, elapsed, latencies = upload_50_mb(demo, chunked)
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert demo.proc.poll() is None
+        tries.append(f"413 after {elapsed:.2f} s, slowest /health {max(latencies):.0f} ms")
+        if elapsed < 1.0 and max(latencies) < 100:
+            return
+    pytest.fail("a 50 MB body held the daemon up on every upload: " + "; ".join(tries))
 
 
 # -- eager loads off the engine thread --------------------------------------------------------------
