@@ -28,6 +28,10 @@ page asked for at once) against v9, best of 4 alternated: fp32 8 sequences of 96
 72 us, 8 of 470 572 -> 483 us, one of 2,000 274 -> 224 us; bf16 8 of 470 432 -> 332 us. Whole
 `tiny` decode steps, alternated: 8 sequences of 470 tokens 0.95x the time, of 64 0.985x.
 
+q is read where the qkv projection left it: rows strided, each row's heads side by side (the
+decode driver copied it before, a 16 KB copy and allocation a layer for 8 rows of `tiny`; whole
+steps alternated with and without the copy differed within the noise, 0.99-1.01x).
+
 float32 and bfloat16 (q, the pool and the output in one dtype): scores, softmax and the output
 sums in fp32, each output element rounded once. Before, a bf16 pool went to the torch reference,
 which gathers the context and ran at ~1/8 of this kernel's speed (8 sequences of 96 tokens, one
