@@ -35,6 +35,8 @@ _SOURCE = cpu_vector.SOURCE + r"""
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
+#include <algorithm>
 
 // the value as the reference's dtype would hold it: identity in fp32, rounded in bf16
 static inline float as(float v, float) { return v; }
@@ -216,46 +218,76 @@ void write_kv(torch::Tensor kv, torch::Tensor k, torch::Tensor v, torch::Tensor 
 }
 
 // per row of logits [S, V]: the first index of its largest value, and whether every value is
-// finite (a row with a NaN or an infinity gets false; its index is then meaningless)
+// finite (a row with a NaN or an infinity gets false; its index is then meaningless).
+// Each row is cut into as many pieces as there are threads, and a thread takes the same piece of
+// every row (tasks piece by piece), as the LM head's threads each wrote a range of its columns;
+// one pass a piece: each lane keeps its largest value and the first index holding it. Before,
+// rows went to threads whole, in two passes (the largest value, then where it first is). In decode
+// steps, the two alternated in one process (Sapphire Rapids VM, 2 threads, medians of 136 steps):
+// `tiny`'s 8,192 logits, 1 row 38 -> 34 us, 8 rows 68 -> 53 us; `smol`'s 8 x 49,152 238 -> 166 us;
+// on logits in cache, `smol`'s 8 rows 81 -> 32 us. (The same call on logits in cache takes ~6 us
+// for one `tiny` row: in a step most of it is the call's code and data, cold after the weights.)
+constexpr int64_t GREEDY_PIECE = 2048;  // no piece shorter
+
 std::tuple<torch::Tensor, torch::Tensor> greedy(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0,
               "greedy: logits [S, V] float32 with contiguous rows");
   const int64_t S = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(V < (int64_t(1) << 31), "greedy: a vocabulary under 2^31");
   auto tokens = torch::empty({S}, logits.options().dtype(at::kLong));
   auto finite = torch::empty({S}, logits.options().dtype(at::kBool));
   const float* lp = logits.data_ptr<float>();
-  int64_t* tp = tokens.data_ptr<int64_t>();
-  bool* fp = finite.data_ptr<bool>();
-  at::parallel_for(0, S, 4, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
+  // P pieces of `len` (each non-empty: len >= GREEDY_PIECE > P), their results [P][S]
+  const int64_t P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), V / GREEDY_PIECE));
+  const int64_t len = (V + P - 1) / P;
+  std::vector<float> pmax(P * S);
+  std::vector<int64_t> pat(P * S);
+  std::vector<char> pbad(P * S);
+  at::parallel_for(0, P * S, 1, [&](int64_t u0, int64_t u1) {
+    iw lanes;
+    for (int l = 0; l < VW; ++l) lanes[l] = l;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t p = u / S, s = u % S, c0 = p * len, c1 = std::min(V, c0 + len);
       const float* row = lp + s * ld;
-      // pass 1: the largest value, and whether any is NaN or infinite (x - x is 0 only for
-      // finite x); NaN lanes never win a > comparison
-      vw vm = vw{} + row[0];
-      iw vbad = iw{};
-      int64_t i = 0;
-      for (; i + VW <= V; i += VW) {
+      vw vm = vw{} - INFINITY;
+      iw vi = iw{}, vbad = iw{};
+      int64_t i = c0;
+      for (; i + VW <= c1; i += VW) {
         const vw x = wload(row + i);
-        vm = x > vm ? x : vm;
-        vbad |= (iw)((x - x) != 0.f);
+        const iw up = (iw)(x > vm);  // strictly: a lane keeps the first index of its largest; NaN never wins
+        vm = up ? x : vm;
+        vi = up ? lanes + int32_t(i) : vi;
+        vbad |= (iw)((x - x) != 0.f);  // x - x is 0 only for finite x
       }
-      float m = vm[0];
+      float m = -INFINITY;
+      int64_t at = c0;
       int bad = 0;
-      for (int l = 0; l < VW; ++l) { m = vm[l] > m ? vm[l] : m; bad |= vbad[l] != 0; }
-      for (; i < V; ++i) { m = row[i] > m ? row[i] : m; bad |= (row[i] - row[i]) != 0.f; }
-      // pass 2: the first index holding it, a register at a time
-      int64_t at = 0;
-      for (; at + VW <= V; at += VW) {
-        const iw eq = (iw)(wload(row + at) == m);
-        int any = 0;
-        for (int l = 0; l < VW; ++l) any |= eq[l];
-        if (any) break;
+      for (int l = 0; l < VW; ++l) {
+        bad |= vbad[l] != 0;
+        if (vm[l] > m || (vm[l] == m && vi[l] < at)) { m = vm[l]; at = vi[l]; }
       }
-      while (at < V && !(row[at] == m)) ++at;
-      tp[s] = at < V ? at : 0;
-      fp[s] = !bad;
+      for (; i < c1; ++i) {  // the tail comes after every lane's indices: only a larger value wins
+        bad |= (row[i] - row[i]) != 0.f;
+        if (row[i] > m) { m = row[i]; at = i; }
+      }
+      pmax[u] = m;
+      pat[u] = at;
+      pbad[u] = bad;
     }
   });
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  bool* fp = finite.data_ptr<bool>();
+  for (int64_t s = 0; s < S; ++s) {  // the pieces in order: an earlier one keeps a tie
+    float m = pmax[s];
+    int64_t at = pat[s];
+    bool bad = pbad[s];
+    for (int64_t p = 1; p < P; ++p) {
+      bad |= pbad[p * S + s] != 0;
+      if (pmax[p * S + s] > m) { m = pmax[p * S + s]; at = pat[p * S + s]; }
+    }
+    tp[s] = at;
+    fp[s] = !bad;
+  }
   return {tokens, finite};
 }
 """

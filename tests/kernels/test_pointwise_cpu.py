@@ -122,3 +122,27 @@ def test_greedy_takes_the_first_largest_and_flags_non_finite_rows(isa):
     assert tokens[1].item() == 17 and tokens[2].item() == 999 and tokens[6].item() == 0
     big = torch.randn(33, 49152, generator=g)  # more rows than a task: spread over threads
     assert torch.equal(pointwise_cpu.greedy(big)[0], torch.argmax(big, -1))
+
+
+def test_greedy_over_pieces_of_a_row_keeps_the_first_largest(isa):
+    """On 2 threads a row of 5,000 goes as two pieces of 2,500 (each with a tail past its last full
+    vector): a tie across the pieces, across lanes or within a lane goes to the first index; a
+    NaN or an infinity in either piece flags the row."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(13)
+        logits = torch.randn(7, 5000, generator=g)
+        logits[0, [2499, 2500]] = 40.0     # the first piece's tail and the second piece's first
+        logits[1, [3, 9]] = 40.0           # two lanes of one vector: 3
+        logits[2, [19, 3]] = 40.0          # one lane, two vectors apart (16 lanes): 3
+        logits[3, 4999] = 40.0             # the second piece's tail
+        logits[4, [4000, 100]] = 40.0      # a tie across the pieces: the first piece's
+        logits[5, 3000] = float("nan")
+        logits[6, 10] = float("-inf")
+        tokens, finite = pointwise_cpu.greedy(logits)
+        assert finite.tolist() == [True] * 5 + [False, False]
+        assert tokens[:5].tolist() == [2499, 3, 3, 4999, 100]
+        assert torch.equal(tokens[:5], reference.greedy(logits)[0][:5])
+    finally:
+        torch.set_num_threads(before)
