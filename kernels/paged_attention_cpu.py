@@ -197,8 +197,9 @@ void paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor tables, torch
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  scale: float) -> torch.Tensor:
-    """q: [B, H, D] (rows may be strided, as views of a qkv projection are); kv: [P, 2, block, KVH, D] (one layer's view of the pool), one dtype, float32
-    or bfloat16; tables: [B, maxb] long; lens: [B] long (>= 1). Returns [B, H, D] in q's dtype."""
+    """q: [B, H, D] (its rows may be strided, as a view of the qkv projection's are); kv: [P, 2,
+    block, KVH, D] (one layer's view of the pool), one dtype, float32 or bfloat16; tables: [B, maxb]
+    long; lens: [B] long (>= 1). Returns [B, H, D] in q's dtype."""
     if q.stride(2) != 1 or q.stride(1) != q.size(2):  # the kernel reads each row's heads side by side
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)

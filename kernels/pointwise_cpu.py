@@ -9,7 +9,7 @@ shapes (30 layers, one thread), a decode step without its matmuls took 4.5 ms at
 7.4 ms at batch 8, a fifth to a third of the step's memory bound. Here each is one call that
 reads its rows once. Two more had the same cause: the KV write was two `index_put_` calls per
 layer (0.7 ms of smol's step at batch 8), and torch's `argmax`, unvectorised on the CPU, took
-0.76 ms over 8 rows of a 49,152-token vocabulary (the kernel: two vector passes per row).
+0.76 ms over 8 rows of a 49,152-token vocabulary (the kernel: one vector pass per piece of a row).
 
 Semantics: each op is its reference in `reference.py` (`rms_norm`, `add_rms_norm`, `rope_`,
 `silu_mul`, `write_kv`, `greedy`), computed in fp32 and rounded to the tensor's dtype where the reference rounds

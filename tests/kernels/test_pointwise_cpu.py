@@ -120,7 +120,7 @@ def test_greedy_takes_the_first_largest_and_flags_non_finite_rows(isa):
     keep = ref_finite
     assert torch.equal(tokens[keep], ref_tokens[keep])
     assert tokens[1].item() == 17 and tokens[2].item() == 999 and tokens[6].item() == 0
-    big = torch.randn(33, 49152, generator=g)  # more rows than a task: spread over threads
+    big = torch.randn(33, 49152, generator=g)  # pieces of many rows, spread over threads
     assert torch.equal(pointwise_cpu.greedy(big)[0], torch.argmax(big, -1))
 
 
