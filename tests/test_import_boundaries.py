@@ -3,8 +3,10 @@ pulls in the front ends."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,24 @@ def test_the_tui_talks_to_the_daemon_only():
     mods = imported_after("import lorafleet.tui.app, lorafleet.cli.top")
     assert not {m for m in mods if m.startswith(("lorafleet.engine", "lorafleet.server", "lorafleet.memory",
                                                     "lorafleet.store"))}
+
+
+def test_kernels_from_a_checkout_does_not_shadow_the_hugging_face_package():
+    """From the checkout's root, first on sys.path for `python -c` and `python -m` (and pytest),
+    `import kernels` finds our kernels/ directory: it must give the installed Hugging Face
+    `kernels` where a distribution of that name exists (transformers 5.25 requires it and imports
+    it), and stay our empty package elsewhere; `lorafleet.kernels` is always ours, and
+    transformers' hub-kernel integration imports."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import kernels, lorafleet.kernels, transformers.integrations.hub_kernels\n"
+            "print(kernels.__file__); print(lorafleet.kernels.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    top, ours = (Path(line) for line in out.stdout.split())
+    assert ours == root / "kernels" / "__init__.py"
+    try:
+        importlib.metadata.distribution("kernels")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    assert (top != ours) == installed, (top, installed)
