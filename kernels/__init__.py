@@ -18,7 +18,8 @@ from pathlib import Path
 
 if __name__ == "kernels":
     _root = Path(__file__).resolve().parent.parent
-    _spec = PathFinder.find_spec("kernels", [p for p in sys.path if Path(p or ".").resolve() != _root])
+    _path = [p for p in sys.path if isinstance(p, str) and Path(p or ".").resolve() != _root]
+    _spec = PathFinder.find_spec("kernels", _path)
     if _spec is not None:
         _installed = module_from_spec(_spec)
         sys.modules["kernels"] = _installed  # the import statement returns what sys.modules holds
