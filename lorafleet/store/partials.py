@@ -134,5 +134,3 @@ class Partials:
         with contextlib.suppress(OSError):
             folder.rmdir()  # unless a pull still holds something
         return count, size
-
-

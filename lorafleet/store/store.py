@@ -135,7 +135,7 @@ class Store:
         """The writers' flock (released by the kernel if its holder dies)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = flock(self.root / "lock", timeout, f"the store {self.root} is locked by another pull, rm or gc "
-                                                 f"for over {timeout:.0f} s")
+                                                f"for over {timeout:.0f} s")
         try:
             yield
         finally:
