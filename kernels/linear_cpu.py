@@ -105,7 +105,9 @@ _SOURCE = cpu_vector.SOURCE + r"""
 #if defined(__AVX512BF16__)
 // bf16 x bf16 on CPUs that have VDPBF16PS: each instruction multiplies 32 bf16 pairs exactly and
 // adds them pairwise into 16 fp32 sums, so no widening and half the instructions of fp32 FMAs
-// (widened bf16 made the kernel compute-bound from 4 rows on: 2.6x the bound at 8 rows)
+// (widened bf16 made the kernel compute-bound from 4 rows on: 2.6x the bound at 8 rows; widened
+// with x widened once per call, as without VDPBF16PS, `tiny`'s weights streamed in 1.04-1.17x
+// the time of this at 1-12 rows on the Sapphire Rapids VM, alternated in one process)
 template <int NB, int TB>
 static inline void tile_dpbf16(const c10::BFloat16* const* w, const c10::BFloat16* const* x, int64_t K,
                                float (*out)[TB], const c10::BFloat16* const* pf) {
