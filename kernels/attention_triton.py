@@ -74,10 +74,13 @@ def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pages: tor
                            H_P=triton.next_power_of_2(kvh), D_P=triton.next_power_of_2(d))
 
 
+DECODE_TOKENS = 64  # keys one decode iteration reads: whole pages, at least one
+
+
 @triton.jit
 def _decode_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                    sq0, sq1, sq2, s_p, s_2, s_t, s_h, s_d, so0, so1, so2, st0, G, D,
-                   BLK: tl.constexpr, BLK_P: tl.constexpr, D_P: tl.constexpr):
+                   BLK: tl.constexpr, TOK: tl.constexpr, TOK_P: tl.constexpr, D_P: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // G
@@ -85,15 +88,16 @@ def _decode_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     dd = tl.arange(0, D_P)
     dmask = dd < D
     q = tl.load(q_ptr + b * sq0 + h * sq1 + dd * sq2, mask=dmask, other=0.0).to(tl.float32)
-    tok = tl.arange(0, BLK_P)
+    tok = tl.arange(0, TOK_P)
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([D_P], dtype=tl.float32)
-    for j in range(0, tl.cdiv(L, BLK)):  # one page per iteration
-        page = tl.load(tables_ptr + b * st0 + j)
-        tmask = (tok < BLK) & (j * BLK + tok < L)
+    for j in range(0, tl.cdiv(L, TOK)):  # TOK // BLK pages per iteration
+        pos = j * TOK + tok
+        tmask = (tok < TOK) & (pos < L)
+        page = tl.load(tables_ptr + b * st0 + pos // BLK, mask=tmask, other=0)
         mask = tmask[:, None] & dmask[None, :]
-        base = kv_ptr + page * s_p + kh * s_h + tok[:, None] * s_t + dd[None, :] * s_d
+        base = kv_ptr + page[:, None] * s_p + kh * s_h + (pos % BLK)[:, None] * s_t + dd[None, :] * s_d
         k = tl.load(base, mask=mask, other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1) * scale
         s = tl.where(tmask, s, float("-inf"))
@@ -111,16 +115,20 @@ def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: 
                  scale: float) -> torch.Tensor:
     """q: [B, H, D]; kv: [P, 2, BLK, KVH, D] (one layer's view of the pool, any strides); tables:
     [B, maxb] int64 (padding entries: any valid page); lens: [B] int64 (>= 1). Returns [B, H, D]
-    in q's dtype. Grid (B, H), independent of the lengths' values."""
+    in q's dtype. Grid (B, H), independent of the lengths' values; each program reads its
+    context DECODE_TOKENS keys (whole pages) per iteration, not one page: the page ids and the
+    keys of several pages are in flight at once, where one page a step left each program waiting
+    on one dependent load after another."""
     B, H, D = q.shape
     _, _, blk, kvh, _ = kv.shape
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     tables = tables.contiguous()
+    tok = blk * max(1, DECODE_TOKENS // blk)
     _decode_kernel[(B, H)](q, kv, tables, lens.contiguous(), out, float(scale),
                            *q.stride(), *kv.stride(), *out.stride(), tables.stride(0), H // kvh, D,
-                           BLK=blk, BLK_P=triton.next_power_of_2(blk), D_P=triton.next_power_of_2(D))
+                           BLK=blk, TOK=tok, TOK_P=triton.next_power_of_2(tok), D_P=triton.next_power_of_2(D))
     return out
 
 

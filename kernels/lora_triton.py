@@ -12,17 +12,33 @@ A_m is [r, in] row-major at logical a_off, Bt_m is [r, n_out] row-major at logic
 
 Why it exists: on a GPU, one segment-at-a-time torch loop costs a dozen launches per adapter per
 layer, and padding every adapter to the largest rank (or copying weights into a contiguous
-stack) wastes the memory bandwidth the op is bound by. Here two launches serve every adapter of
-the batch, whatever its rank (1..256, not only powers of two), and every weight element is read
+stack) wastes the memory bandwidth the op is bound by. Here two launches (and the zeroing of
+the shrink's scratch when it splits, below) serve every adapter of the batch, whatever its rank (1..256, not only powers of two), and every weight element is read
 once per row block from wherever its page lies. Given `max_rows` and `max_rank`, the launch
 grid depends on nothing but them (no `.item()`, no host sync), so the op can be captured in a
 CUDA graph; the kernels skip programs past a segment's end or past an adapter's rank.
 
 Two kernels:
-  shrink  grid (S*M, cdiv(max_rows, BLOCK_M), cdiv(max_rank, BLOCK_R)):
-          t[i, m, k] = x[i] . A_m[k] for k < r, fp32, into a scratch t [T, M, RMAX]
+  shrink  grid (S*M, cdiv(max_rows, BLOCK_M), cdiv(max_rank, BLOCK_R) * cdiv(in, K_SPLIT)):
+          t[i, m, k] = x[i] . A_m[k] for k < r, fp32, into a scratch t [T, M, RMAX]; each program
+          reduces K_SPLIT of the `in` columns and adds its partial sums into t atomically (t
+          starts at zero) when `in` takes more than one such slice
   expand  grid (S*M, cdiv(max_rows, BLOCK_M), cdiv(N, BLOCK_N)):
           out[i, col + n] = round(out[i, col + n] + sum_{k<r} t[i, m, k] * Bt_m[k, n])
+
+Why split the shrink: at decode a segment has one row (or the 16 of a captured step), so a
+program per (segment, module, rank block) that walked all of `in` (2048-8192 columns, 32-128
+dependent page-table gathers in a row) left most of the GPU idle. Slices of K_SPLIT columns
+make `in` / K_SPLIT times as many programs, each a few iterations long: on an H200, 64 one-row
+rank-16 segments 106.5 -> 58.2 us, and a captured step's down projection 737 -> 66 us (README,
+"Kernels"). The price: the partial sums meet in t in whatever order the programs finish, so
+fp32 results may differ in the last bits from run to run (as split-K GEMMs do); the tests'
+tolerances hold for any order.
+
+Logical offsets (inside one adapter's buffer, before the page table) are int32 when the widest
+page table's span fits (`WIDE` otherwise): the `// E` and `% E` of every element's address are
+then 32-bit divisions, where a GPU emulates 64-bit ones in many more instructions. Pool indices
+(page * E + offset) are always int64.
 
 Precision: fp32 inputs use `tl.dot(..., input_precision="ieee")` (no TF32); fp16/bf16 inputs
 multiply in their own dtype with fp32 accumulation in the shrink (products of two halves are
@@ -36,6 +52,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+K_SPLIT = 256  # `in` columns one shrink program reduces (a multiple of its BLOCK_K, 64 at most)
+INT32_SPAN = 2 ** 31  # logical offsets below this are computed in int32
 
 
 def _block(n: int, lo: int, hi: int) -> int:
@@ -62,41 +82,50 @@ def _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(x_ptr, w_ptr, t_ptr, seg_ptr, meta_ptr, tables_ptr,
-                   E, IN, stride_x, maxp, M, RMAX,
-                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   E, IN, stride_x, maxp, M, RMAX, RANK_BLOCKS,
+                   UPCAST: tl.constexpr, WIDE: tl.constexpr, ATOMIC: tl.constexpr, K_SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M)
     a_off = tl.load(mrow)
     r = tl.minimum(tl.load(mrow + 1), RMAX)  # a max_rank below the true rank: wrong, never out of bounds
-    k0 = tl.program_id(2) * BLOCK_R
+    pid = tl.program_id(2)
+    k0 = (pid % RANK_BLOCKS) * BLOCK_R
+    c_lo = (pid // RANK_BLOCKS) * K_SPLIT
     if (row0 >= end) | (k0 >= r):
         return
+    if not WIDE:
+        a_off = a_off.to(tl.int32)
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < end
     ks = k0 + tl.arange(0, BLOCK_R)
     kmask = ks < r
+    k_rows = ks[None, :].to(tl.int64) * IN if WIDE else ks[None, :] * IN
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, IN, BLOCK_K):
+    for c0 in range(c_lo, tl.minimum(c_lo + K_SPLIT, IN), BLOCK_K):
         cols = c0 + tl.arange(0, BLOCK_K)
         cmask = cols < IN
         xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
                      mask=rmask[:, None] & cmask[None, :], other=0.0)
         # A_m^T tile [BLOCK_K, BLOCK_R]: element (c, k) is A_m[k, c] at logical a_off + k*IN + c
         amask = cmask[:, None] & kmask[None, :]
-        o = a_off + ks[None, :].to(tl.int64) * IN + cols[:, None]
+        o = a_off + k_rows + cols[:, None]
         at = tl.load(w_ptr + _page_addr(tables_row, o, E, amask), mask=amask, other=0.0)
         if UPCAST:
             acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(xt, at)
-    tl.store(t_ptr + (rows[:, None].to(tl.int64) * M + m) * RMAX + ks[None, :], acc,
-             mask=rmask[:, None] & kmask[None, :])
+    tptr = t_ptr + (rows[:, None].to(tl.int64) * M + m) * RMAX + ks[None, :]
+    tmask = rmask[:, None] & kmask[None, :]
+    if ATOMIC:
+        tl.atomic_add(tptr, acc, mask=tmask)
+    else:
+        tl.store(tptr, acc, mask=tmask)
 
 
 @triton.jit
 def _expand_kernel(t_ptr, w_ptr, out_ptr, seg_ptr, meta_ptr, tables_ptr,
                    E, stride_out, maxp, M, RMAX,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                   WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M)
     r = tl.minimum(tl.load(mrow + 1), RMAX)
     b_off = tl.load(mrow + 2)
@@ -105,6 +134,9 @@ def _expand_kernel(t_ptr, w_ptr, out_ptr, seg_ptr, meta_ptr, tables_ptr,
     n0 = tl.program_id(2) * BLOCK_N
     if (row0 >= end) | (r == 0) | (n0 >= n_out):
         return
+    if not WIDE:
+        b_off = b_off.to(tl.int32)
+        n_out = n_out.to(tl.int32)
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < end
     ns = n0 + tl.arange(0, BLOCK_N)
@@ -116,7 +148,7 @@ def _expand_kernel(t_ptr, w_ptr, out_ptr, seg_ptr, meta_ptr, tables_ptr,
         tt = tl.load(t_ptr + (rows[:, None].to(tl.int64) * M + m) * RMAX + ks[None, :],
                      mask=rmask[:, None] & kmask[None, :], other=0.0)
         bmask = kmask[:, None] & nmask[None, :]
-        o = b_off + ks[:, None].to(tl.int64) * n_out + ns[None, :]
+        o = b_off + (ks[:, None].to(tl.int64) if WIDE else ks[:, None]) * n_out + ns[None, :]
         bt = tl.load(w_ptr + _page_addr(tables_row, o, E, bmask), mask=bmask, other=0.0)
         acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
     optr = out_ptr + rows[:, None].to(tl.int64) * stride_out + col + ns[None, :]
@@ -169,15 +201,21 @@ def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: 
     block_m = _block(max_rows, 16, 64)
     block_r = _block(max_rank, 16, 64)
     block_k = _block(IN, 16, 64)
-    rmax = triton.cdiv(max_rank, block_r) * block_r
-    t = torch.empty(T, M, rmax, dtype=torch.float32, device=x.device)
+    rank_blocks = triton.cdiv(max_rank, block_r)
+    rmax = rank_blocks * block_r
+    k_split = max(block_k, K_SPLIT)
+    splits = triton.cdiv(IN, k_split)
+    t = (torch.zeros if splits > 1 else torch.empty)(T, M, rmax, dtype=torch.float32, device=x.device)
     maxp = tables.shape[1]
+    # logical offsets stay below maxp * page_elems: int32 when that fits
+    wide = maxp * page_elems >= INT32_SPAN
     row_blocks = triton.cdiv(max_rows, block_m)
-    _shrink_kernel[(S * M, row_blocks, triton.cdiv(max_rank, block_r))](
-        x, w, t, seg, meta, tables, page_elems, IN, x.stride(0), maxp, M, rmax,
-        UPCAST=_upcast(x.dtype), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r)
+    _shrink_kernel[(S * M, row_blocks, rank_blocks * splits)](
+        x, w, t, seg, meta, tables, page_elems, IN, x.stride(0), maxp, M, rmax, rank_blocks,
+        UPCAST=_upcast(x.dtype), WIDE=wide, ATOMIC=splits > 1, K_SPLIT=k_split,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r)
     N = out.shape[1]
-    block_n = _block(N, 16, 64)
+    block_n = _block(N, 16, 128)
     _expand_kernel[(S * M, row_blocks, triton.cdiv(N, block_n))](
         t, w, out, seg, meta, tables, page_elems, out.stride(0), maxp, M, rmax,
-        BLOCK_M=block_m, BLOCK_K=_block(max_rank, 16, 64), BLOCK_N=block_n)
+        WIDE=wide, BLOCK_M=block_m, BLOCK_K=_block(max_rank, 16, 64), BLOCK_N=block_n)

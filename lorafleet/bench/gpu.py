@@ -3,13 +3,18 @@
 1. Kernels, each timed alone against the device's copy bandwidth (a device-to-device copy of
    1 GiB, bytes read + written): the LoRA op in decode form (one token per adapter, rank 16, and
    ranks mixed 8-256) and paged decode attention; achieved bandwidth = the bytes each must read
-   and write (adapter weights, KV, inputs, outputs) / its time.
+   and write (adapter weights, KV, inputs, outputs) / its time. On a GPU every call is replayed
+   from a CUDA graph, as a decode step runs them (`timed`).
 2. The engine's decode throughput (requests / the median step that only decodes, as
-   `lora_decode.decode_step_time` times it) on a random base of the given shape: no adapter; one rank-16 adapter on every request; 8 and 1,000 adapters (ranks
-   8-64; the 1,000 are registered names over 16 distinct files, each loaded into its own pages;
-   q/v targets, so the 1,000 fit a load budget of minutes); a batch mixing ranks 8-256 against
-   one of the uniform mean rank. With the decode-graph statistics: captures, replays,
-   re-captures, capture time and memory.
+   `lora_decode.decode_step_time` times it) on a random base of the given shape, in bf16 on a
+   GPU: no adapter; one rank-16 adapter on every request; 8 and 1,000 adapters (ranks 8-64; the
+   1,000 are registered names over 16 distinct files, each loaded into its own pages; q/v
+   targets, so the 1,000 fit a load budget of minutes); a batch mixing ranks 8-256 against one
+   of the uniform mean rank. With the decode-graph statistics: captures, replays, re-captures,
+   capture time and memory.
+
+Each figure goes to `progress` as it is measured, so a run cut short (a device lent for minutes)
+keeps what it measured in its log.
 
 Runs on the CPU too (small shapes, the C++ kernels): the tests check it that way.
 """
@@ -37,17 +42,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, iters: int) -> float:
-    """Median seconds of one call over `iters` calls (after two untimed ones)."""
+def timed(fn, device: torch.device, iters: int, per_graph: int = 10) -> float:
+    """Median seconds of one call over `iters` timings (after two untimed calls). On a GPU each
+    timing replays a CUDA graph of `per_graph` calls, as a decode step replays its kernels: the
+    kernel's time, not Python's launch of it (a Triton launch from Python costs tens of us, more
+    than these kernels take)."""
     fn(), fn()
+    call, calls = fn, 1
+    if device.type == "cuda":
+        _sync(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(per_graph):
+                fn()
+        call, calls = graph.replay, per_graph
     times = []
     for _ in range(iters):
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        call()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2] / calls
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -82,9 +98,12 @@ def _lora_case(cfg: ModelConfig, ranks: list[int], dtype, device, page_elems: in
     return (x, out, w, page_elems, seg, meta.to(device), tables, 1, max(ranks)), moved
 
 
-def kernel_figures(cfg: ModelConfig, device: torch.device, dtype, batch: int, context: int, iters: int) -> list[dict]:
+def kernel_figures(cfg: ModelConfig, device: torch.device, dtype, batch: int, context: int, iters: int,
+                   progress=None) -> list[dict]:
     kernels = backend.select(device, dtype)
     copy = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
+    say = progress or (lambda message: None)
+    say(f"copy bandwidth {copy / 1e9:.0f} GB/s ({kernels.name} kernels, {dtype})")
     page_elems = cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim
     rows = []
 
@@ -92,6 +111,7 @@ def kernel_figures(cfg: ModelConfig, device: torch.device, dtype, batch: int, co
         s = timed(fn, device, iters)
         rows.append({"kernel": name, "backend": kernels.name, "us": s * 1e6, "bytes": moved,
                      "GB/s": moved / s / 1e9, "of_copy_bw": moved / s / copy})
+        say(f"{name}: {s * 1e6:.1f} us, {moved / s / 1e9:.0f} GB/s, {moved / s / copy:.0%} of copy")
 
     for name, ranks in (("lora decode r16", [16] * batch),
                         ("lora decode ranks 8-256", [8 * 2 ** (i % 6) for i in range(batch)])):
@@ -107,7 +127,8 @@ def kernel_figures(cfg: ModelConfig, device: torch.device, dtype, batch: int, co
     return [{"copy_GB/s": copy / 1e9}, *rows]
 
 
-def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: int, root: Path | None = None) -> dict:
+def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: int, root: Path | None = None,
+                   progress=None) -> dict:
     from lorafleet import Engine
 
     base = build_base(shape, root)
@@ -132,8 +153,10 @@ def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: i
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (32,), generator=g).tolist() for _ in range(batch)]
     out = {}
+    # bf16 on a GPU, as the kernel figures (the random base is saved in fp32)
+    dtype = "bfloat16" if torch.device(device).type == "cuda" else None
     for label, (adapters, names) in cases.items():
-        engine = Engine(base, device=device, max_num_seqs=batch)
+        engine = Engine(base, device=device, dtype=dtype, max_num_seqs=batch)
         try:
             t0 = time.perf_counter()
             for name, path in adapters.items():
@@ -145,8 +168,15 @@ def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: i
             stats = engine.stats()
             out[label] = {"tokens_per_s": tps, "load_s": load_s, "kernels": stats["kernels"],
                           "decode_graphs": stats["decode_graphs"]}
+            if progress:
+                progress(f"decode, {label}: {tps:.0f} tok/s (adapters loaded in {load_s:.1f} s), "
+                         f"graphs {stats['decode_graphs']}")
         finally:
             engine.close()
+            # the pool takes most free device memory: hand this case's back before the next one
+            del engine
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
     base_tps = out["no adapter"]["tokens_per_s"]
     ratios = {
         "1 adapter r16 / no adapter": out["1 adapter r16"]["tokens_per_s"] / base_tps,
@@ -158,10 +188,10 @@ def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: i
 
 
 def run_gpu_bench(shape: str = "1b", device: str = "cuda", batch: int = 64, max_tokens: int = 64,
-                  many: int = 1000, context: int = 1024, root: Path | None = None) -> dict:
+                  many: int = 1000, context: int = 1024, root: Path | None = None, progress=None) -> dict:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = ModelConfig.from_folder(build_base(shape, root))
     return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "kernels": kernel_figures(cfg, dev, dtype, batch, context, 20),
-            "engine": engine_figures(shape, device, batch, max_tokens, many, root)}
+            "kernels": kernel_figures(cfg, dev, dtype, batch, context, 20, progress),
+            "engine": engine_figures(shape, device, batch, max_tokens, many, root, progress)}

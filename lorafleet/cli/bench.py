@@ -312,7 +312,8 @@ def gpu(
         from lorafleet.model.loader import resolve_device
 
         small = dict(batch=min(batch, 8), max_tokens=4, many=min(many, 12), context=64) if quick else {}
-        return run_gpu_bench(shape, str(resolve_device(device)), **{"batch": batch, "many": many, **small})
+        return run_gpu_bench(shape, str(resolve_device(device)), progress=_say,
+                             **{"batch": batch, "many": many, **small})
     _suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json)
 
 

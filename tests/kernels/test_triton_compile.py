@@ -45,12 +45,14 @@ cases = []
 for dtype in ("fp32", "bf16", "fp16"):
     upcast = dtype == "fp32"
     cases += [
-        (L._shrink_kernel, dtype, dict(UPCAST=upcast, BLOCK_M=16, BLOCK_K=64, BLOCK_R=16)),
-        (L._shrink_kernel, dtype, dict(UPCAST=upcast, BLOCK_M=64, BLOCK_K=64, BLOCK_R=64)),
-        (L._expand_kernel, dtype, dict(BLOCK_M=16, BLOCK_K=16, BLOCK_N=64)),
-        (L._expand_kernel, dtype, dict(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64)),
+        (L._shrink_kernel, dtype, dict(UPCAST=upcast, WIDE=False, ATOMIC=True, K_SPLIT=256, BLOCK_M=16, BLOCK_K=64,
+                                       BLOCK_R=16)),
+        (L._shrink_kernel, dtype, dict(UPCAST=upcast, WIDE=True, ATOMIC=False, K_SPLIT=64, BLOCK_M=64, BLOCK_K=64,
+                                       BLOCK_R=64)),
+        (L._expand_kernel, dtype, dict(WIDE=False, BLOCK_M=16, BLOCK_K=16, BLOCK_N=128)),
+        (L._expand_kernel, dtype, dict(WIDE=True, BLOCK_M=64, BLOCK_K=64, BLOCK_N=64)),
         (A._write_kv_kernel, dtype, dict(H_P=8, D_P=128)),
-        (A._decode_kernel, dtype, dict(BLK=16, BLK_P=16, D_P=128)),
+        (A._decode_kernel, dtype, dict(BLK=16, TOK=64, TOK_P=64, D_P=128)),
         (A._prefill_kernel, dtype, dict(UPCAST=upcast, BLK=16, D_P=64, BLOCK_M=64, BLOCK_N=64)),
         (A._prefill_kernel, dtype, dict(UPCAST=upcast, BLK=16, D_P=128, BLOCK_M=16, BLOCK_N=32)),
     ]

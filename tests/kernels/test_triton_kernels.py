@@ -80,6 +80,22 @@ def test_lora_many_adapters_of_mixed_ranks_in_one_batch(dtype):
     check_lora(case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_long_rows_are_reduced_by_several_programs(dtype):
+    # in = 2 K_SPLIT + 40: three programs add their partial sums into one t row, the last a partial slice
+    fan_in = 2 * lora_triton.K_SPLIT + 40
+    case = lora_case(21, fan_in, [32, 16, 48], [[16, 0, 3], [1, 64, 8], [24, 24, 24]], [1, 17, 4], dtype=dtype)
+    check_lora(case)
+    check_lora(case, max_rows=32, max_rank=256)
+
+
+def test_lora_offsets_wider_than_int32(monkeypatch):
+    # the int64 address path, which only a page table spanning 2**31 elements takes otherwise
+    monkeypatch.setattr(lora_triton, "INT32_SPAN", 1)
+    case = lora_case(22, lora_triton.K_SPLIT + 8, [32, 16], [[8, 3], [0, 24]], [2, 5], E=16)
+    check_lora(case, E=16)
+
+
 def test_lora_scattered_pages_small_page_size():
     # E=16: every A row and Bt row straddles page boundaries, adapters span many pages
     case = lora_case(3, 40, [24, 40], [[24, 7], [3, 0], [128, 128]], [2, 3, 4], E=16)
@@ -126,10 +142,10 @@ def test_lora_static_bounds_larger_than_needed_give_the_same_result():
 BLK = 16
 
 
-def kv_pool(seed, pages, kvh, d, dtype, layers=2, layer=1):
-    """One layer's (strided) view of a random pool [P, L, 2, BLK, KVH, D]."""
+def kv_pool(seed, pages, kvh, d, dtype, layers=2, layer=1, blk=BLK):
+    """One layer's (strided) view of a random pool [P, L, 2, blk, KVH, D]."""
     g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(pages, layers, 2, BLK, kvh, d, generator=g).to(DEVICE, dtype)
+    pool = torch.randn(pages, layers, 2, blk, kvh, d, generator=g).to(DEVICE, dtype)
     kv = pool[:, layer]
     assert not kv.is_contiguous()
     return kv
@@ -145,11 +161,11 @@ def qkv_rows(seed, T, H, kvh, d, dtype):
     return q, k, v
 
 
-def tables_for(seed, ctx_lens, pages):
+def tables_for(seed, ctx_lens, pages, blk=BLK):
     """Scattered page tables, [N, maxb], padding entries valid page ids."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(pages, generator=g)
-    need = [-(-n // BLK) for n in ctx_lens]
+    need = [-(-n // blk) for n in ctx_lens]
     maxb = max(need)
     assert sum(need) <= pages
     t = torch.empty(len(ctx_lens), maxb, dtype=torch.long)
@@ -175,9 +191,9 @@ def test_write_kv_matches_reference_exactly():
     assert torch.equal(base, kv)
 
 
-def decode_slots(lens, tables):
+def decode_slots(lens, tables, blk=BLK):
     """Where decode rows write: this step's token is the last position of each sequence."""
-    return tables[torch.arange(len(lens), device=DEVICE), (lens - 1) // BLK], (lens - 1) % BLK
+    return tables[torch.arange(len(lens), device=DEVICE), (lens - 1) // blk], (lens - 1) % blk
 
 
 @pytest.mark.parametrize("dtype,d,kvh", [(torch.float32, 8, 2), (torch.float32, 64, 2), (torch.bfloat16, 32, 2),
@@ -198,6 +214,22 @@ def test_paged_decode_matches_reference(dtype, d, kvh):
     assert torch.equal(kv, kv_ref)
     got = attention_triton.paged_decode(q, kv, tables, lens, scale)
     assert got.dtype == dtype and got.shape == (len(lens), H, d)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("blk,dtype", [(16, torch.float32), (24, torch.float32), (16, torch.bfloat16)])
+def test_paged_decode_of_long_contexts_matches_reference(blk, dtype):
+    """Contexts over several of the kernel's iterations (DECODE_TOKENS keys each, whole pages: with
+    24-token pages an iteration reads 48), ending inside, at and just past an iteration's end."""
+    H, kvh, d = 4, 2, 32
+    step = blk * max(1, attention_triton.DECODE_TOKENS // blk)
+    lens = torch.tensor([1, step - 1, step, step + 1, 3 * step + 5], device=DEVICE)
+    pages = sum(-(-n // blk) for n in lens.tolist()) + 3
+    tables = tables_for(blk, lens.tolist(), pages, blk)
+    kv = kv_pool(blk + 1, pages, kvh, d, dtype, blk=blk)
+    q, _, _ = qkv_rows(blk + 2, len(lens), H, kvh, d, dtype)
+    ref = reference.paged_decode(q, kv, tables, lens, d ** -0.5)
+    got = attention_triton.paged_decode(q, kv, tables, lens, d ** -0.5)
     torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
 
 
