@@ -13,8 +13,9 @@ A_m is [r, in] row-major at logical a_off, Bt_m is [r, n_out] row-major at logic
 Why it exists: on a GPU, one segment-at-a-time torch loop costs a dozen launches per adapter per
 layer, and padding every adapter to the largest rank (or copying weights into a contiguous
 stack) wastes the memory bandwidth the op is bound by. Here two launches (and the zeroing of
-the shrink's scratch when it splits, below) serve every adapter of the batch, whatever its rank (1..256, not only powers of two), and every weight element is read
-once per row block from wherever its page lies. Given `max_rows` and `max_rank`, the launch
+the shrink's scratch when it splits, below) serve every adapter of the batch, whatever its rank
+(1..256, not only powers of two), and every weight element is read once per row block from
+wherever its page lies. Given `max_rows` and `max_rank`, the launch
 grid depends on nothing but them (no `.item()`, no host sync), so the op can be captured in a
 CUDA graph; the kernels skip programs past a segment's end or past an adapter's rank.
 
