@@ -19,7 +19,10 @@ into panels in its own storage (`pack`, below: no copy kept, no extra memory), a
   5-8 rows took 0.94-0.99x (4, 8)'s time on `tiny`'s and `smol`'s weights, and one weight on
   cached rows ran at 145 against 133 GFLOP/s; a prefetch two to eight blocks ahead, or into L2,
   took 1.02-1.13x; 8 rows as two passes of (6, 4), each prefetching half of the next block,
-  1.09x; 9-24 rows take the same tiles, not measured apart); with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
+  1.09x; 9-24 rows take the same tiles, not measured apart), but one row on an AMD CPU goes
+  one weight row at a time with no software prefetch, one sequential stream (on an AMD EPYC
+  with AVX-512, `tiny`'s weights 0.72x the (6, 4) tile's time in fp32, 0.59x in bf16, `smol`'s
+  0.68x; measured in `dispatch`); with AVX2 (8, 1) for one fp32 row, (1, 4) up to 4, (1, 8) up to 8 and (2, 4) beyond
   (each the best of 5-10 shapes measured on tiny's weights; (1, 4) replaced (6, 4) once the
   weights sat on huge pages: 0.86-0.92x the time at 2-4 fp32 rows, 0.77-0.93x in bf16); but 2-8
   x rows of more than 40 KB, more than L1 keeps beside the weight stream, go by chunks of K, a
@@ -373,10 +376,24 @@ static void kchunks(const Args& a) {
   }
 }
 
+// An AMD CPU (Zen 4 has AVX-512): its hardware prefetcher streams one weight row at a time best
+static bool amd_cpu() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_is("amd"));
+  }();
+  return amd;
+}
+
 template <class S>
 static void dispatch(const Args& a) {
 #if defined(__AVX512F__)
-  if (a.T <= 4) run<S, 6, 4>(a);
+  // one row on an AMD CPU with AVX-512: one weight row at a time, no software prefetch, one
+  // sequential stream (an AMD EPYC with AVX-512, 2 threads, alternated in one process: `tiny`'s
+  // weights 0.72x the (6, 4) tile's time in fp32 (34.8 GB/s, the rate a sum reads), 0.59x in
+  // bf16, `smol`'s 0.68x; (2, 1) to (16, 1) 0.93-0.97x). Intel keeps the tile measured there
+  if (a.T == 1 && amd_cpu()) run<S, 1, 1, false>(a);
+  else if (a.T <= 4) run<S, 6, 4>(a);
   else run<S, 3, 8>(a);
 #else
   // AVX2 (each the best of 5-10 shapes measured on an AMD EPYC): one fp32 row streams 8 weight
