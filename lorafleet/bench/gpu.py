@@ -128,7 +128,7 @@ def kernel_figures(cfg: ModelConfig, device: torch.device, dtype, batch: int, co
 
 
 def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: int, root: Path | None = None,
-                   progress=None) -> dict:
+                   progress=None, dtype: str = "float32") -> dict:
     from lorafleet import Engine
 
     base = build_base(shape, root)
@@ -153,8 +153,7 @@ def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: i
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (32,), generator=g).tolist() for _ in range(batch)]
     out = {}
-    # bf16 on a GPU, as the kernel figures (the random base is saved in fp32)
-    dtype = "bfloat16" if torch.device(device).type == "cuda" else None
+    on_gpu = torch.device(device).type == "cuda"
     for label, (adapters, names) in cases.items():
         engine = Engine(base, device=device, dtype=dtype, max_num_seqs=batch)
         try:
@@ -175,7 +174,7 @@ def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: i
             engine.close()
             # the pool takes most free device memory: hand this case's back before the next one
             del engine
-            if torch.device(device).type == "cuda":
+            if on_gpu:
                 torch.cuda.empty_cache()
     base_tps = out["no adapter"]["tokens_per_s"]
     ratios = {
@@ -190,8 +189,10 @@ def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: i
 def run_gpu_bench(shape: str = "1b", device: str = "cuda", batch: int = 64, max_tokens: int = 64,
                   many: int = 1000, context: int = 1024, root: Path | None = None, progress=None) -> dict:
     dev = torch.device(device)
+    # bf16 on a GPU for the kernels and the engine alike (the random base is saved in fp32)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = ModelConfig.from_folder(build_base(shape, root))
     return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "kernels": kernel_figures(cfg, dev, dtype, batch, context, 20, progress),
-            "engine": engine_figures(shape, device, batch, max_tokens, many, root, progress)}
+            "engine": engine_figures(shape, device, batch, max_tokens, many, root, progress,
+                                     str(dtype).removeprefix("torch."))}
