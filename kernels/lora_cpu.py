@@ -280,7 +280,7 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
   const int64_t* mp = meta.data_ptr<int64_t>();
   const int64_t* sp = seg.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t S_ = seg.size(0), M = meta.size(1), in = x.size(1), maxp = tables.size(1);
+  const int64_t S_ = seg.size(0), M = meta.size(1), ms = meta.stride(0), in = x.size(1), maxp = tables.size(1);
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   std::vector<Item> items;
   // (item, first rank row / column): the shrink's tasks; the expand's, first those of segments
@@ -290,7 +290,7 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
   for (int64_t s = 0; s < S_; ++s) {
     const int64_t n = sp[2 * s + 1] - sp[2 * s];
     for (int64_t m = 0; m < M && n > 0; ++m) {
-      const int64_t* f = mp + (s * M + m) * 5;
+      const int64_t* f = mp + s * ms + m * 5;
       if (f[1] == 0) continue;
       const int64_t i = items.size();
       items.push_back({sp[2 * s], n, f[0], f[1], f[2], f[3], f[4], t_size, p_size, tp + s * maxp});
@@ -335,7 +335,8 @@ void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, 
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && w.scalar_type() == x.scalar_type(),
               "lora_paged: x, out and the pool differ in dtype");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(), "lora_paged: layout");
-  TORCH_CHECK(meta.is_contiguous() && seg.is_contiguous() && tables.is_contiguous(),
+  // meta may be a view of some of its module slots ([S, M, 5] with any stride between segments)
+  TORCH_CHECK(meta.stride(2) == 1 && meta.stride(1) == 5 && seg.is_contiguous() && tables.is_contiguous(),
               "lora_paged: metadata layout");
   if (x.scalar_type() == at::kFloat) lora_t<float>(x, out, w, E, seg, meta, tables);
   else {
@@ -350,5 +351,6 @@ def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: 
                meta: torch.Tensor, tables: torch.Tensor) -> None:
     """x: [T, in]; out: [T, N] (updated in place); w: the pool, flat; one dtype, float32 or
     bfloat16 (fp32 sums, each output rounded once); seg [S, 2],
-    meta [S, M, 5], tables [S, maxp] int64 (the contract in `reference.py`)."""
+    meta [S, M, 5] (rows of 5 contiguous, segments any stride apart: a view of some module
+    slots), tables [S, maxp] int64 (the contract in `reference.py`)."""
     load().lora_paged(x, out, w, page_elems, seg, meta, tables)

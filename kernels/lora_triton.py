@@ -36,6 +36,20 @@ rank-16 segments 106.5 -> 58.2 us, and a captured step's down projection 737 -> 
 fp32 results may differ in the last bits from run to run (as split-K GEMMs do); the tests'
 tolerances hold for any order.
 
+Module slots: M is the group's own number of modules (qkv 3, gate_up 2, o and down 1): the engine
+passes a view of those slots out of its [S, 3, 5] metadata (segments a stride apart, read in
+place), so no program is launched for a slot no adapter can fill. Warps: 8 per program when the
+rank block is 64 (max_rank >= 64, as in every captured decode step, whose bound is 256), 4 below.
+Measured on an H200 in one run (bf16, the 1b shapes, graph-replayed; README "Kernels"): a
+captured step's shapes with one r16 adapter on 64 rows, per group qkv 67.8 -> 56.6 us, o 64.7
+-> 34.0, gate_up 130.0 -> 123.6, down 91.5 -> 46.3; with 64 adapters r8-64 qkv 403 -> 292, o
+240 -> 155, gate_up 1,237 -> 1,110, down 400 -> 253; but 64 one-row r16 segments at max_rank 16
+58.0 us with 4 warps, 83.4 with 8 (hence the rule); 1 or 2 warps were 2-7x slower everywhere.
+Tried and measured slower (0.2-0.7x on every shape, so not kept): programs that each walk
+several segments, rank blocks and column blocks in loops (a grid of 16 segment programs, not
+one per segment), to launch fewer programs that find no work: the launch grid of dead programs
+costs less than the loads those nested loops serialise.
+
 Logical offsets (inside one adapter's buffer, before the page table) are int32 when the widest
 page table's span fits (`WIDE` otherwise): the `// E` and `% E` of every element's address are
 then 32-bit divisions, where a GPU emulates 64-bit ones in many more instructions. Pool indices
@@ -54,6 +68,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorafleet.kernels.reference import META_FIELDS
+
 
 K_SPLIT = 256  # `in` columns one shrink program reduces (a multiple of its BLOCK_K, 64 at most)
 INT32_SPAN = 2 ** 31  # logical offsets below this are computed in int32
@@ -71,22 +87,22 @@ def _page_addr(tables_row, o, E, mask):
 
 
 @triton.jit
-def _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M: tl.constexpr):
+def _program(seg_ptr, meta_ptr, tables_ptr, stride_ms, M, maxp, BLOCK_M: tl.constexpr):
     """This program's segment s, module slot m, first row, the segment's end, its metadata row
     and its page table (axis 0 of the grid is s * M + m, axis 1 the block of rows)."""
     pid = tl.program_id(0)
     s = pid // M
     m = pid % M
     row0 = tl.load(seg_ptr + 2 * s) + tl.program_id(1) * BLOCK_M
-    return s, m, row0, tl.load(seg_ptr + 2 * s + 1), meta_ptr + (s * M + m) * 5, tables_ptr + s * maxp
+    return s, m, row0, tl.load(seg_ptr + 2 * s + 1), meta_ptr + s * stride_ms + m * 5, tables_ptr + s * maxp
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, w_ptr, t_ptr, seg_ptr, meta_ptr, tables_ptr,
-                   E, IN, stride_x, maxp, M, RMAX, RANK_BLOCKS,
+                   E, IN, stride_x, stride_ms, maxp, M, RMAX, RANK_BLOCKS,
                    UPCAST: tl.constexpr, WIDE: tl.constexpr, ATOMIC: tl.constexpr, K_SPLIT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M)
+    s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, stride_ms, M, maxp, BLOCK_M)
     a_off = tl.load(mrow)
     r = tl.minimum(tl.load(mrow + 1), RMAX)  # a max_rank below the true rank: wrong, never out of bounds
     pid = tl.program_id(2)
@@ -125,9 +141,9 @@ def _shrink_kernel(x_ptr, w_ptr, t_ptr, seg_ptr, meta_ptr, tables_ptr,
 
 @triton.jit
 def _expand_kernel(t_ptr, w_ptr, out_ptr, seg_ptr, meta_ptr, tables_ptr,
-                   E, stride_out, maxp, M, RMAX,
+                   E, stride_out, stride_ms, maxp, M, RMAX,
                    WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, M, maxp, BLOCK_M)
+    s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, stride_ms, M, maxp, BLOCK_M)
     r = tl.minimum(tl.load(mrow + 1), RMAX)
     b_off = tl.load(mrow + 2)
     n_out = tl.load(mrow + 3)
@@ -191,7 +207,8 @@ def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: 
     if S == 0 or M == 0 or T == 0:
         return
     seg = seg.contiguous()
-    meta = meta.contiguous()
+    if meta.stride(2) != 1 or meta.stride(1) != META_FIELDS:
+        meta = meta.contiguous()  # segments may lie any stride apart (a view of a group's slots)
     tables = tables.contiguous()
     if max_rows is None:
         max_rows = int((seg[:, 1] - seg[:, 0]).max())
@@ -211,12 +228,13 @@ def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: 
     # logical offsets stay below maxp * page_elems: int32 when that fits
     wide = maxp * page_elems >= INT32_SPAN
     row_blocks = triton.cdiv(max_rows, block_m)
+    warps = 8 if block_r >= 64 else 4  # see "Warps" above
     _shrink_kernel[(S * M, row_blocks, rank_blocks * splits)](
-        x, w, t, seg, meta, tables, page_elems, IN, x.stride(0), maxp, M, rmax, rank_blocks,
+        x, w, t, seg, meta, tables, page_elems, IN, x.stride(0), meta.stride(0), maxp, M, rmax, rank_blocks,
         UPCAST=_upcast(x.dtype), WIDE=wide, ATOMIC=splits > 1, K_SPLIT=k_split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r)
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=warps)
     N = out.shape[1]
     block_n = _block(N, 16, 128)
     _expand_kernel[(S * M, row_blocks, triton.cdiv(N, block_n))](
-        t, w, out, seg, meta, tables, page_elems, out.stride(0), maxp, M, rmax,
-        WIDE=wide, BLOCK_M=block_m, BLOCK_K=_block(max_rank, 16, 64), BLOCK_N=block_n)
+        t, w, out, seg, meta, tables, page_elems, out.stride(0), meta.stride(0), maxp, M, rmax,
+        WIDE=wide, BLOCK_M=block_m, BLOCK_K=_block(max_rank, 16, 64), BLOCK_N=block_n, num_warps=warps)

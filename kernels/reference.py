@@ -182,7 +182,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
 #   x       [T, in] the group's input; out [T, N] the group's fused projection output (in place)
 #   seg     [S, 2] int64 row ranges [start, end) of the flat batch (end >= start: may be empty)
 #   meta    [S, M, 5] int64, one row per module slot m of the group:
-#           (a_off, r, b_off, n_out, col); r == 0: the segment's adapter lacks module m
+#           (a_off, r, b_off, n_out, col); r == 0: the segment's adapter lacks module m.
+#           Each row's 5 fields are contiguous; segments may lie any stride apart (the engine
+#           passes a view of the group's own slots out of [S, 3, 5])
 #   tables  [S, maxp] int64: the segment's adapter's pages; logical page j is pool page tables[s, j]
 # Offsets are *logical*: element o of an adapter's buffer is w[tables[s, o // E] * E + o % E], so
 # an adapter needs no contiguous run of pages. A_m is [r, in] row-major at a_off; Bt_m = (scale *

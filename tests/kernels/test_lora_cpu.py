@@ -75,3 +75,14 @@ def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
     assert ((g - r).abs() <= r.abs() * 2 ** -7 + 1e-6).all()  # one bf16 step at most: the sum order
     assert ((g - case.expected.double()).abs() <= case.expected.double().abs() * 2 ** -6 + 2e-2).all()
     assert torch.equal(got[~case.covered], case.base[~case.covered])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_meta_of_a_groups_slots_as_a_strided_view(op):
+    # the engine hands each group its own module slots: meta[:, :2] of [S, 3, 5], read in place
+    case = lora_case(4, 40, [16, 24], [[4, 2], [0, 7], [9, 9]], [1, 5, 2])
+    view = case.meta[:, :2]
+    assert not view.is_contiguous()
+    got = case.base.clone()
+    OPS[op](case.x, got, case.w, case.page_elems, case.seg, view, case.tables)
+    assert (got - case.expected).abs().max().item() < 1e-4

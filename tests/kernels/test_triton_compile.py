@@ -60,9 +60,13 @@ for dtype in ("fp32", "bf16", "fp16"):
 todo = [(90, c) for c in cases] + [(80, c) for i, c in enumerate(cases) if c[1] == "bf16" and i % 8 in (0, 2, 4, 5, 6)]
 for arch, (kernel, dtype, constexprs) in todo:
     src = ASTSource(fn=kernel, signature=signature(kernel, dtype, constexprs), constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    # the LoRA kernels launch 8 warps a program at rank blocks of 64 (lora_paged): the shrink's
+    # BLOCK_R, the expand's BLOCK_K
+    rank_block = constexprs.get("BLOCK_R", constexprs.get("BLOCK_K"))
+    warps = 8 if kernel in (L._shrink_kernel, L._expand_kernel) and rank_block == 64 else 4
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     assert compiled.asm["cubin"], kernel.__name__
-    print(f"sm_{arch} {kernel.__name__} {dtype} {constexprs}: ok")
+    print(f"sm_{arch} {kernel.__name__} {dtype} {constexprs} {warps} warps: ok")
 '''
 
 

@@ -89,6 +89,15 @@ def test_lora_long_rows_are_reduced_by_several_programs(dtype):
     check_lora(case, max_rows=32, max_rank=256)
 
 
+def test_lora_meta_of_a_groups_slots_as_a_strided_view():
+    # the engine hands each projection group its own module slots: meta[:, :2] of [S, 3, 5]
+    x, out, w, seg, meta, tables, covered = lora_case(32, 48, [32, 16], [[8, 3], [0, 24], [16, 16]], [1, 4, 2])
+    view = meta[:, :2]
+    assert not view.is_contiguous()
+    check_lora((x, out, w, seg, view, tables, covered))
+    check_lora((x, out, w, seg, view, tables, covered), max_rows=16, max_rank=256)
+
+
 def test_lora_offsets_wider_than_int32(monkeypatch):
     # the int64 address path, which only a page table spanning 2**31 elements takes otherwise
     monkeypatch.setattr(lora_triton, "INT32_SPAN", 1)
