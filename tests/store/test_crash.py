@@ -17,7 +17,8 @@ from tests.fixtures import ALL7, build_adapter, build_model
 
 
 def start_pull(folder, home):
-    env = {**os.environ, "LORAFLEET_HOME": str(home)}
+    # TMPDIR: the scratch folder of a killed pull stays in the test's own folder, not the system's
+    env = {**os.environ, "LORAFLEET_HOME": str(home), "TMPDIR": str(home.parent)}
     return subprocess.Popen([sys.executable, "-m", "lorafleet.cli.main", "pull", str(folder), "--name", "x"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 

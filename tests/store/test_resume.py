@@ -101,7 +101,8 @@ def assert_installed(store, big) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "Ctrl-C"])
 def test_a_pull_killed_mid_transfer_resumes_where_it_stopped(hub, repo, store, big, tmp_path, sig):  # noqa: F811
     hub.stall_after(REPO, WEIGHTS, STALL)
-    env = {**os.environ, "LORAFLEET_HOME": str(store.root.parent), "HF_TOKEN_PATH": str(tmp_path / "token")}
+    env = {**os.environ, "LORAFLEET_HOME": str(store.root.parent), "HF_TOKEN_PATH": str(tmp_path / "token"),
+           "TMPDIR": str(tmp_path)}  # a killed pull's scratch folder stays in the test's own folder
     proc = subprocess.Popen([sys.executable, "-m", "lorafleet.cli.main", "pull", REPO, "--base", "--name", "big",
                              "--json"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
