@@ -94,4 +94,14 @@ static inline vw wexp(vw x) {
 }
 // the same for one value (loop tails, softmax rows)
 static inline float exp1(float x) { return wexp(vw{} + x)[0]; }
+
+// An AMD CPU: with AVX-512 (Zen 4) its hardware prefetcher streams one weight row at a time
+// best, where Intel's keeps up with several side by side (`linear_cpu`, `lora_cpu`)
+static inline bool amd_cpu() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return bool(__builtin_cpu_is("amd"));
+  }();
+  return amd;
+}
 """

@@ -376,15 +376,6 @@ static void kchunks(const Args& a) {
   }
 }
 
-// An AMD CPU (Zen 4 has AVX-512): its hardware prefetcher streams one weight row at a time best
-static bool amd_cpu() {
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return bool(__builtin_cpu_is("amd"));
-  }();
-  return amd;
-}
-
 template <class S>
 static void dispatch(const Args& a) {
 #if defined(__AVX512F__)
