@@ -47,8 +47,8 @@ captured step's shapes with one r16 adapter on 64 rows, per group qkv 67.8 -> 56
 58.0 us with 4 warps, 83.4 with 8 (hence the rule); 1 or 2 warps were 2-7x slower everywhere.
 Tried and measured slower (0.2-0.7x on every shape, so not kept): programs that each walk
 several segments, rank blocks and column blocks in loops (a grid of 16 segment programs, not
-one per segment), to launch fewer programs that find no work: the launch grid of dead programs
-costs less than the loads those nested loops serialise.
+one per segment), to launch fewer programs that find no work: idle programs cost less than
+what those nested loops serialise (our reading; not profiled).
 
 Logical offsets (inside one adapter's buffer, before the page table) are int32 when the widest
 page table's span fits (`WIDE` otherwise): the `// E` and `% E` of every element's address are
