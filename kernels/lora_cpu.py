@@ -163,8 +163,9 @@ static void shrink(const Item& it, int64_t k0, const S* wp, int64_t E, const S* 
 #if defined(__AVX512F__)
   // one x row on an AMD CPU with AVX-512: one A row at a time, one sequential stream, as
   // `linear_cpu` reads a weight for one row there (an AMD EPYC, 2 threads, `tiny`'s shapes, r64 on
-  // all 7 projections, the LoRA of a step, alternated in one process: 8 adapters of one row each
-  // 0.83-0.98x the time of KR rows side by side, median 0.87x of six runs; 4 adapters 0.84x)
+  // all 7 projections, the LoRA of a step, alternated in one process, the pool on huge pages as
+  // the engine's: 8 adapters of one row each 0.92-0.95x the time of KR rows side by side in three
+  // runs, 4 adapters 0.92x, 2 adapters 0.90x; on 4 KiB pages 0.83-0.98x, median 0.87x of six)
   if (direct && it.n == 1 && amd_cpu()) {
     for (int64_t j = 0; j < KR; ++j) shrink_rows<S, 1>(&a[j], xp, ldx, it.row0, 1, in, tk + j, it.r);
     return;
