@@ -155,30 +155,28 @@ static void shrink(const Item& it, int64_t k0, const S* wp, int64_t E, const S* 
   float* tk = t + it.t_off + k0;
   const int64_t nk = std::min(KR, it.r - k0);
   const S* a[KR];
-  bool direct = nk == KR;
+  bool tile = nk == KR;  // the KR rows side by side in one tile: each one within a page
   for (int64_t j = 0; j < nk; ++j) {
     a[j] = in_page(wp, it.table, E, it.a_off + (k0 + j) * in, in);
-    direct = direct && a[j];
+    tile = tile && a[j];
   }
 #if defined(__AVX512F__)
-  // one x row on an AMD CPU with AVX-512: one A row at a time, one sequential stream, as
-  // `linear_cpu` reads a weight for one row there (an AMD EPYC, 2 threads, `tiny`'s shapes, r64 on
-  // all 7 projections, the LoRA of a step, alternated in one process, the pool on huge pages as
-  // the engine's: 8 adapters of one row each 0.92-0.95x the time of KR rows side by side in three
-  // runs, 4 adapters 0.92x, 2 adapters 0.90x; on 4 KiB pages 0.83-0.98x, median 0.87x of six)
-  if (direct && it.n == 1 && amd_cpu()) {
-    for (int64_t j = 0; j < KR; ++j) shrink_rows<S, 1>(&a[j], xp, ldx, it.row0, 1, in, tk + j, it.r);
-    return;
-  }
+  // one x row on an AMD CPU with AVX-512: one A row at a time (the loop below), one sequential
+  // stream, as `linear_cpu` reads a weight for one row there (an AMD EPYC, 2 threads, `tiny`'s
+  // shapes, r64 on all 7 projections, the LoRA of a step, alternated in one process, the pool on
+  // huge pages as the engine's: 8 adapters of one row each 0.92-0.95x the time of KR rows side by
+  // side in three runs, 4 adapters 0.92x, 2 adapters 0.90x; on 4 KiB pages 0.83-0.98x, median
+  // 0.87x of six)
+  tile = tile && !(it.n == 1 && amd_cpu());
 #endif
-  if (direct) {
+  if (tile) {
     shrink_rows<S, KR>(a, xp, ldx, it.row0, it.n, in, tk, it.r);
     return;
   }
-  buf.resize(in);
-  for (int64_t j = 0; j < nk; ++j) {  // a tail, or a row across pages: one rank row at a time
+  for (int64_t j = 0; j < nk; ++j) {  // one rank row at a time: a tail, a row across pages, or the above
     const S* row = a[j];
     if (!row) {
+      buf.resize(in);
       gather(wp, it.table, E, it.a_off + (k0 + j) * in, in, buf.data());
       row = buf.data();
     }

@@ -24,7 +24,6 @@ GROUPS = {
 }
 GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
 MODULE_SLOTS = max(len(m) for m in GROUPS.values())  # module slots per group in the metadata
-GROUP_SLOTS = [len(m) for m in GROUPS.values()]     # the slots each group uses (the rest: rank 0)
 
 
 class LoraBatch:
@@ -71,7 +70,7 @@ class LoraBatch:
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter delta for `group` of `layer` (rows in no segment untouched)."""
-        g = GROUP_INDEX[group]
         # the group's own module slots (a view): a GPU kernel launches programs per slot
-        self.kernels.lora(x, out, self.weights, self.page_elems, self.seg, self.meta[layer, g, :, :GROUP_SLOTS[g]],
-                          self.tables, self.max_rows, self.max_rank)
+        meta = self.meta[layer, GROUP_INDEX[group], :, :len(GROUPS[group])]
+        self.kernels.lora(x, out, self.weights, self.page_elems, self.seg, meta, self.tables, self.max_rows,
+                          self.max_rank)
