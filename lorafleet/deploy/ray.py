@@ -64,6 +64,10 @@ def replica_class(max_adapters_per_replica: int):
             engine = Engine(model, **engine_options)
             self.base_name = served_model_name or Path(model).name
             self.server = InProcessServer(engine, self.base_name, model, resolver=resolver)
+            # the engine thread keeps the replica's only OpenMP team (`lorafleet/openmp.py`)
+            from lorafleet import openmp
+
+            openmp.serial_thread()
             self.replica_id = serve.get_replica_context().replica_id.unique_id
 
         @serve.multiplexed(max_num_models_per_replica=max_adapters_per_replica)

@@ -52,6 +52,7 @@ from typing import Container
 
 import torch
 
+from lorafleet import openmp
 from lorafleet.errors import AdapterError, AdapterTooLargeError, PoolExhaustedError, ShuttingDownError
 from lorafleet.memory import host_cache
 from lorafleet.memory.host_cache import HostAdapter
@@ -79,7 +80,7 @@ class Prefetcher:
     def __init__(self, residency: AdapterResidency, workers: int = 2):
         self.residency = residency
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="lorafleet-prefetch",
-                                           initializer=_background_priority)
+                                           initializer=_worker_start)
         device = residency.pool.tensor.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loading: list[AdapterEntry] = []
@@ -272,14 +273,16 @@ def _reason(e: Exception, entry: AdapterEntry) -> str:
 WORKER_NICE = 10
 
 
-def _background_priority() -> None:
+def _worker_start() -> None:
     """Workers yield the cores to the engine's steps: a load may take longer, a step must not
-    (on a GPU host the loads use spare cores anyway). Linux nice is per thread, and inherited
-    by the threads torch starts from this one."""
+    (on a GPU host the loads use spare cores anyway). Linux nice is per thread. And a worker's
+    torch ops run on the worker alone: an OpenMP team of its own would make libgomp cut every
+    team's spinning short, the engine's too (`lorafleet/openmp.py`)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
         pass
+    openmp.serial_thread()
 
 
 def _load(residency: AdapterResidency, path, pages: list[int] | None, stream, trusted_digest: str | None = None):

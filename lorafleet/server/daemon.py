@@ -32,6 +32,7 @@ from pathlib import Path
 
 import uvicorn
 
+from lorafleet import openmp
 from lorafleet.config import ServerConfig
 from lorafleet.errors import ConfigError, DaemonRunningError
 from lorafleet.model.config import generation_defaults
@@ -246,6 +247,9 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
             sockets.append(bind_tcp(config.host, config.port))
         worker = EngineWorker(engine, resolver=resolver)
         worker.start()
+        # the engine's thread keeps the process's only OpenMP team (`lorafleet/openmp.py`): this
+        # thread, which built the engine, serves HTTP from now on and gives its team up
+        openmp.serial_thread()
         state = ServerState(worker, config, base_name, model_path,
                             sampling_defaults=generation_defaults(Path(model_path)))
         if state.sampling_defaults:
