@@ -54,8 +54,10 @@ into panels in its own storage (`pack`, below: no copy kept, no extra memory), a
   tiles there, 0.79-0.91x the (3, 8) tile's rate.
 Past `max_rows()` rows (prefill), a call goes to torch's GEMM, which is better there: the
 weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
-with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each; in bf16 on a
-CPU with AMX, whose tiles torch's bf16 GEMM uses, from 13 rows on (`max_rows`).
+with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each, and for fp32
+on an AMD CPU with AVX-512, where torch's GEMM (MKL) is slower than on Intel: 64 rows there (a
+64-token prefill's matmuls 0.68x the time); in bf16 on a CPU with AMX, whose tiles torch's bf16
+GEMM uses, from 13 rows on (`max_rows`).
 
 Packed panels (`pack`, `Kernels.pack`: the model packs its projections once, at load, in place;
 fp32 builds for AVX2 only: with AVX-512 they did not pay, below; an N that 16 does not divide, bf16, a tied
@@ -490,8 +492,13 @@ int64_t panel_width() {
 
 // more rows than this: torch's GEMM (`linear` in Python). With AVX-512 (an Intel host, tiny's 33
 // weights, one thread): 24 rows 20.9 ms here against 23.6 ms for torch, 32 rows 32-38 against
-// 26.9. With AVX2 (an AMD EPYC, 2 threads), torch's GEMM ran at 37-60 GFLOP/s where the (2, 4)
-// tiles ran at ~77: 64 rows 48.8 ms against 64.9-80.8; past that the x rows outgrow L2.
+// 26.9. But fp32 on an AMD CPU with AVX-512, where torch's GEMM (MKL) ran at 50-80 GFLOP/s at
+// 16-64 rows: 64 (an AMD EPYC, 2 threads, `tiny`'s 32 projection weights, medians of 7
+// alternated passes: the kernel's time against torch's 0.50x at 16 rows, 0.52x at 32, 0.66x at
+// 48, 0.68x at 64, 1.06x at 96, 1.03x at 128; in bf16, torch's (oneDNN) 0.79x at 16 and 0.89x at
+// 24 but 1.09x at 32 and 1.22x at 64, so bf16 keeps 24). With AVX2 (an AMD EPYC, 2 threads),
+// torch's GEMM ran at 37-60 GFLOP/s where the (2, 4) tiles ran at ~77: 64 rows 48.8 ms against
+// 64.9-80.8; past that the x rows outgrow L2.
 // bf16 where the CPU has AMX: torch's bf16 GEMM (oneDNN) runs on its tiles, and takes over from
 // 13 rows (an Intel Sapphire Rapids VM, 2 threads, medians of 9 alternated passes over `tiny`'s
 // 33 weights: the kernel's time against torch's 0.73-0.75x at 8-9 rows, 0.87-1.02x at 10-11
@@ -500,14 +507,13 @@ int64_t panel_width() {
 // (where the kernel lets this process use the AMX state at all: Linux 5.16 and later grant it on
 // request, as oneDNN asks for it before it uses the tiles; elsewhere torch's bf16 GEMM has none)
 int64_t max_rows(bool bf16) {
+  (void)bf16;  // unread in a build with neither AMX nor AVX-512
 #if defined(__AMX_BF16__)
   static const bool amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   if (bf16 && amx) return 12;
-#else
-  (void)bf16;
 #endif
 #if defined(__AVX512F__)
-  return 24;
+  return !bf16 && amd_cpu() ? 64 : 24;
 #else
   return 64;
 #endif
@@ -561,8 +567,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """Rows up to which `linear` runs the kernel on x of `dtype`, torch's GEMM beyond (prefill):
-    24 where the build has AVX-512, 64 with AVX2; bf16 12 where the CPU has AMX, whose tiles
-    torch's bf16 GEMM uses (measured: see the C++ `max_rows`)."""
+    24 where the build has AVX-512 (64 in fp32 on an AMD CPU), 64 with AVX2; bf16 12 where the
+    CPU has AMX, whose tiles torch's bf16 GEMM uses (measured: see the C++ `max_rows`)."""
     return load().max_rows(dtype == torch.bfloat16)
 
 
