@@ -24,8 +24,10 @@ copy adapters, niced below the steps anyway) run their torch ops on themselves a
 daemon's main thread gives its team up once the engine thread runs. Measured in-process with
 libgomp's defaults (`tiny`, AMD EPYC, 2 threads, batch 8, 8 rank-64 adapters loaded by the
 prefetcher, medians of 3 runs of 50 steps, the two forms in separate processes): a base decode
-step 8.0 -> 6.3 ms, one adapter on every row 11.6 -> 7.3 ms, the 8 adapters in turn 16.7 ->
-11.2 ms (the step with no adapter ever loaded: 6.3 ms).
+step 8.0 -> 6.3-6.6 ms (6.3 in a process that never loaded an adapter), one adapter on every
+row 12.2 -> 7.9-8.4 ms, the 8 adapters in turn 16.8-17.4 -> 11.6-11.9 ms; with the daemon's
+ACTIVE/2000, 6.7-6.9 -> 6.2-6.7, 8.1-8.2 -> 7.5-7.9 and 12.1-12.5 -> 11.2-11.4 ms. Through the
+daemon (ACTIVE already) no change stood out of the host's noise.
 """
 
 from __future__ import annotations
@@ -47,10 +49,9 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
 
 @cache
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp torch runs on, already in the process (RTLD_NOLOAD: never a second copy); None
-    where torch runs on another OpenMP runtime, whose workers are counted differently."""
-    import torch  # noqa: F401  (loads its OpenMP runtime)
-
+    """The libgomp torch runs on, already in the process once torch is imported (RTLD_NOLOAD:
+    never a second copy); None where torch runs on another OpenMP runtime, whose workers are
+    counted differently."""
     try:
         return ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
     except (OSError, AttributeError):  # not loaded, or no RTLD_NOLOAD (not a POSIX system)

@@ -82,7 +82,7 @@ def test_past_max_rows_it_is_torchs_gemm(isa, dtype):
     assert torch.equal(linear_cpu.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_the_kernel_serves_up_to_24_rows_with_avx512_and_64_with_avx2():
+def test_where_torchs_gemm_takes_over_per_build_and_cpu():
     """Where torch's GEMM takes over, per build: 64 rows where it has no AVX-512 (on the AMD host
     it was measured on, torch's GEMM ran at about half the kernel's rate up to there), and in fp32
     on an AMD CPU with AVX-512 (the same there); in bf16, 12 where the CPU has AMX (torch's bf16
