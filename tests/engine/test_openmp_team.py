@@ -46,6 +46,7 @@ def in_thread(serial):
         before = tasks()
         big.add_(1)
         out["new"] = tasks() - before
+    settled()  # an earlier thread's team may still be ending: its exit would count as -1
     t = threading.Thread(target=body)
     t.start()
     t.join(30)
