@@ -1,6 +1,6 @@
 """lorafleet through the daemon: `lorafleet serve` in a process of its own on a temporary Unix
 socket, the workload's requests replayed at their arrival times as concurrent streaming
-`/v1/completions` calls (httpx over the socket; a workload's closed loop honoured:
+`/v1/completions` calls (aiohttp over the socket; a workload's closed loop honoured:
 `http_replay.py`), TTFT and TPOT taken from the stream's token timestamps. Same pool sizing as
 the in-process system, so the difference between the two is the cost of the HTTP/SSE front end
 and the engine thread hand-off.
@@ -9,7 +9,6 @@ and the engine thread hand-off.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -92,12 +91,7 @@ class LorafleetDaemon(System):
 
 
 async def _replay(sock: Path, job: Job) -> tuple[float, list[dict]]:
-    import httpx
-
-    transport = httpx.AsyncHTTPTransport(uds=str(sock))
-    limits = httpx.Limits(max_connections=len(job.requests) + 1)
-    async with httpx.AsyncClient(transport=transport, base_url="http://lorafleet", timeout=None,
-                                 limits=limits) as http:
+    async with http_replay.session("http://lorafleet", len(job.requests) + 1, uds=str(sock)) as http:
         return await http_replay.replay(http, job.requests, job.concurrency, _one)
 
 
@@ -108,16 +102,11 @@ async def _one(req, http, sent_at: float) -> dict:
         body["model"] = req.adapter
     first = last = None
     tokens = 0
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices"):
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
+    async for chunk in http_replay.events(http, "/v1/completions", body):
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices"):
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
     return http_replay.figures(req, sent_at, first, last, tokens)

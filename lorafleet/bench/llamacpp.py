@@ -25,7 +25,6 @@ is PEFT's scaling: the GGUF adapter carries PEFT's `lora_alpha`, and llama.cpp s
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import socket
 import subprocess
@@ -156,11 +155,9 @@ def request_body(prompt: list[int], max_tokens: int, lora: int | None, lora_ids:
 
 
 async def _replay(url: str, job: Job, lora_ids: dict[str, int], all_ids: list[int]) -> tuple[float, list[dict]]:
-    import httpx
-
     # a connection per request (localhost TCP: well under a millisecond), never one the server may have closed
-    limits = httpx.Limits(max_connections=len(job.requests) + 1, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=url, timeout=SILENCE_TIMEOUT_S, limits=limits) as http:
+    async with http_replay.session(url, len(job.requests) + 1, fresh_connections=True,
+                                   silence_s=SILENCE_TIMEOUT_S) as http:
         async def send(req, client, sent_at: float) -> dict:
             lora = None if req.adapter is None else lora_ids[req.adapter]
             return await _one(client, req, request_body(req.prompt, req.max_tokens, lora, all_ids), sent_at)
@@ -170,21 +167,16 @@ async def _replay(url: str, job: Job, lora_ids: dict[str, int], all_ids: list[in
 async def _one(http, req, body: dict, sent_at: float) -> dict:
     first = last = stop = None
     out: list[int] = []
-    async with http.stream("POST", "/completion", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"llama-server failed a request: {chunk['error']}")
-            if chunk["tokens"]:
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
-                out += chunk["tokens"]
-            if chunk["stop"]:
-                stop = chunk["stop_type"]
+    async for chunk in http_replay.events(http, "/completion", body):
+        if "error" in chunk:
+            raise RuntimeError(f"llama-server failed a request: {chunk['error']}")
+        if chunk["tokens"]:
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            out += chunk["tokens"]
+        if chunk["stop"]:
+            stop = chunk["stop_type"]
     if len(out) != req.max_tokens:
         raise RuntimeError(f"llama-server answered {len(out)} of {req.max_tokens} tokens (stop: {stop})")
     return http_replay.figures(req, sent_at, first, last, len(out), output_ids=out)

@@ -8,7 +8,11 @@
 2. Build the engine, load the start-up adapters, then bind: directories created for the socket
    are 0700, an existing one keeps its mode if safe (`paths.socket_dir`), and the socket is
    created 0600 (under a umask, so it is never briefly open to others).
-3. Serve with uvicorn on the pre-bound sockets (the Unix socket, and TCP when asked).
+3. Serve with uvicorn on the pre-bound sockets (the Unix socket, and TCP when asked), through
+   `uvicorn.Server.run`, so on uvloop and httptools (both dependencies; uvicorn's "auto" picks
+   them): the event loop's CPU per streamed token, `tiny` at 1 in flight, was 0.12-0.22 ms on
+   uvloop against 0.18-0.25 ms on asyncio's loop (three daemons of each, alternated, two
+   streams of 512 tokens each; 2026-12-04).
 4. SIGTERM or SIGINT: stop admitting (new requests get 503), let in-flight requests finish for
    up to `drain_timeout` seconds, answer what is left with 503 (a stream gets an error event;
    either way the engine aborts it), stop the engine thread, remove the socket and the pid
@@ -211,6 +215,11 @@ class DaemonServer(uvicorn.Server):
             for s, h in originals.items():
                 signal.signal(s, h)
 
+    async def startup(self, sockets=None):
+        loop = type(asyncio.get_running_loop())
+        log.info("event loop: %s.%s", loop.__module__, loop.__qualname__)  # uvloop.Loop: point 3
+        await super().startup(sockets)
+
     async def shutdown(self, sockets=None):
         """Close the listeners, wait up to drain_timeout for in-flight requests, answer what is
         left with 503, then let uvicorn close the connections."""
@@ -263,7 +272,7 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
         gc.freeze()
         where = f"{sock_path}" + (f" and http://{config.host}:{config.port}" if config.host else "")
         log.info("serving %s as %r on %s (pid %d)", model_path, base_name, where, os.getpid())
-        asyncio.run(server.serve(sockets=sockets))
+        server.run(sockets=sockets)
         log.info("stopped")
     finally:
         if worker is not None:

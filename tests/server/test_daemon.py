@@ -60,6 +60,11 @@ def test_serve_without_a_model_serves_the_demo_fleet(demo_daemon):
     assert base.json()["choices"][0]["message"]["content"] == "hi there"
 
 
+def test_the_daemon_serves_on_uvloop(demo_daemon):
+    # uvloop is a dependency and uvicorn's Server.run picks it (a plain asyncio.run would not)
+    assert "event loop: uvloop.Loop" in demo_daemon.log()
+
+
 def test_a_stale_socket_is_replaced(demo_daemon):
     assert "removing stale socket" in demo_daemon.log()
 
