@@ -57,7 +57,13 @@ weights are reused across many rows and the problem is compute-bound. Where that
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each, and for fp32
 on an AMD CPU with AVX-512, where torch's GEMM (MKL) is slower than on Intel: 64 rows there (a
 64-token prefill's matmuls 0.68x the time); in bf16 on a CPU with AMX, whose tiles torch's bf16
-GEMM uses, from 13 rows on (`max_rows`).
+GEMM uses, from 13 rows on (`max_rows`). In fp32 on an AMD CPU that GEMM is oneDNN's (`gemm`:
+the op torch registers as mkldnn::_linear_pointwise, on the weight as it is) instead of
+at::linear's MKL: on the AMD EPYC with AVX-512 (2 threads, 2026-12-04; the only AMD host it was
+measured on, Intel keeps at::linear) it took 0.74-0.94x MKL's time on `tiny`'s projections at
+65-512 rows (0.60-0.74x on its LM head), equal to it within 1e-6 relative; a prefill of 8 x 64
+tokens took 144-165 ms against 164-180 (over 8 adapters in turn 179-194 against 200-209). The
+kernel at 16-64 rows, weights from memory, took 0.84-1.09x oneDNN's time: `max_rows` stays.
 
 Packed panels (`pack`, `Kernels.pack`: the model packs its projections once, at load, in place;
 fp32 builds for AVX2 only: with AVX-512 they did not pay, below; an N that 16 does not divide, bf16, a tied
@@ -519,8 +525,20 @@ int64_t max_rows(bool bf16) {
 #endif
 }
 
-// F.linear(x, w, bias): the kernel up to max_rows() rows, torch's GEMM beyond (prefill), here so
-// that every caller (the Python wrapper, the decode-layers driver) takes the same path
+// Past max_rows() rows in fp32 on an AMD CPU: oneDNN's GEMM, through the op torch registers for
+// it (mkldnn::_linear_pointwise, which Inductor's CPU fusions call), instead of at::linear's MKL
+// (measured: the module doc); at::linear where the op is missing (torch built without oneDNN)
+static torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  if (!op || x.scalar_type() != at::kFloat || !amd_cpu()) return at::linear(x, w, bias);
+  torch::jit::Stack stack{x.contiguous(), w.contiguous(), bias, std::string("none"),
+                          c10::List<c10::optional<at::Scalar>>(), c10::optional<std::string>()};
+  op->callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+// F.linear(x, w, bias): the kernel up to max_rows() rows, `gemm` beyond (prefill), here so that
+// every caller (the Python wrapper, the decode-layers driver) takes the same path
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   if (w.dim() == 3) {  // packed panels (`pack`): fp32 only
     TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && w.size(2) == PW && w.is_contiguous(),
@@ -539,7 +557,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     return y;
   }
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [T, K] and w [N, K]");
-  if (x.size(0) > max_rows(x.scalar_type() == at::kBFloat16)) return at::linear(x, w, bias);
+  if (x.size(0) > max_rows(x.scalar_type() == at::kBFloat16)) return gemm(x, w, bias);
   if (x.stride(1) != 1) x = x.contiguous();
   TORCH_CHECK(w.is_contiguous(), "linear: w must be contiguous");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "linear: x and w differ in dtype");

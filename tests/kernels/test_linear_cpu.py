@@ -96,6 +96,23 @@ def test_where_torchs_gemm_takes_over_per_build_and_cpu():
     assert linear_cpu.load(avx2=True).max_rows(True) == (12 if has_amx else 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_past_max_rows_fp32_on_an_amd_cpu_runs_onednns_gemm(dtype):
+    """Past `max_rows()` rows (prefill) fp32 on an AMD CPU goes to oneDNN's GEMM (faster there
+    than torch's MKL), everything else to torch's `linear`; the result is F.linear's."""
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        amd = "AuthenticAMD" in f.read()
+    x, w = torch.randn(linear_cpu.max_rows(dtype) + 3, 96, dtype=dtype), torch.randn(40, 96, dtype=dtype)
+    for bias in (None, torch.randn(40, dtype=dtype)):
+        with torch.profiler.profile() as prof:
+            y = linear_cpu.linear(x, w, bias)
+        ops = {e.name for e in prof.events()}
+        onednn = amd and dtype == torch.float32
+        assert ("mkldnn::_linear_pointwise" in ops) == onednn and ("aten::linear" in ops) == (not onednn)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y, F.linear(x, w, bias), rtol=tol, atol=tol)
+
+
 def test_mismatched_inputs_are_refused_with_the_reason():
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="differ in dtype"):
