@@ -547,8 +547,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     const int64_t N = w.size(0) * PW;
     if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                           "linear: bias");
-    if (x.size(0) > max_rows(false))  // prefill: torch's GEMM on the weight laid out [N, K] again
-      return at::linear(x, w.transpose(1, 2).reshape({N, w.size(1)}), bias);
+    if (x.size(0) > max_rows(false))  // prefill: `gemm` on the weight laid out [N, K] again
+      return gemm(x, w.transpose(1, 2).reshape({N, w.size(1)}), bias);
     if (x.stride(1) != 1) x = x.contiguous();
     auto y = torch::empty({x.size(0), N}, x.options());
     if (x.size(0) == 0 || N == 0) return y;
