@@ -27,6 +27,12 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 24, 31, 64]  # every tile and rem
 SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (200, 1536), (37, 4100), (9, 6000)]
 
 
+def amd_cpu() -> bool:
+    """What the kernels' `amd_cpu()` (`cpu_vector.py`) answers, read here off /proc/cpuinfo's vendor."""
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        return "AuthenticAMD" in f.read()
+
+
 def exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """The product in float64 of the same (possibly bf16) values: the error-free answer."""
     return F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -78,8 +84,7 @@ def test_rows_with_a_stride_and_columns_with_one(isa):
 def test_past_max_rows_it_is_torchs_gemm_onednns_in_fp32_on_an_amd_cpu(isa, dtype):
     """Past `max_rows()` rows (prefill): torch's `linear`, or in fp32 on an AMD CPU oneDNN's GEMM
     (faster there than torch's MKL), which gives the product within 1e-5 relative."""
-    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-        onednn = "AuthenticAMD" in f.read() and dtype == torch.float32
+    onednn = amd_cpu() and dtype == torch.float32
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(40, 96, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     x = torch.randn(linear_cpu.max_rows(dtype) + 3, 96, generator=g).to(dtype)
@@ -101,9 +106,7 @@ def test_where_torchs_gemm_takes_over_per_build_and_cpu():
     on an AMD CPU with AVX-512 (the same there); in bf16, 12 where the CPU has AMX (torch's bf16
     GEMM runs on its tiles)."""
     has_avx512, has_amx = " avx512f" in build.cpu_identity(), " amx_bf16" in build.cpu_identity()
-    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-        amd = "AuthenticAMD" in f.read()
-    assert linear_cpu.load().max_rows(False) == linear_cpu.max_rows() == (24 if has_avx512 and not amd else 64)
+    assert linear_cpu.load().max_rows(False) == linear_cpu.max_rows() == (24 if has_avx512 and not amd_cpu() else 64)
     assert linear_cpu.load(avx2=True).max_rows(False) == 64
     assert linear_cpu.max_rows(torch.bfloat16) == (12 if has_amx else 24 if has_avx512 else 64)
     assert linear_cpu.load(avx2=True).max_rows(True) == (12 if has_amx else 64)
