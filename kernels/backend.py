@@ -24,8 +24,8 @@ Every op keeps the semantics of its reference in `reference.py`:
   step (every row one token that samples) in one call where a backend has it (the CPU:
   `decode_layers_cpu.decode_batch`), else None;
 - `pack(w)`: a base weight [N, K] laid out again in its own storage for `linear`, which reads
-  either layout (the CPU: `linear_cpu.pack`'s panels, fp32 on AVX2), else None (weights stay
-  [N, K]). The model packs its projections once, at load.
+  either layout (the CPU: `linear_cpu.pack`'s panels, fp32 on AVX2 and on AMD CPUs with
+  AVX-512), else None (weights stay [N, K]). The model packs its projections once, at load.
 """
 
 from __future__ import annotations

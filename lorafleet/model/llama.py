@@ -70,9 +70,9 @@ class LlamaModel(torch.nn.Module):
     embed [V, H]; per layer: in_norm [H], qkv [Q+2K, H] (+qkv_b), q_norm/k_norm [D] (Qwen3),
     o [H, Q] (+o_b), post_norm [H], gate_up [2I, H] (+gate_up_b), down [H, I] (+down_b);
     norm [H]; lm_head [V, H] (the embedding itself when tied). Where the kernels lay weights
-    out for their `linear` (`Kernels.pack`: the CPU's panels in fp32 on AVX2), the projections
-    and an untied LM head are packed here, once, in their own storage: read them through
-    `Kernels.linear` only.
+    out for their `linear` (`Kernels.pack`: the CPU's panels in fp32 on AVX2 and on AMD CPUs
+    with AVX-512), the projections and an untied LM head are packed here, once, in their own
+    storage: read them through `Kernels.linear` only.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int):

@@ -2,9 +2,9 @@
 rounding in bf16, on odd shapes, every tile remainder, x rows wide enough to go by chunks of K,
 strided rows and with biases, in the build for this CPU and in one without AVX-512 (`isa`:
 other tile shapes); past
-`max_rows()` rows it is torch's GEMM itself; weights packed into panels (AVX2, fp32) give the
-same products, in their own storage, and an fp32 model packs its projections but never the
-embedding; and the engine on it gives the torch path's greedy tokens on every parity family
+`max_rows()` rows it is torch's GEMM itself; weights packed into panels (fp32; AVX2, and AMD CPUs
+with AVX-512) give the same products at every row count without torch's GEMM, in their own
+storage, and an fp32 model packs its projections but never the embedding; and the engine on it gives the torch path's greedy tokens on every parity family
 and on the demo fleet."""
 
 from __future__ import annotations
@@ -123,31 +123,42 @@ def test_mismatched_inputs_are_refused_with_the_reason():
 
 
 def test_pack_lays_a_weight_out_as_panels_in_its_own_storage(isa):
+    """Panels of 16 outputs with AVX2, of 32 with AVX-512 on an AMD CPU; none with AVX-512 on an
+    Intel one, where they did not pay (the weight stays [N, K])."""
     pw = linear_cpu.load().panel_width()
-    assert pw == (0 if isa == "native" and " avx512f" in build.cpu_identity() else 16)
-    w = torch.randn(48, 37)
+    avx512 = isa == "native" and " avx512f" in build.cpu_identity()
+    assert pw == ((32 if amd_cpu() else 0) if avx512 else 16)
+    w = torch.randn(96, 37)
     before, ptr = w.clone(), w.data_ptr()
     packed = linear_cpu.pack(w)
-    if not pw:  # AVX-512: panels were measured on AVX2 only, the weight stays [N, K]
+    if not pw:
         assert packed is w and torch.equal(w, before)
         return
-    assert packed.shape == (3, 37, 16) and packed.data_ptr() == ptr  # no memory added
-    assert torch.equal(packed, before.view(3, 16, 37).transpose(1, 2))
-    for other in (torch.randn(40, 37), torch.randn(48, 37).bfloat16(), torch.randn(48, 74)[:, ::2]):
-        assert linear_cpu.pack(other) is other  # N not a multiple of 16, bf16, not contiguous
+    assert packed.shape == (96 // pw, 37, pw) and packed.data_ptr() == ptr  # no memory added
+    assert torch.equal(packed, before.view(96 // pw, pw, 37).transpose(1, 2))
+    for other in (torch.randn(pw + 8, 37), torch.randn(96, 37).bfloat16(), torch.randn(96, 74)[:, ::2]):
+        assert linear_cpu.pack(other) is other  # N not a multiple of the width, bf16, not contiguous
 
 
-@pytest.mark.parametrize("n, k", [(16, 1), (16, 33), (48, 100), (64, 513), (224, 1536), (32, 4100)])
+GEMMS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise"}
+
+
+@pytest.mark.parametrize("n, k", [(32, 1), (32, 33), (96, 100), (64, 513), (224, 1536), (32, 4100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_panels_equal_the_exact_product_within_1e_5(n, k, bias, isa):
+def test_packed_panels_equal_the_exact_product_within_1e_5_at_every_row_count(n, k, bias, isa):
+    """Every pass shape and its rest (4, 6 or 8 rows), then past `max_rows()` and past a block of
+    64 rows (prefill): still the kernel on the panels, never torch's GEMM on a copy."""
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     packed = linear_cpu.pack(w.clone())
     assert packed.dim() == (3 if linear_cpu.load().panel_width() else 2)
-    for t in ROWS + [linear_cpu.max_rows() + 1]:  # every pass of 4, of 6 and its rest; then torch's GEMM
+    for t in ROWS + [65, linear_cpu.max_rows() + 1, 137]:
         x = torch.randn(t, k, generator=g)
-        got = linear_cpu.linear(x, packed, b)
+        with torch.profiler.profile() as prof:
+            got = linear_cpu.linear(x, packed, b)
+        if packed.dim() == 3:
+            assert not {e.name for e in prof.events()} & GEMMS, t
         scale = (x.double().abs() @ w.double().abs().T).max().item() + 1e-30
         assert got.shape == (t, n) and (got.double() - exact(x, w, b)).abs().max().item() <= 1e-5 * scale, (t, n, k)
 
@@ -166,7 +177,8 @@ def test_packed_weights_refuse_what_they_cannot_serve():
 
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-# a prefill of 92 rows (past max_rows() in both builds: torch's GEMM), then decode steps on the kernel
+# a prefill of 92 rows (past max_rows() in both builds: torch's GEMM, or the kernel on packed weights),
+# then decode steps on the kernel
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 10, [20, 21, 22], [30] * 17, [40, 41]]
 
 
