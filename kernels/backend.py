@@ -25,7 +25,10 @@ Every op keeps the semantics of its reference in `reference.py`:
   `decode_layers_cpu.decode_batch`), else None;
 - `pack(w)`: a base weight [N, K] laid out again in its own storage for `linear`, which reads
   either layout (the CPU: `linear_cpu.pack`'s panels, fp32 on AVX2 and on AMD CPUs with
-  AVX-512), else None (weights stay [N, K]). The model packs its projections once, at load.
+  AVX-512), else None (weights stay [N, K]). The model packs its projections once, at load,
+  and its LM head, the embedding's storage where they are tied;
+- `rows(w, ids)`: the embedding's rows `w[ids]`, in either layout (the CPU: `linear_cpu.rows`,
+  which reads them out of a tied head's panels), else `reference.rows`.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Kernels:
     decode_forward: Callable | None = None  # the forward pass of a decode-only step in one call (the CPU's)
     decode_batch: Callable | None = None   # a pure decode step's batch tensors in one call (the CPU's)
     pack: Callable | None = None           # a base weight laid out for `linear`, in place (the CPU's panels)
+    rows: Callable = reference.rows        # the embedding's rows, w[ids], in either layout `pack` leaves
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -107,7 +111,7 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
                    decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
                    decode_forward=decode_layers_cpu.decode_forward, decode_batch=decode_layers_cpu.decode_batch,
-                   pack=linear_cpu.pack, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
+                   pack=linear_cpu.pack, rows=linear_cpu.rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
 
 
 def triton_kernels() -> Kernels:

@@ -118,7 +118,7 @@ torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tenso
                              double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora,
                              int64_t E) {
   pybind11::gil_scoped_release no_gil;
-  torch::Tensor x = embed.index_select(0, ids);
+  torch::Tensor x = lin::rows(embed, ids);  // the embedding, packed where it is the LM head too
   x.add_(layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D,
                 lora, E));
   if (rows.size(0) != x.size(0)) x = x.index_select(0, rows);

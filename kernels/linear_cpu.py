@@ -70,10 +70,15 @@ measured on, Intel keeps at::linear) it took 0.74-0.94x MKL's time on `tiny`'s p
 tokens took 144-165 ms against 164-180 (over 8 adapters in turn 179-194 against 200-209). The
 kernel at 16-64 rows, weights from memory, took 0.84-1.09x oneDNN's time: `max_rows` stays.
 
-Packed panels (`pack`, `Kernels.pack`: the model packs its projections once, at load, in place;
-fp32 only, in builds for AVX2 and, with AVX-512, on AMD CPUs (on the Intel one they did not pay,
-below); an N that the panel width does not divide, bf16, a tied LM head (the embedding, read by
-rows) stay [N, K]). With AVX2: W as [N / 16, K, 16], each panel one
+Packed panels (`pack`, `Kernels.pack`: the model packs its projections and LM head once, at
+load, in place; fp32 only, in builds for AVX2 and, with AVX-512, on AMD CPUs (on the Intel one
+they did not pay, below); an N that the panel width does not divide and bf16 stay [N, K]; a tied
+LM head is packed too, its embedding then read by rows out of the panels, `rows`: on `smol`'s
+tied 49,152 x 576 head, 4 us for 8 tokens against 3 by index_select, 0.46 ms for 512 against
+0.02, where the head itself at 8 rows took 3.27 ms against 6.13 on the (3, 8) tiles (medians of
+15 alternated calls): `smol`'s decode
+step at batch 8 19.8 / 18.5 -> 15.4 / 17.0 ms, two processes of each alternated, read rates
+flipping between them). With AVX2: W as [N / 16, K, 16], each panel one
 contiguous stream with the next one prefetched a line per k, each x element broadcast against
 the panel's two vectors into 12 accumulators of 6 rows x 16 outputs (8 loads per 12 FMAs against
 (1, 8)'s 9 per 8, no horizontal sums), rows in passes of 6 and the rest (1-4 rows: one pass of 4)
@@ -117,7 +122,7 @@ from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
 
-FUNCTIONS = ["linear", "max_rows", "panel_width"]
+FUNCTIONS = ["linear", "max_rows", "panel_width", "rows"]
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -522,6 +527,29 @@ static void run_panels(const float* xp, int64_t ldx, int64_t T, const float* W, 
   });
 }
 
+// w's rows `ids` [T] as [T, K], w [N, K] or packed (`pack`): a tied LM head's embedding, packed
+// with it, is read by rows too. A row of a panel is one lane of it, PW floats apart: each of its
+// K elements costs a cache line, T x K lines for the T tokens of a step (a decode step of 8 rows
+// of 576: 4,608 lines, 0.3 MB, where its LM head streams 113 MB)
+torch::Tensor rows(torch::Tensor w, torch::Tensor ids) {
+  if (w.dim() != 3) return w.index_select(0, ids);
+  TORCH_CHECK(w.size(2) == PW && w.is_contiguous() && w.scalar_type() == at::kFloat,
+              "rows: packed w [N / ", PW, ", K, ", PW, "] of float32");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "rows: ids [T] of int64");
+  const int64_t N = w.size(0) * PW, K = w.size(1), T = ids.size(0);
+  const torch::Tensor ic = ids.contiguous();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK_INDEX(ip[t] >= 0 && ip[t] < N, "rows: id ", ip[t], " is out of [0, ", N, ")");
+  auto y = torch::empty({T, K}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* src = wp + ip[t] / PW * K * PW + ip[t] % PW;
+    for (int64_t k = 0; k < K; ++k) yp[t * K + k] = src[k * PW];
+  }
+  return y;
+}
+
 // the panel width `pack` uses, 0 where weights stay [N, K]: panels pay on AVX2 and, with AVX-512,
 // on the AMD CPU they were measured on; on the Intel one they did not (module doc)
 int64_t panel_width() {
@@ -633,6 +661,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     packed by `pack`: the kernel on packed w at every row count, on w [N, K] up to `max_rows()`
     rows and torch's GEMM beyond (the C++ `linear` decides)."""
     return load().linear(x, w, bias)
+
+
+def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`w[ids]` for w [N, K] or packed by `pack` (an embedding that is also the LM head): [T, K]."""
+    return load().rows(w, ids)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,11 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.argmax(logits, dim=-1), torch.isfinite(logits).all(-1)
 
 
+def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding's rows for token ids [T]: w [V, H] -> [T, H]."""
+    return w[ids]
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A base projection: x [T, K] @ w[N, K]^T (+ bias [N]) -> [T, N], torch's GEMM."""
     return F.linear(x, w, bias)

@@ -71,8 +71,9 @@ class LlamaModel(torch.nn.Module):
     o [H, Q] (+o_b), post_norm [H], gate_up [2I, H] (+gate_up_b), down [H, I] (+down_b);
     norm [H]; lm_head [V, H] (the embedding itself when tied). Where the kernels lay weights
     out for their `linear` (`Kernels.pack`: the CPU's panels in fp32 on AVX2 and on AMD CPUs
-    with AVX-512), the projections and an untied LM head are packed here, once, in their own
-    storage: read them through `Kernels.linear` only.
+    with AVX-512), the projections and the LM head are packed here, once, in their own storage:
+    read them through `Kernels.linear` only, and a tied embedding (the LM head's storage, so
+    packed with it) through `Kernels.rows`.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int):
@@ -85,9 +86,12 @@ class LlamaModel(torch.nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.kernels = backend.select(t.device, t.dtype)  # every op of the forward pass, for this device
         if self.kernels.pack is not None:  # the projections laid out for the kernels' `linear`, in place
-            heads = ["lm_head"] if weights["lm_head"].data_ptr() != t.data_ptr() else []  # a tied head is the embedding
-            for name in heads + [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in PROJECTIONS]:
+            tied = weights["lm_head"].data_ptr() == t.data_ptr()
+            for name in ["embed" if tied else "lm_head"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
+                                                            for n in PROJECTIONS]:
                 weights[name] = self.kernels.pack(weights[name])
+            if tied:  # one storage, now the head's layout: the embedding is read through `Kernels.rows`
+                weights["lm_head"] = weights["embed"]
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
         self.flat_layers = [t for lw in self.layers for t in lw]    # as `Kernels.decode_forward` passes them
@@ -103,7 +107,7 @@ class LlamaModel(torch.nn.Module):
         cfg, w, ops = self.cfg, self.w, self.kernels
         if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0]:
             return ops.decode_forward(self, input_ids, positions, attn, kv_cache, logits_rows, lora)
-        x = w["embed"][input_ids]                                   # [T, H], the residual stream
+        x = ops.rows(w["embed"], input_ids)                         # [T, H], the residual stream
         out = self.layers_(x, positions, attn, kv_cache, lora)
         x.add_(out)
         x = ops.rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)  # only rows that sample

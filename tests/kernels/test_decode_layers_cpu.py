@@ -38,7 +38,7 @@ def decode_step_both_ways(engine: Engine, requests: int) -> dict:
 
     def spy(input_ids, positions, attn, kv_cache, logits_rows, lora=None):
         if attn.num_decode == len(input_ids) == requests and not seen:
-            x = model.w["embed"][input_ids]
+            x = model.kernels.rows(model.w["embed"], input_ids)
             cfg = model.cfg
             for way in ("loop", "call"):
                 xs, kv = x.clone(), kv_cache.clone()

@@ -198,13 +198,31 @@ def test_every_family_gives_the_torch_paths_tokens(family, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_an_fp32_model_packs_its_projections_but_not_the_embedding(tmp_path, monkeypatch, tied):
+def test_an_fp32_model_packs_its_projections_and_head_and_the_embedding_only_as_its_head(tmp_path, monkeypatch,
+                                                                                        tied):
+    """The projections and the LM head are packed; the embedding too where it is the head (one
+    storage), read by rows out of the panels (`rows`); an untied embedding stays [V, H]."""
     monkeypatch.setenv("LORAFLEET_KERNELS", "cpu")
     engine = Engine(build_model(tmp_path, "llama", tie_word_embeddings=tied), pool_bytes=4 << 20)
-    w, dim = engine.model.w, 3 if linear_cpu.load().panel_width() else 2  # every N here is a multiple of 16
+    w, dim = engine.model.w, 3 if linear_cpu.load().panel_width() else 2  # every N here is a multiple of 32
     assert [w[f"layers.{i}.{n}"].dim() for i in range(2) for n in ("qkv", "o", "gate_up", "down")] == [dim] * 8
-    assert w["embed"].dim() == 2  # read by rows
-    assert (w["lm_head"] is w["embed"]) if tied else w["lm_head"].dim() == dim
+    assert w["lm_head"].dim() == dim
+    assert (w["lm_head"] is w["embed"]) if tied else w["embed"].dim() == 2
+    assert engine.model.kernels.rows is linear_cpu.rows
+
+
+def test_rows_reads_an_embedding_out_of_its_panels(isa):
+    """`rows` is `w[ids]` whether w is [N, K] or packed (a tied embedding); an id out of range is
+    refused with it, as indexing refuses it."""
+    w = torch.randn(96, 37)
+    ids = torch.tensor([0, 5, 31, 32, 95, 64, 64])
+    packed = linear_cpu.pack(w.clone())
+    assert packed.dim() == (3 if linear_cpu.load().panel_width() else 2)
+    for t in (w, packed):
+        assert torch.equal(linear_cpu.rows(t, ids), w[ids])
+        assert linear_cpu.rows(t, ids[:0]).shape == (0, 37)
+        with pytest.raises(IndexError, match="out of"):
+            linear_cpu.rows(t, torch.tensor([3, 96]))
 
 
 def test_bf16_models_run_on_the_kernel(llama_dir, monkeypatch):
