@@ -57,8 +57,8 @@ extra memory), and:
   FMAs as memory operands (25 loads per 24 FMAs; standalone, 41-42 G multiply-adds a second a
   thread against 58 for a register-only FMA loop), and each tile ends in 24 horizontal sums.
   Panels (below) run there at that peak (58 G, standalone, cached): fp32 weights are packed there.
-Past `max_rows()` rows (prefill), a call on weights laid out [N, K] goes to torch's GEMM, which is better there: the
-weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
+Past `max_rows()` rows (prefill), a call on weights laid out [N, K] goes to torch's GEMM, which
+is better there: the weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each, and for fp32
 on an AMD CPU with AVX-512, where torch's GEMM (MKL) is slower than on Intel: 64 rows there (a
 64-token prefill's matmuls 0.68x the time); in bf16 on a CPU with AMX, whose tiles torch's bf16
@@ -76,13 +76,12 @@ they did not pay, below); an N that the panel width does not divide and bf16 sta
 LM head is packed too, its embedding then read by rows out of the panels, `rows`: on `smol`'s
 tied 49,152 x 576 head, 4 us for 8 tokens against 3 by index_select, 0.46 ms for 512 against
 0.02, where the head itself at 8 rows took 3.27 ms against 6.13 on the (3, 8) tiles (medians of
-15 alternated calls): `smol`'s decode
-step at batch 8 19.8 / 18.5 -> 15.4 / 17.0 ms, two processes of each alternated, read rates
-flipping between them). With AVX2: W as [N / 16, K, 16], each panel one
-contiguous stream with the next one prefetched a line per k, each x element broadcast against
-the panel's two vectors into 12 accumulators of 6 rows x 16 outputs (8 loads per 12 FMAs against
-(1, 8)'s 9 per 8, no horizontal sums), rows in passes of 6 and the rest (1-4 rows: one pass of 4)
-over chunks of 128 of K. First measured as a throwaway prototype (AMD EPYC, AVX2, 2 threads,
+15 alternated calls): `smol`'s decode step at batch 8 19.8 / 18.5 -> 15.4 / 17.0 ms, two
+processes of each alternated, read rates flipping between them).
+With AVX2: W as [N / 16, K, 16], each panel one contiguous stream with the next one prefetched
+a line per k, each x element broadcast against the panel's two vectors into 12 accumulators of
+6 rows x 16 outputs (8 loads per 12 FMAs against (1, 8)'s 9 per 8, no horizontal sums), rows in
+passes of 6 and the rest (1-4 rows: one pass of 4) over chunks of 128 of K. First measured as a throwaway prototype (AMD EPYC, AVX2, 2 threads,
 2026-12-02, the host in a slow phase; `tiny`'s 33 weights from memory, best of 7, both on huge
 pages): 0.84-0.88x the (1, 8) tile's time at 8 rows, 0.80-0.93x at 4, 0.88-0.99x at 1; on
 cached weights 85-100 against 64-93 GFLOP/s at 8 rows; passes of 4 + 4 rows (8 accumulators) or
@@ -99,7 +98,7 @@ EPYC with AVX-512 (Zen 4's cores, 2 threads, 2026-12-04; `tiny`'s 33 weights fro
 of 12 alternated passes in one process, against the same weights [N, K] on their tiles): passes
 of up to 8 rows (16 accumulators) 1.0-1.15x the time at 1 row, 0.64-0.87x at 2, 0.57-0.78x at 4,
 0.54-0.73x at 8, 0.70-0.75x at 12-24; a software prefetch of the next panel (as with AVX2) or
-512-8,192 floats ahead in the same one cost 1.1-1.25x at 2-8 rows, so none; passes of 12 rows
+512-8,192 floats ahead in the same one cost 1.10-1.28x at 2-8 rows, so none; passes of 12 rows
 no better than 8. Whole decode steps (`bench decode-bound`, two processes of each, alternated):
 `tiny` at batch 8 6.21-6.25 -> 3.64-3.71 ms, `smol` 26.2-26.3 -> 18.5-18.8, at 32 16.7-17.9 ->
 11.9-12.2 and 72-77 -> 58-62, batch 1 as before within the host's two read rates. Past
@@ -479,7 +478,7 @@ static inline void panel_pass(const float* wp, const float* const* x, int64_t k0
   }
 }
 
-// y [T, N] = x [T, K] @ W^T (+ bias) for W packed as [N / PW, K, PW], fp32, T <= max_rows()
+// y [T, N] = x [T, K] @ W^T (+ bias) for W packed as [N / PW, K, PW], fp32, any T
 static void run_panels(const float* xp, int64_t ldx, int64_t T, const float* W, int64_t K, int64_t P,
                        const float* bias, float* yp, int64_t ldy) {
   const int64_t blocks = (T + RB - 1) / RB;  // blocks of rows
@@ -539,7 +538,8 @@ torch::Tensor rows(torch::Tensor w, torch::Tensor ids) {
   const int64_t N = w.size(0) * PW, K = w.size(1), T = ids.size(0);
   const torch::Tensor ic = ids.contiguous();
   const int64_t* ip = ic.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK_INDEX(ip[t] >= 0 && ip[t] < N, "rows: id ", ip[t], " is out of [0, ", N, ")");
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_INDEX(ip[t] >= 0 && ip[t] < N, "rows: id ", ip[t], " is out of [0, ", N, ")");
   auto y = torch::empty({T, K}, w.options());
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
