@@ -81,9 +81,10 @@ processes of each alternated, read rates flipping between them).
 With AVX2: W as [N / 16, K, 16], each panel one contiguous stream with the next one prefetched
 a line per k, each x element broadcast against the panel's two vectors into 12 accumulators of
 6 rows x 16 outputs (8 loads per 12 FMAs against (1, 8)'s 9 per 8, no horizontal sums), rows in
-passes of 6 and the rest (1-4 rows: one pass of 4) over chunks of 128 of K. First measured as a throwaway prototype (AMD EPYC, AVX2, 2 threads,
-2026-12-02, the host in a slow phase; `tiny`'s 33 weights from memory, best of 7, both on huge
-pages): 0.84-0.88x the (1, 8) tile's time at 8 rows, 0.80-0.93x at 4, 0.88-0.99x at 1; on
+passes of 6 and the rest (2-4 rows: one pass of 4) over chunks of 128 of K, one row by itself
+over all of K, four k at a time (`panel_row`). First measured as a throwaway prototype (AMD
+EPYC, AVX2, 2 threads, 2026-12-02, the host in a slow phase; `tiny`'s 33 weights from memory,
+best of 7, both on huge pages): 0.84-0.88x the (1, 8) tile's time at 8 rows, 0.80-0.93x at 4, 0.88-0.99x at 1; on
 cached weights 85-100 against 64-93 GFLOP/s at 8 rows; passes of 4 + 4 rows (8 accumulators) or
 no prefetch: 0.94-1.04x. As built, against the same weights unpacked, alternated in one process
 (the host slower still: `tiny`'s batch-1 step 7.5-10.6 ms): the matmuls alone (medians of 6-8
@@ -440,9 +441,10 @@ static void dispatch(const Args& a) {
 // block of rows) one unit of the threads' work, a panel's blocks in a row (its chunks stay in L2
 // between them): so packed weights take every row count here, prefill too, never a copy laid
 // out [N, K] again for torch's GEMM. With AVX2, the first pass of a chunk asks for the same chunk
-// of the next panel; 1-4 rows go as one pass of 4 (rows past T repeat the last, computed and
+// of the next panel; 2-4 rows go as one pass of 4 (rows past T repeat the last, computed and
 // never stored), 5-8 as 6 + the rest. With AVX-512 (on AMD CPUs only: `panel_width`), passes of
-// up to 8 rows and no software prefetch (measured: see the module doc)
+// up to 8 rows and no software prefetch. One row, with either: `panel_row` (measured: see the
+// module doc and there)
 constexpr int64_t PW = 2 * VW;
 constexpr int64_t PKC = 128;
 constexpr int64_t RB = 64;
@@ -478,6 +480,27 @@ static inline void panel_pass(const float* wp, const float* const* x, int64_t k0
   }
 }
 
+// one row against a panel: all of K in one pass, four k at a time into four pairs of sums, so
+// that eight loads of the stream are in flight (a pass of one row keeps one pair and goes by
+// chunks of K: `tiny`'s 33 weights at 1 row took 0.78-0.98x its time, medians of 100 alternated
+// passes in one process, seven processes, the AMD EPYC with AVX-512; in the build for AVX2 on
+// the same host, 0.85-0.88x; two k at a time, 0.81-0.98x)
+static inline void panel_row(const float* wp, const float* x, int64_t K, vw* st) {
+  vw a[4][2] = {};
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4)
+    for (int u = 0; u < 4; ++u) {
+      a[u][0] += wload(wp + (k + u) * PW) * x[k + u];
+      a[u][1] += wload(wp + (k + u) * PW + VW) * x[k + u];
+    }
+  for (; k < K; ++k) {
+    a[0][0] += wload(wp + k * PW) * x[k];
+    a[0][1] += wload(wp + k * PW + VW) * x[k];
+  }
+  st[0] = (a[0][0] + a[1][0]) + (a[2][0] + a[3][0]);
+  st[1] = (a[0][1] + a[1][1]) + (a[2][1] + a[3][1]);
+}
+
 // y [T, N] = x [T, K] @ W^T (+ bias) for W packed as [N / PW, K, PW], fp32, any T
 static void run_panels(const float* xp, int64_t ldx, int64_t T, const float* W, int64_t K, int64_t P,
                        const float* bias, float* yp, int64_t ldy) {
@@ -491,25 +514,29 @@ static void run_panels(const float* xp, int64_t ldx, int64_t T, const float* W, 
       // the next panel, asked for as the first pass of this one's first block of rows runs
       const float* next = PREFETCH_PANELS && tb == 0 && (p + 1) * blocks < i1 ? wp + K * PW : nullptr;
       for (int64_t t = 0; t < std::max<int64_t>(R, 4); ++t) xr[t] = xp + (tb + std::min(t, R - 1)) * ldx;
-      for (int64_t k0 = 0; k0 < K; k0 += PKC) {
-        const int64_t k1 = std::min(K, k0 + PKC);
-        const bool first = k0 == 0;
-        if (R <= 4 && PH == 6) {
-          panel_pass<4>(wp, xr, k0, k1, st, first, next);
-          continue;
-        }
-        for (int64_t t0 = 0; t0 < R; t0 += PH) {
-          const float* const* x = xr + t0;
-          const float* pf = t0 == 0 ? next : nullptr;
-          switch (std::min<int64_t>(PH, R - t0)) {
-            case 1: panel_pass<1>(wp, x, k0, k1, st + t0, first, pf); break;
-            case 2: panel_pass<2>(wp, x, k0, k1, st + t0, first, pf); break;
-            case 3: panel_pass<3>(wp, x, k0, k1, st + t0, first, pf); break;
-            case 4: panel_pass<4>(wp, x, k0, k1, st + t0, first, pf); break;
-            case 5: panel_pass<5>(wp, x, k0, k1, st + t0, first, pf); break;
-            case 6: panel_pass<6>(wp, x, k0, k1, st + t0, first, pf); break;
-            case 7: panel_pass<7>(wp, x, k0, k1, st + t0, first, pf); break;
-            default: panel_pass<8>(wp, x, k0, k1, st + t0, first, pf); break;
+      if (R == 1) {
+        panel_row(wp, xr[0], K, st[0]);
+      } else {
+        for (int64_t k0 = 0; k0 < K; k0 += PKC) {
+          const int64_t k1 = std::min(K, k0 + PKC);
+          const bool first = k0 == 0;
+          if (R <= 4 && PH == 6) {
+            panel_pass<4>(wp, xr, k0, k1, st, first, next);
+            continue;
+          }
+          for (int64_t t0 = 0; t0 < R; t0 += PH) {
+            const float* const* x = xr + t0;
+            const float* pf = t0 == 0 ? next : nullptr;
+            switch (std::min<int64_t>(PH, R - t0)) {
+              case 1: panel_pass<1>(wp, x, k0, k1, st + t0, first, pf); break;
+              case 2: panel_pass<2>(wp, x, k0, k1, st + t0, first, pf); break;
+              case 3: panel_pass<3>(wp, x, k0, k1, st + t0, first, pf); break;
+              case 4: panel_pass<4>(wp, x, k0, k1, st + t0, first, pf); break;
+              case 5: panel_pass<5>(wp, x, k0, k1, st + t0, first, pf); break;
+              case 6: panel_pass<6>(wp, x, k0, k1, st + t0, first, pf); break;
+              case 7: panel_pass<7>(wp, x, k0, k1, st + t0, first, pf); break;
+              default: panel_pass<8>(wp, x, k0, k1, st + t0, first, pf); break;
+            }
           }
         }
       }
