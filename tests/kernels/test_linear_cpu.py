@@ -4,8 +4,9 @@ strided rows and with biases, in the build for this CPU and in one without AVX-5
 other tile shapes); past
 `max_rows()` rows it is torch's GEMM itself; weights packed into panels (fp32; AVX2, and AMD CPUs
 with AVX-512) give the same products at every row count without torch's GEMM, in their own
-storage, and an fp32 model packs its projections but never the embedding; and the engine on it gives the torch path's greedy tokens on every parity family
-and on the demo fleet."""
+storage; an fp32 model packs its projections and LM head, a tied embedding with its head (read by
+rows out of the panels), an untied one never; and the engine on it gives the torch path's greedy
+tokens on every parity family and on the demo fleet."""
 
 from __future__ import annotations
 
