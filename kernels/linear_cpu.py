@@ -484,7 +484,8 @@ static inline void panel_pass(const float* wp, const float* const* x, int64_t k0
 // that eight loads of the stream are in flight (a pass of one row keeps one pair and goes by
 // chunks of K: `tiny`'s 33 weights at 1 row took 0.78-0.98x its time, medians of 100 alternated
 // passes in one process, seven processes, the AMD EPYC with AVX-512; in the build for AVX2 on
-// the same host, 0.85-0.88x; two k at a time, 0.81-0.98x)
+// the same host, 0.85-0.88x; two k at a time, 0.81-0.98x. 2-4 rows the same way, two or four k
+// at a time: 0.98-1.01x the chunked passes' time, not kept)
 static inline void panel_row(const float* wp, const float* x, int64_t K, vw* st) {
   vw a[4][2] = {};
   int64_t k = 0;
