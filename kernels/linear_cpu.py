@@ -97,7 +97,8 @@ for AVX2: 1.0x the [N, K] tiles' time at 1 row, 0.92x at 4, 1.30x at 8; with pas
 12 rows: 0.90-0.95x at 8 rows but 1.06-1.17x at 1 (`tiny` too): not enabled there. On an AMD
 EPYC with AVX-512 (Zen 4's cores, 2 threads, 2026-12-04; `tiny`'s 33 weights from memory, medians
 of 12 alternated passes in one process, against the same weights [N, K] on their tiles): passes
-of up to 8 rows (16 accumulators) 1.0-1.15x the time at 1 row, 0.64-0.87x at 2, 0.57-0.78x at 4,
+of up to 8 rows (16 accumulators) 1.0-1.15x the time at 1 row (before `panel_row`: with it
+0.67-1.23x, median 0.85, ten processes), 0.64-0.87x at 2, 0.57-0.78x at 4,
 0.54-0.73x at 8, 0.70-0.75x at 12-24; a software prefetch of the next panel (as with AVX2) or
 512-8,192 floats ahead in the same one cost 1.10-1.28x at 2-8 rows, so none; passes of 12 rows
 no better than 8. Whole decode steps (`bench decode-bound`, two processes of each, alternated):
