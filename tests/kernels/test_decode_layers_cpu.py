@@ -2,7 +2,7 @@
 on the same CPU kernels (`LlamaModel.layers_`) bit for bit: the MLP output, the residual stream
 and the KV pages they write, on every parity family (biases, tied embeddings, q/k norms, GQA),
 in fp32 and bf16, with adapters of two ranks and the base mixed in the batch, past `max_rows()`
-rows (torch's GEMM) and in the build without AVX-512; an engine's decode steps take it, and a
+rows (torch's GEMM on weights [N, K], the kernel on packed ones) and in the build without AVX-512; an engine's decode steps take it, and a
 step with a prefill row does not."""
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def test_one_call_equals_the_python_loop_bit_for_bit(family_dirs, family, dtype,
 
 
 def test_past_max_rows_and_without_adapters(family_dirs):
-    """70 decode rows (more than `max_rows()` on either instruction set: torch's GEMM) on the base."""
+    """70 decode rows (more than `max_rows()` on either instruction set: torch's GEMM on weights
+    [N, K], the kernel's blocks of 64 rows on packed ones) on the base."""
     model_dir, adapters = family_dirs["llama"]
     seen = decode_step_both_ways(start(model_dir, adapters, "float32", [None] * 70), 70)
     assert seen["lora"] is None
