@@ -24,10 +24,10 @@ Every op keeps the semantics of its reference in `reference.py`:
   step (every row one token that samples) in one call where a backend has it (the CPU:
   `decode_layers_cpu.decode_batch`), else None;
 - `pack(w)`: a base weight [N, K] laid out again in its own storage for `linear`, which reads
-  either layout (the CPU: `linear_cpu.pack`'s panels, fp32 on AVX2 and on AMD CPUs with
+  either layout (the CPU: `panels_cpu.pack`'s panels, fp32 on AVX2 and on AMD CPUs with
   AVX-512), else None (weights stay [N, K]). The model packs its projections once, at load,
   and its LM head, the embedding's storage where they are tied;
-- `rows(w, ids)`: the embedding's rows `w[ids]`, in either layout (the CPU: `linear_cpu.rows`,
+- `rows(w, ids)`: the embedding's rows `w[ids]`, in either layout (the CPU: `panels_cpu.rows`,
   which reads them out of a tied head's panels), else `reference.rows`.
 """
 
@@ -99,7 +99,8 @@ def torch_kernels() -> Kernels:
 def cpu_kernels(dtype: torch.dtype) -> Kernels:
     """The C++ kernels where they serve (built: `cpu_module`; fp32 and bf16), with the reference
     for prefill attention; the references for everything where they do not."""
-    from lorafleet.kernels import cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
+    from lorafleet.kernels import (cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu, panels_cpu,
+                                   pointwise_cpu)
 
     if dtype not in (torch.float32, torch.bfloat16) or cpu_module.load() is None:
         return Kernels("cpu", reference.linear, lora=_lora_reference, write_kv=reference.write_kv,
@@ -111,7 +112,7 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
                    decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
                    decode_forward=decode_layers_cpu.decode_forward, decode_batch=decode_layers_cpu.decode_batch,
-                   pack=linear_cpu.pack, rows=linear_cpu.rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
+                   pack=panels_cpu.pack, rows=panels_cpu.rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
 
 
 def triton_kernels() -> Kernels:

@@ -1,6 +1,7 @@
-"""The CPU kernels as one C++ extension: the matmul (`linear_cpu`), the row-wise ops
-(`pointwise_cpu`), LoRA (`lora_cpu`), decode attention (`paged_attention_cpu`) and the driver
-that runs a decode step's layers over them in one call (`decode_layers_cpu`).
+"""The CPU kernels as one C++ extension: the matmul (`linear_cpu`; on packed weights
+`panels_cpu`), the row-wise ops (`pointwise_cpu`), LoRA (`lora_cpu`), decode attention
+(`paged_attention_cpu`) and the driver that runs a decode step's layers over them in one call
+(`decode_layers_cpu`).
 
 Why one: a kernel's build is mostly torch's headers (~30 s each on 2 cores, whatever the
 kernel), so five extensions made a first start compile for ~2.5 min where one takes ~40 s; and
@@ -9,7 +10,7 @@ the driver calls every kernel's C++, so it had to compile their sources anyway.
 How: `cpu_vector`'s shared code, then every `#include` of the kernels' sources once, then each
 kernel's source in a C++ namespace of its own (so their private helpers may share names), then
 `using` declarations that put each kernel's bound functions at global scope, then the driver,
-which calls them as `lin::`, `pw::`, `lo::`, `att::`. Each kernel keeps its source, its
+which calls them as `pn::`, `lin::`, `pw::`, `lo::`, `att::`. Each kernel keeps its source, its
 documentation and its Python wrappers in its own module; their `load` is this one's. Built and
 cached by `build.py` (the key covers this whole text); LORAFLEET_CPU_KERNELS=0 forces the
 references.
@@ -27,9 +28,10 @@ NAME = "lorafleet_cpu_v1"
 
 def _kernels() -> dict:
     """namespace -> kernel module (imported here, not at the top: each imports `load` from here)."""
-    from lorafleet.kernels import linear_cpu, lora_cpu, paged_attention_cpu, pointwise_cpu
+    from lorafleet.kernels import linear_cpu, lora_cpu, paged_attention_cpu, panels_cpu, pointwise_cpu
 
-    return {"lin": linear_cpu, "pw": pointwise_cpu, "lo": lora_cpu, "att": paged_attention_cpu}
+    # in this order: `lin` calls `pn`
+    return {"pn": panels_cpu, "lin": linear_cpu, "pw": pointwise_cpu, "lo": lora_cpu, "att": paged_attention_cpu}
 
 
 @functools.cache

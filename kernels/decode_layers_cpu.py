@@ -11,8 +11,8 @@ the one call against the Python loop, alternated in one process: 0.93x the time 
 0.96x at batch 8, 0.94x at batch 8 over 8 adapters.
 
 How: the driver below is compiled in the CPU kernels' one extension (`cpu_module`), after the
-four kernels' sources (`linear_cpu` as `lin::`, `pointwise_cpu` as `pw::`, `lora_cpu` as
-`lo::`, `paged_attention_cpu` as `att::`), whose C++ functions it calls directly.
+kernels' sources (`panels_cpu` as `pn::`, `linear_cpu` as `lin::`, `pointwise_cpu` as `pw::`,
+`lora_cpu` as `lo::`, `paged_attention_cpu` as `att::`), whose C++ functions it calls directly.
 
 Semantics: those of the Python loop on the CPU kernels, op for op and in the same order, so the
 result is the same bit for bit (`tests/kernels/test_decode_layers_cpu.py` asserts equality);
@@ -118,7 +118,7 @@ torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tenso
                              double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora,
                              int64_t E) {
   pybind11::gil_scoped_release no_gil;
-  torch::Tensor x = lin::rows(embed, ids);  // the embedding, packed where it is the LM head too
+  torch::Tensor x = pn::rows(embed, ids);  // the embedding, packed where it is the LM head too
   x.add_(layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D,
                 lora, E));
   if (rows.size(0) != x.size(0)) x = x.index_select(0, rows);

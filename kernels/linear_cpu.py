@@ -5,8 +5,8 @@ Why it exists: a decode step at small batch is a matrix-vector problem. torch's 
 a weight at 4-6 GB/s at 1-8 rows on a machine that streams ~20-28 GB/s, so two thirds of a
 decode step went to `aten::mm` on the base weights while the memory bus idled. Here W keeps its
 torch layout ([N, K] row-major, the checkpoint's), or, in fp32 on AVX2 and on AMD CPUs with
-AVX-512, is packed once at load into panels in its own storage (`pack`, below: no copy kept, no
-extra memory), and:
+AVX-512, is packed once at load into panels in its own storage (`panels_cpu.pack`: no copy kept,
+no extra memory), and:
 - the N output rows are cut into blocks of NB weight rows, spread over torch's threads
   (`at::parallel_for`, so `torch.set_num_threads` governs it like every other op);
 - a block's NB rows are streamed once from memory, side by side, against a tile of TB x rows
@@ -56,7 +56,7 @@ extra memory), and:
   at 42-53% of the core's FMA peak even on cached weights: GCC folds each x load into its three
   FMAs as memory operands (25 loads per 24 FMAs; standalone, 41-42 G multiply-adds a second a
   thread against 58 for a register-only FMA loop), and each tile ends in 24 horizontal sums.
-  Panels (below) run there at that peak (58 G, standalone, cached): fp32 weights are packed there.
+  Panels (`panels_cpu`) run there at that peak (58 G, standalone, cached): fp32 weights are packed there.
 Past `max_rows()` rows (prefill), a call on weights laid out [N, K] goes to torch's GEMM, which
 is better there: the weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each, and for fp32
@@ -70,45 +70,8 @@ measured on, Intel keeps at::linear) it took 0.74-0.94x MKL's time on `tiny`'s p
 tokens took 144-165 ms against 164-180 (over 8 adapters in turn 179-194 against 200-209). The
 kernel at 16-64 rows, weights from memory, took 0.84-1.09x oneDNN's time: `max_rows` stays.
 
-Packed panels (`pack`, `Kernels.pack`: the model packs its projections and LM head once, at
-load, in place; fp32 only, in builds for AVX2 and, with AVX-512, on AMD CPUs (on the Intel one
-they did not pay, below); an N that the panel width does not divide and bf16 stay [N, K]; a tied
-LM head is packed too, its embedding then read by rows out of the panels, `rows`: on `smol`'s
-tied 49,152 x 576 head, 4 us for 8 tokens against 3 by index_select, 0.46 ms for 512 against
-0.02, where the head itself at 8 rows took 3.27 ms against 6.13 on the (3, 8) tiles (medians of
-15 alternated calls): `smol`'s decode step at batch 8 19.8 / 18.5 -> 15.4 / 17.0 ms, two
-processes of each alternated, read rates flipping between them).
-With AVX2: W as [N / 16, K, 16], each panel one contiguous stream with the next one prefetched
-a line per k, each x element broadcast against the panel's two vectors into 12 accumulators of
-6 rows x 16 outputs (8 loads per 12 FMAs against (1, 8)'s 9 per 8, no horizontal sums), rows in
-passes of 6 and the rest (2-4 rows: one pass of 4) over chunks of 128 of K, one row by itself
-over all of K, four k at a time (`panel_row`). First measured as a throwaway prototype (AMD
-EPYC, AVX2, 2 threads, 2026-12-02, the host in a slow phase; `tiny`'s 33 weights from memory,
-best of 7, both on huge pages): 0.84-0.88x the (1, 8) tile's time at 8 rows, 0.80-0.93x at 4, 0.88-0.99x at 1; on
-cached weights 85-100 against 64-93 GFLOP/s at 8 rows; passes of 4 + 4 rows (8 accumulators) or
-no prefetch: 0.94-1.04x. As built, against the same weights unpacked, alternated in one process
-(the host slower still: `tiny`'s batch-1 step 7.5-10.6 ms): the matmuls alone (medians of 6-8
-rounds) `tiny` 0.91x the time at 1 row, 0.97x at 4, 0.94x at 8, `smol` 0.96x, 0.81x, 0.94x;
-whole decode steps, two engines alternated, `tiny` 0.91x at batch 1 and 0.93x at 8 (every one
-of 10 rounds below 1), `smol` 0.99x and 1.01x (6 rounds), a prefill of 4 x 256 tokens 0.82x
-and 0.84x; greedy tokens identical. With AVX-512 (panels of 32 outputs, two 16-lane vectors;
-an Intel Sapphire Rapids VM, 2 threads, `smol`'s weights, alternated in one process), as built
-for AVX2: 1.0x the [N, K] tiles' time at 1 row, 0.92x at 4, 1.30x at 8; with passes of 8 and
-12 rows: 0.90-0.95x at 8 rows but 1.06-1.17x at 1 (`tiny` too): not enabled there. On an AMD
-EPYC with AVX-512 (Zen 4's cores, 2 threads, 2026-12-04; `tiny`'s 33 weights from memory, medians
-of 12 alternated passes in one process, against the same weights [N, K] on their tiles): passes
-of up to 8 rows (16 accumulators) 1.0-1.15x the time at 1 row (before `panel_row`: with it
-0.67-1.23x, median 0.85, ten processes), 0.64-0.87x at 2, 0.57-0.78x at 4,
-0.54-0.73x at 8, 0.70-0.75x at 12-24; a software prefetch of the next panel (as with AVX2) or
-512-8,192 floats ahead in the same one cost 1.10-1.28x at 2-8 rows, so none; passes of 12 rows
-no better than 8. Whole decode steps (`bench decode-bound`, two processes of each, alternated):
-`tiny` at batch 8 6.21-6.25 -> 3.64-3.71 ms, `smol` 26.2-26.3 -> 18.5-18.8, at 32 16.7-17.9 ->
-11.9-12.2 and 72-77 -> 58-62, batch 1 as before within the host's two read rates. Past
-`max_rows()` the panels stay the kernel's (blocks of 64 rows): `tiny`'s 33 weights at 64 rows
-0.80x oneDNN's time on them laid out [N, K], 0.90x at 128, 0.96x at 256, 0.99x at 512 (102-106 G
-multiply-adds a second on 2 threads, oneDNN 101-104); the build for AVX2 on the same host, 6-row
-passes, 0.74x, 0.99x, 1.06x and 1.08x (against that, the copy to [N, K] per call it made before
-took 0.75x, 1.29x, 1.12x and 1.07x).
+fp32 weights packed into panels (AVX2, and AVX-512 on AMD CPUs) are `panels_cpu`'s: `linear`
+sends them there (`pn::linear_packed`), at every row count.
 
 Semantics: those of `F.linear` (the reference in `reference.linear`), fp32 accumulation in a
 different order: equal to it within 1e-5 relative in fp32. Built with the other CPU kernels,
@@ -123,7 +86,7 @@ from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
 
-FUNCTIONS = ["linear", "max_rows", "panel_width", "rows"]
+FUNCTIONS = ["linear", "max_rows"]
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -433,164 +396,6 @@ static void dispatch(const Args& a) {
 #endif
 }
 
-// W packed in panels of PW output rows, [N / PW, K, PW] (`pack`): a panel is one contiguous
-// stream, read once per call; for each k its PW weights are two vectors, and each x row's element
-// is broadcast against them, so the sums are PW lanes wide (no horizontal sums): a pass of PH rows
-// keeps 2 x PH accumulators for 2 + PH loads per 2 x PH FMAs, where the (3, 8) tile of [N, K]
-// rows has 11 per 24 and the (1, 8) one 9 per 8. K goes by chunks of PKC, so that a chunk of the
-// panel stays in L1 while every pass of rows reads it. Rows go in blocks of RB, each (panel,
-// block of rows) one unit of the threads' work, a panel's blocks in a row (its chunks stay in L2
-// between them): so packed weights take every row count here, prefill too, never a copy laid
-// out [N, K] again for torch's GEMM. With AVX2, the first pass of a chunk asks for the same chunk
-// of the next panel; 2-4 rows go as one pass of 4 (rows past T repeat the last, computed and
-// never stored), 5-8 as 6 + the rest. With AVX-512 (on AMD CPUs only: `panel_width`), passes of
-// up to 8 rows and no software prefetch. One row, with either: `panel_row` (measured: see the
-// module doc and there)
-constexpr int64_t PW = 2 * VW;
-constexpr int64_t PKC = 128;
-constexpr int64_t RB = 64;
-#if defined(__AVX512F__)
-constexpr int64_t PH = 8;
-constexpr bool PREFETCH_PANELS = false;
-#else
-constexpr int64_t PH = 6;
-constexpr bool PREFETCH_PANELS = true;
-#endif
-
-template <int TR>
-static inline void panel_pass(const float* wp, const float* const* x, int64_t k0, int64_t k1, vw (*st)[2],
-                              bool first, const float* pf) {
-  vw acc[TR][2];
-  for (int t = 0; t < TR; ++t) {
-    acc[t][0] = first ? vw{} : st[t][0];
-    acc[t][1] = first ? vw{} : st[t][1];
-  }
-  for (int64_t k = k0; k < k1; ++k) {
-    if (pf)
-      for (int64_t c = 0; c < PW; c += 16) __builtin_prefetch(pf + k * PW + c, 0, PF_HINT);
-    const vw w0 = wload(wp + k * PW), w1 = wload(wp + k * PW + VW);
-    for (int t = 0; t < TR; ++t) {
-      const float xv = x[t][k];
-      acc[t][0] += w0 * xv;
-      acc[t][1] += w1 * xv;
-    }
-  }
-  for (int t = 0; t < TR; ++t) {
-    st[t][0] = acc[t][0];
-    st[t][1] = acc[t][1];
-  }
-}
-
-// one row against a panel: all of K in one pass, four k at a time into four pairs of sums, so
-// that eight loads of the stream are in flight (a pass of one row keeps one pair and goes by
-// chunks of K: `tiny`'s 33 weights at 1 row took 0.78-0.98x its time, medians of 100 alternated
-// passes in one process, seven processes, the AMD EPYC with AVX-512; in the build for AVX2 on
-// the same host, 0.85-0.88x; two k at a time, 0.81-0.98x. 2-4 rows the same way, two or four k
-// at a time: 0.98-1.01x the chunked passes' time, not kept)
-static inline void panel_row(const float* wp, const float* x, int64_t K, vw* st) {
-  vw a[4][2] = {};
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4)
-    for (int u = 0; u < 4; ++u) {
-      a[u][0] += wload(wp + (k + u) * PW) * x[k + u];
-      a[u][1] += wload(wp + (k + u) * PW + VW) * x[k + u];
-    }
-  for (; k < K; ++k) {
-    a[0][0] += wload(wp + k * PW) * x[k];
-    a[0][1] += wload(wp + k * PW + VW) * x[k];
-  }
-  st[0] = (a[0][0] + a[1][0]) + (a[2][0] + a[3][0]);
-  st[1] = (a[0][1] + a[1][1]) + (a[2][1] + a[3][1]);
-}
-
-// y [T, N] = x [T, K] @ W^T (+ bias) for W packed as [N / PW, K, PW], fp32, any T
-static void run_panels(const float* xp, int64_t ldx, int64_t T, const float* W, int64_t K, int64_t P,
-                       const float* bias, float* yp, int64_t ldy) {
-  const int64_t blocks = (T + RB - 1) / RB;  // blocks of rows
-  at::parallel_for(0, P * blocks, 1, [&](int64_t i0, int64_t i1) {
-    vw st[RB + 4][2];  // each row's sums across the chunks of K (+ the rows a pass of 4 repeats)
-    const float* xr[RB + 4];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / blocks, tb = i % blocks * RB, R = std::min(RB, T - tb);
-      const float* wp = W + p * K * PW;
-      // the next panel, asked for as the first pass of this one's first block of rows runs
-      const float* next = PREFETCH_PANELS && tb == 0 && (p + 1) * blocks < i1 ? wp + K * PW : nullptr;
-      for (int64_t t = 0; t < std::max<int64_t>(R, 4); ++t) xr[t] = xp + (tb + std::min(t, R - 1)) * ldx;
-      if (R == 1) {
-        panel_row(wp, xr[0], K, st[0]);
-      } else {
-        for (int64_t k0 = 0; k0 < K; k0 += PKC) {
-          const int64_t k1 = std::min(K, k0 + PKC);
-          const bool first = k0 == 0;
-          if (R <= 4 && PH == 6) {
-            panel_pass<4>(wp, xr, k0, k1, st, first, next);
-            continue;
-          }
-          for (int64_t t0 = 0; t0 < R; t0 += PH) {
-            const float* const* x = xr + t0;
-            const float* pf = t0 == 0 ? next : nullptr;
-            switch (std::min<int64_t>(PH, R - t0)) {
-              case 1: panel_pass<1>(wp, x, k0, k1, st + t0, first, pf); break;
-              case 2: panel_pass<2>(wp, x, k0, k1, st + t0, first, pf); break;
-              case 3: panel_pass<3>(wp, x, k0, k1, st + t0, first, pf); break;
-              case 4: panel_pass<4>(wp, x, k0, k1, st + t0, first, pf); break;
-              case 5: panel_pass<5>(wp, x, k0, k1, st + t0, first, pf); break;
-              case 6: panel_pass<6>(wp, x, k0, k1, st + t0, first, pf); break;
-              case 7: panel_pass<7>(wp, x, k0, k1, st + t0, first, pf); break;
-              default: panel_pass<8>(wp, x, k0, k1, st + t0, first, pf); break;
-            }
-          }
-        }
-      }
-      for (int64_t t = 0; t < R; ++t) {
-        vw a0 = st[t][0], a1 = st[t][1];
-        if (bias) {
-          a0 += wload(bias + p * PW);
-          a1 += wload(bias + p * PW + VW);
-        }
-        wstore(yp + (tb + t) * ldy + p * PW, a0);
-        wstore(yp + (tb + t) * ldy + p * PW + VW, a1);
-      }
-    }
-  });
-}
-
-// w's rows `ids` [T] as [T, K], w [N, K] or packed (`pack`): a tied LM head's embedding, packed
-// with it, is read by rows too. A row of a panel is one lane of it, PW floats apart: each of its
-// K elements costs a cache line, T x K lines for the T tokens of a step (a decode step of 8 rows
-// of 576: 4,608 lines, 0.3 MB, where its LM head streams 113 MB)
-torch::Tensor rows(torch::Tensor w, torch::Tensor ids) {
-  if (w.dim() != 3) return w.index_select(0, ids);
-  TORCH_CHECK(w.size(2) == PW && w.is_contiguous() && w.scalar_type() == at::kFloat,
-              "rows: packed w [N / ", PW, ", K, ", PW, "] of float32");
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "rows: ids [T] of int64");
-  const int64_t N = w.size(0) * PW, K = w.size(1), T = ids.size(0);
-  const torch::Tensor ic = ids.contiguous();
-  const int64_t* ip = ic.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK_INDEX(ip[t] >= 0 && ip[t] < N, "rows: id ", ip[t], " is out of [0, ", N, ")");
-  auto y = torch::empty({T, K}, w.options());
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const float* src = wp + ip[t] / PW * K * PW + ip[t] % PW;
-    for (int64_t k = 0; k < K; ++k) yp[t * K + k] = src[k * PW];
-  }
-  return y;
-}
-
-// the panel width `pack` uses, 0 where weights stay [N, K]: panels pay on AVX2 and, with AVX-512,
-// on the AMD CPU they were measured on; on the Intel one they did not (module doc)
-int64_t panel_width() {
-#if defined(__AVX512F__)
-  return amd_cpu() ? PW : 0;
-#elif defined(__AVX2__)
-  return PW;
-#else
-  return 0;
-#endif
-}
-
 // more rows than this: torch's GEMM (`linear` in Python). With AVX-512 (an Intel host, tiny's 33
 // weights, one thread): 24 rows 20.9 ms here against 23.6 ms for torch, 32 rows 32-38 against
 // 26.9. But fp32 on an AMD CPU with AVX-512, where torch's GEMM (MKL) ran at 50-80 GFLOP/s at
@@ -632,24 +437,10 @@ static torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const 
   return stack.back().toTensor();
 }
 
-// F.linear(x, w, bias): the kernel on packed panels, on w [N, K] up to max_rows() rows and `gemm`
-// beyond (prefill), here so that
-// every caller (the Python wrapper, the decode-layers driver) takes the same path
+// F.linear(x, w, bias): the kernel on packed panels (`pn::linear_packed`), on w [N, K] up to
+// max_rows() rows and `gemm` beyond (prefill), here so that every caller (the Python wrapper, the decode-layers driver) takes the same path
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  if (w.dim() == 3) {  // packed panels (`pack`): fp32 only, the kernel at every row count
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && w.size(2) == PW && w.is_contiguous(),
-                "linear: x [T, K] and packed w [N / ", PW, ", K, ", PW, "]");
-    TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear: packed w is float32");
-    const int64_t N = w.size(0) * PW;
-    if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                          "linear: bias");
-    if (x.stride(1) != 1) x = x.contiguous();
-    auto y = torch::empty({x.size(0), N}, x.options());
-    if (x.size(0) == 0 || N == 0) return y;
-    run_panels(x.data_ptr<float>(), x.stride(0), x.size(0), w.data_ptr<float>(), w.size(1), w.size(0),
-               bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), y.stride(0));
-    return y;
-  }
+  if (w.dim() == 3) return pn::linear_packed(x, w, bias);  // packed panels (`panels_cpu`)
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [T, K] and w [N, K]");
   if (x.size(0) > max_rows(x.scalar_type() == at::kBFloat16)) return gemm(x, w, bias);
   if (x.stride(1) != 1) x = x.contiguous();
@@ -679,7 +470,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """Rows up to which `linear` runs the kernel on x of `dtype` and w [N, K], torch's GEMM beyond
-    (prefill; weights packed by `pack` stay on the kernel at every row count):
+    (prefill; weights packed by `panels_cpu.pack` stay on the kernel at every row count):
     24 where the build has AVX-512 (64 in fp32 on an AMD CPU), 64 with AVX2; bf16 12 where the
     CPU has AMX, whose tiles torch's bf16 GEMM uses (measured: see the C++ `max_rows`)."""
     return load().max_rows(dtype == torch.bfloat16)
@@ -687,26 +478,6 @@ def max_rows(dtype: torch.dtype = torch.float32) -> int:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16), or w
-    packed by `pack`: the kernel on packed w at every row count, on w [N, K] up to `max_rows()`
+    packed by `panels_cpu.pack`: the kernel on packed w at every row count, on w [N, K] up to `max_rows()`
     rows and torch's GEMM beyond (the C++ `linear` decides)."""
     return load().linear(x, w, bias)
-
-
-def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """`w[ids]` for w [N, K] or packed by `pack` (an embedding that is also the LM head): [T, K]."""
-    return load().rows(w, ids)
-
-
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """A base weight [N, K] laid out for `linear` as panels [N / PW, K, PW] (PW: the build's
-    `panel_width`), in its own storage: the values move, no memory is added, and the tensor given
-    must not be read as [N, K] again. Returned as is where it stays [N, K]: not float32, N not a
-    multiple of PW, or a build without panels (AVX-512 on an Intel CPU: they did not pay there)."""
-    pw = load().panel_width()
-    if not pw or w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] % pw or not w.is_contiguous():
-        return w
-    n, k = w.shape
-    panels = w.view(n // pw, pw, k).transpose(1, 2).contiguous()
-    flat = w.view(-1)
-    flat.copy_(panels.view(-1))
-    return flat.view(n // pw, k, pw)

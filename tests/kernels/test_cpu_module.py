@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lorafleet.kernels import (backend, cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu,
-                               pointwise_cpu, reference)
+                               panels_cpu, pointwise_cpu, reference)
 
-KERNELS = (linear_cpu, pointwise_cpu, lora_cpu, paged_attention_cpu, decode_layers_cpu)
+KERNELS = (linear_cpu, panels_cpu, pointwise_cpu, lora_cpu, paged_attention_cpu, decode_layers_cpu)
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(cpu_module.load() is None, reason="the kernels do not build here")
