@@ -28,6 +28,16 @@ page asked for at once) against v9, best of 4 alternated: fp32 8 sequences of 96
 72 us, 8 of 470 572 -> 483 us, one of 2,000 274 -> 224 us; bf16 8 of 470 432 -> 332 us. Whole
 `tiny` decode steps, alternated: 8 sequences of 470 tokens 0.95x the time, of 64 0.985x.
 
+The softmax runs on whole vectors (a head's scores padded to them, the padding masked out of the
+sum), where each score past the last whole vector took a scalar exp; the values pass keeps
+blocks of four of each head's output vectors in registers across a page's rows, where four rows
+at a time went through memory (each output vector a chain of loads and stores). On the AMD EPYC
+with AVX-512 (2026-12-05), one layer's call for 8 sequences of 76 tokens (`tiny`'s heads): one
+thread, caches warm, 64-67 -> 54-57 us; caches flushed, 2 threads, 82-105 us either way (the
+pages' latency: asking for the next page's rows further ahead, or for a page's V rows during
+its K rows, did not move it). Whole `tiny` decode steps at batch 8 over contexts of 64-128
+tokens, two processes alternated five times: 4.21-4.29 -> 4.14-4.25 ms, every round lower.
+
 q is read where the qkv projection left it: rows strided, each row's heads side by side (the
 decode driver copied it before, a 16 KB copy and allocation a layer for 8 rows of `tiny`; whole
 steps alternated with and without the copy differed within the noise, 0.99-1.01x).
@@ -55,6 +65,13 @@ _SOURCE = cpu_vector.SOURCE + r"""
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+// 0, 1, ..., VW - 1
+static inline iw lanes() {
+  iw v;
+  for (int j = 0; j < VW; ++j) v[j] = j;
+  return v;
+}
 
 // pages are scattered: the hardware prefetcher cannot guess the next one. So while four rows of
 // one kv head of this page are computed, the same four rows of the next page are asked for: a
@@ -121,7 +138,8 @@ static void decode_t(const torch::Tensor& q, const torch::Tensor& kv, const torc
     std::vector<float> s, qf(GH * D), of(GH * D);
     for (int64_t i = next++; i < tasks; i = next++) {
       const int64_t b = i / NG, kh0 = (i % NG) * HG, L = lp[b];
-      s.resize(GH * L);
+      const int64_t Ls = (L + VW - 1) / VW * VW;  // a head's scores, padded to whole vectors
+      s.resize(GH * Ls);
       const S* qb = qp + b * sq + kh0 * G * D;  // the group's GH query heads, contiguous
       for (int64_t e = 0; e < GH * D; ++e) qf[e] = float(qb[e]);
       const int64_t* table = tp + b * maxb;
@@ -138,41 +156,72 @@ static void decode_t(const torch::Tensor& q, const torch::Tensor& kv, const torc
           float r[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
           for (int64_t d = DV; d < D; ++d)
             for (int64_t j = 0; j < 4; ++j) r[j] += qg[d] * float(k[j][d]);
-          float* sg = s.data() + (hh * G + g) * L + t;
+          float* sg = s.data() + (hh * G + g) * Ls + t;
           for (int64_t j = 0; j < m; ++j) sg[j] = r[j] * sc;
         }
       });
-      for (int64_t g = 0; g < GH; ++g) {  // softmax over each head's scores
-        float* sg = s.data() + g * L;
-        float mx = -INFINITY;
-        for (int64_t u = 0; u < L; ++u) mx = std::max(mx, sg[u]);
-        float sum = 0.f;
-        int64_t u = 0;
-        for (; u + VW <= L; u += VW) {
-          const vw e = wexp(wload(sg + u) - mx);
-          wstore(sg + u, e);
-          sum += hsum(e);
+      for (int64_t g = 0; g < GH; ++g) {  // softmax over each head's scores, whole vectors
+        float* sg = s.data() + g * Ls;
+        for (int64_t u = L; u < Ls; ++u) sg[u] = -INFINITY;
+        vw m = wload(sg);
+        for (int64_t u = VW; u < Ls; u += VW) {
+          const vw x = wload(sg + u);
+          m = m > x ? m : x;
         }
-        for (; u < L; ++u) { sg[u] = exp1(sg[u] - mx); sum += sg[u]; }
-        const float inv = 1.f / sum;
+        float mx = m[0];
+        for (int j = 1; j < VW; ++j) mx = std::max(mx, m[j]);
+        vw sum{};
+        for (int64_t u = 0; u < Ls; u += VW) {
+          vw e = wexp(wload(sg + u) - mx);
+          if (u + VW > L) e = lanes() < iw{} + int32_t(L - u) ? e : vw{};  // the padding weighs nothing
+          wstore(sg + u, e);
+          sum += e;
+        }
+        const float inv = 1.f / hsum(sum);
 #pragma omp simd
         for (int64_t u = 0; u < L; ++u) sg[u] *= inv;
       }
       std::fill(of.begin(), of.end(), 0.f);
-      // values, page by page, four rows at a time into each head's fp32 output
-      each_row_group(kvp + s2 + kh0 * sK, table, L, BS, sP, sT, sK, HG, D, [&](int64_t t, int64_t hh, const S* const* v, int64_t m) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* sg = s.data() + (hh * G + g) * L + t;
-          float p[4] = {sg[0], 0.f, 0.f, 0.f};  // rows past the page's end weigh nothing
-          for (int64_t j = 1; j < m; ++j) p[j] = sg[j];
-          float* o = of.data() + (hh * G + g) * D;
-          for (int64_t d = 0; d < DV; d += VW)
-            wstore(o + d, wload(o + d) + p[0] * wload(v[0] + d) + p[1] * wload(v[1] + d)
-                                       + p[2] * wload(v[2] + d) + p[3] * wload(v[3] + d));
-          for (int64_t d = DV; d < D; ++d)
-            o[d] += p[0] * float(v[0][d]) + p[1] * float(v[1][d]) + p[2] * float(v[2][d]) + p[3] * float(v[3][d]);
+      // values, page by page: for each kv head and each of its query heads, blocks of four of the
+      // output's vectors stay in registers across the page's rows (four independent sums, one
+      // FMA each per row; four rows at a time through memory kept each output vector's sums in a
+      // chain of loads and stores), while the next page's rows of that kv head are asked for
+      const S* vbase = kvp + s2 + kh0 * sK;
+      for (int64_t t0 = 0, blk = 0; t0 < L; t0 += BS, ++blk) {
+        const S* page = vbase + table[blk] * sP;
+        const S* nxt = t0 + BS < L ? vbase + table[blk + 1] * sP : nullptr;
+        const int64_t n = std::min(BS, L - t0);
+        for (int64_t hh = 0; hh < HG; ++hh) {
+          const S* rows = page + hh * sK;
+          const S* nrows = nxt ? nxt + hh * sK : nullptr;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* p = s.data() + (hh * G + g) * Ls + t0;
+            float* o = of.data() + (hh * G + g) * D;
+            int64_t d = 0;
+            for (; d + 4 * VW <= DV; d += 4 * VW) {
+              vw a0 = wload(o + d), a1 = wload(o + d + VW), a2 = wload(o + d + 2 * VW), a3 = wload(o + d + 3 * VW);
+              for (int64_t r = 0; r < n; ++r) {
+                const S* v = rows + r * sT + d;
+                if (nrows && g == 0 && d == 0)  // the next page's row, a row at a time (D >= 4 vectors)
+                  for (int64_t e = 0; e < D; e += 64 / int64_t(sizeof(S))) __builtin_prefetch(nrows + r * sT + e, 0, 3);
+                const vw pr = vw{} + p[r];
+                a0 += pr * wload(v); a1 += pr * wload(v + VW); a2 += pr * wload(v + 2 * VW); a3 += pr * wload(v + 3 * VW);
+              }
+              wstore(o + d, a0); wstore(o + d + VW, a1); wstore(o + d + 2 * VW, a2); wstore(o + d + 3 * VW, a3);
+            }
+            for (; d < DV; d += VW) {
+              vw a = wload(o + d);
+              for (int64_t r = 0; r < n; ++r) a += p[r] * wload(rows + r * sT + d);
+              wstore(o + d, a);
+            }
+            for (; d < D; ++d) {
+              float a = o[d];
+              for (int64_t r = 0; r < n; ++r) a += p[r] * float(rows[r * sT + d]);
+              o[d] = a;
+            }
+          }
         }
-      });
+      }
       S* ob = op + (b * H + kh0 * G) * D;
       for (int64_t e = 0; e < GH * D; ++e) ob[e] = S(of[e]);
     }
