@@ -36,7 +36,11 @@ with AVX-512 (2026-12-05), one layer's call for 8 sequences of 76 tokens (`tiny`
 thread, caches warm, 64-67 -> 54-57 us; caches flushed, 2 threads, 82-105 us either way (the
 pages' latency: asking for the next page's rows further ahead, or for a page's V rows during
 its K rows, did not move it). Whole `tiny` decode steps at batch 8 over contexts of 64-128
-tokens, two processes alternated five times: 4.21-4.29 -> 4.14-4.25 ms, every round lower.
+tokens, two processes alternated five times: 4.21-4.29 -> 4.14-4.25 ms, every round lower (in six
+more rounds 4.10-4.24 -> 4.06-4.23, five lower); over contexts of 448-512 tokens, four rounds,
+7.07-7.16 -> 6.74-7.14 ms. One pass per page instead (its scores, an online softmax, its values,
+the page's V rows asked for during its K rows) ran within the noise of these two (4.06-4.38 ms
+in the same six rounds): not kept.
 
 q is read where the qkv projection left it: rows strided, each row's heads side by side (the
 decode driver copied it before, a 16 KB copy and allocation a layer for 8 rows of `tiny`; whole
