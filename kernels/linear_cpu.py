@@ -56,7 +56,8 @@ no extra memory), and:
   at 42-53% of the core's FMA peak even on cached weights: GCC folds each x load into its three
   FMAs as memory operands (25 loads per 24 FMAs; standalone, 41-42 G multiply-adds a second a
   thread against 58 for a register-only FMA loop), and each tile ends in 24 horizontal sums.
-  Panels (`panels_cpu`) run there at that peak (58 G, standalone, cached): fp32 weights are packed there.
+  Panels (`panels_cpu`) run there at that peak (58 G, standalone, cached): fp32 weights are packed
+  there.
 Past `max_rows()` rows (prefill), a call on weights laid out [N, K] goes to torch's GEMM, which
 is better there: the weights are reused across many rows and the problem is compute-bound. Where that is (24 rows
 with AVX-512, 64 with AVX2) was measured per instruction set, on one host of each, and for fp32

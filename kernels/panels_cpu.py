@@ -49,6 +49,13 @@ no better than 8. Whole decode steps (`bench decode-bound`, two processes of eac
 multiply-adds a second on 2 threads, oneDNN 101-104); the build for AVX2 on the same host, 6-row
 passes, 0.74x, 0.99x, 1.06x and 1.08x (against that, the copy to [N, K] per call it made before
 took 0.75x, 1.29x, 1.12x and 1.07x).
+Not kept, on the same host (2026-12-05, `tiny`'s weights, alternated in one process, each round
+set against the read rate measured in it): a software prefetch 4-16 KB ahead in the same panel
+(prefetcht0, t1 or nta) took 0.95-0.99x the time at 4-8 rows in the host's ~37 GB/s phase but
+0.97-1.09x in its ~67 GB/s one; threads taking panels from a shared counter instead of a
+contiguous range each (so that the one that finishes first takes more) made whole decode steps
+1.12-1.21x slower taking one or two panels at a time, 1.0-1.07x taking four or eight: each
+thread's one sequential stream is what the hardware prefetcher follows best.
 
 Semantics: those of `F.linear` (the reference in `reference.linear`) in fp32, the sums in another
 order: equal to it within 1e-5 relative. Built with the other CPU kernels, as one extension
