@@ -439,7 +439,8 @@ static torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const 
 }
 
 // F.linear(x, w, bias): the kernel on packed panels (`pn::linear_packed`), on w [N, K] up to
-// max_rows() rows and `gemm` beyond (prefill), here so that every caller (the Python wrapper, the decode-layers driver) takes the same path
+// max_rows() rows and `gemm` beyond (prefill), here so that every caller (the Python wrapper,
+// the decode-layers driver) takes the same path
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   if (w.dim() == 3) return pn::linear_packed(x, w, bias);  // packed panels (`panels_cpu`)
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [T, K] and w [N, K]");
@@ -479,6 +480,6 @@ def max_rows(dtype: torch.dtype = torch.float32) -> int:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16), or w
-    packed by `panels_cpu.pack`: the kernel on packed w at every row count, on w [N, K] up to `max_rows()`
-    rows and torch's GEMM beyond (the C++ `linear` decides)."""
+    packed by `panels_cpu.pack`: the kernel on packed w at every row count, on w [N, K] up to
+    `max_rows()` rows and torch's GEMM beyond (the C++ `linear` decides)."""
     return load().linear(x, w, bias)

@@ -209,7 +209,8 @@ static void decode_t(const torch::Tensor& q, const torch::Tensor& kv, const torc
                 if (nrows && g == 0 && d == 0)  // the next page's row, a row at a time (D >= 4 vectors)
                   for (int64_t e = 0; e < D; e += 64 / int64_t(sizeof(S))) __builtin_prefetch(nrows + r * sT + e, 0, 3);
                 const vw pr = vw{} + p[r];
-                a0 += pr * wload(v); a1 += pr * wload(v + VW); a2 += pr * wload(v + 2 * VW); a3 += pr * wload(v + 3 * VW);
+                a0 += pr * wload(v); a1 += pr * wload(v + VW);
+                a2 += pr * wload(v + 2 * VW); a3 += pr * wload(v + 3 * VW);
               }
               wstore(o + d, a0); wstore(o + d + VW, a1); wstore(o + d + 2 * VW, a2); wstore(o + d + 3 * VW, a3);
             }
