@@ -94,6 +94,12 @@ static inline vw wexp(vw x) {
 }
 // the same for one value (loop tails, softmax rows)
 static inline float exp1(float x) { return wexp(vw{} + x)[0]; }
+// each lane's index: 0, 1, ..., VW - 1 (masks of the first n lanes, argmax indices)
+static inline iw lane_ids() {
+  iw v;
+  for (int j = 0; j < VW; ++j) v[j] = j;
+  return v;
+}
 
 // An AMD CPU: with AVX-512 (Zen 4) its hardware prefetcher streams one weight row at a time
 // best, where Intel's keeps up with several side by side (`linear_cpu`, `lora_cpu`)

@@ -70,13 +70,6 @@ _SOURCE = cpu_vector.SOURCE + r"""
 #include <cstring>
 #include <vector>
 
-// 0, 1, ..., VW - 1
-static inline iw lanes() {
-  iw v;
-  for (int j = 0; j < VW; ++j) v[j] = j;
-  return v;
-}
-
 // pages are scattered: the hardware prefetcher cannot guess the next one. So while four rows of
 // one kv head of this page are computed, the same four rows of the next page are asked for: a
 // few lines at a time, spread over the page's loop. Asking for a whole page at once when its
@@ -177,7 +170,7 @@ static void decode_t(const torch::Tensor& q, const torch::Tensor& kv, const torc
         vw sum{};
         for (int64_t u = 0; u < Ls; u += VW) {
           vw e = wexp(wload(sg + u) - mx);
-          if (u + VW > L) e = lanes() < iw{} + int32_t(L - u) ? e : vw{};  // the padding weighs nothing
+          if (u + VW > L) e = lane_ids() < iw{} + int32_t(L - u) ? e : vw{};  // the padding weighs nothing
           wstore(sg + u, e);
           sum += e;
         }

@@ -244,8 +244,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy(torch::Tensor logits) {
   std::vector<int64_t> pat(P * S);
   std::vector<char> pbad(P * S);
   at::parallel_for(0, P * S, 1, [&](int64_t u0, int64_t u1) {
-    iw lanes;
-    for (int l = 0; l < VW; ++l) lanes[l] = l;
+    const iw lanes = lane_ids();
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t p = u / S, s = u % S, c0 = p * len, c1 = std::min(V, c0 + len);
       const float* row = lp + s * ld;

@@ -2,8 +2,8 @@
 on the same CPU kernels (`LlamaModel.layers_`) bit for bit: the MLP output, the residual stream
 and the KV pages they write, on every parity family (biases, tied embeddings, q/k norms, GQA),
 in fp32 and bf16, with adapters of two ranks and the base mixed in the batch, past `max_rows()`
-rows (torch's GEMM on weights [N, K], the kernel on packed ones) and in the build without AVX-512; an engine's decode steps take it, and a
-step with a prefill row does not."""
+rows (torch's GEMM on weights [N, K], the kernel on packed ones) and in the build without
+AVX-512; an engine's decode steps take it, and a step with a prefill row does not."""
 
 from __future__ import annotations
 
