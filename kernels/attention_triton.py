@@ -18,8 +18,9 @@ Scores and the softmax are fp32 (online softmax, one block of keys per iteration
 rounded once to q's dtype.
 
 Why it exists: the torch path gathers each sequence's context into a padded tensor per layer per
-step and loops over prefill sequences in Python. Here every decode row is one program of a
-(B, H) grid and all prefill sequences share one launch over (S, query blocks, H); neither grid
+step and loops over prefill sequences in Python. Here every decode row is a (B, KVH) row of
+programs, each reading its kv head's keys and values once for the query heads that share them,
+and all prefill sequences share one launch over (S, query blocks, H); neither grid
 depends on the lengths' values (decode at all; prefill only through `max_q_len`, which the caller
 may pass as a static bound), so both can be captured in a CUDA graph.
 
@@ -80,45 +81,64 @@ DECODE_TOKENS = 64  # keys one decode iteration reads: whole pages, at least one
 @triton.jit
 def _decode_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                    sq0, sq1, sq2, s_p, s_2, s_t, s_h, s_d, so0, so1, so2, st0, G, D,
-                   BLK: tl.constexpr, TOK: tl.constexpr, TOK_P: tl.constexpr, D_P: tl.constexpr):
+                   UPCAST: tl.constexpr, BLK: tl.constexpr, TOK: tl.constexpr, TOK_P: tl.constexpr,
+                   G_P: tl.constexpr, D_P: tl.constexpr):
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    kh = h // G
+    kh = tl.program_id(1)
     L = tl.load(lens_ptr + b)
+    gg = tl.arange(0, G_P)
     dd = tl.arange(0, D_P)
     dmask = dd < D
-    q = tl.load(q_ptr + b * sq0 + h * sq1 + dd * sq2, mask=dmask, other=0.0).to(tl.float32)
+    qmask = (gg < G)[:, None] & dmask[None, :]
+    heads = kh * G + gg  # the query heads that read this kv head
+    q = tl.load(q_ptr + b * sq0 + heads[:, None] * sq1 + dd[None, :] * sq2, mask=qmask, other=0.0)
     tok = tl.arange(0, TOK_P)
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([D_P], dtype=tl.float32)
+    m_i = tl.full([G_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_P], dtype=tl.float32)
+    acc = tl.zeros([G_P, D_P], dtype=tl.float32)
     for j in range(0, tl.cdiv(L, TOK)):  # TOK // BLK pages per iteration
         pos = j * TOK + tok
         tmask = (tok < TOK) & (pos < L)
         page = tl.load(tables_ptr + b * st0 + pos // BLK, mask=tmask, other=0)
         mask = tmask[:, None] & dmask[None, :]
         base = kv_ptr + page[:, None] * s_p + kh * s_h + (pos % BLK)[:, None] * s_t + dd[None, :] * s_d
-        k = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
-        s = tl.where(tmask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        k = tl.load(base, mask=mask, other=0.0)                          # [TOK_P, D_P], once for G heads
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))                                    # [G_P, TOK_P], fp32
+        s = tl.where(tmask[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every iteration holds a key
         alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        v = tl.load(base + s_2, mask=mask, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(base + s_2, mask=mask, other=0.0)
+        if UPCAST:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
-    tl.store(out_ptr + b * so0 + h * so1 + dd * so2, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dmask)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + b * so0 + heads[:, None] * so1 + dd[None, :] * so2, o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def decode_warps(head_dim: int) -> int:
+    """Warps of a decode program: 8 from 128 lanes of head_dim up (4 would take 138 registers a
+    thread on sm_90, `tests/kernels/test_triton_compile.py`)."""
+    return 8 if _pad(head_dim) >= 128 else 4
 
 
 def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """q: [B, H, D]; kv: [P, 2, BLK, KVH, D] (one layer's view of the pool, any strides); tables:
     [B, maxb] int64 (padding entries: any valid page); lens: [B] int64 (>= 1). Returns [B, H, D]
-    in q's dtype. Grid (B, H), independent of the lengths' values; each program reads its
-    context DECODE_TOKENS keys (whole pages) per iteration, not one page: the page ids and the
-    keys of several pages are in flight at once, where one page a step left each program waiting
-    on one dependent load after another."""
+    in q's dtype. Grid (B, KVH), independent of the lengths' values: each program serves the
+    H / KVH query heads that share its kv head (GQA), so each key and value is read once per
+    sequence, not once per query head; it reads its context DECODE_TOKENS keys (whole pages) per
+    iteration, not one page: the page ids and the keys of several pages are in flight at once,
+    where one page a step left each program waiting on one dependent load after another. The
+    heads' scores and sums are matrix products (`tl.dot`, the heads padded to 16 rows)."""
     B, H, D = q.shape
     _, _, blk, kvh, _ = kv.shape
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
@@ -126,9 +146,11 @@ def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: 
         return out
     tables = tables.contiguous()
     tok = blk * max(1, DECODE_TOKENS // blk)
-    _decode_kernel[(B, H)](q, kv, tables, lens.contiguous(), out, float(scale),
-                           *q.stride(), *kv.stride(), *out.stride(), tables.stride(0), H // kvh, D,
-                           BLK=blk, TOK=tok, TOK_P=triton.next_power_of_2(tok), D_P=triton.next_power_of_2(D))
+    group = H // kvh
+    _decode_kernel[(B, kvh)](q, kv, tables, lens.contiguous(), out, float(scale),
+                             *q.stride(), *kv.stride(), *out.stride(), tables.stride(0), group, D,
+                             UPCAST=_upcast(q.dtype), BLK=blk, TOK=tok, TOK_P=_pad(tok), G_P=_pad(group),
+                             D_P=_pad(D), num_warps=decode_warps(D))
     return out
 
 
@@ -203,10 +225,13 @@ def paged_prefill(q: torch.Tensor, kv: torch.Tensor, q_start: torch.Tensor, q_le
     if max_q_len <= 0:
         return
     d_p = _pad(D)
-    block_m = _block(max_q_len, 16, 64)
-    block_n = 64 if d_p <= 64 else 32
+    upcast = _upcast(q.dtype)
+    # fp32 products on CUDA cores (no TF32) hold far more registers: 16 x 32 tiles there, else
+    # they spill on sm_90 (tests/kernels/test_triton_compile.py)
+    block_m = _block(max_q_len, 16, 16 if upcast else 64)
+    block_n = 64 if d_p <= 64 and not upcast else 32
     tables = tables.contiguous()
     _prefill_kernel[(S, triton.cdiv(max_q_len, block_m), H)](
         q, kv, out, q_start.contiguous(), q_len.contiguous(), start_pos.contiguous(), tables, float(scale),
         *q.stride(), *kv.stride(), *out.stride(), tables.stride(0), H // kvh, D,
-        UPCAST=_upcast(q.dtype), BLK=blk, D_P=d_p, BLOCK_M=block_m, BLOCK_N=block_n)
+        UPCAST=upcast, BLK=blk, D_P=d_p, BLOCK_M=block_m, BLOCK_N=block_n)

@@ -11,9 +11,9 @@ Every op keeps the semantics of its reference in `reference.py`:
 - `linear(x, w, bias)`: `reference.linear` (`F.linear`), the base model's projections;
 - `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`,
   `silu_mul(gu)`, `greedy(logits)`: the step's row-wise ops, as their namesakes in `reference.py`;
-- `lora(x, out, w, page_elems, seg, meta, tables, max_rows, max_rank)`: `reference.lora_paged`
-  (`max_rows`/`max_rank`: static bounds of the step, which fix the Triton launch grid; the
-  other backends ignore them);
+- `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out)`: `reference.lora`, every
+  adapter read through its row table (`max_rows`/`max_rank`/`max_n_out`: static bounds of the
+  step and the group, which fix the Triton launch grid; the other backends ignore them);
 - `write_kv(kv, k, v, slot_pages, slot_offsets)`, `decode(q, kv, tables, lens, scale)`,
   `prefill(q, k, v, kv, meta, scale, out)`: `reference.write_kv`, `paged_decode`,
   `paged_prefill`; `attention()` runs the three for one layer;
@@ -83,8 +83,8 @@ class Kernels:
         return out.view(t, h * d)
 
 
-def _lora_reference(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None) -> None:
-    reference.lora_paged(x, out, w, page_elems, seg, meta, tables)
+def _lora_reference(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None) -> None:
+    reference.lora(x, out, w, seg, entry, slots)
 
 
 ROW_OPS = ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "greedy")
@@ -106,8 +106,8 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
         return Kernels("cpu", reference.linear, lora=_lora_reference, write_kv=reference.write_kv,
                        decode=reference.paged_decode, prefill=reference.paged_prefill, **REFERENCE_ROW_OPS)
 
-    def lora(x, out, w, page_elems, seg, meta, tables, max_rows=None, max_rank=None):
-        lora_cpu.lora_paged(x, out, w, page_elems, seg, meta, tables)
+    def lora(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None):
+        lora_cpu.lora(x, out, w, seg, entry, slots)
 
     return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
                    decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
@@ -122,7 +122,7 @@ def triton_kernels() -> Kernels:
         attention_triton.paged_prefill(q, kv, meta.prefill_starts, meta.prefill_lens, meta.prefill_positions,
                                        meta.prefill_block_tables, scale, out, meta.max_prefill_len)
 
-    return Kernels("triton", reference.linear, lora=lora_triton.lora_paged, write_kv=attention_triton.write_kv,
+    return Kernels("triton", reference.linear, lora=lora_triton.lora, write_kv=attention_triton.write_kv,
                    decode=attention_triton.paged_decode, prefill=prefill, **REFERENCE_ROW_OPS)
 
 

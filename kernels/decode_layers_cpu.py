@@ -49,8 +49,9 @@ using OptT = c10::optional<torch::Tensor>;
 
 // One decode step through every layer. x [T, H]: the embedded tokens, the residual stream
 // (updated in place); w: FIELDS tensors per layer (None where the family has none); kv: the pool
-// [pages, L, 2, block, KVH, D]; lora: empty, or (pool [n], seg, meta [L, G, S, slots, 5], tables)
-// with `E` elements per page. Returns the last layer's MLP output (not yet in x).
+// [pages, L, 2, block, KVH, D]; lora: empty, or (pool [n], seg [S, 3]): the row tables' fields
+// are [L, 4 groups, 3 slots, 5] (`reference.lora_entry`). Returns the last layer's MLP output
+// (not yet in x).
 // (`layers` touches no Python object: its callers release the GIL around it, so that other
 // threads (the adapter loaders, the server) run meanwhile, as they did between the Python loop's
 // calls; holding the GIL through a step stalled a stream 3-4x its median step while a 200 MB
@@ -59,14 +60,15 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
                             const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
                             const torch::Tensor& slot_pages, const torch::Tensor& slot_offsets,
                             const torch::Tensor& tables, const torch::Tensor& lens, double scale, double eps,
-                            int64_t H, int64_t KVH, int64_t D, const std::vector<torch::Tensor>& lora, int64_t E) {
+                            int64_t H, int64_t KVH, int64_t D, const std::vector<torch::Tensor>& lora) {
   constexpr int64_t F = FIELDS_;
   TORCH_CHECK(w.size() % F == 0 && kv.dim() == 6 && int64_t(w.size() / F) == kv.size(1),
               "decode_layers: ", F, " tensors per layer of the pool's ", kv.size(1));
-  TORCH_CHECK(lora.empty() || lora.size() == 4, "decode_layers: lora is (pool, seg, meta, tables) or empty");
+  TORCH_CHECK(lora.empty() || lora.size() == 2, "decode_layers: lora is (pool, seg) or empty");
   const int64_t T = x.size(0), L = kv.size(1);
+  constexpr int64_t SLOTS[4] = {3, 1, 2, 1};  // qkv, o, gate_up, down (lora/batch.py's GROUPS)
   auto delta = [&](int64_t i, int64_t g, const torch::Tensor& in, torch::Tensor& out) {
-    if (!lora.empty()) lo::lora_paged(in, out, lora[0], E, lora[1], lora[2].select(0, i).select(0, g), lora[3]);
+    if (!lora.empty()) lo::lora(in, out, lora[0], lora[1], ((i * 4 + g) * 3) * 5, SLOTS[g]);
   };
   torch::Tensor out;  // the previous layer's MLP output: it joins x as the next norm reads it
   for (int64_t i = 0; i < L; ++i) {
@@ -101,10 +103,9 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
 torch::Tensor decode_layers(torch::Tensor x, std::vector<OptT> w, torch::Tensor kv, torch::Tensor cos,
                             torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_pages,
                             torch::Tensor slot_offsets, torch::Tensor tables, torch::Tensor lens, double scale,
-                            double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora,
-                            int64_t E) {
+                            double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora) {
   pybind11::gil_scoped_release no_gil;
-  return layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D, lora, E);
+  return layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D, lora);
 }
 
 // `LlamaModel.forward` for a decode-only step: the tokens' embedding rows, `layers`, the last
@@ -115,12 +116,11 @@ torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tenso
                              torch::Tensor norm, torch::Tensor lm_head, torch::Tensor kv, torch::Tensor cos,
                              torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_pages,
                              torch::Tensor slot_offsets, torch::Tensor tables, torch::Tensor lens, double scale,
-                             double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora,
-                             int64_t E) {
+                             double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora) {
   pybind11::gil_scoped_release no_gil;
   torch::Tensor x = pn::rows(embed, ids);  // the embedding, packed where it is the LM head too
   x.add_(layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D,
-                lora, E));
+                lora));
   if (rows.size(0) != x.size(0)) x = x.index_select(0, rows);
   return lin::linear(pw::rms_norm(x, norm, eps), lm_head, c10::nullopt).to(at::kFloat);
 }
@@ -179,11 +179,10 @@ def decode_layers(x: torch.Tensor, layers: list, kv: torch.Tensor, cos: torch.Te
 def _step_args(kv, cos, sin, positions, meta, scale, eps, heads, kv_heads, head_dim, lora) -> tuple:
     """The arguments after the weights that the C++ `decode_layers` and `decode_forward` both take,
     in their order: the pool, RoPE tables, the step's attention metadata, the model's numbers,
-    and the LoRA batch's tensors (none without adapters) with its page size."""
-    lora_tensors = [] if lora is None else [lora.weights, lora.seg, lora.meta, lora.tables]
+    and the LoRA batch's pool and segments (none without adapters)."""
+    lora_tensors = [] if lora is None else [lora.weights, lora.seg]
     return (kv, cos, sin, positions, meta.slot_pages, meta.slot_offsets, meta.decode_block_tables,
-            meta.decode_context_lens, scale, eps, heads, kv_heads, head_dim, lora_tensors,
-            0 if lora is None else lora.page_elems)
+            meta.decode_context_lens, scale, eps, heads, kv_heads, head_dim, lora_tensors)
 
 
 def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv: torch.Tensor,

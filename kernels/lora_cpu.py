@@ -1,13 +1,12 @@
 """The CPU LoRA kernel: shrink + expand for every segment of a projection group in one call,
-reading adapter weights straight from the pool's pages through each adapter's page table.
+reading adapter weights straight from the pool's pages through each adapter's row table.
 
-Semantics (identical to `reference.lora_paged`, whose contract it keeps): for every segment s,
-row i in [seg[s, 0], seg[s, 1]) and module slot m with rank r > 0:
+Semantics (identical to `reference.lora`, whose contract it keeps): for every segment s, row i in
+[seg[s, 0], seg[s, 1]) and module slot m whose rank r > 0 in the row table at seg[s, 2]:
     out[i, col_m : col_m + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
-with A_m [r, in] at logical offset a_off and Bt_m [r, n_out] at b_off of the adapter's buffer;
-logical element o lives in pool page tables[s, o // E] at o % E. A row of A or Bt that crosses a
-page boundary is read in two pieces, so an adapter's pages may lie anywhere in the pool: no
-contiguous run, no per-step gather.
+with A_m's row k ([in]) and Bt_m's row k ([n_out]) each one contiguous run of the pool that its
+row pointer gives, so an adapter's pages may lie anywhere in the pool: no contiguous run, no
+per-step gather.
 
 Why it exists: with one token per adapter (decode over many adapters), the torch path issues
 ~11 tiny matmuls per adapter per layer, and the time goes to dispatch, not to reading weights.
@@ -51,7 +50,7 @@ import torch
 from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
-FUNCTIONS = ["lora_paged"]
+FUNCTIONS = ["lora"]
 _SOURCE = cpu_vector.SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -61,11 +60,12 @@ _SOURCE = cpu_vector.SOURCE + r"""
 #include <vector>
 
 // one (segment, module) of a call: rows [row0, row0 + n) against A [r, in] and Bt [r, n_out]
-// of one adapter, its shrink results at t + t_off ([n, r], fp32); for a one-row segment, its
-// expand's partial sums at p + p_off ([ceil(r / KE), n_out], fp32)
+// of one adapter, whose rows start at the pool offsets a[0 .. r) and b[0 .. r); its shrink
+// results at t + t_off ([n, r], fp32); for a one-row segment, its expand's partial sums at
+// p + p_off ([ceil(r / KE), n_out], fp32)
 struct Item {
-  int64_t row0, n, a_off, r, b_off, n_out, col, t_off, p_off;
-  const int64_t* table;
+  int64_t row0, n, r, n_out, col, t_off, p_off;
+  const int64_t *a, *b;
 };
 
 // Tile shapes, so that every accumulator of a tile stays in a register (cpu_vector's `vw`):
@@ -84,31 +84,6 @@ constexpr int64_t PF = 8;   // Bt rows prefetched ahead: a task's rows are n_out
                             // hardware prefetcher does not follow
 constexpr int64_t KE = 16;  // rank rows per task of a one-row segment's expand: whole Bt rows
 constexpr int64_t RW = 256; // output columns per task of its sum
-
-// the page that holds logical elements [o, o + n) of an adapter, or nullptr when they cross a page
-template <class S>
-static inline const S* in_page(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n) {
-  return o % E + n <= E ? w + table[o / E] * E + o % E : nullptr;
-}
-
-// f(piece, done, len) for each piece of logical elements [o, o + n) that lies in one page:
-// elements [done, done + len) of the range, at `piece`
-template <class S, class F>
-static inline void each_piece(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n, F f) {
-  for (int64_t done = 0; done < n;) {
-    const int64_t page = (o + done) / E, off = (o + done) % E, len = std::min(n - done, E - off);
-    f(w + table[page] * E + off, done, len);
-    done += len;
-  }
-}
-
-// logical elements [o, o + n) into `dst`
-template <class S>
-static inline void gather(const S* w, const int64_t* table, int64_t E, int64_t o, int64_t n, S* dst) {
-  each_piece(w, table, E, o, n, [&](const S* piece, int64_t done, int64_t len) {
-    std::copy(piece, piece + len, dst + done);
-  });
-}
 
 // t[b * ldt + j] = a[j] . x[b] over K, for NJ rank rows and NB x rows (fp32 sums)
 template <class S, int NJ, int NB>
@@ -150,16 +125,12 @@ static inline void shrink_rows(const S* const* a, const S* xp, int64_t ldx, int6
 
 // the shrink of rank rows [k0, k0 + KR) of one item, for all its rows
 template <class S>
-static void shrink(const Item& it, int64_t k0, const S* wp, int64_t E, const S* xp, int64_t ldx, int64_t in,
-                   float* t, std::vector<S>& buf) {
+static void shrink(const Item& it, int64_t k0, const S* wp, const S* xp, int64_t ldx, int64_t in, float* t) {
   float* tk = t + it.t_off + k0;
   const int64_t nk = std::min(KR, it.r - k0);
   const S* a[KR];
-  bool tile = nk == KR;  // the KR rows side by side in one tile: each one within a page
-  for (int64_t j = 0; j < nk; ++j) {
-    a[j] = in_page(wp, it.table, E, it.a_off + (k0 + j) * in, in);
-    tile = tile && a[j];
-  }
+  bool tile = nk == KR;  // the KR rows side by side in one tile
+  for (int64_t j = 0; j < nk; ++j) a[j] = wp + it.a[k0 + j];
 #if defined(__AVX512F__)
   // one x row on an AMD CPU with AVX-512: one A row at a time (the loop below), one sequential
   // stream, as `linear_cpu` reads a weight for one row there (an AMD EPYC, 2 threads, `tiny`'s
@@ -173,15 +144,8 @@ static void shrink(const Item& it, int64_t k0, const S* wp, int64_t E, const S* 
     shrink_rows<S, KR>(a, xp, ldx, it.row0, it.n, in, tk, it.r);
     return;
   }
-  for (int64_t j = 0; j < nk; ++j) {  // one rank row at a time: a tail, a row across pages, or the above
-    const S* row = a[j];
-    if (!row) {
-      buf.resize(in);
-      gather(wp, it.table, E, it.a_off + (k0 + j) * in, in, buf.data());
-      row = buf.data();
-    }
-    shrink_rows<S, 1>(&row, xp, ldx, it.row0, it.n, in, tk + j, it.r);
-  }
+  for (int64_t j = 0; j < nk; ++j)  // one rank row at a time: a tail, or the above
+    shrink_rows<S, 1>(&a[j], xp, ldx, it.row0, it.n, in, tk + j, it.r);
 }
 
 // out[rows, col + c0 ...] += t[rows] @ Bt[:, c0 : c0 + w] for NB rows, w <= CW columns: each
@@ -215,20 +179,21 @@ static inline void expand_tile(const Item& it, int64_t b0, int64_t c0, int64_t w
   }
 }
 
-// the expand of output columns [c0, c0 + CW) of one item, for all its rows; rank rows whose
-// columns cross a page, and the last, narrower block, are first copied out (zero padded)
+// the expand of output columns [c0, c0 + CW) of one item, for all its rows; the last, narrower
+// block is first copied out (zero padded)
 template <class S>
-static void expand(const Item& it, int64_t c0, const S* wp, int64_t E, const float* t, S* op, int64_t ldo,
+static void expand(const Item& it, int64_t c0, const S* wp, const float* t, S* op, int64_t ldo,
                    std::vector<S>& buf, std::vector<const S*>& bt) {
   const int64_t w = std::min(CW, it.n_out - c0);
   bt.resize(it.r);
-  buf.resize(it.r * CW);
+  if (w < CW) buf.resize(it.r * CW);
   for (int64_t k = 0; k < it.r; ++k) {
-    const int64_t o = it.b_off + k * it.n_out + c0;
-    bt[k] = w == CW ? in_page(wp, it.table, E, o, w) : nullptr;
-    if (!bt[k]) {
+    const S* src = wp + it.b[k] + c0;
+    if (w == CW) {
+      bt[k] = src;
+    } else {
       S* row = buf.data() + k * CW;
-      gather(wp, it.table, E, o, w, row);
+      std::copy(src, src + w, row);
       std::fill(row + w, row + CW, S(0.f));
       bt[k] = row;
     }
@@ -252,15 +217,11 @@ static inline void axpy(float c, const S* x, float* y, int64_t n) {
 }
 
 template <class S>
-static void expand_rows(const Item& it, int64_t k0, const S* wp, int64_t E, const float* t, float* p) {
+static void expand_rows(const Item& it, int64_t k0, const S* wp, const float* t, float* p) {
   float* part = p + it.p_off + (k0 / KE) * it.n_out;
   std::fill(part, part + it.n_out, 0.f);
-  for (int64_t k = k0; k < std::min(it.r, k0 + KE); ++k) {
-    const float c = t[it.t_off + k];
-    each_piece(wp, it.table, E, it.b_off + k * it.n_out, it.n_out, [&](const S* piece, int64_t done, int64_t len) {
-      axpy(c, piece, part + done, len);
-    });
-  }
+  for (int64_t k = k0; k < std::min(it.r, k0 + KE); ++k)
+    axpy(t[it.t_off + k], wp + it.b[k], part, it.n_out);
 }
 
 template <class S>
@@ -283,15 +244,14 @@ static void sum_parts(const Item& it, int64_t c0, const float* p, S* op, int64_t
 
 // S: the storage of x, out and the pool (float or bf16)
 template <class S>
-static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& w, int64_t E,
-                   const torch::Tensor& seg, const torch::Tensor& meta, const torch::Tensor& tables) {
+static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& w, const torch::Tensor& seg,
+                   int64_t entry, int64_t M) {
   const S* xp = x.data_ptr<S>();
   S* op = out.data_ptr<S>();
   const S* wp = w.data_ptr<S>();
-  const int64_t* mp = meta.data_ptr<int64_t>();
+  const int64_t* wi = reinterpret_cast<const int64_t*>(wp);  // the pool's bytes: the row tables
   const int64_t* sp = seg.data_ptr<int64_t>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t S_ = seg.size(0), M = meta.size(1), ms = meta.stride(0), in = x.size(1), maxp = tables.size(1);
+  const int64_t S_ = seg.size(0), in = x.size(1);
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   std::vector<Item> items;
   // (item, first rank row / column): the shrink's tasks; the expand's, first those of segments
@@ -299,20 +259,21 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
   std::vector<std::pair<int64_t, int64_t>> shrinks, expands, row_expands, sums;
   int64_t t_size = 0, p_size = 0;
   for (int64_t s = 0; s < S_; ++s) {
-    const int64_t n = sp[2 * s + 1] - sp[2 * s];
-    for (int64_t m = 0; m < M && n > 0; ++m) {
-      const int64_t* f = mp + s * ms + m * 5;
-      if (f[1] == 0) continue;
+    const int64_t n = sp[3 * s + 1] - sp[3 * s];
+    for (int64_t m = 0; m < M && n > 0; ++m) {  // an empty segment's table is never read
+      const int64_t* f = wi + sp[3 * s + 2] + entry + m * 5;  // (r, n_out, col, a_rows, b_rows)
+      const int64_t r = f[0], n_out = f[1];
+      if (r == 0) continue;
       const int64_t i = items.size();
-      items.push_back({sp[2 * s], n, f[0], f[1], f[2], f[3], f[4], t_size, p_size, tp + s * maxp});
-      t_size += n * f[1];
-      for (int64_t k = 0; k < f[1]; k += KR) shrinks.emplace_back(i, k);
+      items.push_back({sp[3 * s], n, r, n_out, f[2], t_size, p_size, wi + f[3], wi + f[4]});
+      t_size += n * r;
+      for (int64_t k = 0; k < r; k += KR) shrinks.emplace_back(i, k);
       if (n == 1) {
-        p_size += (f[1] + KE - 1) / KE * f[3];
-        for (int64_t k = 0; k < f[1]; k += KE) row_expands.emplace_back(i, k);
-        for (int64_t c = 0; c < f[3]; c += RW) sums.emplace_back(i, c);
+        p_size += (r + KE - 1) / KE * n_out;
+        for (int64_t k = 0; k < r; k += KE) row_expands.emplace_back(i, k);
+        for (int64_t c = 0; c < n_out; c += RW) sums.emplace_back(i, c);
       } else {
-        for (int64_t c = 0; c < f[3]; c += CW) expands.emplace_back(i, c);
+        for (int64_t c = 0; c < n_out; c += CW) expands.emplace_back(i, c);
       }
     }
   }
@@ -322,17 +283,15 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
   std::vector<float> t(t_size);
   std::unique_ptr<float[]> p(new float[p_size]);  // each task zeroes its own part
   at::parallel_for(0, (int64_t)shrinks.size(), 1, [&](int64_t a, int64_t b) {
-    std::vector<S> buf;
-    for (int64_t i = a; i < b; ++i)
-      shrink<S>(items[shrinks[i].first], shrinks[i].second, wp, E, xp, ldx, in, t.data(), buf);
+    for (int64_t i = a; i < b; ++i) shrink<S>(items[shrinks[i].first], shrinks[i].second, wp, xp, ldx, in, t.data());
   });
   at::parallel_for(0, (int64_t)expands.size(), 1, [&](int64_t a, int64_t b) {
     std::vector<S> buf;
     std::vector<const S*> bt;
     for (int64_t i = a; i < b; ++i) {
       const Item& it = items[expands[i].first];
-      if (i < n_cols) expand<S>(it, expands[i].second, wp, E, t.data(), op, ldo, buf, bt);
-      else expand_rows<S>(it, expands[i].second, wp, E, t.data(), p.get());
+      if (i < n_cols) expand<S>(it, expands[i].second, wp, t.data(), op, ldo, buf, bt);
+      else expand_rows<S>(it, expands[i].second, wp, t.data(), p.get());
     }
   });
   if (!sums.empty())
@@ -341,27 +300,22 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
     });
 }
 
-void lora_paged(torch::Tensor x, torch::Tensor out, torch::Tensor w, int64_t E, torch::Tensor seg,
-                torch::Tensor meta, torch::Tensor tables) {
+void lora(torch::Tensor x, torch::Tensor out, torch::Tensor w, torch::Tensor seg, int64_t entry, int64_t slots) {
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && w.scalar_type() == x.scalar_type(),
-              "lora_paged: x, out and the pool differ in dtype");
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(), "lora_paged: layout");
-  // meta may be a view of some of its module slots ([S, M, 5] with any stride between segments)
-  TORCH_CHECK(meta.stride(2) == 1 && meta.stride(1) == 5 && seg.is_contiguous() && tables.is_contiguous(),
-              "lora_paged: metadata layout");
-  if (x.scalar_type() == at::kFloat) lora_t<float>(x, out, w, E, seg, meta, tables);
+              "lora: x, out and the pool differ in dtype");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(), "lora: layout");
+  TORCH_CHECK(seg.is_contiguous() && seg.dim() == 2 && seg.size(1) == 3, "lora: seg must be [S, 3], contiguous");
+  if (x.scalar_type() == at::kFloat) lora_t<float>(x, out, w, seg, entry, slots);
   else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora_paged: float32 or bfloat16 only");
-    lora_t<c10::BFloat16>(x, out, w, E, seg, meta, tables);
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora: float32 or bfloat16 only");
+    lora_t<c10::BFloat16>(x, out, w, seg, entry, slots);
   }
 }
 """
 
 
-def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,
-               meta: torch.Tensor, tables: torch.Tensor) -> None:
+def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> None:
     """x: [T, in]; out: [T, N] (updated in place); w: the pool, flat; one dtype, float32 or
-    bfloat16 (fp32 sums, each output rounded once); seg [S, 2],
-    meta [S, M, 5] (rows of 5 contiguous, segments any stride apart: a view of some module
-    slots), tables [S, maxp] int64 (the contract in `reference.py`)."""
-    load().lora_paged(x, out, w, page_elems, seg, meta, tables)
+    bfloat16 (fp32 sums, each output rounded once); seg [S, 3] int64; entry, slots: the group's
+    fields in the row tables (the contract in `reference.py`)."""
+    load().lora(x, out, w, seg, entry, slots)

@@ -1,78 +1,79 @@
-"""The GPU LoRA kernel: shrink + expand for many adapters of mixed ranks in one op per projection
-group, reading adapter weights straight from the pool's scattered pages.
+"""The GPU LoRA kernels: many adapters of mixed ranks in one op per projection group, each rank
+row read as contiguous vectors straight from the pool's pages through its adapter's row table.
 
-Semantics (identical to `reference.lora_paged`): for every segment s, row i in [seg[s, 0],
-seg[s, 1]) and module slot m with r > 0:
+Semantics (identical to `reference.lora`): for every segment s, row i in [seg[s, 0], seg[s, 1])
+and module slot m < slots whose rank r > 0 in the row table at seg[s, 2]:
     out[i, col : col + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
 accumulated in fp32 and rounded once to out's dtype. Rows in no segment are untouched: a request
-without an adapter pays nothing. Weights are read through the contract at the end of
-`reference.py`: element o of segment s's adapter buffer is w[tables[s, o // E] * E + o % E];
-A_m is [r, in] row-major at logical a_off, Bt_m is [r, n_out] row-major at logical b_off; meta
-[S, M, 5] holds (a_off, r, b_off, n_out, col), r == 0 meaning the adapter lacks module m.
+without an adapter pays nothing. A program finds its segment's table (one int64 load), the
+slot's fields (r, n_out, col, rows: one 32-byte load) and the pointers of the rank rows it reads
+(one vector load); every weight is then read as a whole row, `ROW_ALIGN`-aligned and contiguous
+(`tl.multiple_of`), so the compiler issues 16-byte loads: no per-element page arithmetic, no
+page-table load per element (the layout guarantees that no row crosses a page).
 
-Why it exists: on a GPU, one segment-at-a-time torch loop costs a dozen launches per adapter per
-layer, and padding every adapter to the largest rank (or copying weights into a contiguous
-stack) wastes the memory bandwidth the op is bound by. Here two launches (and the zeroing of
-the shrink's scratch when it splits, below) serve every adapter of the batch, whatever its rank
-(1..256, not only powers of two), and every weight element is read once per row block from
-wherever its page lies. Given `max_rows` and `max_rank`, the launch
-grid depends on nothing but them (no `.item()`, no host sync), so the op can be captured in a
-CUDA graph; the kernels skip programs past a segment's end or past an adapter's rank.
+Given `max_rows`, `max_rank` and `max_n_out` the grids depend on nothing else (no `.item()`, no
+host sync), so the op can be captured in a CUDA graph; `engine/graphs.py` sizes those bounds to
+the step (segment and rank buckets). Loops run to each slot's true rank: a rank-8 adapter beside
+a rank-256 one reads 8 rows, and programs past a segment's end or a slot's rank return at once.
 
-Two kernels:
-  shrink  grid (S*M, cdiv(max_rows, BLOCK_M), cdiv(max_rank, BLOCK_R) * cdiv(in, K_SPLIT)):
-          t[i, m, k] = x[i] . A_m[k] for k < r, fp32, into a scratch t [T, M, RMAX]; each program
-          reduces K_SPLIT of the `in` columns and adds its partial sums into t atomically (t
-          starts at zero) when `in` takes more than one such slice
-  expand  grid (S*M, cdiv(max_rows, BLOCK_M), cdiv(N, BLOCK_N)):
-          out[i, col + n] = round(out[i, col + n] + sum_{k<r} t[i, m, k] * Bt_m[k, n])
-
-Why split the shrink: at decode a segment has one row (or the 16 of a captured step), so a
-program per (segment, module, rank block) that walked all of `in` (2048-8192 columns, 32-128
-dependent page-table gathers in a row) left most of the GPU idle. Slices of K_SPLIT columns
-make `in` / K_SPLIT times as many programs, each a few iterations long: on an H200, 64 one-row
-rank-16 segments 106.5 -> 58.2 us, and a captured step's down projection 737 -> 66 us (README,
-"Kernels"). The price: the partial sums meet in t in whatever order the programs finish, so
-fp32 results may differ in the last bits from run to run (as split-K GEMMs do); the tests'
-tolerances hold for any order.
-
-Module slots: M is the group's own number of modules (qkv 3, gate_up 2, o and down 1): the engine
-passes a view of those slots out of its [S, 3, 5] metadata (segments a stride apart, read in
-place), so no program is launched for a slot no adapter can fill. Warps: 8 per program when the
-rank block is 64 (max_rank >= 64, as in every captured decode step, whose bound is 256), 4 below.
-Measured on an H200 in one run (bf16, the 1b shapes, graph-replayed; README "Kernels"): a
-captured step's shapes with one r16 adapter on 64 rows, per group qkv 67.8 -> 56.6 us, o 64.7
--> 34.0, gate_up 130.0 -> 123.6, down 91.5 -> 46.3; with 64 adapters r8-64 qkv 403 -> 292, o
-240 -> 155, gate_up 1,237 -> 1,110, down 400 -> 253; but 64 one-row r16 segments at max_rank 16
-58.0 us with 4 warps, 83.4 with 8 (hence the rule); 1 or 2 warps were 2-7x slower everywhere.
-Tried and measured slower (0.2-0.7x on every shape, so not kept): programs that each walk
-several segments, rank blocks and column blocks in loops (a grid of 16 segment programs, not
-one per segment), to launch fewer programs that find no work: idle programs cost less than
-what those nested loops serialise (our reading; not profiled).
-
-Logical offsets (inside one adapter's buffer, before the page table) are int32 when the widest
-page table's span fits (`WIDE` otherwise): the `// E` and `% E` of every element's address are
-then 32-bit divisions, where a GPU emulates 64-bit ones in many more instructions. Pool indices
-(page * E + offset) are always int64.
+Two designs behind the one contract, chosen by `Config.design` (`CONFIG`, the engine's):
+  "split"  shrink: grid (S * slots, row blocks, rank blocks * splits); each program reduces
+           `k_split` of the `in` columns for up to BLOCK_R rank rows into its own partial
+           t[split, row, slot, k] (fp32); expand: grid (S * slots, row blocks, column blocks),
+           each program sums the partials of its rows (a fixed order: the same bits every run),
+           times Bt's rows over its columns, into out. Two launches, no zeroing, no atomics.
+  "fused"  one launch, grid (S * slots, row blocks, column blocks): each program computes its
+           rows' shrink over all of `in`, FUSED_RANK_BLOCK rank rows at a time, and multiplies it
+           into its columns of Bt at once; every column block recomputes the shrink (A re-read
+           from L2), in exchange for half the launches and no scratch. For row blocks of 16 (a
+           decode step's segments); longer segments take the split kernels.
+`kernels/gpu_micro.py` times both, each configuration of the candidates in `CANDIDATES`,
+against the device's copy bandwidth and a vectorized read of the same bytes; `CONFIG` is what
+it measured fastest (until a GPU run says otherwise: "split", the form of the previous kernels).
+Prefill uses the same kernels with row blocks of up to 64 rows (a segment-GEMM over the rows).
 
 Precision: fp32 inputs use `tl.dot(..., input_precision="ieee")` (no TF32); fp16/bf16 inputs
 multiply in their own dtype with fp32 accumulation in the shrink (products of two halves are
-exact in fp32); the expand multiplies the fp32 t by Bt upcast to fp32, as the reference does.
-Under the Triton interpreter (TRITON_INTERPRET=1) `tl.dot` on bf16 operands is wrong (it
+exact in fp32); the expand multiplies the fp32 shrink by Bt upcast to fp32, as the reference
+does. Under the Triton interpreter (TRITON_INTERPRET=1) `tl.dot` on bf16 operands is wrong (it
 multiplies the raw uint16 bit patterns), so bf16 operands are upcast to fp32 there too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.reference import META_FIELDS
+from lorafleet.kernels.reference import ROW_ALIGN, TABLE_FIELDS, as_int64
 
 
-K_SPLIT = 256  # `in` columns one shrink program reduces (a multiple of its BLOCK_K, 64 at most)
-INT32_SPAN = 2 ** 31  # logical offsets below this are computed in int32
+@dataclass(frozen=True)
+class Config:
+    design: str = "split"   # "split" (shrink + expand) or "fused" (one launch, for row blocks of 16)
+    k_split: int = 256      # "split": `in` columns one shrink program reduces (a multiple of block_k)
+    block_k: int = 64       # `in` columns per shrink iteration
+    block_n: int = 128      # output columns per expand (or fused) program, at row blocks of 16
+    warps: int = 4
+
+    def __post_init__(self):
+        if self.design not in ("split", "fused") or self.k_split % self.block_k:
+            raise ValueError(f"invalid LoRA kernel config {self}")
+
+
+CONFIG = Config()
+# What `gpu_micro.py` measures against each other (the first is CONFIG). Each compiles for sm_90
+# without spilling a register (tests/kernels/test_triton_compile.py), at the blocks `lora` picks.
+CANDIDATES = (CONFIG, Config(k_split=512), Config(k_split=1024), Config(block_n=64), Config(warps=8),
+              Config("fused"), Config("fused", block_n=64), Config("fused", block_n=256, warps=8))
+PREFILL_BLOCK_N = 64   # output columns per expand program at row blocks over 16 (more spill registers)
+PREFILL_RANK_BLOCK = 32  # rank rows per expand iteration at row blocks over 16 (more spill registers)
+FUSED_RANK_BLOCK = 16  # rank rows per iteration of the fused kernel (more spill registers)
+
+
+_ALIGN = tl.constexpr(ROW_ALIGN)
 
 
 def _block(n: int, lo: int, hi: int) -> int:
@@ -80,98 +81,145 @@ def _block(n: int, lo: int, hi: int) -> int:
 
 
 @triton.jit
-def _page_addr(tables_row, o, E, mask):
-    """Pool element index of logical offsets `o` (int64) through one segment's page table."""
-    page = tl.load(tables_row + o // E, mask=mask, other=0)
-    return page * E + o % E
-
-
-@triton.jit
-def _program(seg_ptr, meta_ptr, tables_ptr, stride_ms, M, maxp, BLOCK_M: tl.constexpr):
-    """This program's segment s, module slot m, first row, the segment's end, its metadata row
-    and its page table (axis 0 of the grid is s * M + m, axis 1 the block of rows)."""
+def _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M: tl.constexpr):
+    """This program's segment's rows [row0, end) (axis 1 picks the row block), its slot m (axis 0
+    is s * M + m), where its row table's index is, and the offset in it of the slot's fields
+    (r, n_out, col, a_rows, b_rows)."""
     pid = tl.program_id(0)
     s = pid // M
     m = pid % M
-    row0 = tl.load(seg_ptr + 2 * s) + tl.program_id(1) * BLOCK_M
-    return s, m, row0, tl.load(seg_ptr + 2 * s + 1), meta_ptr + s * stride_ms + m * 5, tables_ptr + s * maxp
+    row0 = tl.load(seg_ptr + 3 * s) + tl.program_id(1) * BLOCK_M
+    end = tl.load(seg_ptr + 3 * s + 1)
+    return m, row0, end, seg_ptr + 3 * s + 2, ENTRY + m * 5
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, w_ptr, t_ptr, seg_ptr, meta_ptr, tables_ptr,
-                   E, IN, stride_x, stride_ms, maxp, M, RMAX, RANK_BLOCKS,
-                   UPCAST: tl.constexpr, WIDE: tl.constexpr, ATOMIC: tl.constexpr, K_SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, stride_ms, M, maxp, BLOCK_M)
-    a_off = tl.load(mrow)
-    r = tl.minimum(tl.load(mrow + 1), RMAX)  # a max_rank below the true rank: wrong, never out of bounds
-    pid = tl.program_id(2)
-    k0 = (pid % RANK_BLOCKS) * BLOCK_R
-    c_lo = (pid // RANK_BLOCKS) * K_SPLIT
-    if (row0 >= end) | (k0 >= r):
-        return
-    if not WIDE:
-        a_off = a_off.to(tl.int32)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < end
-    ks = k0 + tl.arange(0, BLOCK_R)
-    kmask = ks < r
-    k_rows = ks[None, :].to(tl.int64) * IN if WIDE else ks[None, :] * IN
+def _shrink_tile(x_ptr, w_ptr, aptr, rows, rmask, kmask, c_lo, c_hi, IN, stride_x,
+                 UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """t[i, k] = x[rows[i], c_lo:c_hi] . A_row_k[c_lo:c_hi] (fp32), A's rows at element offsets aptr."""
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for c0 in range(c_lo, tl.minimum(c_lo + K_SPLIT, IN), BLOCK_K):
+    for c0 in range(c_lo, c_hi, BLOCK_K):
         cols = c0 + tl.arange(0, BLOCK_K)
         cmask = cols < IN
         xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
                      mask=rmask[:, None] & cmask[None, :], other=0.0)
-        # A_m^T tile [BLOCK_K, BLOCK_R]: element (c, k) is A_m[k, c] at logical a_off + k*IN + c
-        amask = cmask[:, None] & kmask[None, :]
-        o = a_off + k_rows + cols[:, None]
-        at = tl.load(w_ptr + _page_addr(tables_row, o, E, amask), mask=amask, other=0.0)
+        # A^T tile [BLOCK_K, BLOCK_R]: rank row k's elements c0.. are contiguous from aptr[k]
+        at = tl.load(w_ptr + aptr[None, :] + cols[:, None], mask=cmask[:, None] & kmask[None, :], other=0.0)
         if UPCAST:
             acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(xt, at)
-    tptr = t_ptr + (rows[:, None].to(tl.int64) * M + m) * RMAX + ks[None, :]
-    tmask = rmask[:, None] & kmask[None, :]
-    if ATOMIC:
-        tl.atomic_add(tptr, acc, mask=tmask)
-    else:
-        tl.store(tptr, acc, mask=tmask)
+    return acc
 
 
 @triton.jit
-def _expand_kernel(t_ptr, w_ptr, out_ptr, seg_ptr, meta_ptr, tables_ptr,
-                   E, stride_out, stride_ms, maxp, M, RMAX,
-                   WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    s, m, row0, end, mrow, tables_row = _program(seg_ptr, meta_ptr, tables_ptr, stride_ms, M, maxp, BLOCK_M)
-    r = tl.minimum(tl.load(mrow + 1), RMAX)
-    b_off = tl.load(mrow + 2)
-    n_out = tl.load(mrow + 3)
-    col = tl.load(mrow + 4)
-    n0 = tl.program_id(2) * BLOCK_N
-    if (row0 >= end) | (r == 0) | (n0 >= n_out):
+def _row_ptrs(wi_ptr, at, ks, kmask):
+    """Element offsets of rank rows `ks` from the pointer list at int64 index `at`."""
+    return tl.multiple_of(tl.load(wi_ptr + at + ks, mask=kmask, other=0), _ALIGN)
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, w_ptr, wi_ptr, t_ptr, seg_ptr, ENTRY, M, IN, stride_x, T, RMAX, RANK_BLOCKS,
+                   UPCAST: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    m, row0, end, table, f = _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M)
+    if row0 >= end:
         return
-    if not WIDE:
-        b_off = b_off.to(tl.int32)
-        n_out = n_out.to(tl.int32)
+    fields = wi_ptr + tl.load(table) + f
+    r = tl.minimum(tl.load(fields), RMAX)  # a max_rank below the true rank: wrong, never out of bounds
+    pid = tl.program_id(2)
+    k0 = (pid % RANK_BLOCKS) * BLOCK_R
+    split = pid // RANK_BLOCKS
+    if k0 >= r:
+        return
+    ks = k0 + tl.arange(0, BLOCK_R)
+    kmask = ks < r
+    aptr = _row_ptrs(wi_ptr, tl.load(fields + 3), ks, kmask)  # A's rows
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < end
-    ns = n0 + tl.arange(0, BLOCK_N)
-    nmask = ns < n_out
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, r, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < r
-        tt = tl.load(t_ptr + (rows[:, None].to(tl.int64) * M + m) * RMAX + ks[None, :],
-                     mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bmask = kmask[:, None] & nmask[None, :]
-        o = b_off + (ks[:, None].to(tl.int64) if WIDE else ks[:, None]) * n_out + ns[None, :]
-        bt = tl.load(w_ptr + _page_addr(tables_row, o, E, bmask), mask=bmask, other=0.0)
-        acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
+    c_lo = split * K_SPLIT
+    acc = _shrink_tile(x_ptr, w_ptr, aptr, rows, rmask, kmask, c_lo, tl.minimum(c_lo + K_SPLIT, IN), IN, stride_x,
+                       UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+    tptr = t_ptr + ((split * T + rows[:, None].to(tl.int64)) * M + m) * RMAX + ks[None, :]
+    tl.store(tptr, acc, mask=rmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out):
     optr = out_ptr + rows[:, None].to(tl.int64) * stride_out + col + ns[None, :]
     omask = rmask[:, None] & nmask[None, :]
     cur = tl.load(optr, mask=omask, other=0.0).to(tl.float32)
     tl.store(optr, (cur + acc).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _expand_kernel(t_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    m, row0, end, table, f = _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M)
+    if row0 >= end:
+        return
+    fields = wi_ptr + tl.load(table) + f
+    r = tl.minimum(tl.load(fields), RMAX)
+    n_out = tl.load(fields + 1)
+    n0 = tl.program_id(2) * BLOCK_N
+    if (r == 0) | (n0 >= n_out):
+        return
+    col = tl.load(fields + 2)
+    b_rows = tl.load(fields + 4)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    ns = n0 + tl.arange(0, BLOCK_N)
+    nmask = ns < n_out
+    # Bt's rows are read up to n_out rounded up to ROW_ALIGN (the padding is inside the row's
+    # aligned stride, in its page): a mask constant over each aligned vector lets the compiler
+    # issue 16-byte loads; the columns past n_out are never stored
+    bmask = ns < (n_out + _ALIGN - 1) // _ALIGN * _ALIGN
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, r, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < r
+        tmask = rmask[:, None] & kmask[None, :]
+        tptr = t_ptr + (rows[:, None].to(tl.int64) * M + m) * RMAX + ks[None, :]
+        tt = tl.load(tptr, mask=tmask, other=0.0)
+        for split in range(1, SPLITS):  # the shrink's partials, in a fixed order
+            tt += tl.load(tptr + split * T * M * RMAX, mask=tmask, other=0.0)
+        bptr = _row_ptrs(wi_ptr, b_rows, ks, kmask)
+        bt = tl.load(w_ptr + bptr[:, None] + ns[None, :], mask=kmask[:, None] & bmask[None, :], other=0.0)
+        acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
+    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out)
+
+
+@triton.jit
+def _fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x, stride_out, RMAX,
+                  UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    m, row0, end, table, f = _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M)
+    if row0 >= end:
+        return
+    fields = wi_ptr + tl.load(table) + f
+    r = tl.minimum(tl.load(fields), RMAX)
+    n_out = tl.load(fields + 1)
+    n0 = tl.program_id(2) * BLOCK_N
+    if (r == 0) | (n0 >= n_out):
+        return
+    col = tl.load(fields + 2)
+    a_rows = tl.load(fields + 3)
+    b_rows = tl.load(fields + 4)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    ns = n0 + tl.arange(0, BLOCK_N)
+    nmask = ns < n_out
+    bmask = ns < (n_out + _ALIGN - 1) // _ALIGN * _ALIGN  # as in _expand_kernel
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, r, BLOCK_R):
+        ks = k0 + tl.arange(0, BLOCK_R)
+        kmask = ks < r
+        t = _shrink_tile(x_ptr, w_ptr, _row_ptrs(wi_ptr, a_rows, ks, kmask), rows, rmask, kmask, 0, IN, IN, stride_x,
+                         UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+        bptr = _row_ptrs(wi_ptr, b_rows, ks, kmask)
+        bt = tl.load(w_ptr + bptr[:, None] + ns[None, :], mask=kmask[:, None] & bmask[None, :], other=0.0)
+        acc += tl.dot(t, bt.to(tl.float32), input_precision="ieee")
+    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out)
 
 
 def _interpreted() -> bool:
@@ -185,56 +233,69 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreted())
 
 
-def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,
-               meta: torch.Tensor, tables: torch.Tensor, max_rows: int | None = None,
-               max_rank: int | None = None) -> None:
+def _max_rank(w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> int:
+    """The largest rank the segments' tables hold for these slots (a host sync)."""
+    wi = as_int64(w)
+    live = seg[seg[:, 1] > seg[:, 0]]
+    if not len(live):
+        return 0
+    idx = live[:, 2:3] + entry + TABLE_FIELDS * torch.arange(slots, device=seg.device)
+    return int(wi[idx].max())
+
+
+def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int,
+         max_rows: int | None = None, max_rank: int | None = None, max_n_out: int | None = None,
+         config: Config | None = None) -> None:
     """out[i, col:col+n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s) for every segment row and module slot
     (see the module docstring). x: [T, in], out: [T, N] (row-strided views allowed, unit column
-    stride), w: the flat pool [pages * page_elems], all one dtype (fp32, bf16, fp16); seg [S, 2],
-    meta [S, M, 5], tables [S, maxp] int64 on x's device.
+    stride), w: the flat pool [pages * page_elems], all one dtype (fp32, bf16, fp16); seg [S, 3]
+    int64 on x's device; entry, slots: the group's fields in the row tables.
 
-    max_rows (the longest segment) and max_rank (the largest r in meta) are read from the data
-    when None (a host sync); passed explicitly (any upper bounds), the launch depends only on
-    them and the op is CUDA-graph capturable. Bounds below the data's give wrong results (rows
-    past max_rows and ranks past max_rank are skipped), never out-of-bounds accesses."""
+    max_rows (the longest segment), max_rank (the largest r) and max_n_out (the widest slot's
+    output: N when None) are read from the data when None (a host sync); passed explicitly (any
+    upper bounds), the launch depends only on them and the op is CUDA-graph capturable. Bounds
+    below the data's give wrong results (rows past max_rows and ranks past max_rank are skipped),
+    never out-of-bounds accesses."""
+    cfg = config or CONFIG
     if not (x.dtype == out.dtype == w.dtype):
-        raise TypeError(f"lora_paged: x, out and w must share a dtype (got {x.dtype}, {out.dtype}, {w.dtype})")
+        raise TypeError(f"lora: x, out and w must share a dtype (got {x.dtype}, {out.dtype}, {w.dtype})")
     if x.stride(1) != 1 or out.stride(1) != 1 or not w.is_contiguous():
-        raise ValueError("lora_paged: x and out need unit column stride, w must be contiguous")
+        raise ValueError("lora: x and out need unit column stride, w must be contiguous")
     S = seg.shape[0]
-    M = meta.shape[1] if meta.dim() == 3 else 0
     T, IN = x.shape
-    if S == 0 or M == 0 or T == 0:
+    if S == 0 or slots == 0 or T == 0:
         return
     seg = seg.contiguous()
-    if meta.stride(2) != 1 or meta.stride(1) != META_FIELDS:
-        meta = meta.contiguous()  # segments may lie any stride apart (a view of a group's slots)
-    tables = tables.contiguous()
     if max_rows is None:
         max_rows = int((seg[:, 1] - seg[:, 0]).max())
     if max_rank is None:
-        max_rank = int(meta[:, :, 1].max())
+        max_rank = _max_rank(w, seg, entry, slots)
     if max_rows <= 0 or max_rank <= 0:
         return
-    block_m = _block(max_rows, 16, 64)
+    wi = as_int64(w)
+    n_out = max_n_out or out.shape[1]
+    block_m = _block(max_rows, 16, 64 if x.element_size() < 4 else 32)  # fp32 tiles: twice the registers
     block_r = _block(max_rank, 16, 64)
-    block_k = _block(IN, 16, 64)
+    block_k = _block(IN, 16, cfg.block_k)
+    block_n = _block(n_out, 16, cfg.block_n if block_m == 16 else min(cfg.block_n, PREFILL_BLOCK_N))
+    row_blocks = triton.cdiv(max_rows, block_m)
+    col_blocks = triton.cdiv(n_out, block_n)
+    upcast = _upcast(x.dtype)
+    if cfg.design == "fused" and block_m == 16:  # longer segments (prefill): the split kernels
+        _fused_kernel[(S * slots, row_blocks, col_blocks)](
+            x, w, wi, out, seg, entry, slots, IN, x.stride(0), out.stride(0), max_rank,
+            UPCAST=upcast, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=FUSED_RANK_BLOCK, BLOCK_N=block_n,
+            num_warps=cfg.warps)
+        return
     rank_blocks = triton.cdiv(max_rank, block_r)
     rmax = rank_blocks * block_r
-    k_split = max(block_k, K_SPLIT)
+    k_split = max(block_k, cfg.k_split)
     splits = triton.cdiv(IN, k_split)
-    t = (torch.zeros if splits > 1 else torch.empty)(T, M, rmax, dtype=torch.float32, device=x.device)
-    maxp = tables.shape[1]
-    # logical offsets stay below maxp * page_elems: int32 when that fits
-    wide = maxp * page_elems >= INT32_SPAN
-    row_blocks = triton.cdiv(max_rows, block_m)
-    warps = 8 if block_r >= 64 else 4  # see "Warps" above
-    _shrink_kernel[(S * M, row_blocks, rank_blocks * splits)](
-        x, w, t, seg, meta, tables, page_elems, IN, x.stride(0), meta.stride(0), maxp, M, rmax, rank_blocks,
-        UPCAST=_upcast(x.dtype), WIDE=wide, ATOMIC=splits > 1, K_SPLIT=k_split,
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=warps)
-    N = out.shape[1]
-    block_n = _block(N, 16, 128)
-    _expand_kernel[(S * M, row_blocks, triton.cdiv(N, block_n))](
-        t, w, out, seg, meta, tables, page_elems, out.stride(0), meta.stride(0), maxp, M, rmax,
-        WIDE=wide, BLOCK_M=block_m, BLOCK_K=_block(max_rank, 16, 64), BLOCK_N=block_n, num_warps=warps)
+    t = torch.empty(splits, T, slots, rmax, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(S * slots, row_blocks, rank_blocks * splits)](
+        x, w, wi, t, seg, entry, slots, IN, x.stride(0), T, rmax, rank_blocks,
+        UPCAST=upcast, K_SPLIT=k_split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=cfg.warps)
+    _expand_kernel[(S * slots, row_blocks, col_blocks)](
+        t, w, wi, out, seg, entry, slots, splits, out.stride(0), T, rmax,
+        BLOCK_M=block_m, BLOCK_K=block_r if block_m == 16 else min(block_r, PREFILL_RANK_BLOCK), BLOCK_N=block_n,
+        num_warps=cfg.warps)

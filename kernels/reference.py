@@ -180,44 +180,54 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
     return out.view(t, h * d)
 
 
-# -- LoRA over pool pages ---------------------------------------------------------------------------
-# The contract every page-addressed LoRA kernel keeps (torch reference below, C++ in
-# `lora_cpu.py`, Triton in `lora_triton.py`):
-#   w       the pool as one flat tensor [pages * E] (fp32, bf16 or fp16); E = elements per page
+# -- LoRA through row tables ----------------------------------------------------------------------
+# The contract every LoRA kernel keeps (torch reference below, C++ in `lora_cpu.py`, Triton in
+# `lora_triton.py`):
+#   w       the pool as one flat tensor [pages * E] (fp32, bf16 or fp16), also read as int64 (its
+#           bytes, `as_int64(w)`): the adapters' row tables live in their own pages
 #   x       [T, in] the group's input; out [T, N] the group's fused projection output (in place)
-#   seg     [S, 2] int64 row ranges [start, end) of the flat batch (end >= start: may be empty)
-#   meta    [S, M, 5] int64, one row per module slot m of the group:
-#           (a_off, r, b_off, n_out, col); r == 0: the segment's adapter lacks module m.
-#           Each row's 5 fields are contiguous; segments may lie any stride apart (the engine
-#           passes a view of the group's own slots out of [S, 3, 5])
-#   tables  [S, maxp] int64: the segment's adapter's pages; logical page j is pool page tables[s, j]
-# Offsets are *logical*: element o of an adapter's buffer is w[tables[s, o // E] * E + o % E], so
-# an adapter needs no contiguous run of pages. A_m is [r, in] row-major at a_off; Bt_m = (scale *
-# B_m)^T is [r, n_out] row-major at b_off (the scale is folded in when the adapter is laid out).
-META_FIELDS = 5
+#   seg     [S, 3] int64 (start, end, table): rows [start, end) of the flat batch (end >= start,
+#           may be empty) use the adapter whose row table starts at int64 index `table` of w
+#   entry   the int64 offset, inside a row table, of the group's first module slot in this layer;
+#           `slots` module slots (the group's own) follow, TABLE_FIELDS apart
+# A row table (built when the adapter's pages are assigned: `memory/layout.py`) holds per (layer,
+# group, slot) the fields (r, n_out, col, a_rows, b_rows): r == 0 when the adapter lacks that
+# module; a_rows and b_rows are the int64 indices of r row pointers each, pool element offsets:
+# A's row k ([in]) starts at a_rows' pointer k, Bt = (scale * B)^T's row k ([n_out]) at b_rows'.
+# Every row lies inside one page and starts at a multiple of ROW_ALIGN elements, so a kernel reads
+# whole rows as contiguous vectors, wherever the adapter's pages are, with no per-element page
+# arithmetic.
+TABLE_FIELDS = 5
+ROW_ALIGN = 16
 
 
-def page_gather(w: torch.Tensor, table: torch.Tensor, page_elems: int, offset: int, numel: int) -> torch.Tensor:
-    """The `numel` elements at logical `offset` of the adapter whose pages are `table` (a copy)."""
-    o = torch.arange(offset, offset + numel, device=w.device)
-    return w[table[o // page_elems] * page_elems + o % page_elems]
+def as_int64(w: torch.Tensor) -> torch.Tensor:
+    """The flat pool's bytes as int64 (a view: the row tables are read through it)."""
+    return w.view(torch.int64)
 
 
-def lora_paged(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, page_elems: int, seg: torch.Tensor,
-               meta: torch.Tensor, tables: torch.Tensor) -> None:
-    """Semantics: for every segment s, row i in [seg[s, 0], seg[s, 1]) and module slot m with r > 0:
+def lora_entry(layer: int, group: int, groups: int, slots: int) -> int:
+    """`entry` for module slot 0 of `group` in `layer`: tables are [layers, groups, slots, fields]."""
+    return ((layer * groups + group) * slots) * TABLE_FIELDS
+
+
+def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> None:
+    """Semantics: for every segment s, row i in [seg[s, 0], seg[s, 1]) and module slot m < slots
+    whose field r > 0 in the table at seg[s, 2]:
         out[i, col : col + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
     accumulated in fp32 and rounded once to out's dtype. Rows in no segment are untouched: a
     request without an adapter pays nothing."""
-    for s in range(seg.shape[0]):
-        start, end = int(seg[s, 0]), int(seg[s, 1])
+    wi = as_int64(w)
+    fin = x.shape[1]
+    for start, end, table in seg.tolist():
         if end <= start:
             continue
         xs = x[start:end].float()
-        for a_off, r, b_off, n_out, col in meta[s].tolist():
+        for m in range(slots):
+            r, n_out, col, a_rows, b_rows = wi[table + entry + m * TABLE_FIELDS:][:TABLE_FIELDS].tolist()
             if r == 0:
                 continue
-            a = page_gather(w, tables[s], page_elems, a_off, r * x.shape[1]).view(r, -1).float()
-            bt = page_gather(w, tables[s], page_elems, b_off, r * n_out).view(r, n_out).float()
+            a = w[wi[a_rows:a_rows + r, None] + torch.arange(fin, device=w.device)].float()       # [r, in]
+            bt = w[wi[b_rows:b_rows + r, None] + torch.arange(n_out, device=w.device)].float()    # [r, n_out]
             o = out[start:end, col:col + n_out]
             o.copy_((o.float() + (xs @ a.t()) @ bt).to(out.dtype))

@@ -82,7 +82,7 @@ def lora_op_time(engine, adapter_names: list[str], repeats: int = 20) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        batch = engine.runner.lora_batch(chunks)  # per-step metadata included
+        batch = engine.runner.lora_batch(chunks).to_device()  # per-step metadata included
         for layer in range(engine.model.cfg.num_layers):
             for g in GROUPS:
                 batch.apply(layer, g, xs[g], outs[g])

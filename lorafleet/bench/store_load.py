@@ -13,7 +13,9 @@ import torch
 from lorafleet.bench.adapters import stored, write_adapter
 from lorafleet.bench.fixtures import build_base
 from lorafleet.lora.adapter import BaseShapes
+from lorafleet.config import EngineConfig
 from lorafleet.memory import host_cache
+from lorafleet.memory.kv import kv_page_elems
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.prefetch import copy_in
 from lorafleet.model.config import ModelConfig
@@ -33,14 +35,17 @@ def run_store_load(shape: str = "smol", rank: int = 16, repeats: int = 20, root=
     _, in_store = stored(base_dir, [(name, adapter_dir)])
     path, digest = in_store[name]
     nbytes = (path / "adapter_model.safetensors").stat().st_size
-    shapes = BaseShapes.from_model_config(ModelConfig.from_folder(base_dir))
-    pool = PagePool(-(-nbytes // 4 // 65536) + 2, 65536, torch.float32, "cpu")
+    model = ModelConfig.from_folder(base_dir)
+    shapes = BaseShapes.from_model_config(model)
+    # the pages of an engine at the default block size: those the store laid the adapter out for
+    page_elems = kv_page_elems(model.num_layers, EngineConfig().block_size, model.num_kv_heads, model.head_dim)
+    pool = PagePool(2 * (-(-nbytes // 4 // page_elems)) + 2, page_elems, torch.float32, "cpu")
 
     def load(trusted: bool) -> float:
         t0 = time.thread_time()
-        host = host_cache.build_host_adapter(path, shapes, torch.float32, False,
+        host = host_cache.build_host_adapter(path, shapes, page_elems, torch.float32, False,
                                              digest if trusted else None)
-        copy_in(pool, host, list(range(-(-host.layout.numel // pool.page_elems))))
+        copy_in(pool, host, list(range(-(-host.layout.paged_numel(4) // page_elems))))
         return time.thread_time() - t0
 
     threads = torch.get_num_threads()

@@ -30,6 +30,7 @@ from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, Re
                               RequestNotFoundError)
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
 from lorafleet.lora.adapter import BaseShapes
+from lorafleet.memory.layout import page_problem
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.prefetch import Prefetcher
 from lorafleet.memory.residency import AdapterResidency
@@ -58,6 +59,9 @@ class Engine:
         num_pages = self._pool_bytes() // page_bytes
         if num_pages < 1:
             raise ConfigError(f"pool_bytes={cfg.pool_bytes} holds no page ({page_bytes} bytes each)")
+        problem = page_problem(BaseShapes.from_model_config(mc), page_elems, self.model.dtype.itemsize)
+        if problem:
+            raise ConfigError(f"block_size={cfg.block_size}: {problem}")
         self.pool = PagePool(num_pages, page_elems, self.model.dtype, self.device)
         self.kv = KVCacheManager(self.pool, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                  prefix_cache=cfg.prefix_cache)
@@ -84,7 +88,7 @@ class Engine:
             raise ConfigError("decode_graphs=on needs a CUDA device (use fixed to test the fixed-shape path)")
         if mode == "off":
             return None
-        return DecodeGraphs(self.model, self.kv, self.adapters.base, self.config.max_num_seqs, self.max_model_len,
+        return DecodeGraphs(self.model, self.kv, self.config.max_num_seqs, self.max_model_len,
                             capture=mode == "on")
 
     def _pool_bytes(self) -> int:

@@ -5,14 +5,20 @@ bucket (1, 2, 4, 8, 16, 32, ... up to `max_num_seqs`), and everything that chang
 step is *data* in fixed buffers the graph reads: token ids, positions, the KV slots to write,
 block tables and context lengths, and for LoRA the segments, each segment's adapter metadata and
 its page table. Which adapters are resident, their ranks and where their pages lie never enter a
-capture: one graph per (bucket, with LoRA or not) serves every adapter mix, so the number of
-captures and their memory do not grow with the number of adapters, and no switch re-captures.
-A batch without any adapter replays the graph captured without LoRA: it pays nothing for it.
+capture. A batch without any adapter replays the graph captured without LoRA: it pays nothing
+for it.
 
-Fixed bounds make the LoRA launch grid static: segments of at most `SEGMENT_ROWS` rows (longer
-runs of one adapter are split), ranks up to `MAX_RANK`, page tables as wide as a rank-256
-adapter on every module needs. A step beyond a bound (a longer context than the block-table
-width, a larger adapter) runs eagerly instead (`eager_fallbacks`), never wrongly.
+The LoRA launch grids are sized to the step, from three buckets that the graph's key holds: the
+batch bucket, a segment bucket (`segment_buckets`: powers of 4 up to the batch bucket; segments
+of at most `SEGMENT_ROWS` rows, longer runs of one adapter split) and a rank bucket
+(`RANK_BUCKETS`: the step's largest rank rounded up to 16, 64 or 256). So 64 one-row rank-16
+segments launch 64 segments' programs at a rank bound of 16, and one adapter over 64 rows four
+segments' at its own bound, where one grid of 64 segments at rank 256 served both (and mostly
+found no work). The keys depend on those buckets alone, never on which adapters are loaded or
+where their pages are (the kernels read that through the row tables the per-step segments
+point to): at most `max_captures()` graphs for a `max_num_seqs`, each captured once, on its
+first use, and no adapter switch re-captures. A step beyond a bound (a longer context than the
+block-table width, a rank above 256) runs eagerly instead (`eager_fallbacks`), never wrongly.
 
 Padding rows write their K/V into the pool's `scratch_page` and attend to it alone; their
 logits are dropped.
@@ -29,11 +35,12 @@ import time
 import numpy as np
 import torch
 
-from lorafleet.kernels.reference import META_FIELDS, AttentionMetadata
-from lorafleet.lora.batch import GROUPS, MODULE_SLOTS, LoraBatch
+from lorafleet.kernels.reference import AttentionMetadata
+from lorafleet.lora.batch import LoraBatch, group_widths
 
-SEGMENT_ROWS = 16   # rows of one LoRA segment in a captured step (the kernels' row block)
-MAX_RANK = 256      # the largest adapter rank a captured step serves
+SEGMENT_ROWS = 16              # rows of one LoRA segment in a captured step (the kernels' row block)
+RANK_BUCKETS = (16, 64, 256)   # rank bounds a captured step's LoRA grid is sized to
+MAX_RANK = RANK_BUCKETS[-1]    # the largest adapter rank a captured step serves
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -45,16 +52,31 @@ def buckets(max_num_seqs: int) -> list[int]:
     return out + [max_num_seqs]
 
 
+def segment_buckets(batch: int) -> list[int]:
+    """LoRA segment counts a captured step of `batch` rows is sized to: powers of 4 below it, then
+    `batch` (a step has at most one segment a row)."""
+    out, s = [], 1
+    while s < batch:
+        out.append(s)
+        s *= 4
+    return out + [batch]
+
+
+def max_captures(max_num_seqs: int) -> int:
+    """The most graphs `DecodeGraphs` ever captures: per batch bucket one without LoRA and one per
+    (segment bucket, rank bucket)."""
+    return sum(1 + len(segment_buckets(b)) * len(RANK_BUCKETS) for b in buckets(max_num_seqs))
+
+
 class DecodeGraphs:
-    def __init__(self, model, kv, base, max_num_seqs: int, max_model_len: int, capture: bool):
+    def __init__(self, model, kv, max_num_seqs: int, max_model_len: int, capture: bool):
         self.model, self.kv, self.capture = model, kv, capture
+        self.widths = group_widths(model.cfg.linear_features())
         self.buckets = buckets(max_num_seqs)
         pool = kv.pool
         dev, n = pool.tensor.device, self.buckets[-1]
         scratch = pool.scratch_page
         self.max_blocks = -(-max_model_len // kv.block_size)
-        numel = base.num_layers * MAX_RANK * sum(i + o for i, o in base.features.values())
-        self.max_adapter_pages = -(-numel // pool.page_elems)
         # the fixed buffers every capture reads (bucket b uses their first b rows)
         self.ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
@@ -63,11 +85,10 @@ class DecodeGraphs:
         self.block_tables = torch.full((n, self.max_blocks), scratch, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
         self.logits_rows = torch.arange(n, device=dev)
-        self.seg = torch.zeros(n, 2, dtype=torch.long, device=dev)
-        self.meta = torch.zeros(base.num_layers, len(GROUPS), n, MODULE_SLOTS, META_FIELDS, dtype=torch.long,
-                                device=dev)
-        self.lora_tables = torch.zeros(n, self.max_adapter_pages, dtype=torch.long, device=dev)
-        self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor]] = {}
+        # the step's LoRA segments: written on the host (pinned on CUDA), one copy per step
+        self.seg = torch.zeros(n, 3, dtype=torch.long, device=dev)
+        self.seg_host = torch.zeros(n, 3, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._graphs: dict[tuple[int, int, int], tuple[object, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = self.replays = self.recaptures = self.eager_fallbacks = 0
         self.capture_s = 0.0
@@ -83,7 +104,7 @@ class DecodeGraphs:
         if meta.prefills:
             return False
         ok = (meta.num_decode <= self.buckets[-1] and meta.decode_block_tables.shape[1] <= self.max_blocks
-              and (lora is None or (lora.max_rank <= MAX_RANK and lora.host[2].shape[1] <= self.max_adapter_pages)))
+              and (lora is None or lora.max_rank <= MAX_RANK))
         if not ok:
             self.eager_fallbacks += 1
         return ok
@@ -104,9 +125,7 @@ class DecodeGraphs:
         self.block_tables[n:b].fill_(self.kv.pool.scratch_page)
         self.context_lens[:n].copy_(meta.decode_context_lens)
         self.context_lens[n:b].fill_(1)
-        if lora is not None:
-            self._set_lora(lora, b)
-        key = (b, lora is not None)
+        key = (b, 0, 0) if lora is None else self._set_lora(lora, b)
         if key not in self._graphs:
             self._capture(key)
         graph, logits = self._graphs[key]
@@ -117,31 +136,27 @@ class DecodeGraphs:
         self.replays += 1
         return logits[:n]
 
-    def _set_lora(self, lora: LoraBatch, b: int) -> None:
-        """The step's segments, split into runs of at most SEGMENT_ROWS rows, into the buffers:
-        b segments in all, the unused ones empty and of rank 0."""
-        metas, seg, tables = lora.host
-        which = np.concatenate([np.full(-(-(hi - lo) // SEGMENT_ROWS), i) for i, (lo, hi) in enumerate(seg)])
-        starts = np.concatenate([np.arange(lo, hi, SEGMENT_ROWS) for lo, hi in seg])
-        split = np.zeros((b, 2), dtype=np.int64)
-        split[:len(starts), 0] = starts
-        split[:len(starts), 1] = np.minimum(starts + SEGMENT_ROWS, seg[which, 1])
-        meta = np.zeros((*metas.shape[:2], b, *metas.shape[3:]), dtype=np.int64)
-        meta[:, :, :len(which)] = metas[:, :, which]
-        self.seg[:b].copy_(torch.from_numpy(split))
-        self.meta[:, :, :b].copy_(torch.from_numpy(meta))
-        self.lora_tables[:len(which), :tables.shape[1]].copy_(torch.from_numpy(tables[which]))
+    def _set_lora(self, lora: LoraBatch, b: int) -> tuple[int, int, int]:
+        """The step's segments, split into runs of at most SEGMENT_ROWS rows, into the buffer
+        (the unused ones of the segment bucket empty); returns the graph's key."""
+        split = lora.split(SEGMENT_ROWS)
+        segs = next(s for s in segment_buckets(b) if s >= len(split))
+        staged = self.seg_host.numpy()
+        staged[:len(split)] = split
+        staged[len(split):segs] = 0
+        self.seg[:segs].copy_(self.seg_host[:segs], non_blocking=True)
+        return b, segs, next(r for r in RANK_BUCKETS if r >= lora.max_rank)
 
-    def _forward(self, b: int, with_lora: bool) -> torch.Tensor:
+    def _forward(self, b: int, segs: int, rank: int) -> torch.Tensor:
         meta = AttentionMetadata(slot_pages=self.slot_pages[:b], slot_offsets=self.slot_offsets[:b], num_decode=b,
                                  decode_block_tables=self.block_tables[:b], decode_context_lens=self.context_lens[:b])
         lora = None
-        if with_lora:
-            lora = LoraBatch.fixed(self.model.kernels, self.kv.pool.tensor, self.seg[:b], self.meta[:, :, :b],
-                                   self.lora_tables[:b], SEGMENT_ROWS, MAX_RANK)
+        if segs:
+            lora = LoraBatch.fixed(self.model.kernels, self.kv.pool.tensor, self.widths, self.seg[:segs], SEGMENT_ROWS,
+                                   rank)
         return self.model(self.ids[:b], self.positions[:b], meta, self.kv.cache, self.logits_rows[:b], lora)
 
-    def _capture(self, key: tuple[int, bool]) -> None:
+    def _capture(self, key: tuple[int, int, int]) -> None:
         t0 = time.perf_counter()
         self.recaptures += key in self._graphs  # never, by construction: the stats prove it
         if not self.capture:

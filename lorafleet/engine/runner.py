@@ -14,7 +14,7 @@ import torch
 from lorafleet.engine.graphs import DecodeGraphs
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
-from lorafleet.lora.batch import LoraBatch
+from lorafleet.lora.batch import LoraBatch, group_widths
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
 
@@ -25,6 +25,7 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.graphs = graphs  # pure decode steps at fixed shapes (CUDA graphs), or None
+        self.lora_widths = group_widths(model.cfg.linear_features())
         self.last_model_s = 0.0  # the model's forward pass in the last execute()
 
     @staticmethod
@@ -43,13 +44,13 @@ class ModelRunner:
         model runs without any LoRA work)."""
         if all(c.request.lora is None for c in chunks):
             return None
-        batch = LoraBatch(self.model.kernels, self.kv.pool.tensor)
+        batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_widths)
         row, start, current = 0, 0, None
         for c in chunks + [None]:
             lora = c.request.lora if c is not None else None
             if c is None or lora is not current:
                 if current is not None and row > start:
-                    batch.add_rows(start, row, current.kernel_meta, current.page_table)
+                    batch.add_rows(start, row, current.row_table, current.max_rank)
                 start, current = row, lora
             if c is not None:
                 row += c.num_tokens
@@ -123,9 +124,9 @@ class ModelRunner:
         ids, positions, meta, rows = self.prepare(chunks, all_logits)
         t0 = time.perf_counter()
         if self.graphs is not None and not all_logits and self.graphs.fits(meta, lora):
-            logits = self.graphs.run(ids, positions, meta, lora)[rows]
+            logits = self.graphs.run(ids, positions, meta, lora)[rows]  # copies `lora` into its buffer
         else:
-            logits = self.model(ids, positions, meta, self.kv.cache, rows, lora)
+            logits = self.model(ids, positions, meta, self.kv.cache, rows, lora and lora.to_device())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_model_s = time.perf_counter() - t0

@@ -118,6 +118,22 @@ def weights_numel(path: str | Path) -> int:
     return sum(math.prod(info["shape"]) for info in header.values())
 
 
+def header_ranks(path: str | Path, base: BaseShapes) -> dict[tuple[int, str], int]:
+    """(layer, module) -> rank, from the lora_A shapes in the adapter's safetensors header alone
+    (cheap: the data is not read): what its layout in pages will need. Keys that are not LoRA
+    weights of the base are skipped here; loading the adapter refuses them."""
+    header = _check_safetensors_header(_weights_file(Path(path)))
+    ranks: dict[tuple[int, str], int] = {}
+    for key, info in header.items():
+        m = _KEY_RE.fullmatch(key)
+        if m is None or m.group("ab") != "A" or len(info["shape"]) != 2:
+            continue
+        layer, proj = int(m.group("layer")), m.group("module").split(".")[1]
+        if proj in base.features and layer < base.num_layers:
+            ranks[(layer, proj)] = int(info["shape"][0])
+    return ranks
+
+
 # ---------------------------------------------------------------------------------------------
 # safetensors
 # ---------------------------------------------------------------------------------------------

@@ -6,15 +6,18 @@ Projection groups share an input:
   qkv -> (q_proj, k_proj, v_proj), o -> (o_proj,), gate_up -> (gate_proj, up_proj), down -> (down_proj,)
 
 One path for every segment, decode or prefill: the op reads each adapter's weights from the
-pool's pages through the segment's page table (`kernels/reference.py` states the contract).
-Built once per step, for every layer and group at once: `meta` [L, G, S, slots, 5] (each
-adapter's metadata is fixed for its life, stacked here), `seg` [S, 2], `tables` [S, maxp].
+pool's pages through the adapter's row table, which lives in its own pages (`kernels/reference.py`
+states the contract, `memory/layout.py` builds it). So a step's metadata is small: per segment
+its first row, its end and where its adapter's row table starts, `seg` [S, 3], built once on the
+host and copied once (by `to_device`, or into a captured step's buffer by `engine/graphs.py`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from lorafleet.kernels.reference import lora_entry
 
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -23,54 +26,64 @@ GROUPS = {
     "down": ("down_proj",),
 }
 GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
-MODULE_SLOTS = max(len(m) for m in GROUPS.values())  # module slots per group in the metadata
+MODULE_SLOTS = max(len(m) for m in GROUPS.values())  # module slots per group in a row table
+
+
+def group_widths(features: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """Each group's widest module output (a bound of the LoRA op's grid), from the base's
+    (in, out) features per module."""
+    return {g: max(features[m][1] for m in modules) for g, modules in GROUPS.items()}
 
 
 class LoraBatch:
-    def __init__(self, kernels, pool_tensor: torch.Tensor):
-        """`kernels`: the model's `kernels.backend.Kernels`; `pool_tensor` [pages, page_elems]."""
+    def __init__(self, kernels, pool_tensor: torch.Tensor, widths: dict[str, int]):
+        """`kernels`: the model's `kernels.backend.Kernels`; `pool_tensor` [pages, page_elems];
+        `widths`: `group_widths` of the base."""
         self.kernels = kernels
         self.weights = pool_tensor.view(-1)
-        self.page_elems = pool_tensor.shape[1]
-        self._rows: list[tuple[int, int, np.ndarray, np.ndarray]] = []
-        self.meta: torch.Tensor | None = None     # [L, G, S, slots, 5] int64
-        self.seg: torch.Tensor | None = None      # [S, 2] int64
-        self.tables: torch.Tensor | None = None   # [S, maxp] int64
+        self.widths = widths
+        self.host = np.zeros((0, 3), dtype=np.int64)  # [S, 3] (start, end, row table)
+        self.seg: torch.Tensor | None = None           # the same on the pool's device, once copied
         self.max_rows = self.max_rank = 0
-        self.host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (meta, seg, tables) in numpy
+        self._rows: list[tuple[int, int, int]] = []
 
     @classmethod
-    def fixed(cls, kernels, pool_tensor: torch.Tensor, seg: torch.Tensor, meta: torch.Tensor, tables: torch.Tensor,
-              max_rows: int, max_rank: int) -> LoraBatch:
-        """A batch over fixed buffers with static bounds (a captured decode step: `engine/graphs.py`)."""
-        batch = cls(kernels, pool_tensor)
-        batch.seg, batch.meta, batch.tables, batch.max_rows, batch.max_rank = seg, meta, tables, max_rows, max_rank
+    def fixed(cls, kernels, pool_tensor: torch.Tensor, widths: dict[str, int], seg: torch.Tensor, max_rows: int,
+              max_rank: int) -> LoraBatch:
+        """A batch over a fixed buffer with static bounds (a captured decode step: `engine/graphs.py`)."""
+        batch = cls(kernels, pool_tensor, widths)
+        batch.seg, batch.max_rows, batch.max_rank = seg, max_rows, max_rank
         return batch
 
-    def add_rows(self, start: int, end: int, meta: np.ndarray, pages: np.ndarray) -> None:
-        """Rows [start, end) use one adapter: its metadata [L, G, slots, 5] and its pages."""
-        self._rows.append((start, end, meta, pages))
+    def add_rows(self, start: int, end: int, table: int, max_rank: int) -> None:
+        """Rows [start, end) use the adapter whose row table starts at int64 index `table` of the
+        pool and whose largest rank is `max_rank`."""
+        self._rows.append((start, end, table))
+        self.max_rank = max(self.max_rank, max_rank)
 
     def finish(self) -> LoraBatch:
-        """The step's tensors, once, for every layer and group."""
-        dev = self.weights.device
-        metas = np.stack([m for _, _, m, _ in self._rows], axis=2)          # [L, G, S, slots, 5]
-        width = max(len(p) for *_, p in self._rows)
-        tables = np.zeros((len(self._rows), width), dtype=np.int64)
-        for i, (*_, pages) in enumerate(self._rows):
-            tables[i, :len(pages)] = pages
-        seg = np.array([(s, e) for s, e, _, _ in self._rows], dtype=np.int64)
-        self.max_rows = int((seg[:, 1] - seg[:, 0]).max())
-        self.max_rank = int(metas[..., 1].max())
-        self.host = (metas, seg, tables)
-        self.meta = torch.from_numpy(np.ascontiguousarray(metas)).to(dev)
-        self.seg = torch.from_numpy(seg).to(dev)
-        self.tables = torch.from_numpy(tables).to(dev)
+        """The step's segments, on the host."""
+        self.host = np.array(self._rows, dtype=np.int64).reshape(-1, 3)
+        self.max_rows = int((self.host[:, 1] - self.host[:, 0]).max(initial=0))
+        return self
+
+    def split(self, rows: int) -> np.ndarray:
+        """The segments cut into runs of at most `rows` rows: [S', 3] (a captured step's grid
+        has one row block of `rows` per segment)."""
+        lo, hi = self.host[:, 0], self.host[:, 1]
+        parts = -(-(hi - lo) // rows)
+        out = np.repeat(self.host, parts, axis=0)
+        out[:, 0] = np.concatenate([np.arange(a, b, rows) for a, b in zip(lo, hi)]) if len(lo) else []
+        out[:, 1] = np.minimum(out[:, 0] + rows, out[:, 1])
+        return out
+
+    def to_device(self) -> LoraBatch:
+        """`seg` for the kernels: one copy of [S, 3] to the pool's device (none on the CPU)."""
+        self.seg = torch.from_numpy(self.host).to(self.weights.device, non_blocking=True)
         return self
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter delta for `group` of `layer` (rows in no segment untouched)."""
-        # the group's own module slots (a view): a GPU kernel launches programs per slot
-        meta = self.meta[layer, GROUP_INDEX[group], :, :len(GROUPS[group])]
-        self.kernels.lora(x, out, self.weights, self.page_elems, self.seg, meta, self.tables, self.max_rows,
-                          self.max_rank)
+        entry = lora_entry(layer, GROUP_INDEX[group], len(GROUPS), MODULE_SLOTS)
+        self.kernels.lora(x, out, self.weights, self.seg, entry, len(GROUPS[group]), self.max_rows, self.max_rank,
+                          self.widths[group])

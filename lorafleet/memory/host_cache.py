@@ -22,7 +22,7 @@ from lorafleet.memory.layout import LAYOUT_FILE, Layout, read_saved
 class HostAdapter:
     digest: str
     layout: Layout
-    buffer: torch.Tensor          # flat [layout.numel], the pool's dtype
+    buffer: torch.Tensor          # flat [layout.numel] (the weights, rows in place), the pool's dtype
     ranks: dict[str, int]         # module -> max rank over layers
     num_params: int
 
@@ -31,20 +31,21 @@ class HostAdapter:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def build_host_adapter(path: Path, base: BaseShapes, dtype: torch.dtype, pin: bool,
+def build_host_adapter(path: Path, base: BaseShapes, page_elems: int, dtype: torch.dtype, pin: bool,
                        trusted_digest: str | None = None) -> HostAdapter:
-    """Disk -> host: parse and validate (AdapterError on any problem), lay out, done. With
+    """Disk -> host: parse and validate (AdapterError on any problem), lay out for pages of
+    `page_elems`, done. With
     `trusted_digest` (a stored adapter, validated, hashed and laid out when it was pulled) the
     saved layout is memory-mapped instead (`memory.layout.read_saved`): on the CPU at float32
     the host copy is that mapping (the page cache's pages, no copy at all). Either way the
     buffer is laid out at float32 and rounded to `dtype` once, so both give the same bits."""
-    saved = read_saved(Path(path) / LAYOUT_FILE, trusted_digest) if trusted_digest else None
+    saved = read_saved(Path(path) / LAYOUT_FILE, trusted_digest, base, page_elems) if trusted_digest else None
     if saved is not None:
         layout, buffer, ranks = saved
         return HostAdapter(trusted_digest, layout, _host_copy(buffer, dtype, pin), ranks, layout.numel)
     adapter = load_adapter(path, base)  # float32: laid out at float32, as stored adapters are
-    layout = Layout.of(adapter, base)
-    buffer = torch.empty(layout.numel, dtype=torch.float32)
+    layout = Layout.of(adapter, base, page_elems)
+    buffer = torch.zeros(layout.numel, dtype=torch.float32)  # the gaps between rows: zeros, as saved
     layout.fill(buffer, adapter)
     return HostAdapter(adapter.digest, layout, _host_copy(buffer, dtype, pin), adapter.ranks, adapter.num_params)
 

@@ -1,20 +1,27 @@
-"""How an adapter is laid out as one flat buffer, in host memory and in pool pages.
+"""How an adapter is laid out as one flat buffer, in host memory and in pool pages, and the row
+table the kernels read it through.
 
 Per layer and projection group (see `lora/batch.py`): the A matrices of the group's targeted
-modules back to back, then each module's Bt = (scale * B)^T, [r, out] (the expand reads rows of
-Bt: long contiguous loops). Offsets are logical (from the buffer's start): in the pool the
-buffer is cut into pages that may lie anywhere, and every kernel finds element o in page
-o // page_elems of the adapter's page table (the contract in `kernels/reference.py`). So the
-host copy is one flat buffer (one copy per page moves it in) and the kernels' metadata is fixed
-for the adapter's life, wherever its pages are.
+modules, then each module's Bt = (scale * B)^T, [r, out]. Offsets are logical (from the buffer's
+start): in the pool the buffer is cut into pages of `page_elems` that may lie anywhere. Every
+rank row (a row of A over `in`, a row of Bt over `out`) starts at a multiple of `ROW_ALIGN`
+elements and never crosses a page: a row that would is moved to the next page's start. So once
+the pages are known, each row is one contiguous run of the pool, and the kernels read it through
+one pointer (the row table, `kernels/reference.py`'s contract), as vectors, never element by
+element through a page table. The padding costs at most one row per page boundary.
 
-The store keeps each adapter's buffer laid out once, at pull (`save` / `read_saved`: the file
-`LAYOUT_FILE` beside the PEFT files, a safetensors file of one float32 tensor, the layout's
-entries and the adapter's ranks in its metadata). Loading a stored adapter is then a memory map
-and one copy into pages: no tensor is parsed, checked, hashed, scaled or transposed again. The
-buffer is float32 whatever the pool's dtype (the copy into a bf16 or fp16 pool rounds once, as a
-checked load does: `memory.host_cache`); a file of another `LAYOUT_VERSION` is not read (the
-adapter then loads as any folder does).
+The row table follows the weights in the same pages: per (layer, group, module slot) the fields
+(r, n_out, col, a_rows, b_rows), then for each targeted module its r pointers to A's rows and r to
+Bt's (each list, and the fields, inside one page). It is built when the pages are assigned (`row_table`), and rebuilt only
+when they change (an adapter evicted and loaded again gets new pages and a new table).
+
+The store keeps each adapter's weights laid out once, at pull (`save` / `read_saved`: the file
+`LAYOUT_FILE` beside the PEFT files, a safetensors file of one float32 tensor, the page size and
+the ranks in its metadata). Loading a stored adapter is then a memory map and one copy into pages:
+no tensor is parsed, checked, hashed, scaled or transposed again. The buffer is float32 whatever
+the pool's dtype (the copy into a bf16 or fp16 pool rounds once, as a checked load does:
+`memory.host_cache`); a file of another `LAYOUT_VERSION`, or laid out for another page size, is
+not read (the adapter then loads as any folder does).
 """
 
 from __future__ import annotations
@@ -28,78 +35,189 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lorafleet.kernels.reference import META_FIELDS
+from lorafleet.errors import AdapterError
+from lorafleet.kernels.reference import ROW_ALIGN, TABLE_FIELDS, lora_entry
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter
 from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
 
 LAYOUT_FILE = "lorafleet-layout.safetensors"
-LAYOUT_VERSION = "1"  # bump when the buffer's arrangement or this file's form changes
+LAYOUT_VERSION = "2"  # bump when the buffer's arrangement or this file's form changes
+
+
+def _align(n: int) -> int:
+    return -(-n // ROW_ALIGN) * ROW_ALIGN
+
+
+def place_rows(o: int, length: int, count: int, page_elems: int) -> tuple[np.ndarray, int]:
+    """Logical offsets of `count` rows of `length` elements from offset `o` on: each at a multiple
+    of ROW_ALIGN, none crossing a page (one that would starts the next page). Returns (offsets,
+    the offset past the last row)."""
+    stride = _align(length)
+    if stride > page_elems:
+        raise AdapterError(f"a rank row or row pointer list of {length} elements does not fit in a page of "
+                           f"{page_elems} (the rank is too large for this base's pages: raise block_size)")
+    o = _align(o)
+    first = min(count, (page_elems - o % page_elems) // stride)       # rows left in this page
+    out = o + np.arange(first, dtype=np.int64) * stride
+    if first == count:
+        return out, o + first * stride
+    per = page_elems // stride                                         # rows in a whole page
+    i = np.arange(count - first, dtype=np.int64)
+    rest = (o // page_elems + 1 + i // per) * page_elems + (i % per) * stride
+    return np.concatenate([out, rest]), int(rest[-1]) + stride
+
+
+def page_problem(base: BaseShapes, page_elems: int, itemsize: int) -> str | None:
+    """Why pages of `page_elems` elements of `itemsize` bytes cannot hold this base's adapters
+    (a rank row, or a row table's fields, larger than a page; pages not ROW_ALIGN-aligned), or None."""
+    widest = max(_align(max(features)) for features in base.features.values())
+    fields = base.num_layers * len(GROUPS) * MODULE_SLOTS * TABLE_FIELDS * (8 // itemsize)
+    if page_elems % ROW_ALIGN:
+        return f"a page of {page_elems} elements is not a multiple of {ROW_ALIGN}"
+    if max(widest, fields) > page_elems:
+        return (f"a page holds {page_elems} elements, but an adapter's rank row or row table needs "
+                f"{max(widest, fields)}: raise block_size")
+    return None
+
+
+@dataclass(frozen=True)
+class Module:
+    """One targeted module of one layer: where its rows are (logical offsets)."""
+
+    layer: int
+    group: int          # index into GROUPS
+    slot: int           # the module's place in its group
+    col: int            # its first column in the group's fused output
+    fan_in: int
+    n_out: int
+    a_rows: np.ndarray  # [r] int64: A's rows, [fan_in] each
+    b_rows: np.ndarray  # [r] int64: Bt's rows, [n_out] each
+
+    @property
+    def r(self) -> int:
+        return len(self.a_rows)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Module) and (self.layer, self.group, self.slot, self.col, self.fan_in, self.n_out)
+                == (other.layer, other.group, other.slot, other.col, other.fan_in, other.n_out)
+                and np.array_equal(self.a_rows, other.a_rows) and np.array_equal(self.b_rows, other.b_rows))
 
 
 @dataclass
 class Layout:
-    """Where each tensor sits in the flat buffer: (layer, group) -> (a_offset, a_rows, in,
-    [(module slot j, output column, row offset in A, bt_offset, out, r)]). A is [rows, in]
-    row-major; each Bt = (scale * B)^T is [r, out] row-major."""
+    """Where each rank row sits in the flat buffer of `numel` elements (the weights; the row
+    table follows them once the pool's element size is known: `paged_numel`, `row_table`)."""
 
-    entries: dict[tuple[int, str], tuple[int, int, int, list[tuple[int, int, int, int, int, int]]]]
+    modules: list[Module]
     numel: int
+    page_elems: int
+    num_layers: int
 
     @classmethod
-    def of(cls, adapter: LoraAdapter, base: BaseShapes) -> Layout:
-        entries, off = {}, 0
+    def plan(cls, ranks: dict[tuple[int, str], int], base: BaseShapes, page_elems: int) -> Layout:
+        """The layout of an adapter whose (layer, module) pairs have these ranks (0 or absent:
+        not targeted), for pages of `page_elems` elements."""
+        modules, off = [], 0
         for layer in range(base.num_layers):
-            for group, modules in GROUPS.items():
-                cols = [0]
-                for m in modules:
-                    cols.append(cols[-1] + base.features[m][1])
-                present = [(j, adapter.weights[(layer, m)]) for j, m in enumerate(modules)
-                           if (layer, m) in adapter.weights]
-                if not present:
-                    continue
-                fan_in = present[0][1].a.shape[1]
-                a_off, rows = off, sum(w.rank for _, w in present)
-                off += rows * fan_in
-                bs, row = [], 0
-                for j, w in present:
-                    bs.append((j, cols[j], row, off, w.b.shape[0], w.rank))
-                    off += w.b.numel()
-                    row += w.rank
-                entries[(layer, group)] = (a_off, rows, fan_in, bs)
-        return cls(entries, off)
+            for group, names in GROUPS.items():
+                present = [(j, m, ranks[(layer, m)]) for j, m in enumerate(names) if ranks.get((layer, m), 0) > 0]
+                cols = np.concatenate([[0], np.cumsum([base.features[m][1] for m in names])]).tolist()
+                a_rows = []
+                for j, m, r in present:
+                    rows, off = place_rows(off, base.features[m][0], r, page_elems)
+                    a_rows.append(rows)
+                for (j, m, r), a in zip(present, a_rows):
+                    fan_in, n_out = base.features[m]
+                    b, off = place_rows(off, n_out, r, page_elems)
+                    modules.append(Module(layer, GROUP_INDEX[group], j, cols[j], fan_in, n_out, a, b))
+        return cls(modules, off, page_elems, base.num_layers)
+
+    @classmethod
+    def of(cls, adapter: LoraAdapter, base: BaseShapes, page_elems: int) -> Layout:
+        return cls.plan({key: w.rank for key, w in adapter.weights.items()}, base, page_elems)
+
+    @property
+    def ranks(self) -> dict[tuple[int, str], int]:
+        return {(m.layer, GROUPS[_GROUP_NAMES[m.group]][m.slot]): m.r for m in self.modules}
 
     def fill(self, buf: torch.Tensor, adapter: LoraAdapter) -> None:
-        """Write the adapter's tensors into `buf` (flat) at their offsets, B scaled, transposed."""
-        for (layer, group), (a_off, rows, fan_in, bs) in self.entries.items():
-            modules = GROUPS[group]
-            for j, _, row, b_off, out, r in bs:
-                w = adapter.weights[(layer, modules[j])]
-                buf[a_off + row * fan_in: a_off + (row + r) * fan_in].copy_(w.a.reshape(-1))
-                torch.mul(w.b.t(), w.scale, out=buf[b_off: b_off + out * r].view(r, out))
+        """Write the adapter's tensors into `buf` (flat, zeroed) at their rows, B scaled and
+        transposed: one copy per run of rows that lie back to back."""
+        for m in self.modules:
+            w = adapter.weights[(m.layer, GROUPS[_GROUP_NAMES[m.group]][m.slot])]
+            for k0, k1, o in _runs(m.a_rows, m.fan_in):
+                buf[o:o + (k1 - k0) * m.fan_in].copy_(w.a[k0:k1].reshape(-1))
+            for k0, k1, o in _runs(m.b_rows, m.n_out):
+                torch.mul(w.b[:, k0:k1].t(), w.scale, out=buf[o:o + (k1 - k0) * m.n_out].view(k1 - k0, m.n_out))
 
     def targets(self) -> set[tuple[int, str]]:
         """The (layer, module) pairs the adapter has weights for."""
-        return {(layer, GROUPS[group][j]) for (layer, group), (*_, bs) in self.entries.items() for j, *_ in bs}
+        return set(self.ranks)
 
-    def kernel_meta(self, num_layers: int) -> np.ndarray:
-        """[layers, groups, slots, META_FIELDS] int64: (a_off, r, b_off, n_out, col) per module
-        slot, offsets logical in the adapter's buffer; rank 0 marks a module it does not target."""
-        meta = np.zeros((num_layers, len(GROUPS), MODULE_SLOTS, META_FIELDS), dtype=np.int64)
-        for (layer, group), (a_off, _, fan_in, bs) in self.entries.items():
-            g = GROUP_INDEX[group]
-            for j, col, row, b_off, o, r in bs:
-                meta[layer, g, j] = (a_off + row * fan_in, r, b_off, o, col)
-        return meta
+    # -- the row table ---------------------------------------------------------------------------
+    def _table_plan(self, itemsize: int) -> tuple[int, list[int], int]:
+        """(the fields' logical offset, each module's two pointer lists', the end), in elements of
+        `itemsize` bytes: the fields [layers, groups, slots, TABLE_FIELDS] int64 first, then the
+        lists, each inside one page."""
+        per = 8 // itemsize  # elements an int64 takes
+        fields = self.num_layers * len(GROUPS) * MODULE_SLOTS * TABLE_FIELDS * per
+        (start,), off = place_rows(self.numel, fields, 1, self.page_elems)
+        lists = []
+        for m in self.modules:
+            ab, off = place_rows(off, m.r * per, 2, self.page_elems)
+            lists.append((int(ab[0]), int(ab[1])))
+        return int(start), lists, off
+
+    def paged_numel(self, itemsize: int) -> int:
+        """Elements (of `itemsize` bytes) the adapter takes in pages: its weights and row table."""
+        return self._table_plan(itemsize)[2]
+
+    def table_index(self, pages, itemsize: int) -> int:
+        """The int64 index in the pool at which the row table's fields start (`row_table`'s last)."""
+        start = self._table_plan(itemsize)[0]
+        return (pages[start // self.page_elems] * self.page_elems + start % self.page_elems) // (8 // itemsize)
+
+    def row_table(self, pages, itemsize: int) -> tuple[int, np.ndarray, int]:
+        """The row table for the adapter in `pages` (logical page j is pool page pages[j]), with
+        the pool's element size: (its logical offset, the int64 words from there to its end, with
+        zeros in the gaps, to copy into the pages at that offset; the int64 index in the pool at
+        which its fields start: the `table` of a segment using this adapter)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        E, per = self.page_elems, 8 // itemsize
+
+        def pool(o):  # logical element offsets -> pool element offsets
+            return pages[o // E] * E + o % E
+
+        start, lists, end = self._table_plan(itemsize)
+        words = np.zeros((end - start) // per, dtype=np.int64)
+        for m, (a_at, b_at) in zip(self.modules, lists):
+            f = lora_entry(m.layer, m.group, len(GROUPS), MODULE_SLOTS) + m.slot * TABLE_FIELDS
+            words[f:f + TABLE_FIELDS] = (m.r, m.n_out, m.col, pool(a_at) // per, pool(b_at) // per)
+            words[(a_at - start) // per:][:m.r] = pool(m.a_rows)
+            words[(b_at - start) // per:][:m.r] = pool(m.b_rows)
+        return start, words, int(pool(start)) // per
 
 
-def save(path: Path, adapter: LoraAdapter, base: BaseShapes) -> None:
-    """Write `adapter` (validated: `load_adapter`) laid out, float32, as the file `path`."""
-    layout = Layout.of(adapter, base)
-    buf = torch.empty(layout.numel, dtype=torch.float32)
+_GROUP_NAMES = list(GROUPS)
+
+
+def _runs(rows: np.ndarray, length: int):
+    """(first row, row past the last, offset) of each run of rows lying back to back."""
+    breaks = np.flatnonzero(np.diff(rows) != length) + 1
+    bounds = [0, *breaks.tolist(), len(rows)]
+    return [(k0, k1, int(rows[k0])) for k0, k1 in zip(bounds, bounds[1:])]
+
+
+def save(path: Path, adapter: LoraAdapter, base: BaseShapes, page_elems: int) -> None:
+    """Write `adapter` (validated: `load_adapter`) laid out for pages of `page_elems`, float32, as
+    the file `path`."""
+    layout = Layout.of(adapter, base, page_elems)
+    buf = torch.zeros(layout.numel, dtype=torch.float32)
     layout.fill(buf, adapter)
-    entries = [[layer, group, *head, bs] for (layer, group), (*head, bs) in layout.entries.items()]
+    module_ranks = sorted([layer, module, r] for (layer, module), r in layout.ranks.items())
     meta = {"format": "lorafleet-layout", "version": LAYOUT_VERSION, "digest": adapter.digest,
-            "entries": json.dumps(entries, separators=(",", ":")), "ranks": json.dumps(adapter.ranks, sort_keys=True)}
+            "page_elems": str(page_elems), "module_ranks": json.dumps(module_ranks, separators=(",", ":")),
+            "ranks": json.dumps(adapter.ranks, sort_keys=True)}
     header = json.dumps({"__metadata__": meta, "layout": {"dtype": "F32", "shape": [layout.numel],
                                                           "data_offsets": [0, 4 * layout.numel]}},
                         sort_keys=True, separators=(",", ":")).encode()
@@ -111,11 +229,13 @@ def save(path: Path, adapter: LoraAdapter, base: BaseShapes) -> None:
         buf.numpy().tofile(f)
 
 
-def read_saved(path: Path, digest: str) -> tuple[Layout, torch.Tensor, dict[str, int]] | None:
+def read_saved(path: Path, digest: str, base: BaseShapes,
+               page_elems: int) -> tuple[Layout, torch.Tensor, dict[str, int]] | None:
     """The layout, the float32 buffer (a read-only view of the memory-mapped file: nothing is
     read until it is copied) and the ranks saved at `path` for the adapter of `digest`; None
-    when there is no such file, or it was written by another layout version or for other
-    weights. The file is the store's (written by `save` at pull, read-only since): trusted."""
+    when there is no such file, or it was written by another layout version, for other weights
+    or for another page size. The file is the store's (written by `save` at pull, read-only
+    since): trusted."""
     try:
         mapped = np.memmap(path, mode="r")
     except (FileNotFoundError, ValueError):  # ValueError: an empty file
@@ -123,12 +243,14 @@ def read_saved(path: Path, digest: str) -> tuple[Layout, torch.Tensor, dict[str,
     (n,) = struct.unpack("<Q", mapped[:8].tobytes())
     header = json.loads(mapped[8:8 + n].tobytes())
     meta = header.get("__metadata__", {})
-    if meta.get("version") != LAYOUT_VERSION or meta.get("digest") != digest:
+    if (meta.get("version") != LAYOUT_VERSION or meta.get("digest") != digest
+            or meta.get("page_elems") != str(page_elems)):
         return None
     start, end = header["layout"]["data_offsets"]
     with warnings.catch_warnings():  # read-only memory: the buffer is only copied from
         warnings.simplefilter("ignore", UserWarning)
         buf = torch.from_numpy(mapped[8 + n + start: 8 + n + end]).view(torch.float32)
-    entries = {(layer, group): (a_off, rows, fan_in, [tuple(b) for b in bs])
-               for layer, group, a_off, rows, fan_in, bs in json.loads(meta["entries"])}
-    return Layout(entries, buf.numel()), buf, json.loads(meta["ranks"])
+    ranks = {(layer, module): r for layer, module, r in json.loads(meta["module_ranks"])}
+    layout = Layout.plan(ranks, base, page_elems)
+    assert layout.numel == buf.numel(), f"{path}: the saved layout disagrees with its plan"
+    return layout, buf, json.loads(meta["ranks"])

@@ -289,12 +289,13 @@ def _load(residency: AdapterResidency, path, pages: list[int] | None, stream, tr
     """Worker: disk -> host (read, validate, hash, lay out; a stored adapter is read only, see
     `AdapterEntry.trusted_digest`), and into `pages` when given."""
     t0 = time.perf_counter()
-    host = host_cache.build_host_adapter(path, residency.base, residency.pool.tensor.dtype,
+    pool = residency.pool
+    host = host_cache.build_host_adapter(path, residency.base, pool.page_elems, pool.tensor.dtype,
                                          residency.pin_host, trusted_digest)
     if pages is not None:
-        if host.layout.numel > len(pages) * residency.pool.page_elems:
+        if host.layout.paged_numel(pool.tensor.element_size()) > len(pages) * pool.page_elems:
             raise AdapterError(f"{path}: the weights are larger than the file's header says")
-        copy_in(residency.pool, host, pages, stream)
+        copy_in(pool, host, pages, stream)
     return host, time.perf_counter() - t0
 
 
@@ -306,18 +307,35 @@ def _timed_copy(pool: PagePool, host: HostAdapter, pages: list[int], stream=None
 
 
 def copy_in(pool: PagePool, host: HostAdapter, pages: list[int], stream=None) -> None:
-    """Worker: host buffer -> its (already allocated) device pages. On CUDA the copy runs on the
-    side `stream` and is complete when this returns, so the adapter is marked ready only after
-    its bytes landed."""
-    buf, n = host.buffer, host.layout.numel
-    assert n <= len(pages) * pool.page_elems, "adapter larger than its pages"
+    """Worker: host buffer -> its (already allocated) device pages, then the row table built for
+    those pages (`Layout.row_table`) after it. On CUDA the copies run on the side `stream` and
+    are complete when this returns, so the adapter is marked ready only after its bytes landed."""
+    layout = host.layout
+    start, words, _ = layout.row_table(pages, pool.tensor.element_size())
+    # pageable: an asynchronous copy from it is staged before it returns, and it is a few KB
+    table = torch.from_numpy(words).view(pool.tensor.dtype)
+    assert start + table.numel() <= len(pages) * pool.page_elems, "adapter larger than its pages"
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        if pages == list(range(pages[0], pages[0] + len(pages))):
-            pool.tensor[pages[0]:pages[0] + len(pages)].view(-1)[:n].copy_(buf, non_blocking=stream is not None)
-        else:
-            per = pool.page_elems
-            for i, p in enumerate(pages):
-                part = buf[i * per:(i + 1) * per]
-                pool.tensor[p, :part.numel()].copy_(part, non_blocking=stream is not None)
+        _copy_logical(pool, pages, 0, host.buffer, stream is not None)
+        _copy_logical(pool, pages, start, table, stream is not None)
     if stream is not None:
         stream.synchronize()
+
+
+def _copy_logical(pool: PagePool, pages: list[int], o: int, src: torch.Tensor, non_blocking: bool) -> None:
+    """src (flat) into the adapter's logical elements [o, o + len(src)): one copy for a run of
+    consecutive pages, else one per page."""
+    per, n = pool.page_elems, src.numel()
+    first, last = o // per, (o + n - 1) // per
+    if n == 0:
+        return
+    if pages[first:last + 1] == list(range(pages[first], pages[first] + last - first + 1)):
+        flat = pool.tensor[pages[first]:pages[last] + 1].view(-1)
+        flat[o % per:o % per + n].copy_(src, non_blocking=non_blocking)
+        return
+    done = 0
+    for j in range(first, last + 1):
+        lo = o + done - j * per
+        take = min(n - done, per - lo)
+        pool.tensor[pages[j], lo:lo + take].copy_(src[done:done + take], non_blocking=non_blocking)
+        done += take

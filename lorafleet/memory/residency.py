@@ -26,9 +26,9 @@ Contracts:
   so two hot sets do not thrash the pool); KV pressure may still take it, but an adapter that a
   waiting request wants only when nothing else is left.
 - An adapter's pages may lie anywhere in the pool: the kernels read its weights through its
-  page table (`page_table`, fixed for its stay) and its metadata (`kernel_meta`, logical
-  offsets, fixed for its life), so nothing is gathered per step and no eviction is ever made
-  to find a contiguous run.
+  row table (in its own pages, built for those pages by the copy that fills them:
+  `memory/layout.py`; `row_table` is where it starts, fixed for its stay), so nothing is
+  gathered per step and no eviction is ever made to find a contiguous run.
 Checked by `check_integrity()`: every adapter's pages are exactly the pool pages its owner id
 holds, no adapter owner is unknown, pins <= users, pinned adapters are ready.
 """
@@ -43,13 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Container
 
-import numpy as np
-
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
-from lorafleet.lora.adapter import BaseShapes, read_adapter_config, weights_numel
+from lorafleet.lora.adapter import BaseShapes, header_ranks, read_adapter_config, weights_numel
 from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import KVCacheManager, kv_salt
+from lorafleet.memory.layout import Layout
 from lorafleet.memory.pool import CACHED, PagePool
 
 RECENT = 64  # per adapter: the last loads' seconds and requests' exposed waits kept (for p50/p99)
@@ -74,12 +73,12 @@ class AdapterEntry:
     uid: int = field(default_factory=lambda: next(_uids))
     digest: str | None = None            # known once the weights have been read
     trusted_digest: str | None = None    # from the store: validated and hashed at pull, not again
-    numel: int = 0                       # elements of its weights, from the file header
+    numel: int = 0                       # elements it takes in pages (weights, row table), from the file header
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
     pages: list[int] | None = None       # device pages, allocated
     ready: bool = False                  # pages hold the weights
-    page_table: np.ndarray | None = None  # the pages in logical order, while ready
-    kernel_meta: np.ndarray | None = None  # [layers, groups, slots, 5]: Layout.kernel_meta, while ready
+    row_table: int | None = None         # the pool's int64 index of its row table, while ready
+    max_rank: int = 0                    # its largest rank, once loaded
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy
@@ -126,6 +125,7 @@ class AdapterResidency:
         self.min_resident_steps = min_resident_steps
         self.step = 0
         self.pin_host = pool.tensor.device.type == "cuda"
+        self.itemsize = pool.tensor.element_size()
         self._idle_lru: OrderedDict[AdapterEntry, None] = OrderedDict()  # ready, unpinned; LRU first
         self.idle_pages = 0  # the pages of the adapters in `_idle_lru`
 
@@ -148,7 +148,8 @@ class AdapterResidency:
         check_name(name)
         path = Path(path)
         read_adapter_config(path, self.base)
-        numel = weights_numel(path)
+        self.check_fits(name, weights_numel(path))  # before planning: the header's ranks are bounded by the pool
+        numel = Layout.plan(header_ranks(path, self.base), self.base, self.pool.page_elems).paged_numel(self.itemsize)
         self.check_fits(name, numel)
         old = self.entries.get(name)
         if old is not None and old.path == path and old.error is None:
@@ -267,7 +268,7 @@ class AdapterResidency:
         entry.load_time_s += seconds
         entry.recent_loads.append(seconds)
         entry.digest = host.digest
-        entry.numel = host.layout.numel
+        entry.numel = host.layout.paged_numel(self.itemsize)
         self._put_host(entry, host)
         ready = entry.pages is not None
         if ready:
@@ -301,8 +302,8 @@ class AdapterResidency:
         """After the copy: what the LoRA op reads, its page table and metadata (engine thread)."""
         host = entry.host
         entry.ranks, entry.num_params = host.ranks, host.num_params
-        entry.page_table = np.asarray(entry.pages, dtype=np.int64)
-        entry.kernel_meta = host.layout.kernel_meta(self.base.num_layers)
+        entry.row_table = host.layout.table_index(entry.pages, self.itemsize)
+        entry.max_rank = max(host.ranks.values(), default=0)
         entry.kv_salt = kv_salt(host.layout.targets(), host.digest, self.base.num_layers)
         entry.ready = True
         entry.ready_step = self.step
@@ -312,7 +313,7 @@ class AdapterResidency:
 
     # -- device tier -------------------------------------------------------------------
     def pages_needed(self, entry: AdapterEntry) -> int:
-        numel = entry.host.layout.numel if entry.host is not None else entry.numel
+        numel = entry.host.layout.paged_numel(self.itemsize) if entry.host is not None else entry.numel
         return -(-numel // self.pool.page_elems)
 
     def allocate(self, entry: AdapterEntry, reserve: int = 0, protect: Container[AdapterEntry] = frozenset(),
@@ -385,7 +386,7 @@ class AdapterResidency:
     def _free_device(self, entry: AdapterEntry) -> None:
         self._from_idle(entry)
         self.pool.free(entry.pages)
-        entry.pages, entry.ready, entry.page_table, entry.kernel_meta = None, False, None, None
+        entry.pages, entry.ready, entry.row_table = None, False, None
 
     # -- checks & stats ----------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -5,7 +5,8 @@ An adapter is validated against a base already in the store with the very checks
 applies when it loads one (`lora.adapter.load_adapter`: config, tensor names, shapes, ranks,
 layers, finite values), and its content digest is computed then, once, and its weights are
 laid out as the engine's pages hold them (`memory.layout.save`, stored beside the PEFT files as
-`lorafleet-layout.safetensors`: a load from the store maps it and copies it, nothing else). The
+`lorafleet-layout.safetensors`, for the pages of the default `block_size`: a load from the store
+maps it and copies it, nothing else; an engine with other pages lays it out again). The
 base is the one named with `--for`, else the stored base whose name or Hub id its
 `base_model_name_or_path` names, else the only base in the store. A `base_model_name_or_path`
 naming another model is a warning (an error with `strict_base`): shapes decide what can be
@@ -63,13 +64,16 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
                       warn: Callable[[str], None], layout_file: Path) -> dict:
     """Validate the adapter in `folder` (raises on any problem), write its laid-out weights to
     `layout_file`, and return the manifest's adapter fields."""
+    from lorafleet.config import EngineConfig
     from lorafleet.lora.adapter import BaseShapes, load_adapter, read_adapter_config
     from lorafleet.memory import layout
+    from lorafleet.memory.kv import kv_page_elems
     from lorafleet.model.config import ModelConfig
 
     cfg = read_adapter_config(folder)
     base = choose_base(store, cfg, for_model)
-    shapes = BaseShapes.from_model_config(ModelConfig.from_folder(store.folder(base)))
+    model = ModelConfig.from_folder(store.folder(base))
+    shapes = BaseShapes.from_model_config(model)
     adapter = load_adapter(folder, shapes)  # AdapterError names what is wrong
     wanted = cfg.get("base_model_name_or_path")
     if wanted and wanted not in (base["name"], _hub_id(base)):
@@ -78,7 +82,8 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
         if strict_base:
             raise StoreError(message + " (refused: --strict-base)")
         warn(message)
-    layout.save(layout_file, adapter, shapes)
+    page_elems = kv_page_elems(model.num_layers, EngineConfig().block_size, model.num_kv_heads, model.head_dim)
+    layout.save(layout_file, adapter, shapes, page_elems)
     ranks = adapter.ranks
     return {"digest": adapter.digest, "base": {"name": base["name"], "snapshot": base["snapshot"]},
             "ranks": ranks, "modules": sorted(ranks), "params": adapter.num_params}

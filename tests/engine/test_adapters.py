@@ -239,7 +239,7 @@ def test_a_refused_adapter_changes_nothing_and_serving_goes_on(llama_dir, adapte
     assert engine.generate([prompt], GREEDY, adapters=["good"])[0].token_ids == before
 
 
-def test_one_lora_batch_holds_decode_and_prefill_segments_with_their_page_tables(llama_dir, adapter_bank):
+def test_one_lora_batch_holds_decode_and_prefill_segments_with_their_row_tables(llama_dir, adapter_bank):
     from lorafleet.engine.request import Request
     from lorafleet.engine.scheduler import Chunk
     engine = Engine(llama_dir, pool_bytes=4 << 20)
@@ -250,9 +250,11 @@ def test_one_lora_batch_holds_decode_and_prefill_segments_with_their_page_tables
     decode = [Chunk(request(f"d{i}", 3, n), 1) for i, n in enumerate(["a", "b", None])]
     prefill = [Chunk(request("p", 20, "a"), 20)]
     batch = engine.runner.lora_batch(engine.runner.order(decode + prefill))
-    assert batch.seg.tolist() == [[1, 2], [2, 3], [3, 23]]   # row 0 has no adapter: no segment
     a, b = engine.adapters.get("a"), engine.adapters.get("b")
-    for row, entry in zip(batch.tables.tolist(), [a, b, a]):
-        assert row[:len(entry.pages)] == entry.pages
+    # row 0 has no adapter: no segment; each segment points to its adapter's row table
+    assert batch.host.tolist() == [[1, 2, a.row_table], [2, 3, b.row_table], [3, 23, a.row_table]]
     assert (batch.max_rows, batch.max_rank) == (20, 8)
-    assert torch.equal(batch.meta[:, :, 0], torch.from_numpy(a.kernel_meta))
+    pool = engine.pool.tensor.view(-1).view(torch.int64)
+    for entry in (a, b):  # the table lies in the adapter's own pages
+        assert entry.row_table * 8 // engine.pool.page_bytes in entry.pages
+        assert pool[entry.row_table] == entry.max_rank  # layer 0's q_proj rank

@@ -1,4 +1,4 @@
-"""The CPU LoRA kernel and the torch reference compute the same page-addressed LoRA, and both
+"""The CPU LoRA kernel and the torch reference compute the same LoRA through row tables, and both
 equal the dense computation (tests/kernels/lora_cases.py); the kernel in the build for this CPU
 and in one without AVX-512 (`isa`: other tile shapes)."""
 
@@ -14,8 +14,8 @@ from tests.kernels.lora_cases import lora_case
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(lora_cpu.load() is None, reason="the kernel does not build here")
-OPS = {"cpu": lora_cpu.lora_paged, "cpu-avx2": lambda *args: lora_cpu.load(avx2=True).lora_paged(*args),
-       "reference": reference.lora_paged}
+OPS = {"cpu": lora_cpu.lora, "cpu-avx2": lambda *args: lora_cpu.load(avx2=True).lora(*args),
+       "reference": reference.lora}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -26,7 +26,7 @@ def test_random_heterogeneous_segments_on_scattered_pages(op, seed):
     n_seg = rng.randint(1, 12)
     ranks = [[rng.choice([0, 1, 3, 8, 24, 64]) for _ in range(3)] for _ in range(n_seg)]
     rows = [rng.choice([0, 1, 1, 2, 4, 5, 9]) for _ in range(n_seg)]  # decode, prefill and empty segments
-    case = lora_case(seed, rng.choice([16, 40, 64]), outs, ranks, rows, page_elems=rng.choice([37, 100, 512]))
+    case = lora_case(seed, rng.choice([16, 40, 64]), outs, ranks, rows, page_elems=rng.choice([256, 512, 1040]))
     got = case.base.clone()
     OPS[op](*case.args(got))
     assert (got - case.expected).abs().max().item() < 1e-4
@@ -34,20 +34,22 @@ def test_random_heterogeneous_segments_on_scattered_pages(op, seed):
 
 
 @pytest.mark.parametrize("rank", [1, 3, 8, 24, 64, 128, 256])
-def test_every_rank_with_tensors_across_page_boundaries(rank, isa):
-    case = lora_case(rank, 48, [32, 16, 16], [[rank, rank, 0], [0, 0, rank]], [1, 7], page_elems=97)
+def test_every_rank_with_matrices_across_page_boundaries(rank, isa):
+    case = lora_case(rank, 48, [32, 16, 16], [[rank, rank, 0], [0, 0, rank]], [1, 7], page_elems=528)
     got = case.base.clone()
-    lora_cpu.lora_paged(*case.args(got))
+    lora_cpu.lora(*case.args(got))
     assert torch.allclose(got, case.expected, atol=1e-4, rtol=1e-5)
 
 
 def test_no_segments_and_empty_segments_change_nothing():
     case = lora_case(0, 16, [8, 8, 8], [[3, 0, 2]], [0])
     got = case.base.clone()
-    lora_cpu.lora_paged(*case.args(got))
+    lora_cpu.lora(*case.args(got))
     assert torch.equal(got, case.base)
-    none = torch.zeros(0, 2, dtype=torch.long)
-    lora_cpu.lora_paged(case.x, got, case.w, case.page_elems, none, case.meta[:0], case.tables[:0])
+    lora_cpu.lora(case.x, got, case.w, case.seg[:0], case.entry, case.slots)
+    assert torch.equal(got, case.base)
+    padding = torch.zeros(4, 3, dtype=torch.long)  # a captured step's unused segments: (0, 0, 0)
+    lora_cpu.lora(case.x, got, case.w, padding, case.entry, case.slots)
     assert torch.equal(got, case.base)
 
 
@@ -56,7 +58,7 @@ def test_writes_into_a_wider_output_through_its_row_stride(isa):
     wide = torch.randn(case.x.shape[0], 64)
     view = wide[:, :32]             # the group's output inside a larger buffer
     view.copy_(case.base)
-    lora_cpu.lora_paged(*case.args(view))
+    lora_cpu.lora(*case.args(view))
     assert (view - case.expected).abs().max().item() < 1e-4
 
 
@@ -66,10 +68,10 @@ def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
     n_seg = rng.randint(1, 8)
     ranks = [[rng.choice([0, 1, 8, 24, 64]) for _ in range(3)] for _ in range(n_seg)]
     rows = [rng.choice([0, 1, 2, 5, 9]) for _ in range(n_seg)]
-    case = lora_case(seed, 40, [24, 8, 96], ranks, rows, page_elems=rng.choice([37, 100]), dtype=torch.bfloat16)
+    case = lora_case(seed, 40, [24, 8, 96], ranks, rows, page_elems=rng.choice([512, 1040]), dtype=torch.bfloat16)
     got, ref = case.base.clone(), case.base.clone()
-    lora_cpu.lora_paged(*case.args(got))
-    reference.lora_paged(*case.args(ref))
+    lora_cpu.lora(*case.args(got))
+    reference.lora(*case.args(ref))
     assert got.dtype == torch.bfloat16
     g, r = got.double(), ref.double()
     assert ((g - r).abs() <= r.abs() * 2 ** -7 + 1e-6).all()  # one bf16 step at most: the sum order
@@ -78,11 +80,11 @@ def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_meta_of_a_groups_slots_as_a_strided_view(op):
-    # the engine hands each group its own module slots: meta[:, :2] of [S, 3, 5], read in place
-    case = lora_case(4, 40, [16, 24], [[4, 2], [0, 7], [9, 9]], [1, 5, 2])
-    view = case.meta[:, :2]
-    assert not view.is_contiguous()
-    got = case.base.clone()
-    OPS[op](case.x, got, case.w, case.page_elems, case.seg, view, case.tables)
-    assert (got - case.expected).abs().max().item() < 1e-4
+def test_each_layer_and_group_reads_its_own_fields_of_the_row_tables(op):
+    # two slots (gate_up) in layer 2 of 3, then one slot (o) in layer 0: the entry picks the fields
+    for slots, layer in ((2, 2), (1, 0)):
+        case = lora_case(4, 40, [16, 24][:slots], [[4, 2][:slots], [0, 7][:slots], [9, 9][:slots]], [1, 5, 2],
+                         layers=3, layer=layer)
+        got = case.base.clone()
+        OPS[op](*case.args(got))
+        assert (got - case.expected).abs().max().item() < 1e-4

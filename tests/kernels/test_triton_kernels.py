@@ -30,119 +30,135 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
        torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
 
-# -- LoRA over pool pages ---------------------------------------------------------------------
+# -- LoRA through row tables ------------------------------------------------------------------
 
-def lora_case(seed, fan_in, outs, ranks, rows, *, E=100, dtype=torch.float32, gaps=True, pad_cols=0):
-    """tests/kernels/lora_cases.py's case as (x, out, w, seg, meta, tables, covered) on DEVICE."""
-    c = cases.lora_case(seed, fan_in, outs, ranks, rows, page_elems=E, dtype=dtype, gaps=gaps, pad_cols=pad_cols,
-                        device=DEVICE)
-    return c.x, c.base, c.w, c.seg, c.meta, c.tables, c.covered
+DESIGNS = {c.design: c for c in reversed(lora_triton.CANDIDATES)}  # each design, at its first candidate's config
 
 
-def check_lora(case, E=100, **bounds):
-    x, out, w, seg, meta, tables, covered = case
-    ref, got = out.clone(), out.clone()
-    reference.lora_paged(x, ref, w, E, seg, meta, tables)
-    lora_triton.lora_paged(x, got, w, E, seg, meta, tables, **bounds)
+def lora_case(seed, fan_in, outs, ranks, rows, *, E=512, dtype=torch.float32, gaps=True, pad_cols=0, **kw):
+    """tests/kernels/lora_cases.py's case on DEVICE."""
+    return cases.lora_case(seed, fan_in, outs, ranks, rows, page_elems=E, dtype=dtype, gaps=gaps, pad_cols=pad_cols,
+                           device=DEVICE, **kw)
+
+
+def check_lora(case, design="split", **bounds):
+    ref, got = case.base.clone(), case.base.clone()
+    reference.lora(*case.args(ref))
+    lora_triton.lora(*case.args(got), config=DESIGNS[design], **bounds)
     assert not torch.isnan(got).any()
-    if x.dtype == torch.float32:
+    if case.x.dtype == torch.float32:
         # fp32 sums in another order (the interpreter's matmuls on this CPU): within 1e-5 of the
         # sum of the terms' magnitudes, which a rank-256 row exceeds by far its absolute 1e-5
-        mag = out.abs()
-        reference.lora_paged(x.abs(), mag, w.abs(), E, seg, meta, tables)
+        mag = case.base.abs()
+        reference.lora(case.x.abs(), mag, _abs_weights(case), case.seg, case.entry, case.slots)
         assert ((got - ref).abs() <= 1e-5 * mag).all(), (got - ref).abs().max().item()
     else:
-        torch.testing.assert_close(got.float(), ref.float(), **TOL[x.dtype])
-    assert torch.equal(got[~covered], out[~covered]), "rows in no segment must stay untouched"
+        torch.testing.assert_close(got.float(), ref.float(), **TOL[case.x.dtype])
+    assert torch.equal(got[~case.covered], case.base[~case.covered]), "rows in no segment must stay untouched"
     return got
 
 
+def _abs_weights(case):
+    """The pool with every weight's magnitude (its row tables kept: they are int64 words, not weights)."""
+    w = case.w.clone()
+    wi = reference.as_int64(case.w)
+    for _, end, table in case.seg.tolist():
+        for m in range(case.slots):
+            r, n_out, _, a_rows, b_rows = wi[table + case.entry + 5 * m:][:5].tolist()
+            for ptrs, n in ((wi[a_rows:a_rows + r], case.x.shape[1]), (wi[b_rows:b_rows + r], n_out)):
+                idx = (ptrs[:, None] + torch.arange(n, device=w.device)).reshape(-1)
+                w[idx] = w[idx].abs()
+    return w
+
+
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("rank", [1, 3, 8, 24, 64, 128, 256])
-def test_lora_each_rank_matches_reference(rank):
+def test_lora_each_rank_matches_reference(design, rank):
     # rank in two of three module slots, a different one in the third; 1 row and 5 rows
-    case = lora_case(rank, 40, [32, 16, 48], [[rank, 0, rank], [5, rank, rank]], [1, 5])
-    check_lora(case)
+    case = lora_case(rank, 40, [32, 16, 48], [[rank, 0, rank], [5, rank, rank]], [1, 5], E=1024)
+    check_lora(case, design)
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_lora_half_dtypes(dtype):
+def test_lora_half_dtypes(design, dtype):
     case = lora_case(7, 64, [32, 24, 40], [[8, 3, 0], [64, 64, 64], [1, 0, 17]], [3, 1, 18], dtype=dtype)
-    check_lora(case)
+    check_lora(case, design)
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_many_adapters_of_mixed_ranks_in_one_batch(dtype):
+def test_lora_many_adapters_of_mixed_ranks_in_one_batch(design, dtype):
     rng = random.Random(12)
     ranks = [[rng.choice([0, 1, 3, 8, 16, 24, 64]) for _ in range(3)] for _ in range(12)]
     ranks[3] = [0, 0, 0]  # an adapter targeting none of this group's modules
     rows = [rng.choice([0, 1, 1, 2, 4, 17]) for _ in range(12)]
     case = lora_case(12, 48, [32, 16, 16], ranks, rows, dtype=dtype, pad_cols=8)
-    check_lora(case)
+    check_lora(case, design)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_long_rows_are_reduced_by_several_programs(dtype):
-    # in = 2 K_SPLIT + 40: three programs add their partial sums into one t row, the last a partial slice
-    fan_in = 2 * lora_triton.K_SPLIT + 40
-    case = lora_case(21, fan_in, [32, 16, 48], [[16, 0, 3], [1, 64, 8], [24, 24, 24]], [1, 17, 4], dtype=dtype)
-    check_lora(case)
+    # in = 2 k_split + 48: three shrink programs write partials for one row, the last a partial slice
+    fan_in = 2 * lora_triton.CONFIG.k_split + 48
+    case = lora_case(21, fan_in, [32, 16, 48], [[16, 0, 3], [1, 64, 8], [24, 24, 24]], [1, 17, 4], dtype=dtype,
+                     E=2048)
+    assert torch.equal(check_lora(case), check_lora(case))  # partials summed in a fixed order: the same bits
     check_lora(case, max_rows=32, max_rank=256)
+    check_lora(case, "fused")
 
 
-def test_lora_meta_of_a_groups_slots_as_a_strided_view():
-    # the engine hands each projection group its own module slots: meta[:, :2] of [S, 3, 5]
-    x, out, w, seg, meta, tables, covered = lora_case(32, 48, [32, 16], [[8, 3], [0, 24], [16, 16]], [1, 4, 2])
-    view = meta[:, :2]
-    assert not view.is_contiguous()
-    check_lora((x, out, w, seg, view, tables, covered))
-    check_lora((x, out, w, seg, view, tables, covered), max_rows=16, max_rank=256)
+@pytest.mark.parametrize("design", DESIGNS)
+def test_lora_each_layer_and_group_reads_its_own_fields(design):
+    for slots, layer in ((2, 2), (1, 0), (3, 1)):
+        case = lora_case(32 + slots, 48, [32, 16, 24][:slots], [[8, 3, 5][:slots], [0, 24, 1][:slots]], [1, 4],
+                         layers=3, layer=layer)
+        check_lora(case, design)
 
 
-def test_lora_offsets_wider_than_int32(monkeypatch):
-    # the int64 address path, which only a page table spanning 2**31 elements takes otherwise
-    monkeypatch.setattr(lora_triton, "INT32_SPAN", 1)
-    case = lora_case(22, lora_triton.K_SPLIT + 8, [32, 16], [[8, 3], [0, 24]], [2, 5], E=16)
-    check_lora(case, E=16)
-
-
-def test_lora_scattered_pages_small_page_size():
-    # E=16: every A row and Bt row straddles page boundaries, adapters span many pages
-    case = lora_case(3, 40, [24, 40], [[24, 7], [3, 0], [128, 128]], [2, 3, 4], E=16)
-    check_lora(case, E=16)
+@pytest.mark.parametrize("design", DESIGNS)
+def test_lora_matrices_across_many_small_pages(design):
+    # pages of 128 elements: every matrix spans pages, rows are moved to the next page's start
+    case = lora_case(3, 40, [24, 40], [[24, 7], [3, 0], [128, 128]], [2, 3, 4], E=256, layers=1, layer=0)
+    check_lora(case, design)
 
 
 def test_lora_single_token():
     case = lora_case(5, 32, [32], [[8]], [1], gaps=False)
-    check_lora(case)
+    for design in DESIGNS:
+        check_lora(case, design)
 
 
 def test_lora_strided_views():
     case = lora_case(9, 48, [32, 32, 32], [[8, 8, 8], [3, 0, 24]], [4, 2], pad_cols=16)
-    assert case[0].stride(0) != case[0].shape[1] and case[1].stride(0) != case[1].shape[1]
-    check_lora(case)
+    assert case.x.stride(0) != case.x.shape[1] and case.base.stride(0) != case.base.shape[1]
+    for design in DESIGNS:
+        check_lora(case, design)
 
 
-def test_lora_without_adapters_changes_nothing():
-    # no segments at all
-    x, out, w, seg, meta, tables, _ = lora_case(1, 32, [32, 16], [[4, 4]], [3])
-    got = out.clone()
-    lora_triton.lora_paged(x, got, w, 100, seg[:0], meta[:0], tables[:0])
-    assert torch.equal(got, out)
-    lora_triton.lora_paged(x, got, w, 100, seg[:0], meta[:0], tables[:0], max_rows=8, max_rank=16)
-    assert torch.equal(got, out)
+@pytest.mark.parametrize("design", DESIGNS)
+def test_lora_without_adapters_changes_nothing(design):
+    config = DESIGNS[design]
+    case = lora_case(1, 32, [32, 16], [[4, 4]], [3])
+    got = case.base.clone()
+    lora_triton.lora(case.x, got, case.w, case.seg[:0], case.entry, case.slots, config=config)
+    lora_triton.lora(case.x, got, case.w, case.seg[:0], case.entry, case.slots, 8, 16, config=config)
+    padding = torch.zeros(4, 3, dtype=torch.long, device=DEVICE)  # a captured step's unused segments
+    lora_triton.lora(case.x, got, case.w, padding, case.entry, case.slots, 16, 16, config=config)
+    assert torch.equal(got, case.base)
     # segments whose adapters lack every module of the group, and empty segments
-    x, out, w, seg, meta, tables, _ = lora_case(2, 32, [32, 16], [[0, 0], [0, 0], [5, 3]], [3, 2, 0])
-    got = out.clone()
-    lora_triton.lora_paged(x, got, w, 100, seg, meta, tables)
-    assert torch.equal(got, out)
-    lora_triton.lora_paged(x, got, w, 100, seg, meta, tables, max_rows=16, max_rank=32)
-    assert torch.equal(got, out)
+    case = lora_case(2, 32, [32, 16], [[0, 0], [0, 0], [5, 3]], [3, 2, 0])
+    got = case.base.clone()
+    lora_triton.lora(*case.args(got), config=config)
+    lora_triton.lora(*case.args(got), 16, 32, config=config)
+    assert torch.equal(got, case.base)
 
 
-def test_lora_static_bounds_larger_than_needed_give_the_same_result():
+@pytest.mark.parametrize("design", DESIGNS)
+def test_lora_static_bounds_larger_than_needed_give_the_same_result(design):
     case = lora_case(4, 40, [32, 16, 24], [[3, 24, 0], [8, 8, 8], [1, 0, 0]], [2, 0, 7])
-    first = check_lora(case)
-    second = check_lora(case, max_rows=40, max_rank=200)
+    first = check_lora(case, design)
+    second = check_lora(case, design, max_rows=40, max_rank=200, max_n_out=64)
     torch.testing.assert_close(second, first, atol=1e-6, rtol=1e-6)
 
 
@@ -223,6 +239,20 @@ def test_paged_decode_matches_reference(dtype, d, kvh):
     assert torch.equal(kv, kv_ref)
     got = attention_triton.paged_decode(q, kv, tables, lens, scale)
     assert got.dtype == dtype and got.shape == (len(lens), H, d)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("heads,kvh,dtype", [(6, 2, torch.float32), (16, 2, torch.bfloat16), (32, 8, torch.float32)])
+def test_paged_decode_serves_every_query_head_of_a_kv_head_in_one_program(heads, kvh, dtype):
+    """Groups of 3 (not a power of two), 8 and 4 query heads per kv head: each program reads its kv
+    head's keys once for all of them."""
+    d, P = 32, 24
+    lens = torch.tensor([1, 16, 37, 80], device=DEVICE)
+    tables = tables_for(heads, lens.tolist(), P)
+    kv = kv_pool(heads, P, kvh, d, dtype)
+    q, _, _ = qkv_rows(heads + 1, len(lens), heads, kvh, d, dtype)
+    ref = reference.paged_decode(q, kv, tables, lens, d ** -0.5)
+    got = attention_triton.paged_decode(q, kv, tables, lens, d ** -0.5)
     torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
 
 
