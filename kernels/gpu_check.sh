@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The GPU path's one prepared check, for a machine with one CUDA GPU (245 s on an H200 on 2026-12-04):
-#   1. the Triton kernel tests, compiled on the GPU (TRITON_INTERPRET=0), against the references;
-#   2. the engine on the Triton kernels (with CUDA graphs) against the torch path, on the GPU;
-#   3. `lorafleet bench gpu`: each kernel's time and bandwidth against the device's copy
-#      bandwidth, decode throughput with 0 / 1 / 8 / 1,000 adapters and mixed vs uniform ranks,
-#      decode-graph captures, replays and re-captures (JSON in $OUT or ./bench-results);
-#   4. `smol` base-only against transformers on the GPU (the >= 10x goal), if time is left.
-# Run it from the repository root in an environment where lorafleet is installed with a CUDA torch.
-# Each stage has its own deadline and the next one runs whatever the last gave, so one run (a GPU
-# may be lent for minutes) reports every stage; each stage's output also goes to a log in $out.
+# The GPU path's prepared checks, for a machine with one CUDA GPU, in the order a short lease
+# wants them (each under its own deadline; the next runs whatever the last gave; logs and JSON
+# in $OUT, or ./bench-results):
+#   micro   kernels/gpu_micro.py: each LoRA design against the read ceiling and the reference,
+#           decode attention; decides lora_triton.CONFIG (at most 5 minutes)
+#   tests   the Triton kernel tests compiled on the GPU, the engine's Triton path against the
+#           torch path (greedy tokens, CUDA graphs on)
+#   1b      `lorafleet bench gpu` on the 1b shape, batch 64
+#   8b      `lorafleet bench gpu` on Llama-3-8B's shapes, batches 64 and 256 (weights made on the device)
+#   smol    `smol` base-only against transformers
+# Usage: bash kernels/gpu_check.sh [STAGE ...]   (no stage: all of them, as time allows)
+# Run it from the repository root where lorafleet is installed (`pip install -e .`) with a CUDA
+# torch. Split a lease into runs of at most 8 minutes: `micro tests`, then `1b 8b`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # LORAFLEET_CPU_KERNELS=0: nothing here runs the C++ CPU kernels, whose build (tests/conftest.py
@@ -16,6 +19,8 @@ cd "$(dirname "$0")/.."
 export TRITON_INTERPRET=0 LORAFLEET_DEVICE=cuda LORAFLEET_CPU_KERNELS=0 PYTHONUNBUFFERED=1
 out="${OUT:-bench-results}"
 mkdir -p "$out"
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(micro tests 1b 8b smol)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' || true
 status=0
@@ -28,11 +33,16 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under its deadline, logged; a
     echo "== $name: rc $rc in $((SECONDS - start)) s"
     [ "$rc" = 0 ] || status=1
 }
-stage tests 200 python3 -m pytest -q -p no:cacheprovider --maxfail=8 tests/kernels/test_triton_kernels.py \
-    tests/engine/test_triton_path.py
-stage bench-gpu 300 lorafleet bench gpu --out "$out/gpu.json"
-if [ "$SECONDS" -lt 420 ]; then
-    stage base-only 120 lorafleet bench run --model smol --workload base-only --systems lorafleet,transformers \
-        --device cuda --out "$out/base-only.json"
-fi
+for s in "${stages[@]}"; do
+    case "$s" in
+        micro) stage micro 300 python3 -m lorafleet.kernels.gpu_micro --out "$out" --deadline 270 ;;
+        tests) stage tests 200 python3 -m pytest -q -p no:cacheprovider --maxfail=8 tests/kernels/test_triton_kernels.py \
+                   tests/engine/test_triton_path.py ;;
+        1b) stage bench-1b 240 lorafleet bench gpu --model 1b --batch 64 --out "$out/gpu-1b.json" ;;
+        8b) stage bench-8b 300 lorafleet bench gpu --model 8b --batch 64 --batch 256 --out "$out/gpu-8b.json" ;;
+        smol) stage base-only 120 lorafleet bench run --model smol --workload base-only \
+                  --systems lorafleet,transformers --device cuda --out "$out/base-only.json" ;;
+        *) echo "unknown stage $s (micro, tests, 1b, 8b, smol)"; status=2 ;;
+    esac
+done
 exit $status

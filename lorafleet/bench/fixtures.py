@@ -50,7 +50,10 @@ SHAPES: dict[str, Shape] = {
     "smol": Shape(576, 30, 9, 3, 1536, 49152, tie_word_embeddings=True, rope_theta=100000.0,
                   note="SmolLM2-135M's shapes"),
     "1b": Shape(2048, 16, 32, 8, 8192, 32000, note="~1.1B parameters, Llama-style, for GPUs"),
+    "8b": Shape(4096, 32, 32, 8, 14336, 128256, rope_theta=500000.0, max_position_embeddings=8192,
+                note="Llama-3-8B's shapes, for GPUs: weights made on the device"),
 }
+ON_DEVICE_ONLY = ("8b",)  # shapes whose weights are never written (fp32 files of 32 GB)
 
 
 def get_shape(name: str) -> Shape:
@@ -64,26 +67,29 @@ def cache_root() -> Path:
     return Path(home) / "bench" if home else Path.home() / ".cache" / "lorafleet" / "bench"
 
 
-def cache_key(name: str, seed: int = 0) -> str:
+def cache_key(name: str, seed: int = 0, on_device: bool = False) -> str:
     """Shape name + seed, plus a digest of the shape's sizes so an edited table never reuses
     old files (the free-text `note` is left out: rewording it rebuilds nothing)."""
     sizes = {k: v for k, v in asdict(get_shape(name)).items() if k != "note"}
     digest = hashlib.sha256(json.dumps(sizes, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{name}-{digest}-seed{seed}"
+    return f"{name}-{digest}-seed{seed}" + ("-on-device" if on_device else "")
 
 
-def build_base(shape: str, root: Path | None = None, seed: int = 0) -> Path:
+def build_base(shape: str, root: Path | None = None, seed: int = 0, on_device: bool = False) -> Path:
     """Return the folder of the random `shape` model, building it on first use (fp32,
-    safetensors, config.json + generation_config.json, no tokenizer)."""
+    safetensors, config.json + generation_config.json, no tokenizer). `on_device` (always for
+    `ON_DEVICE_ONLY` shapes): no weight files, only the loader's `RANDOM_WEIGHTS` spec, so the
+    engine makes the weights where it runs them (seconds on a GPU, no disk)."""
     spec = get_shape(shape)
+    on_device = on_device or shape in ON_DEVICE_ONLY
     root = Path(root) if root is not None else cache_root()
-    final = root / cache_key(shape, seed)
+    final = root / cache_key(shape, seed, on_device)
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
-        _save_random_llama(spec, seed, tmp)
+        _save_random_llama(spec, seed, tmp, on_device)
         try:
             tmp.rename(final)
         except OSError:
@@ -94,9 +100,11 @@ def build_base(shape: str, root: Path | None = None, seed: int = 0) -> Path:
     return final
 
 
-def _save_random_llama(spec: Shape, seed: int, folder: Path) -> None:
+def _save_random_llama(spec: Shape, seed: int, folder: Path, on_device: bool = False) -> None:
     import torch
     import transformers
+
+    from lorafleet.model.loader import RANDOM_WEIGHTS
 
     transformers.utils.logging.disable_progress_bar()
     rope = ({"rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta}}
@@ -108,6 +116,10 @@ def _save_random_llama(spec: Shape, seed: int, folder: Path) -> None:
         tie_word_embeddings=spec.tie_word_embeddings,
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=0.02, **rope, **SPECIAL_TOKENS)
+    if on_device:
+        config.save_pretrained(folder)
+        (folder / RANDOM_WEIGHTS).write_text(json.dumps({"seed": seed, "std": config.initializer_range}))
+        return
     with torch.random.fork_rng(devices=[]):  # seeded without touching the caller's RNG
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()

@@ -1,198 +1,175 @@
-"""`lorafleet bench gpu`: the figures of the GPU path in one run (`kernels/gpu_check.sh` runs it).
+"""`lorafleet bench gpu`: the figures of the GPU path in one run (`kernels/gpu_check.sh` runs it,
+after `kernels/gpu_micro.py`).
 
-1. Kernels, each timed alone against the device's copy bandwidth (a device-to-device copy of
-   1 GiB, bytes read + written): the LoRA op in decode form (one token per adapter, rank 16, and
-   ranks mixed 8-256) and paged decode attention; achieved bandwidth = the bytes each must read
-   and write (adapter weights, KV, inputs, outputs) / its time. On a GPU every call is replayed
-   from a CUDA graph, as a decode step runs them (`timed`).
+1. Kernels, the engine's own (`Kernels.lora` at its configuration, decode attention), each timed
+   alone on `gpu_micro`'s cases and against its figures: the device's copy bandwidth and the rate
+   of a vectorized read of the same bytes (the ceiling a kernel of that size can reach).
 2. The engine's decode throughput (requests / the median step that only decodes, as
-   `lora_decode.decode_step_time` times it) on a random base of the given shape, in bf16 on a
-   GPU: no adapter; one rank-16 adapter on every request; 8 and 1,000 adapters (ranks 8-64; the
-   1,000 are registered names over 16 distinct files, each loaded into its own pages; q/v
-   targets, so the 1,000 fit a load budget of minutes); a batch mixing ranks 8-256 against one
-   of the uniform mean rank. With the decode-graph statistics: captures, replays, re-captures,
-   capture time and memory.
+   `lora_decode.decode_step_time` times it) on a random base of the given shape (weights made on
+   the device: nothing downloaded, nothing on disk), in bf16 on a GPU, at each batch: no adapter;
+   one rank-16 adapter (all 7 projections) on every request; 8 adapters and 64 distinct ones
+   (ranks 8-64); `many` registered (a batch touches as many of them as it has requests, loaded
+   on first use); a batch mixing ranks 8-256 against one of the uniform mean rank. Adapters of
+   the many-adapter cases are names over 16 files (ranks 8-64 in turn), each name in its own
+   pages; their targets, and the mixed ranks', are all 7 projections up to the 1b shape and q/v
+   beyond (an 8B rank-256 adapter on all 7 is 3 GB of fp32 files). With each case: the
+   decode-graph statistics (captures, replays, re-captures) and the host's share of a step.
+3. The 64-adapter step against its bound: the base's weights, the step's adapters' bytes and its
+   KV read once at the copy bandwidth.
 
 Each figure goes to `progress` as it is measured, so a run cut short (a device lent for minutes)
-keeps what it measured in its log.
-
-Runs on the CPU too (small shapes, the C++ kernels): the tests check it that way.
+keeps what it measured in its log. Runs on the CPU too (small shapes, the C++ kernels): the tests
+check it that way.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from lorafleet.bench.adapters import write_adapter
-from lorafleet.bench.fixtures import build_base
+from lorafleet.bench.fixtures import build_base, get_shape
 from lorafleet.bench.lora_decode import decode_step_time
-from lorafleet.kernels import backend
-from lorafleet.kernels.reference import META_FIELDS
-from lorafleet.lora.batch import MODULE_SLOTS
-from lorafleet.model.config import ModelConfig
+from lorafleet.kernels import backend, gpu_micro
 
 QV = ("q_proj", "v_proj")
+ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FILES = 16  # distinct adapter files behind the many-adapter cases' names
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def model_shape(shape: str) -> gpu_micro.ModelShape:
+    s = get_shape(shape)
+    return gpu_micro.ModelShape(s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads, s.intermediate_size)
 
 
-def timed(fn, device: torch.device, iters: int, per_graph: int = 10) -> float:
-    """Median seconds of one call over `iters` timings (after two untimed calls). On a GPU each
-    timing replays a CUDA graph of `per_graph` calls, as a decode step replays its kernels: the
-    kernel's time, not Python's launch of it (a Triton launch from Python costs tens of us, more
-    than these kernels take)."""
-    fn(), fn()
-    call, calls = fn, 1
-    if device.type == "cuda":
-        _sync(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(per_graph):
-                fn()
-        call, calls = graph.replay, per_graph
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        call()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] / calls
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / timed(lambda: dst.copy_(src), device, 10)
-
-
-def _lora_case(cfg: ModelConfig, ranks: list[int], dtype, device, page_elems: int):
-    """The qkv group of one layer for len(ranks) adapters, one token each, pages shuffled."""
-    fan_in, outs = cfg.hidden_size, [cfg.q_size, cfg.kv_size, cfg.kv_size]
-    numels = [r * fan_in * 3 + sum(r * o for o in outs) for r in ranks]
-    pages = [-(-n // page_elems) for n in numels]
-    total = sum(pages)
-    w = torch.randn(total * page_elems, dtype=dtype, device=device) * 0.01
-    perm = torch.randperm(total, device=device)
-    tables = torch.zeros(len(ranks), max(pages), dtype=torch.long, device=device)
-    meta = torch.zeros(len(ranks), MODULE_SLOTS, META_FIELDS, dtype=torch.long)
-    at = 0
-    for s, (r, k) in enumerate(zip(ranks, pages)):
-        tables[s, :k] = perm[at:at + k]
-        at += k
-        b_off, col = 3 * r * fan_in, 0
-        for j, o in enumerate(outs):
-            meta[s, j] = torch.tensor([j * r * fan_in, r, b_off, o, col])
-            b_off += r * o
-            col += o
-    seg = torch.stack([torch.arange(len(ranks)), torch.arange(1, len(ranks) + 1)], 1).to(device)
-    x = torch.randn(len(ranks), fan_in, dtype=dtype, device=device)
-    out = torch.zeros(len(ranks), sum(outs), dtype=dtype, device=device)
-    moved = sum(numels) * w.element_size() + (x.numel() + 2 * out.numel()) * x.element_size()
-    return (x, out, w, page_elems, seg, meta.to(device), tables, 1, max(ranks)), moved
-
-
-def kernel_figures(cfg: ModelConfig, device: torch.device, dtype, batch: int, context: int, iters: int,
-                   progress=None) -> list[dict]:
-    kernels = backend.select(device, dtype)
-    copy = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 26)
+def kernel_figures(shape: str, device: torch.device, dtype, context: int, progress=None) -> list[dict]:
+    """The engine's LoRA op on `gpu_micro`'s cases, and decode attention, against the copy
+    bandwidth and the same-size read."""
     say = progress or (lambda message: None)
+    kernels = backend.select(device, dtype)
+    copy = gpu_micro.copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 24)
     say(f"copy bandwidth {copy / 1e9:.0f} GB/s ({kernels.name} kernels, {dtype})")
-    page_elems = cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim
-    rows = []
-
-    def add(name: str, fn, moved: int) -> None:
-        s = timed(fn, device, iters)
-        rows.append({"kernel": name, "backend": kernels.name, "us": s * 1e6, "bytes": moved,
-                     "GB/s": moved / s / 1e9, "of_copy_bw": moved / s / copy})
-        say(f"{name}: {s * 1e6:.1f} us, {moved / s / 1e9:.0f} GB/s, {moved / s / copy:.0%} of copy")
-
-    for name, ranks in (("lora decode r16", [16] * batch),
-                        ("lora decode ranks 8-256", [8 * 2 ** (i % 6) for i in range(batch)])):
-        args, moved = _lora_case(cfg, ranks, dtype, device, page_elems)
-        add(name, lambda a=args: kernels.lora(*a), moved)
-    blocks = -(-context // 16)
-    kv = torch.randn(batch * blocks + 1, 2, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-    tables = torch.randperm(batch * blocks, device=device).view(batch, blocks)
-    lens = torch.full((batch,), context, dtype=torch.long, device=device)
-    q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
-    moved = batch * context * 2 * cfg.num_kv_heads * cfg.head_dim * kv.element_size()
-    add(f"paged decode attention ctx {context}", lambda: kernels.decode(q, kv, tables, lens, cfg.head_dim ** -0.5), moved)
-    return [{"copy_GB/s": copy / 1e9}, *rows]
+    rows = [{"copy_GB/s": copy / 1e9}]
+    for case, pool in gpu_micro.cases_for(model_shape(shape), dtype, device)[:3]:
+        s = gpu_micro.timed(lambda: gpu_micro.run_lora(case, pool, kernels.lora), device)
+        ceiling = gpu_micro.read_rate(device, case.moved)
+        rows.append({"kernel": f"lora {case.name}", "backend": kernels.name, "us": s * 1e6, "bytes": case.moved,
+                     "GB/s": case.moved / s / 1e9, "of_copy_bw": case.moved / s / copy,
+                     "of_read": case.moved / s / ceiling, "error": gpu_micro.parity(case, pool, kernels.lora)})
+        r = rows[-1]
+        say(f"{r['kernel']}: {r['us']:.1f} us, {r['GB/s']:.0f} GB/s, {r['of_read']:.0%} of the same-size read")
+    att = gpu_micro.attention_figure(model_shape(shape), dtype, device, 64 if device.type == "cuda" else 4, context)
+    rows.append({"kernel": att["case"], "backend": att["backend"], "us": att["us"], "bytes": att["bytes"],
+                 "GB/s": att["GB/s"], "of_copy_bw": att["GB/s"] * 1e9 / copy,
+                 "of_read": att["bytes"] / att["us"] * 1e6 / gpu_micro.read_rate(device, att["bytes"]),
+                 "error": att["error"]})
+    say(f"{att['case']}: {att['us']:.1f} us, {att['GB/s']:.0f} GB/s")
+    return rows
 
 
-def engine_figures(shape: str, device: str, batch: int, max_tokens: int, many: int, root: Path | None = None,
-                   progress=None, dtype: str = "float32") -> dict:
-    from lorafleet import Engine
-
-    base = build_base(shape, root)
+def _cases(base: Path, batch: int, many: int, big: bool) -> dict[str, tuple[dict[str, Path], list, bool]]:
+    """label -> (adapters: name -> folder, the adapter of each request, registered only)."""
     folder = base.parent / f"{base.name}-gpu-adapters"
     folder.mkdir(exist_ok=True)
+
     def adapter(rank: int, targets, seed: int) -> Path:
-        path = folder / f"r{rank}-{'-'.join(targets)}-{seed}"
+        path = folder / f"r{rank}-{'-'.join(t.split('_')[0] for t in targets)}-{seed}"
         return path if path.is_dir() else write_adapter(base, path, rank, targets=targets, seed=seed)
-    all7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    mixed = [8 * 2 ** (i % 6) for i in range(batch)]                       # 8 .. 256
+    wide = QV if big else ALL7
+    files = [adapter(8 * (1 + i % 8), QV, i) for i in range(FILES)]   # ranks 8..64
+    mixed = [8 * 2 ** (i % 6) for i in range(batch)]                    # 8 .. 256
     uniform = round(sum(mixed) / len(mixed))
-    cases = {
-        "no adapter": ({}, [None] * batch),
-        "1 adapter r16": ({"a": adapter(16, all7, 1)}, ["a"] * batch),
-        "8 adapters r8-64": ({f"e{i}": adapter(8 * (1 + i % 8), QV, i) for i in range(8)},
-                             [f"e{i % 8}" for i in range(batch)]),
-        f"{many} adapters r8-64": ({f"m{i}": adapter(8 * (1 + i % 8), QV, i % 16) for i in range(many)},
-                                   [f"m{(i * 7) % many}" for i in range(batch)]),
-        "mixed ranks 8-256": ({f"x{r}": adapter(r, all7, r) for r in set(mixed)}, [f"x{r}" for r in mixed]),
-        f"uniform rank {uniform}": ({"u": adapter(uniform, all7, 3)}, ["u"] * batch),
+    distinct = min(64, batch)
+    return {
+        "no adapter": ({}, [None] * batch, False),
+        "1 adapter r16": ({"a": adapter(16, ALL7, 1)}, ["a"] * batch, False),
+        "8 adapters r8-64": ({f"e{i}": files[i] for i in range(8)}, [f"e{i % 8}" for i in range(batch)], False),
+        f"{distinct} adapters r8-64": ({f"d{i}": files[i % FILES] for i in range(distinct)},
+                                       [f"d{i % distinct}" for i in range(batch)], False),
+        f"{many} registered r8-64": ({f"m{i}": files[i % FILES] for i in range(many)},
+                                     [f"m{(i * 7) % many}" for i in range(batch)], True),
+        "mixed ranks 8-256": ({f"x{r}": adapter(r, wide, r) for r in set(mixed)}, [f"x{r}" for r in mixed], False),
+        f"uniform rank {uniform}": ({"u": adapter(uniform, wide, 3)}, ["u"] * batch, False),
     }
+
+
+def _bound(engine, names: list, steps: int, copy: float) -> float:
+    """Seconds to read once, at the copy bandwidth, what a decode step of these requests must: the
+    base's weights, its distinct adapters' pages, the KV of their contexts (32-token prompts, the
+    median step halfway through `steps`)."""
+    model, pool = engine.model, engine.pool
+    read = {t.data_ptr(): t for name, t in model.w.items() if name != "embed"}  # the LM head, tied or not
+    weights = sum(t.numel() * t.element_size() for t in read.values())
+    adapters = sum(engine.adapters.get(n).numel for n in set(filter(None, names))) * pool.tensor.element_size()
+    cfg = model.cfg
+    kv = len(names) * (32 + steps // 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * pool.tensor.element_size()
+    return (weights + adapters + kv) / copy
+
+
+def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int, many: int, root: Path | None = None,
+                   progress=None, dtype: str = "float32", copy: float | None = None) -> dict:
+    from lorafleet import Engine
+
+    base = build_base(shape, root, on_device=True)
+    big = get_shape(shape).hidden_size > 2048
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (32,), generator=g).tolist() for _ in range(batch)]
-    out = {}
     on_gpu = torch.device(device).type == "cuda"
-    for label, (adapters, names) in cases.items():
-        engine = Engine(base, device=device, dtype=dtype, max_num_seqs=batch)
-        try:
-            t0 = time.perf_counter()
-            for name, path in adapters.items():
-                engine.load_adapter(name, path)
-            load_s = time.perf_counter() - t0
-            # the median pure decode step (the first ones compile the kernels and capture the graphs)
-            step_s, _ = decode_step_time(engine, prompts, names, max_tokens)
-            tps = len(names) / step_s
-            stats = engine.stats()
-            out[label] = {"tokens_per_s": tps, "load_s": load_s, "kernels": stats["kernels"],
-                          "decode_graphs": stats["decode_graphs"]}
-            if progress:
-                progress(f"decode, {label}: {tps:.0f} tok/s (adapters loaded in {load_s:.1f} s), "
-                         f"graphs {stats['decode_graphs']}")
-        finally:
-            engine.close()
-            # the pool takes most free device memory: hand this case's back before the next one
-            del engine
-            if on_gpu:
-                torch.cuda.empty_cache()
-    base_tps = out["no adapter"]["tokens_per_s"]
-    ratios = {
-        "1 adapter r16 / no adapter": out["1 adapter r16"]["tokens_per_s"] / base_tps,
-        f"{many} adapters / 8 adapters": out[f"{many} adapters r8-64"]["tokens_per_s"] / out["8 adapters r8-64"]["tokens_per_s"],
-        "mixed ranks / uniform rank": out["mixed ranks 8-256"]["tokens_per_s"] / out[f"uniform rank {uniform}"]["tokens_per_s"],
-    }
-    return {"shape": shape, "batch": batch, "cases": out, "ratios": ratios,
-            "recaptures": sum(c["decode_graphs"].get("recaptures", 0) for c in out.values())}
+    out = {}
+    for batch in batches:
+        prompts = [torch.randint(3, 200, (32,), generator=g).tolist() for _ in range(batch)]
+        cases, rows = _cases(base, batch, many, big), {}
+        for label, (adapters, names, registered) in cases.items():
+            engine = Engine(base, device=device, dtype=dtype, max_num_seqs=batch)
+            try:
+                t0 = time.perf_counter()
+                for name, path in adapters.items():
+                    (engine.register_adapter if registered else engine.load_adapter)(name, path)
+                load_s = time.perf_counter() - t0
+                # the median pure decode step (the first ones compile the kernels and capture the graphs)
+                step_s, _ = decode_step_time(engine, prompts, names, max_tokens)
+                steps = [s for s in engine.counters.steps if s["num_generated"] == s["num_seqs"] == batch][1:]
+                stats = engine.stats()
+                rows[label] = {"tokens_per_s": batch / step_s, "step_ms": step_s * 1e3, "load_s": load_s,
+                               "host_share": statistics.median(s["host_s"] / s["time_s"] for s in steps) if steps else None,
+                               "kernels": stats["kernels"], "decode_graphs": stats["decode_graphs"]}
+                if copy and label.endswith("adapters r8-64") and not label.startswith("8 "):
+                    rows[label]["bound_ms"] = _bound(engine, names, max_tokens, copy) * 1e3
+                if progress:
+                    r = rows[label]
+                    progress(f"{shape} batch {batch}, {label}: {r['tokens_per_s']:.0f} tok/s, step {r['step_ms']:.2f} ms"
+                             f" (host {r['host_share'] or 0:.0%}), adapters in {load_s:.1f} s, graphs "
+                             f"{stats['decode_graphs'].get('captures', 0)} captures / "
+                             f"{stats['decode_graphs'].get('recaptures', 0)} re-captures")
+            finally:
+                engine.close()
+                del engine  # the pool takes most free device memory: hand it back before the next case
+                if on_gpu:
+                    torch.cuda.empty_cache()
+        base_tps = rows["no adapter"]["tokens_per_s"]
+        distinct = next(k for k in rows if k.endswith("adapters r8-64") and not k.startswith("8 "))
+        uniform = next(k for k in rows if k.startswith("uniform"))
+        ratios = {
+            "1 adapter r16 / no adapter": rows["1 adapter r16"]["tokens_per_s"] / base_tps,
+            f"{many} registered / 8 adapters": rows[f"{many} registered r8-64"]["tokens_per_s"]
+            / rows["8 adapters r8-64"]["tokens_per_s"],
+            "mixed ranks / uniform rank": rows["mixed ranks 8-256"]["tokens_per_s"] / rows[uniform]["tokens_per_s"],
+        }
+        if "bound_ms" in rows[distinct]:
+            ratios[f"{distinct} step / its bound"] = rows[distinct]["step_ms"] / rows[distinct]["bound_ms"]
+        out[batch] = {"cases": rows, "ratios": ratios,
+                      "recaptures": sum(c["decode_graphs"].get("recaptures", 0) for c in rows.values())}
+    return {"shape": shape, "mixed_targets": "q/v" if big else "all 7", "batches": out}
 
 
-def run_gpu_bench(shape: str = "1b", device: str = "cuda", batch: int = 64, max_tokens: int = 64,
+def run_gpu_bench(shape: str = "1b", device: str = "cuda", batches: list[int] | None = None, max_tokens: int = 64,
                   many: int = 1000, context: int = 1024, root: Path | None = None, progress=None) -> dict:
     dev = torch.device(device)
-    # bf16 on a GPU for the kernels and the engine alike (the random base is saved in fp32)
+    # bf16 on a GPU for the kernels and the engine alike
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = ModelConfig.from_folder(build_base(shape, root))
-    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "kernels": kernel_figures(cfg, dev, dtype, batch, context, 20, progress),
-            "engine": engine_figures(shape, device, batch, max_tokens, many, root, progress,
-                                     str(dtype).removeprefix("torch."))}
+    kernels = kernel_figures(shape, dev, dtype, context, progress)
+    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "kernels": kernels,
+            "engine": engine_figures(shape, device, batches or [64], max_tokens, many, root, progress,
+                                     str(dtype).removeprefix("torch."), kernels[0]["copy_GB/s"] * 1e9)}

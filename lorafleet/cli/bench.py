@@ -298,22 +298,25 @@ def stats_cost(
 
 @app.command("gpu")
 def gpu(
-    model: Annotated[list[str] | None, _models("1b (micro with --quick)")] = None,
-    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests decoding together.")] = 64,
-    many: Annotated[int, typer.Option("--many", min=9, help="Adapters in the many-adapters case.")] = 1000,
+    model: Annotated[list[str] | None, _models("1b (micro with --quick); 8b: Llama-3-8B's shapes")] = None,
+    batch: Annotated[list[int] | None, typer.Option(
+        "--batch", min=1, help="Requests decoding together (repeat for several): 64.")] = None,
+    many: Annotated[int, typer.Option("--many", min=9, help="Adapters registered in the many-adapters case.")] = 1000,
     device: Device = "auto", quick: Quick = False, out: Out = None, as_json: AsJson = False,
 ) -> None:
-    """The GPU path's figures (kernels/gpu_check.sh runs this): the LoRA and decode-attention
-    kernels against the device's copy bandwidth; decode throughput with no adapter, one rank-16
-    adapter, 8 and MANY adapters, mixed ranks 8-256 against their uniform mean; decode-graph
-    captures, replays and re-captures. Runs on the CPU too (small shapes)."""
+    """The GPU path's figures (kernels/gpu_check.sh runs this, after kernels/gpu_micro.py): the
+    engine's LoRA op and decode attention against the device's copy bandwidth and a read of the
+    same bytes; decode throughput with no adapter, one rank-16 adapter, 8 and 64 adapters, MANY
+    registered, mixed ranks 8-256 against their uniform mean, the 64-adapter step against its
+    bound, the host's share of a step, decode-graph captures and re-captures. The base's weights
+    are made on the device (nothing downloaded). Runs on the CPU too (small shapes)."""
     def one(shape: str) -> dict:
         from lorafleet.bench.gpu import run_gpu_bench
         from lorafleet.model.loader import resolve_device
 
-        small = dict(batch=min(batch, 8), max_tokens=4, many=min(many, 12), context=64) if quick else {}
-        return run_gpu_bench(shape, str(resolve_device(device)), progress=_say,
-                             **{"batch": batch, "many": many, **small})
+        batches = [min(b, 8) for b in batch or [64]] if quick else batch or [64]
+        small = dict(max_tokens=4, many=min(many, 12), context=64) if quick else {"many": many}
+        return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=_say, **small)
     _suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json)
 
 

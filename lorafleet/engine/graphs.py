@@ -181,5 +181,6 @@ class DecodeGraphs:
 
     def stats(self) -> dict:
         return {"enabled": True, "captured": self.capture, "buckets": self.buckets, "captures": self.captures,
+                "keys": [list(k) for k in sorted(self._graphs)], "max_captures": max_captures(self.buckets[-1]),
                 "replays": self.replays, "recaptures": self.recaptures, "eager_fallbacks": self.eager_fallbacks,
                 "capture_s": self.capture_s, "capture_bytes": self.capture_bytes}

@@ -67,6 +67,24 @@ def place_rows(o: int, length: int, count: int, page_elems: int) -> tuple[np.nda
     return np.concatenate([out, rest]), int(rest[-1]) + stride
 
 
+def pieces(pages, page_elems: int, o: int, n: int) -> list[tuple[int, int, int]]:
+    """Where the adapter's logical elements [o, o + n) lie in the pool (logical page j is pool page
+    pages[j]): (pool element offset, offset in the range, length) per run, consecutive pages
+    merged into one run."""
+    out: list[list[int]] = []
+    done = 0
+    while done < n:
+        j, lo = divmod(o + done, page_elems)
+        take = min(n - done, page_elems - lo)
+        at = int(pages[j]) * page_elems + lo
+        if out and out[-1][0] + out[-1][2] == at:
+            out[-1][2] += take
+        else:
+            out.append([at, done, take])
+        done += take
+    return [tuple(p) for p in out]
+
+
 def page_problem(base: BaseShapes, page_elems: int, itemsize: int) -> str | None:
     """Why pages of `page_elems` elements of `itemsize` bytes cannot hold this base's adapters
     (a rank row, or a row table's fields, larger than a page; pages not ROW_ALIGN-aligned), or None."""

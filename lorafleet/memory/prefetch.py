@@ -56,6 +56,7 @@ from lorafleet import openmp
 from lorafleet.errors import AdapterError, AdapterTooLargeError, PoolExhaustedError, ShuttingDownError
 from lorafleet.memory import host_cache
 from lorafleet.memory.host_cache import HostAdapter
+from lorafleet.memory.layout import pieces
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.residency import AdapterEntry, AdapterResidency, check_name
 
@@ -323,19 +324,8 @@ def copy_in(pool: PagePool, host: HostAdapter, pages: list[int], stream=None) ->
 
 
 def _copy_logical(pool: PagePool, pages: list[int], o: int, src: torch.Tensor, non_blocking: bool) -> None:
-    """src (flat) into the adapter's logical elements [o, o + len(src)): one copy for a run of
-    consecutive pages, else one per page."""
-    per, n = pool.page_elems, src.numel()
-    first, last = o // per, (o + n - 1) // per
-    if n == 0:
-        return
-    if pages[first:last + 1] == list(range(pages[first], pages[first] + last - first + 1)):
-        flat = pool.tensor[pages[first]:pages[last] + 1].view(-1)
-        flat[o % per:o % per + n].copy_(src, non_blocking=non_blocking)
-        return
-    done = 0
-    for j in range(first, last + 1):
-        lo = o + done - j * per
-        take = min(n - done, per - lo)
-        pool.tensor[pages[j], lo:lo + take].copy_(src[done:done + take], non_blocking=non_blocking)
-        done += take
+    """src (flat) into the adapter's logical elements [o, o + len(src)): one copy per run of
+    consecutive pages."""
+    flat = pool.tensor.view(-1)
+    for at, lo, n in pieces(pages, pool.page_elems, o, src.numel()):
+        flat[at:at + n].copy_(src[lo:lo + n], non_blocking=non_blocking)

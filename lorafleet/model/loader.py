@@ -146,6 +146,25 @@ def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return w
 
 
+RANDOM_WEIGHTS = "lorafleet-random-weights.json"
+
+
+def random_weights(folder: Path, wanted: dict[str, tuple[int, ...]], dtype, device) -> dict[str, torch.Tensor]:
+    """A benchmark's base whose folder holds `RANDOM_WEIGHTS` ({"seed": s, "std": x}) in place of
+    weight files: every tensor made on `device` (norms at 1, the rest normal with that std), so
+    an 8B-shaped model costs no disk and no download. Never a served model's path: such a folder
+    is only written by `lorafleet.bench.fixtures.build_base`."""
+    try:
+        spec = json.loads((folder / RANDOM_WEIGHTS).read_text())
+        seed, std = int(spec["seed"]), float(spec["std"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ModelLoadError(f"{folder / RANDOM_WEIGHTS}: expected {{\"seed\": int, \"std\": float}}") from None
+    g = torch.Generator(device=device).manual_seed(seed)
+    return {name: (torch.ones(shape, dtype=dtype, device=device) if name.endswith("norm.weight") else
+                   torch.randn(shape, generator=g, dtype=dtype, device=device).mul_(std))
+            for name, shape in wanted.items()}
+
+
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=None,
                max_len: int | None = None) -> LlamaModel:
     folder = Path(folder)
@@ -154,7 +173,10 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=Non
     cfg = ModelConfig.from_folder(folder)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, cfg, device)
-    tensors = _read(weight_files(folder), expected_shapes(cfg), dtype, device)
+    if (folder / RANDOM_WEIGHTS).is_file() and not any(folder.glob("*.safetensors")):
+        tensors = random_weights(folder, expected_shapes(cfg), dtype, device)
+    else:
+        tensors = _read(weight_files(folder), expected_shapes(cfg), dtype, device)
     weights = fuse(cfg, tensors)
     if device.type == "cpu":
         tensors.clear()  # `weights` holds the last reference: each old tensor is freed as it moves

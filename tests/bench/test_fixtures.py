@@ -50,3 +50,23 @@ def test_the_warm_up_adapter_is_none_of_a_workloads(micro_dir):
             for _, p in workload_adapters(micro_dir, WORKLOADS[name])}
     path = warm_up_adapter(micro_dir)
     assert (path / "adapter_model.safetensors").is_file() and path not in used
+
+
+def test_an_on_device_base_has_no_weight_files_and_the_same_seed_gives_the_same_weights(tmp_path):
+    import json
+
+    import torch
+
+    from lorafleet.bench.fixtures import ON_DEVICE_ONLY, build_base
+    from lorafleet.errors import ModelLoadError
+    from lorafleet.model.loader import RANDOM_WEIGHTS, load_model
+
+    folder = build_base("micro", tmp_path, on_device=True)
+    assert not list(folder.glob("*.safetensors")) and (folder / RANDOM_WEIGHTS).is_file()
+    a, b = load_model(folder), load_model(folder)
+    assert a.w.keys() == b.w.keys() and all(torch.equal(a.w[k], b.w[k]) for k in a.w)
+    assert torch.equal(a.w["norm"], torch.ones_like(a.w["norm"])) and a.w["layers.0.qkv"].std() > 0
+    assert "8b" in ON_DEVICE_ONLY  # its fp32 files would be 32 GB
+    (folder / RANDOM_WEIGHTS).write_text(json.dumps({"seed": "x"}))
+    with pytest.raises(ModelLoadError, match="seed"):
+        load_model(folder)

@@ -6,7 +6,7 @@ and the number of captures depends on the buckets used, never on the adapters.""
 from __future__ import annotations
 
 from lorafleet import Engine, SamplingParams
-from lorafleet.engine.graphs import buckets
+from lorafleet.engine.graphs import RANK_BUCKETS, buckets, max_captures, segment_buckets
 from tests.engine.test_batching import random_prompts
 from tests.fixtures import ALL7, build_adapter
 
@@ -17,6 +17,30 @@ def test_buckets_cover_every_batch_size():
     assert buckets(1) == [1]
     assert buckets(6) == [1, 2, 4, 6]
     assert buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert segment_buckets(1) == [1] and segment_buckets(8) == [1, 4, 8] and segment_buckets(64) == [1, 4, 16, 64]
+    # per batch bucket: one graph without LoRA, one per (segment bucket, rank bucket)
+    assert max_captures(8) == (1 + 1 * 3) + (1 + 2 * 3) + (1 + 2 * 3) + (1 + 3 * 3)
+    assert max_captures(256) == 9 + 3 * sum(len(segment_buckets(b)) for b in buckets(256)) == 96
+
+
+def test_lora_grids_are_sized_to_the_steps_segments_and_ranks(llama_dir, tmp_path):
+    """One adapter over 8 rows is one segment at its rank's bucket; 8 adapters are 8 segments; a
+    rank-32 adapter takes the 64 bucket: each a graph of its own, and none re-captured."""
+    files = {r: build_adapter(llama_dir, tmp_path / f"r{r}", seed=r, r=r, lora_alpha=2 * r, target_modules=ALL7)
+             for r in (2, 32)}
+    fixed = Engine(llama_dir, pool_bytes=8 << 20, decode_graphs="fixed", max_num_seqs=8)
+    eager = Engine(llama_dir, pool_bytes=8 << 20, decode_graphs="off", max_num_seqs=8)
+    for i in range(8):
+        for engine in (fixed, eager):
+            engine.load_adapter(f"a{i}", files[2 if i < 7 else 32])
+    prompts = random_prompts(8)
+    for adapters in (["a0"] * 8, [f"a{i}" for i in range(8)], ["a7"] * 8, ["a0"] * 8):
+        want = [o.token_ids for o in eager.generate(prompts, PARAMS, adapters=adapters)]
+        assert [o.token_ids for o in fixed.generate(prompts, PARAMS, adapters=adapters)] == want
+    graphs = fixed.stats()["decode_graphs"]
+    assert graphs["keys"] == [[8, 1, 16], [8, 1, 64], [8, 8, 64]]  # (batch, segments, rank bound)
+    assert graphs["captures"] == 3 <= graphs["max_captures"] == max_captures(8) and graphs["recaptures"] == 0
+    assert RANK_BUCKETS == (16, 64, 256)
 
 
 def test_fixed_shapes_give_the_eager_tokens_and_captures_do_not_grow_with_adapters(llama_dir, tmp_path):

@@ -14,7 +14,7 @@ import torch
 from lorafleet.kernels.reference import lora_entry
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
-from lorafleet.memory.layout import Layout
+from lorafleet.memory.layout import Layout, pieces
 
 GROUP_OF_SLOTS = {3: "qkv", 2: "gate_up", 1: "o"}  # the group a case's module count stands for
 
@@ -88,10 +88,10 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
         pages = perm[at:at + k]
         at += k
         start, words, table = layout.row_table(pages, itemsize)
-        flat = torch.zeros(k * page_elems, dtype=dtype)
-        flat[:buf.numel()] = buf
-        flat[start:start + len(words) * 8 // itemsize] = torch.from_numpy(words).view(dtype)
-        w[pages] = flat.view(k, page_elems)
+        flat = w.view(-1)
+        for o, src in ((0, buf), (start, torch.from_numpy(words).view(dtype))):
+            for to, lo, n in pieces(pages, page_elems, o, src.numel()):
+                flat[to:to + n] = src[lo:lo + n]
         tables.append(table)
     x_wide = torch.randn(total, fan_in + pad_cols, generator=g)
     base_wide = torch.randn(total, sum(outs) + 2 * pad_cols, generator=g)
