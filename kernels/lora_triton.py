@@ -153,27 +153,41 @@ def _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out):
 
 
 @triton.jit
+def _out_tile(seg_ptr, wi_ptr, ENTRY, M, RMAX, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An expand (or fused) program's slot m, its fields' address, its rank, whether it has work
+    (rows of its segment, rank > 0, columns below n_out: an empty segment's table is not read),
+    and its output tile: the column offset, its rows and columns, their masks, and `bmask`, the
+    columns of Bt it reads: up to n_out rounded up to ROW_ALIGN (the padding is inside the row's
+    aligned stride, in its page), a mask constant over each aligned vector, so the compiler
+    issues 16-byte loads; the columns past n_out are never stored."""
+    m, row0, end, table, f = _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M)
+    fields = wi_ptr + tl.load(table, mask=row0 < end, other=0) + f
+    r = tl.minimum(tl.load(fields, mask=row0 < end, other=0), RMAX)
+    n_out = tl.load(fields + 1, mask=r > 0, other=0)
+    n0 = tl.program_id(2) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    ns = n0 + tl.arange(0, BLOCK_N)
+    bmask = ns < (n_out + _ALIGN - 1) // _ALIGN * _ALIGN
+    live = (row0 < end) & (n0 < n_out)
+    return m, fields, r, live, tl.load(fields + 2, mask=live, other=0), rows, rows < end, ns, ns < n_out, bmask
+
+
+@triton.jit
+def _times_bt(acc, t, w_ptr, wi_ptr, b_rows, ks, kmask, ns, bmask):
+    """acc + t @ Bt[ks, ns] (fp32), Bt's rows through their pointers."""
+    bptr = _row_ptrs(wi_ptr, b_rows, ks, kmask)
+    bt = tl.load(w_ptr + bptr[:, None] + ns[None, :], mask=kmask[:, None] & bmask[None, :], other=0.0)
+    return acc + tl.dot(t, bt.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
 def _expand_kernel(t_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    m, row0, end, table, f = _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M)
-    if row0 >= end:
+    m, fields, r, live, col, rows, rmask, ns, nmask, bmask = _out_tile(seg_ptr, wi_ptr, ENTRY, M, RMAX, BLOCK_M,
+                                                                       BLOCK_N)
+    if not live:
         return
-    fields = wi_ptr + tl.load(table) + f
-    r = tl.minimum(tl.load(fields), RMAX)
-    n_out = tl.load(fields + 1)
-    n0 = tl.program_id(2) * BLOCK_N
-    if (r == 0) | (n0 >= n_out):
-        return
-    col = tl.load(fields + 2)
     b_rows = tl.load(fields + 4)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < end
-    ns = n0 + tl.arange(0, BLOCK_N)
-    nmask = ns < n_out
-    # Bt's rows are read up to n_out rounded up to ROW_ALIGN (the padding is inside the row's
-    # aligned stride, in its page): a mask constant over each aligned vector lets the compiler
-    # issue 16-byte loads; the columns past n_out are never stored
-    bmask = ns < (n_out + _ALIGN - 1) // _ALIGN * _ALIGN
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, r, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -183,9 +197,7 @@ def _expand_kernel(t_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, str
         tt = tl.load(tptr, mask=tmask, other=0.0)
         for split in range(1, SPLITS):  # the shrink's partials, in a fixed order
             tt += tl.load(tptr + split * T * M * RMAX, mask=tmask, other=0.0)
-        bptr = _row_ptrs(wi_ptr, b_rows, ks, kmask)
-        bt = tl.load(w_ptr + bptr[:, None] + ns[None, :], mask=kmask[:, None] & bmask[None, :], other=0.0)
-        acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
+        acc = _times_bt(acc, tt, w_ptr, wi_ptr, b_rows, ks, kmask, ns, bmask)
     _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out)
 
 
@@ -193,32 +205,19 @@ def _expand_kernel(t_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, str
 def _fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x, stride_out, RMAX,
                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_N: tl.constexpr):
-    m, row0, end, table, f = _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M)
-    if row0 >= end:
+    m, fields, r, live, col, rows, rmask, ns, nmask, bmask = _out_tile(seg_ptr, wi_ptr, ENTRY, M, RMAX, BLOCK_M,
+                                                                       BLOCK_N)
+    if not live:
         return
-    fields = wi_ptr + tl.load(table) + f
-    r = tl.minimum(tl.load(fields), RMAX)
-    n_out = tl.load(fields + 1)
-    n0 = tl.program_id(2) * BLOCK_N
-    if (r == 0) | (n0 >= n_out):
-        return
-    col = tl.load(fields + 2)
     a_rows = tl.load(fields + 3)
     b_rows = tl.load(fields + 4)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < end
-    ns = n0 + tl.arange(0, BLOCK_N)
-    nmask = ns < n_out
-    bmask = ns < (n_out + _ALIGN - 1) // _ALIGN * _ALIGN  # as in _expand_kernel
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, r, BLOCK_R):
         ks = k0 + tl.arange(0, BLOCK_R)
         kmask = ks < r
         t = _shrink_tile(x_ptr, w_ptr, _row_ptrs(wi_ptr, a_rows, ks, kmask), rows, rmask, kmask, 0, IN, IN, stride_x,
                          UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
-        bptr = _row_ptrs(wi_ptr, b_rows, ks, kmask)
-        bt = tl.load(w_ptr + bptr[:, None] + ns[None, :], mask=kmask[:, None] & bmask[None, :], other=0.0)
-        acc += tl.dot(t, bt.to(tl.float32), input_precision="ieee")
+        acc = _times_bt(acc, t, w_ptr, wi_ptr, b_rows, ks, kmask, ns, bmask)
     _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out)
 
 

@@ -77,11 +77,13 @@ def cache_key(name: str, seed: int = 0, on_device: bool = False) -> str:
 
 def build_base(shape: str, root: Path | None = None, seed: int = 0, on_device: bool = False) -> Path:
     """Return the folder of the random `shape` model, building it on first use (fp32,
-    safetensors, config.json + generation_config.json, no tokenizer). `on_device` (always for
+    safetensors, config.json + generation_config.json, no tokenizer). `on_device` (required for
     `ON_DEVICE_ONLY` shapes): no weight files, only the loader's `RANDOM_WEIGHTS` spec, so the
     engine makes the weights where it runs them (seconds on a GPU, no disk)."""
     spec = get_shape(shape)
-    on_device = on_device or shape in ON_DEVICE_ONLY
+    if shape in ON_DEVICE_ONLY and not on_device:
+        raise ConfigError(f"the {shape} shape has no weight files (they would take {_fp32_gib(spec):.0f} GiB): "
+                          "its weights are made on the device, for `lorafleet bench gpu` only")
     root = Path(root) if root is not None else cache_root()
     final = root / cache_key(shape, seed, on_device)
     if (final / "config.json").is_file():
@@ -98,6 +100,13 @@ def build_base(shape: str, root: Path | None = None, seed: int = 0, on_device: b
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _fp32_gib(spec: Shape) -> float:
+    h, i, v, layers = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.num_layers
+    kv = spec.num_kv_heads * spec.head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i
+    return 4 * (layers * per_layer + (1 if spec.tie_word_embeddings else 2) * v * h) / 2 ** 30
 
 
 def _save_random_llama(spec: Shape, seed: int, folder: Path, on_device: bool = False) -> None:

@@ -159,6 +159,8 @@ def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int,
         }
         if "bound_ms" in rows[distinct]:
             ratios[f"{distinct} step / its bound"] = rows[distinct]["step_ms"] / rows[distinct]["bound_ms"]
+        if rows[distinct]["host_share"] is not None:
+            ratios[f"{distinct} step: host share"] = rows[distinct]["host_share"]
         out[batch] = {"cases": rows, "ratios": ratios,
                       "recaptures": sum(c["decode_graphs"].get("recaptures", 0) for c in rows.values())}
     return {"shape": shape, "mixed_targets": "q/v" if big else "all 7", "batches": out}

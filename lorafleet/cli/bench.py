@@ -23,8 +23,8 @@ app = typer.Typer(
 
 def _models(default: str) -> object:
     return typer.Option("--model", "-m", metavar="SHAPE",
-                        help=f"Model shape: micro, tiny, smol (SmolLM2-135M's shapes) or 1b (for GPUs). "
-                             f"Repeat for several. Default: {default}.")
+                        help=f"Model shape: micro, tiny, smol (SmolLM2-135M's shapes), 1b (for GPUs) or 8b "
+                             f"(Llama-3-8B's shapes, `bench gpu` only). Repeat for several. Default: {default}.")
 
 
 Systems = Annotated[str, typer.Option(
@@ -298,7 +298,7 @@ def stats_cost(
 
 @app.command("gpu")
 def gpu(
-    model: Annotated[list[str] | None, _models("1b (micro with --quick); 8b: Llama-3-8B's shapes")] = None,
+    model: Annotated[list[str] | None, _models("1b (micro with --quick)")] = None,
     batch: Annotated[list[int] | None, typer.Option(
         "--batch", min=1, help="Requests decoding together (repeat for several): 64.")] = None,
     many: Annotated[int, typer.Option("--many", min=9, help="Adapters registered in the many-adapters case.")] = 1000,

@@ -26,7 +26,9 @@ class ModelRunner:
         self.device = model.device
         self.graphs = graphs  # pure decode steps at fixed shapes (CUDA graphs), or None
         self.lora_widths = group_widths(model.cfg.linear_features())
-        self.last_model_s = 0.0  # the model's forward pass in the last execute()
+        self._model_s = 0.0  # the model's forward pass in the last execute(), on the CPU
+        self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        if self.device.type == "cuda" else None)
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:
@@ -123,11 +125,25 @@ class ModelRunner:
         sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
         ids, positions, meta, rows = self.prepare(chunks, all_logits)
         t0 = time.perf_counter()
+        if self.device.type == "cuda":  # the forward's device time, read once the sampled tokens are
+            self._events[0].record()
         if self.graphs is not None and not all_logits and self.graphs.fits(meta, lora):
             logits = self.graphs.run(ids, positions, meta, lora)[rows]  # copies `lora` into its buffer
         else:
             logits = self.model(ids, positions, meta, self.kv.cache, rows, lora and lora.to_device())
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.last_model_s = time.perf_counter() - t0
+            self._events[1].record()
+        else:
+            self._model_s = time.perf_counter() - t0
         return logits
+
+    @property
+    def last_model_s(self) -> float:
+        """The model's forward pass in the last `execute()`: on a GPU its device time, between two
+        events (no synchronization on the step's path: the engine asks after the sampled tokens
+        were read, when the forward has long finished)."""
+        if self.device.type == "cuda":
+            start, end = self._events
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return self._model_s

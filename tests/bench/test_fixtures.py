@@ -70,3 +70,11 @@ def test_an_on_device_base_has_no_weight_files_and_the_same_seed_gives_the_same_
     (folder / RANDOM_WEIGHTS).write_text(json.dumps({"seed": "x"}))
     with pytest.raises(ModelLoadError, match="seed"):
         load_model(folder)
+
+
+def test_the_8b_shape_is_refused_with_weight_files():
+    from lorafleet.bench.fixtures import build_base
+    from lorafleet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="made on the device"):
+        build_base("8b")

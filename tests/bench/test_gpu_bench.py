@@ -22,6 +22,7 @@ def test_the_gpu_bench_reports_kernels_engine_cases_and_ratios(tmp_path):
     assert all(c["tokens_per_s"] > 0 and c["kernels"] == "cpu" and 0 < c["host_share"] < 1 for c in cases.values())
     assert cases["4 adapters r8-64"]["bound_ms"] > 0
     assert set(run["ratios"]) == {"1 adapter r16 / no adapter", "10 registered / 8 adapters",
-                                  "mixed ranks / uniform rank", "4 adapters r8-64 step / its bound"}
+                                  "mixed ranks / uniform rank", "4 adapters r8-64 step / its bound",
+                                  "4 adapters r8-64 step: host share"}
     assert run["recaptures"] == 0
-    assert gpu_table([report]).row_count == 4 + len(cases) + 4
+    assert gpu_table([report]).row_count == 4 + len(cases) + 5

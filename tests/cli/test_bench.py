@@ -84,7 +84,7 @@ def test_the_cache_key_follows_the_sizes_not_the_note(monkeypatch):
 
 
 def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
-    def crash(spec, seed, folder):
+    def crash(spec, seed, folder, on_device):
         (folder / "config.json").write_text("{}")
         raise RuntimeError("killed halfway")
     monkeypatch.setattr(fixtures, "_save_random_llama", crash)
