@@ -3,7 +3,9 @@ daemon started with `serve --host H --port P --api-key KEY`), one method per end
 
 The CLI and the TUI talk to the daemon only through this. It never imports torch or the engine.
 Errors come back as LorafleetErrors: `DaemonUnreachableError` (exit code 3) when nothing answers
-at the socket or URL, `ServerError` carrying the daemon's status, code and message otherwise.
+at the socket or URL, when what answers is not a lorafleet daemon (not JSON, not its stats), or
+when it stays silent past the timeout; `ServerError` carrying the daemon's status, code and
+message otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lorafleet.errors import ConfigError, DaemonUnreachableError, ServerError
 # generation may take as long as it takes; everything else answers within a step or two
 _GENERATE_TIMEOUT = httpx.Timeout(10.0, read=None)
 _DEFAULT_TIMEOUT = httpx.Timeout(10.0, read=60.0)
+_STATS_TIMEOUT = httpx.Timeout(10.0)  # a snapshot is taken between two steps: a silent daemon is not one
 # nothing listens there, the daemon went away mid-answer, or no route to it
 _UNREACHABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 
@@ -62,17 +65,27 @@ class Client:
         return DaemonUnreachableError(f"no lorafleet daemon is running on {self.socket}; "
                                       "start one with `lorafleet serve`")
 
+    def not_lorafleet(self, why: str) -> DaemonUnreachableError:
+        return DaemonUnreachableError(f"what answers at {self.where} is not a lorafleet daemon ({why})")
+
     def _request(self, method: str, path: str, body: dict | None = None, timeout=None) -> httpx.Response:
+        timeout = timeout or _DEFAULT_TIMEOUT
         try:
-            r = self._http.request(method, path, json=body, timeout=timeout or _DEFAULT_TIMEOUT)
+            r = self._http.request(method, path, json=body, timeout=timeout)
         except _UNREACHABLE as e:
             raise self.unreachable() from e
+        except httpx.TimeoutException as e:
+            raise self.not_lorafleet(f"no answer to {path} within {timeout.read:g}s") from e
         if r.status_code >= 400:
             raise _server_error(r.status_code, r.content)
         return r
 
     def _json(self, method: str, path: str, body: dict | None = None, timeout=None) -> Any:
-        return self._request(method, path, body, timeout).json()
+        r = self._request(method, path, body, timeout)
+        try:
+            return r.json()
+        except ValueError:  # HTML, or anything else: not ours
+            raise self.not_lorafleet(f"its answer to {path} is not JSON") from None
 
     def _stream(self, path: str, body: dict) -> Iterator[dict]:
         try:
@@ -97,7 +110,12 @@ class Client:
         return self._json("GET", "/health")
 
     def stats(self) -> dict:
-        return self._json("GET", "/v1/stats")
+        """The daemon's /v1/stats; refused as not a lorafleet daemon's unless it has its parts."""
+        stats = self._json("GET", "/v1/stats", timeout=_STATS_TIMEOUT)
+        if not (isinstance(stats, dict) and isinstance(stats.get("version"), str)
+                and isinstance(stats.get("engine"), dict) and isinstance(stats.get("server"), dict)):
+            raise self.not_lorafleet("its /v1/stats has no version, engine and server")
+        return stats
 
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text

@@ -85,6 +85,9 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20         # a larger request body gets 413 before it is read
     drain_timeout: float = 30.0           # seconds SIGTERM waits for in-flight requests
     access_log: bool = False
+    header_timeout: float = 10.0          # seconds a connection has to send a request's headers
+    idle_timeout: float = 30.0            # seconds a keep-alive connection may wait for its next request
+    max_tcp_connections: int = 256        # TCP connections open at once; more are closed as they open
 
     def __post_init__(self):
         if (self.host is None) != (self.port is None):
@@ -99,3 +102,8 @@ class ServerConfig:
             raise ConfigError(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
         if not self.drain_timeout >= 0:
             raise ConfigError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout!r}")
+        for name in ("header_timeout", "idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if not isinstance(self.max_tcp_connections, int) or self.max_tcp_connections < 1:
+            raise ConfigError(f"max_tcp_connections must be a positive integer, got {self.max_tcp_connections!r}")

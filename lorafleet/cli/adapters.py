@@ -9,7 +9,7 @@ import typer
 
 from lorafleet.cli import store as store_cli
 from lorafleet.errors import AdapterNotFoundError, DaemonUnreachableError, LorafleetError
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console,
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, out_console,
                                   print_json, ranks_text, user_errors)
 
 app = typer.Typer(help="List, inspect, load, unload and remove LoRA adapters (the daemon's and the store's).",
@@ -41,7 +41,6 @@ def ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption
         err_console.print("no adapters: pull one (`lorafleet pull SOURCE`) or load one into the daemon "
                           "(`lorafleet adapters load NAME PATH`)", highlight=False)
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
@@ -52,7 +51,7 @@ def ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption
         table.add_row(a["name"], ranks_text(info), ",".join(m.replace("_proj", "") for m in info.get("modules", [])),
                       "yes" if a["in_store"] else "", _state(a) if a["loaded"] else "-",
                       str(a.get("pages", "-")), str(a.get("users", "-")), str(a.get("path", a["store"] and a["store"]["source"])))
-    Console().print(table)
+    out_console().print(table)
 
 
 def _daemon_card(socket, name: str, url: str | None = None, api_key: str | None = None) -> dict | None:
@@ -82,7 +81,6 @@ def show(name: NameArg, socket: SocketOption = None, url: UrlOption = None, api_
     info = {**info, "store": stored} if info is not None else {**stored, "loaded": False}
     if as_json:
         return print_json(info)
-    from rich.console import Console
     from rich.table import Table
 
     grid = Table.grid(padding=(0, 2))
@@ -94,7 +92,7 @@ def show(name: NameArg, socket: SocketOption = None, url: UrlOption = None, api_
         elif isinstance(value, list):
             value = ", ".join(map(str, value)) or "-"
         grid.add_row(key, str(value))
-    Console().print(grid)
+    out_console().print(grid)
 
 
 @app.command("load")

@@ -10,7 +10,7 @@ from typing import Annotated, Callable
 
 import typer
 
-from lorafleet.cli.common import err_console, fail, user_errors
+from lorafleet.cli.common import err_console, fail, styled, user_errors
 
 ALL_SYSTEMS = "lorafleet,transformers,peft-groups,peft-mixed,merged"
 PEER_WORKLOADS = ("peer-base", "peer-one-adapter", "peer-round-robin")  # bench llama-cpp's
@@ -160,7 +160,7 @@ def llama_cpp(
         for table in peer_tables(report):
             Console().print(table)
         for warning in (w for rep in report["reports"] for w in rep["warnings"]):
-            err_console.print(f"[yellow]noisy:[/] {warning}", highlight=False)
+            err_console.print(styled("noisy:", "yellow", warning))
         err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
     err_console.print(f"wrote {path}", highlight=False)
     failed = [f"{rep['workload']['name']}/{r['model']}/{r['system']}" for rep in report["reports"]
@@ -373,7 +373,7 @@ def _print(report: dict, as_json: bool) -> None:
         for note in rep.get("plots", {}).get("notes", []):
             err_console.print(f"no plot: {note}", highlight=False)
         for warning in rep.get("warnings", []):
-            err_console.print(f"[yellow]noisy:[/] {warning}", highlight=False)
+            err_console.print(styled("noisy:", "yellow", warning))
     if "reports" in report:
         console.print(suite_summary(report))
     err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)

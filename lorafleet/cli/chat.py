@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console,
-                                  print_json, user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, print_json,
+                                  styled, user_errors)
 
 REPL_HELP = "Ctrl-D or /exit quits, /reset forgets the conversation, Ctrl-C stops an answer."
 
@@ -59,7 +59,7 @@ def _stream_answer(c, messages: list[dict], adapter: str | None, params: dict) -
                 sys.stdout.write(text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
-        err_console.print("\n[dim](stopped)[/]", highlight=False)
+        err_console.print(styled("\n(stopped)", "dim"))
     finally:
         chunks.close()
     sys.stdout.write("\n")
@@ -119,7 +119,7 @@ def _converse(c, start: list[dict], adapter: str | None, params: dict) -> None:
             return
         if line.strip() == "/reset":
             messages = list(start)
-            err_console.print("[dim](conversation cleared)[/]", highlight=False)
+            err_console.print(styled("(conversation cleared)", "dim"))
             continue
         messages.append({"role": "user", "content": line})
         answer = _stream_answer(c, messages, adapter, params)

@@ -1,4 +1,8 @@
-"""What every verb shares: the stderr console and the one-line answer to a `LorafleetError`.
+"""What every verb shares: the consoles and the one-line answer to a `LorafleetError`.
+
+Both consoles print text literally (no rich markup, no highlighting): names, paths and messages
+come from users and files, and `[b]` in a path is a folder name, not bold. What is styled is
+styled with `styled`, never with markup in a string.
 
 Nothing here imports torch, triton or the engine: `lorafleet --help` must answer fast.
 """
@@ -12,16 +16,26 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from lorafleet.errors import LorafleetError
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, markup=False, highlight=False)
+
+
+def out_console() -> Console:
+    """The console of a verb's answer on stdout (tables, status), literal as `err_console`."""
+    return Console(markup=False, highlight=False)
+
+
+def styled(label: str, style: str, message: str = "") -> Text:
+    """`label` in `style`, then `message` as it is (a path with brackets stays a path)."""
+    return Text.assemble((label, style), " " if message else "", message)
 
 
 def fail(message: str, exit_code: int = 1) -> typer.Exit:
     """Print `error: message` on stderr; return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(styled("error:", "bold red", message), soft_wrap=True)
     return typer.Exit(exit_code)
 
 

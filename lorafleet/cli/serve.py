@@ -76,6 +76,14 @@ def serve(
     drain_timeout: Annotated[float, typer.Option(
         "--drain-timeout", min=0, help="Seconds SIGTERM/SIGINT waits for in-flight requests before exiting.")] = 30.0,
     access_log: Annotated[bool, typer.Option("--access-log", help="Log every HTTP request.")] = False,
+    header_timeout: Annotated[float, typer.Option(
+        "--header-timeout", min=0.001, help="Seconds a connection has to send a request's headers, from when it "
+                                            "opens or its next request begins; then it is closed.")] = 10.0,
+    idle_timeout: Annotated[float, typer.Option(
+        "--idle-timeout", min=0.001, help="Seconds a keep-alive connection may wait for its next request.")] = 30.0,
+    max_tcp_connections: Annotated[int, typer.Option(
+        "--max-tcp-connections", min=1, help="TCP connections open at once (with --host); more are closed as "
+                                             "they open. The Unix socket has no cap.")] = 256,
     resolve: Annotated[bool, typer.Option(
         "--resolve/--no-resolve", help="Serve an adapter of the store on its first request by name, "
                                       "without a load call (and its new weights after a re-pull).")] = True,
@@ -100,7 +108,8 @@ def serve(
         config = ServerConfig(socket=str(sock), host=host, port=port, api_key=api_key,
                               served_model_name=served_model_name, max_pending=max_pending,
                               max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
-                              drain_timeout=drain_timeout, access_log=access_log)
+                              drain_timeout=drain_timeout, access_log=access_log, header_timeout=header_timeout,
+                              idle_timeout=idle_timeout, max_tcp_connections=max_tcp_connections)
         engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
                           "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                           "prefix_cache": prefix_cache}

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, duration, err_console,
-                                  fail, human_bytes, print_json, user_errors)
+                                  fail, human_bytes, out_console, print_json, user_errors)
 
 
 def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
@@ -18,9 +18,18 @@ def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOp
     """Show whether the daemon runs, what it serves, its queues and its page pool."""
     with user_errors(), client(socket, url, api_key) as c:
         stats = c.stats()
+        where = c.where
     if as_json:
         return print_json(stats)
-    from rich.console import Console
+    try:
+        grid = _grid(stats)
+    except (KeyError, TypeError, ValueError, AttributeError):  # stats of something else than lorafleet
+        raise fail(f"what answers at {where} is not a lorafleet daemon (its /v1/stats lacks what a daemon "
+                   "reports)", 3) from None
+    out_console().print(grid)
+
+
+def _grid(stats: dict):
     from rich.table import Table
 
     srv, eng = stats["server"], stats["engine"]
@@ -46,7 +55,7 @@ def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOp
                                   if prefix["enabled"] else "off"))
     grid.add_row("adapters", f"{eng['num_adapters']} known; "
                              f"{eng.get('num_requests_finished', 0)} requests served")
-    Console().print(grid)
+    return grid
 
 
 def stop(

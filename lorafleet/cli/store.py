@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console,
-                                  print_json, ranks_text, user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, out_console,
+                                  print_json, ranks_text, styled, user_errors)
 from lorafleet.errors import DaemonUnreachableError, StoreError
 from lorafleet.store.store import Store
 
@@ -57,7 +57,7 @@ def pull(
     from lorafleet.store.pull import pull as do_pull
 
     def warn(message: str) -> None:
-        err_console.print(f"[yellow]warning:[/] {message}", highlight=False)
+        err_console.print(styled("warning:", "yellow", message))
     with user_errors():
         manifest = do_pull(source, name=name, base=base, revision=revision, for_model=for_model,
                            strict_base=strict_base, progress=not as_json, warn=warn)
@@ -69,7 +69,6 @@ def pull(
 
 
 def _table(columns, rows) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
@@ -77,7 +76,7 @@ def _table(columns, rows) -> None:
         table.add_column(col)
     for row in rows:
         table.add_row(*map(str, row))
-    Console().print(table)
+    out_console().print(table)
 
 
 @models_app.command("ls")

@@ -263,12 +263,19 @@ class Engine:
         return self.outputs.output(req, new_tokens or [])
 
     # -- adapters --------------------------------------------------------------------
-    def register_adapter(self, name: str, path: str | Path, trusted_digest: str | None = None) -> dict:
+    def register_adapter(self, name: str, path: str | Path, trusted_digest: str | None = None,
+                         numel: int | None = None) -> dict:
         """Record a PEFT adapter folder under `name` (disk tier): its config is checked now, its
         weights are read when a request first needs it. Costs no device memory. `trusted_digest`
         (the store's resolver): the files were validated against this base and hashed when they
-        were pulled, so their loads skip both."""
-        return self.adapters.register(name, path, trusted_digest).info()
+        were pulled, so their loads skip both. `numel`: what `inspect_adapter` found, when the
+        caller ran it on another thread (the daemon: the checks stay off the engine thread)."""
+        return self.adapters.register(name, path, trusted_digest, numel).info()
+
+    def inspect_adapter(self, name: str, path: str | Path) -> int:
+        """The checks of `register_adapter` (config, size against the pool, from the files' headers),
+        safe to run on any thread; returns what `register_adapter(numel=...)` takes."""
+        return self.adapters.inspect(name, path)
 
     def load_adapter_async(self, name: str, path: str | Path) -> Future:
         """Start an eager load: files are read, validated and hashed on a worker while steps go

@@ -18,13 +18,16 @@ MIN_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What to generate. temperature 0 (or below MIN_TEMPERATURE) is greedy; top_k 0 or -1 and top_p 1 disable those
-    filters; `logprobs` = N returns the N most likely tokens (plus the chosen one) per step."""
+    """What to generate. temperature 0 (or below MIN_TEMPERATURE) is greedy; top_k 0 or -1, top_p 1 and
+    min_p 0 disable those filters (min_p as vLLM's: tokens less likely than min_p times the most
+    likely one are dropped); `logprobs` = N returns the N most likely tokens (plus the chosen one)
+    per step."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -52,6 +55,8 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):

@@ -42,12 +42,15 @@ import torch
 
 from lorafleet.errors import AdapterError
 from lorafleet.lora.peft_config import (  # noqa: F401  MODULES, BaseShapes, read_adapter_config: re-exported
-    CONFIG_NAME, MODULE_BLOCK, MODULES, BaseShapes, _is_int, _pattern_key, _read_config, _targeted,
+    CONFIG_NAME, MODULE_BLOCK, MODULES, BaseShapes, Matcher, _is_int, _pattern_key, _read_config, _targeted,
     _unreadable, _weights_file, read_adapter_config,
 )
 
 
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+# An adapter's safetensors header: a few hundred bytes a tensor (70B's 80 layers, all seven
+# projections: ~190 KB). Parsing JSON holds the GIL (~15 ms a MiB): a header is bounded well below
+# safetensors' own 100 MB, so a hostile file cannot stall the threads beside its load.
+_MAX_HEADER_BYTES = 1 << 20
 # The tensor keys PEFT writes for a supported module; only these are quoted in messages. The layer
 # index is canonical and short (a huge one would be echoed, and int() refuses over 4300 digits).
 _KEY_RE = re.compile(
@@ -150,7 +153,10 @@ def _check_safetensors_header(path: Path) -> dict:
             if len(head) < 8:
                 raise not_st
             (n,) = struct.unpack("<Q", head)
-            if n < 2 or n > _MAX_HEADER_BYTES or 8 + n > size:
+            if n > _MAX_HEADER_BYTES:
+                raise AdapterError(f"{path}: its header is over {_MAX_HEADER_BYTES >> 20} MiB (an adapter's header "
+                                   "lists its tensors in a few hundred bytes each)")
+            if n < 2 or 8 + n > size:
                 raise not_st
             raw = f.read(n)
     except OSError:
@@ -247,11 +253,11 @@ def _key_slot(key: str, base: BaseShapes, path: Path) -> tuple[int, str, str, st
     return layer, proj, m.group("ab"), m.group("name")
 
 
-def _scale(cfg: dict, full: str, r: int) -> float:
+def _scale(cfg: dict, full: str, r: int, match: Matcher) -> float:
     """PEFT's scale for module `full` of rank r: lora_alpha (or its alpha_pattern entry) / r, or
     / sqrt(r) with use_rslora."""
     alpha_pattern = cfg.get("alpha_pattern") or {}
-    key = _pattern_key(alpha_pattern, full)
+    key = _pattern_key(alpha_pattern, full, match, "alpha_pattern")
     alpha = alpha_pattern[key] if key is not None else cfg.get("lora_alpha", 8)
     return alpha / math.sqrt(r) if cfg.get("use_rslora", False) else alpha / r
 
@@ -265,7 +271,8 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
     cfg = _read_config(folder)
     cfg_path = folder / CONFIG_NAME
     st_path = _weights_file(folder)
-    targeted = _targeted(cfg, base, cfg_path)
+    match = Matcher(cfg_path)
+    targeted = _targeted(cfg, base, cfg_path, match)
     tensors = _read_tensors(st_path)
 
     if not tensors:
@@ -318,13 +325,13 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         if b.shape[1] != rank:
             raise AdapterError(f"{st_path}: rank mismatch: {_tensor(a_key)} and {_tensor(b_key)} "
                                f"differ in rank (expected [r, {fin}] and [{fout}, r] with the same r)")
-        r_key = _pattern_key(rank_pattern, full)
+        r_key = _pattern_key(rank_pattern, full, match)
         r = rank_pattern[r_key] if r_key is not None else cfg["r"]
         if rank != r:
             where = f"rank_pattern entry matching {full!r}" if r_key is not None else "r"
             raise AdapterError(f"{st_path}: {_tensor(a_key)}: its rank (rows) differs from "
                                f"{CONFIG_NAME}'s {where}")
-        scale = _scale(cfg, full, r)
+        scale = _scale(cfg, full, r, match)
         a_out = a.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         b_out = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         for key, t in ((a_key, a_out), (b_key, b_out)):

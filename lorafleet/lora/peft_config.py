@@ -5,6 +5,14 @@ Whoever asks the daemon to load an adapter chooses its path, so a refusal must t
 about files on this machine beyond "this is not a valid adapter": messages name the file, the
 field and the form expected, never a value read from the file, and a folder or file that is
 missing, unreadable or of the wrong kind gets one message whatever the reason.
+
+The config's regular expressions (target_modules, exclude_modules, rank_pattern, alpha_pattern,
+layers_pattern) are the file's code: a pattern like `(.*?)*?.*?q.*?_.*?x` backtracks for seconds
+on one module name. Each is at most `MAX_PATTERN_CHARS` long and is matched by `Matcher`, with
+`regex` (Python's `re` semantics, compiled once) under a timeout of `MATCH_TIMEOUT_S` a name and
+`CONFIG_BUDGET_S` for the whole config, releasing the GIL while it runs; past either, the adapter
+is refused naming the field. Only workers match (loads, and the server's inspection before a lazy
+registration), never the engine thread of a daemon.
 """
 
 from __future__ import annotations
@@ -13,9 +21,12 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from lorafleet.errors import AdapterError
 from lorafleet.model.config import MODULE_BLOCK
@@ -26,7 +37,11 @@ _OTHER_BASE_MODULES = ("model.embed_tokens", "lm_head")
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
-_MAX_CONFIG_BYTES = 16 << 20
+_MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB (one rank_pattern key a module: tens); parsing holds the GIL
+MAX_PATTERN_CHARS = 4096   # one regular expression of the config
+MAX_PATTERN_KEYS = 4096    # rank_pattern / alpha_pattern entries (PEFT writes one per module at most)
+MATCH_TIMEOUT_S = 0.02     # one pattern against one module name: real ones take microseconds
+CONFIG_BUDGET_S = 2.0      # every pattern against every module name of the base
 # init_lora_weights values whose adapters expect a base model rewritten at init time.
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq", "mica")
 # Config fields naming LoRA variants / features whose forward pass is not plain `scale * B @ A @ x`
@@ -111,11 +126,40 @@ def _weights_file(folder: Path) -> Path:
 
 
 def _compiles(pattern: str) -> bool:
+    """A valid `re` pattern (PEFT's matcher) of at most MAX_PATTERN_CHARS."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        return False
     try:
         re.compile(pattern)
     except (re.error, RecursionError, OverflowError):
         return False
     return True
+
+
+class Matcher:
+    """Every pattern match of one config's evaluation, each pattern compiled once, each match
+    under MATCH_TIMEOUT_S and all of them under CONFIG_BUDGET_S (see the module doc)."""
+
+    def __init__(self, source: Path):
+        self.source = source
+        self.deadline = time.monotonic() + CONFIG_BUDGET_S
+        self._compiled: dict[str, Any] = {}
+
+    def __call__(self, field: str, pattern: str, name: str, full: bool = False):
+        """`pattern` matched at the start of `name` (the whole of it with `full`)."""
+        compiled = self._compiled.get(pattern)
+        if compiled is None:
+            compiled = self._compiled[pattern] = regex.compile(pattern)
+        timeout = min(MATCH_TIMEOUT_S, self.deadline - time.monotonic())
+        try:
+            if timeout <= 0:
+                raise TimeoutError
+            return (compiled.fullmatch if full else compiled.match)(name, timeout=timeout, concurrent=True)
+        except TimeoutError:
+            raise AdapterError(
+                f"{self.source}: {field}: a regular expression takes too long to match the base's module names "
+                f"(over {MATCH_TIMEOUT_S * 1e3:.0f} ms for one name, or {CONFIG_BUDGET_S:.0f} s in all); the "
+                "names look like 'model.layers.0.self_attn.q_proj'") from None
 
 
 def _validate_config(cfg: dict, source: Path) -> None:
@@ -157,9 +201,12 @@ def _validate_config(cfg: dict, source: Path) -> None:
         pat = cfg.get(field) or {}
         if not isinstance(pat, dict):
             raise bad(field, f"must be an object mapping module-name regexes to {what}s")
+        if len(pat) > MAX_PATTERN_KEYS:
+            raise bad(field, f"at most {MAX_PATTERN_KEYS} entries")
         for key, value in pat.items():
             if not _compiles(rf"(.*\.)?({key})$"):
-                raise bad(field, "every key must be a valid regular expression")
+                raise bad(field, "every key must be a valid regular expression (of at most "
+                          f"{MAX_PATTERN_CHARS} characters)")
             if not check(value):
                 raise bad(field, f"every value must be {what}")
 
@@ -169,7 +216,7 @@ def _validate_config(cfg: dict, source: Path) -> None:
                   "\"all-linear\")")
     if isinstance(tm, str):
         if tm.lower() != "all-linear" and not _compiles(tm):
-            raise bad("target_modules", "not a valid regular expression")
+            raise bad("target_modules", f"not a valid regular expression of at most {MAX_PATTERN_CHARS} characters")
     elif not (isinstance(tm, list) and tm and all(isinstance(t, str) and t for t in tm)):
         raise bad("target_modules", "must be a non-empty list of names, a regex string or "
                   "\"all-linear\"")
@@ -177,7 +224,7 @@ def _validate_config(cfg: dict, source: Path) -> None:
     ex = cfg.get("exclude_modules")
     if isinstance(ex, str):
         if not _compiles(ex):
-            raise bad("exclude_modules", "not a valid regular expression")
+            raise bad("exclude_modules", f"not a valid regular expression of at most {MAX_PATTERN_CHARS} characters")
     elif ex is not None and not (isinstance(ex, list) and all(isinstance(t, str) for t in ex)):
         raise bad("exclude_modules", "must be a list of names or a regex string")
 
@@ -192,7 +239,8 @@ def _validate_config(cfg: dict, source: Path) -> None:
         if not (isinstance(items, list) and all(isinstance(p, str) for p in items)):
             raise bad("layers_pattern", "must be a string or a list of strings")
         if not all(_compiles(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.") for p in items):
-            raise bad("layers_pattern", "every pattern must be a valid regular expression")
+            raise bad("layers_pattern", "every pattern must be a valid regular expression (of at most "
+                      f"{MAX_PATTERN_CHARS} characters)")
 
 
 def _read_config(folder: Path) -> dict:
@@ -226,47 +274,47 @@ def read_adapter_config(path: str | Path, base: BaseShapes | None = None) -> dic
     cfg = _read_config(folder)
     _weights_file(folder)
     if base is not None:
-        _targeted(cfg, base, folder / CONFIG_NAME)
+        _targeted(cfg, base, folder / CONFIG_NAME, Matcher(folder / CONFIG_NAME))
     return cfg
 
 
-def _pattern_key(patterns: dict, name: str) -> str | None:
+def _pattern_key(patterns: dict, name: str, match: Matcher, field: str = "rank_pattern") -> str | None:
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", name):
+        if match(field, rf"(.*\.)?({key})$", name):
             return key
     return None
 
 
-def _layer_index(cfg: dict, name: str) -> int | None:
+def _layer_index(cfg: dict, name: str, match: Matcher) -> int | None:
     lp = cfg.get("layers_pattern")
-    match = None
+    found = None
     if not lp:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+        found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)  # ours: a fixed, linear pattern
     else:
         for p in [lp] if isinstance(lp, str) else lp:
-            match = re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name)
-            if match is not None:
+            found = match("layers_pattern", rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", name)
+            if found is not None:
                 break
-    return int(match.group("idx")) if match else None
+    return int(found.group("idx")) if found else None
 
 
-def _excluded(cfg: dict, name: str) -> bool:
+def _excluded(cfg: dict, name: str, match: Matcher) -> bool:
     ex = cfg.get("exclude_modules")
     if not ex:
         return False
     if isinstance(ex, str):
-        return re.fullmatch(ex, name) is not None
+        return match("exclude_modules", ex, name, full=True) is not None
     return name in ex or any(name.endswith(f".{e}") for e in ex)
 
 
-def _is_target(cfg: dict, name: str) -> bool:
-    if _excluded(cfg, name):
+def _is_target(cfg: dict, name: str, match: Matcher) -> bool:
+    if _excluded(cfg, name, match):
         return False
     tm = cfg["target_modules"]
     if isinstance(tm, str):
         if tm.lower() == "all-linear":
             return True  # only called on projection names; lm_head is never one
-        return re.fullmatch(tm, name) is not None
+        return match("target_modules", tm, name, full=True) is not None
     if name in tm:
         return True
     if not any(name.endswith(f".{t}") for t in tm):
@@ -274,13 +322,13 @@ def _is_target(cfg: dict, name: str) -> bool:
     lt = cfg.get("layers_to_transform")
     if lt is None or (isinstance(lt, list) and not lt):
         return True
-    idx = _layer_index(cfg, name)
+    idx = _layer_index(cfg, name, match)
     if idx is None:
         return False
     return idx == lt if _is_int(lt) else idx in lt
 
 
-def _targeted(cfg: dict, base: BaseShapes, source: Path) -> dict[str, tuple[int, str]]:
+def _targeted(cfg: dict, base: BaseShapes, source: Path, match: Matcher) -> dict[str, tuple[int, str]]:
     """Full name -> (layer, module) of every base projection the config targets; refuses target
     entries that cannot select a supported projection of this base."""
     names = base.module_names()
@@ -299,10 +347,10 @@ def _targeted(cfg: dict, base: BaseShapes, source: Path) -> dict[str, tuple[int,
                     f"base model (LoRA is served on {supported} of its {base.num_layers} layers)")
     elif tm.lower() != "all-linear":
         for other in _OTHER_BASE_MODULES:
-            if re.fullmatch(tm, other) and not _excluded(cfg, other):
+            if match("target_modules", tm, other, full=True) and not _excluded(cfg, other, match):
                 raise AdapterError(f"{source}: target_modules matches {other!r}, which is not a "
                                    f"supported LoRA target (only {supported})")
-    targeted = {n: lm for n, lm in names.items() if _is_target(cfg, n)}
+    targeted = {n: lm for n, lm in names.items() if _is_target(cfg, n, match)}
     if not targeted:
         raise AdapterError(f"{source}: target_modules (with exclude_modules / layers_to_transform) "
                            f"matches no module of the base model (LoRA is served on {supported} of "

@@ -148,7 +148,7 @@ class Prefetcher:
             r.load_failed(entry, str(e))
             self._result.failed[entry] = str(e)
             return True
-        r.load_started(entry, self.executor.submit(_load, r, entry.path, entry.pages if with_pages else None,
+        r.load_started(entry, self.executor.submit(_load, r, entry.name, entry.path, entry.pages if with_pages else None,
                                                    self.stream, entry.trusted_digest))
         self._loading.append(entry)
         return True
@@ -159,7 +159,7 @@ class Prefetcher:
         check_name(name)
         r = self.residency
         entry = r.stage(name, Path(path))
-        r.load_started(entry, self.executor.submit(_load, r, entry.path, None, self.stream))
+        r.load_started(entry, self.executor.submit(_load, r, entry.name, entry.path, None, self.stream))
         done: Future = Future()
         done.set_running_or_notify_cancel()
         self._eager[entry] = done
@@ -286,11 +286,14 @@ def _worker_start() -> None:
     openmp.serial_thread()
 
 
-def _load(residency: AdapterResidency, path, pages: list[int] | None, stream, trusted_digest: str | None = None):
+def _load(residency: AdapterResidency, name: str, path, pages: list[int] | None, stream,
+          trusted_digest: str | None = None):
     """Worker: disk -> host (read, validate, hash, lay out; a stored adapter is read only, see
     `AdapterEntry.trusted_digest`), and into `pages` when given."""
     t0 = time.perf_counter()
     pool = residency.pool
+    if trusted_digest is None:  # sizes from the header before any tensor is read (it may have changed since)
+        residency.inspect(name, path)
     host = host_cache.build_host_adapter(path, residency.base, pool.page_elems, pool.tensor.dtype,
                                          residency.pin_host, trusted_digest)
     if pages is not None:

@@ -22,8 +22,10 @@ Contracts:
 - Eviction frees device pages of unpinned adapters and cached KV blocks (`memory/kv.py`), in
   one order (`memory/eviction.py`: least expected loss per byte, LRU within each kind), and
   only when pages are needed (for KV or another adapter). An adapter made ready less than
-  `min_resident_steps` steps ago is spared when another adapter wants its pages (hysteresis,
-  so two hot sets do not thrash the pool); KV pressure may still take it, but an adapter that a
+  `min_resident_steps` steps ago for a request (one holds it, or one ran on it since) is spared
+  when another adapter wants its pages (hysteresis, so two hot sets do not thrash the pool); one
+  no request has held since it became ready (loaded at start, or by an API call) is not, so
+  start-up loads evict as later ones do. KV pressure may still take it, but an adapter that a
   waiting request wants only when nothing else is left.
 - An adapter's pages may lie anywhere in the pool: the kernels read its weights through its
   row table (in its own pages, built for those pages by the copy that fills them:
@@ -87,6 +89,7 @@ class AdapterEntry:
     pins: int = 0
     last_used: float = 0.0
     ready_step: int = 0
+    served: bool = False                 # a request ran on it since it became ready
     ranks: dict[str, int] = field(default_factory=dict)
     num_params: int = 0
     hits: int = 0
@@ -139,18 +142,31 @@ class AdapterResidency:
         except KeyError:
             raise AdapterNotFoundError(f"adapter {name!r} is not registered") from None
 
-    def register(self, name: str, path: str | Path, trusted_digest: str | None = None) -> AdapterEntry:
-        """Check the config against the base and the size against the pool (cheap: no tensor
-        data is read) and record the adapter. Registering a name again with the same path
-        keeps it; with another path replaces it (the old one is retired). `trusted_digest`: the
-        store's digest of these files, validated against this base when pulled; its loads then
-        read the tensors without checking or hashing them again."""
-        check_name(name)
+    def inspect(self, name: str, path: str | Path) -> int:
+        """Check the adapter's config against the base and its size against the pool, from the
+        config and the weights file's header alone (no tensor data is read); returns the elements
+        it takes in pages. Reads only what never changes here (the base, the pool's size): any
+        thread may call it, and the daemon calls it on a worker, since an adapter's config
+        patterns and header are the file's to make expensive (bounded: `lora/peft_config.py`,
+        `lora/adapter.py`)."""
         path = Path(path)
         read_adapter_config(path, self.base)
         self.check_fits(name, weights_numel(path))  # before planning: the header's ranks are bounded by the pool
         numel = Layout.plan(header_ranks(path, self.base), self.base, self.pool.page_elems).paged_numel(self.itemsize)
         self.check_fits(name, numel)
+        return numel
+
+    def register(self, name: str, path: str | Path, trusted_digest: str | None = None,
+                 numel: int | None = None) -> AdapterEntry:
+        """Record the adapter, `inspect`ed first unless `numel` says what an inspection of `path`
+        found (the daemon inspects on a worker). Registering a name again with the same path
+        keeps it; with another path replaces it (the old one is retired). `trusted_digest`: the
+        store's digest of these files, validated against this base when pulled; its loads then
+        read the tensors without checking or hashing them again."""
+        check_name(name)
+        path = Path(path)
+        if numel is None:
+            numel = self.inspect(name, path)
         old = self.entries.get(name)
         if old is not None and old.path == path and old.error is None:
             return old
@@ -237,6 +253,7 @@ class AdapterResidency:
     def pin(self, entry: AdapterEntry) -> None:
         assert entry.ready, f"adapter {entry.name!r} pinned while not on the device"
         entry.pins += 1
+        entry.served = True
         entry.last_used = time.monotonic()
         self._from_idle(entry)
 
@@ -307,6 +324,7 @@ class AdapterResidency:
         entry.kv_salt = kv_salt(host.layout.targets(), host.digest, self.base.num_layers)
         entry.ready = True
         entry.ready_step = self.step
+        entry.served = False
         entry.device_loads += 1
         entry.last_used = time.monotonic()
         self._to_idle(entry)
@@ -332,7 +350,8 @@ class AdapterResidency:
         """Adapters that may be evicted now, least recently used first (kept in that order as
         adapters are pinned and unpinned: no sort, no scan of the registry)."""
         young = self.step - self.min_resident_steps
-        return [e for e in self._idle_lru if e not in protect and (for_kv or e.ready_step <= young)]
+        return [e for e in self._idle_lru if e not in protect
+                and (for_kv or e.ready_step <= young or not (e.users or e.served))]
 
     def reclaimable(self, protect: AdapterEntry | None = None) -> int:
         """Pages KV could have without preempting anyone: free ones, cached KV blocks and idle

@@ -167,7 +167,7 @@ def _active_sliding_window(cfg: dict) -> int | None:
 
 def generation_defaults(folder: Path) -> dict:
     """The sampling defaults a model folder's generation_config.json asks for, as request fields
-    (temperature, top_p, top_k); {} without one. `do_sample: false` means greedy (temperature 0),
+    (temperature, top_p, top_k, min_p); {} without one. `do_sample: false` means greedy (temperature 0),
     as `transformers.generate` reads it. A server applies these where a request names nothing,
     like vLLM's default `--generation-config auto`. Unreadable or out-of-range values are ignored
     (the request defaults stay), never fatal: the file is advice, not the model."""
@@ -187,4 +187,7 @@ def generation_defaults(folder: Path) -> dict:
         out["top_p"] = float(p)
     if isinstance(k, int) and not isinstance(k, bool) and k >= -1:
         out["top_k"] = k
+    m = cfg.get("min_p")
+    if isinstance(m, (int, float)) and not isinstance(m, bool) and 0 <= m <= 1:
+        out["min_p"] = float(m)
     return out

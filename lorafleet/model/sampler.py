@@ -16,9 +16,10 @@ from lorafleet.kernels import reference
 NEG_INF = float("-inf")
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """logits: [V] (already divided by temperature). Tokens outside the top-k, or outside the
-    smallest set whose probability reaches top_p, get -inf. The most likely token always stays."""
+    smallest set whose probability reaches top_p, or (then) less likely than min_p times the most
+    likely one, get -inf (vLLM's order). The most likely token always stays."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, NEG_INF)
@@ -28,13 +29,16 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         drop = (cum - sorted_logits.softmax(-1)) >= top_p  # mass before this token already enough
         drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), NEG_INF)
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), NEG_INF)
     return logits
 
 
 def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-               generator: torch.Generator | None) -> int:
+               generator: torch.Generator | None, min_p: float = 0.0) -> int:
     """One token from one row of logits [V] (temperature > 0)."""
-    probs = filter_top_k_top_p(logits / temperature, top_k, top_p).softmax(-1)
+    probs = filter_top_k_top_p(logits / temperature, top_k, top_p, min_p).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -67,7 +71,7 @@ def sample(logits: torch.Tensor, params: list, generators: list, greedy=referenc
             continue
         try:
             tokens[i] = greedy_tokens[i] if p.greedy else sample_row(logits[i], p.temperature, p.top_k,
-                                                                   p.top_p, generators[i])
+                                                                   p.top_p, generators[i], p.min_p)
         except RuntimeError as e:  # torch refuses the distribution: this row's problem only
             errors[i] = f"sampling failed: {e}"
     for j, i in enumerate(want_lp):

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from lorafleet import __version__
 from lorafleet.errors import AdapterError, LorafleetError, UnauthorizedError
+from lorafleet.memory.residency import check_name
 from lorafleet.server import metrics
 from lorafleet.server.completions import read_json, router as completions_router, state_of
 from lorafleet.server.errors import ErrorResponse
@@ -109,7 +110,11 @@ async def load_lora_adapter(request: Request):
     if name == st.base_name:
         raise bad("lora_name", f"{name!r} is the base model's name; choose another adapter name")
     if isinstance(body, dict) and body.get("lazy") is True:
-        info = await on_engine(request, lambda e: e.register_adapter(name, path))
+        # the files' checks on a worker (a config's patterns and a header are the file's to make
+        # expensive), then only the bookkeeping on the engine thread
+        check_name(name)
+        numel = await asyncio.to_thread(st.worker.engine.inspect_adapter, name, path)
+        info = await on_engine(request, lambda e: e.register_adapter(name, path, numel=numel))
     else:
         info = await asyncio.wrap_future(await on_engine(request, lambda e: e.load_adapter_async(name, path)))
     log.info("adapter %s %s from %s", name, "loaded" if info["tier"] == "device" else "registered", path)

@@ -24,16 +24,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lorafleet.errors import AdapterError, AdapterNotFoundError, LorafleetError, RequestFailedError
 from lorafleet.server import responses
 from lorafleet.server.errors import error_body
-from lorafleet.server.protocol import Generation, bad, decode_body, parse_chat, parse_completion, tokenize
+from lorafleet.server.protocol import (DECODE_ON_WORKER, Generation, bad, decode_body, parse_chat, parse_completion,
+                                       tokenize)
 from lorafleet.server.state import ServerState
 from lorafleet.server.worker import Sink
 
 router = APIRouter()
 
 
-async def read_json(request: Request):
-    """The body as JSON (its size is capped by server/body.py before it gets here)."""
-    return decode_body(await request.body())
+async def read_json(request: Request, parse=None, *args):
+    """The body as JSON (its size is capped by server/body.py before it gets here), or `parse(json,
+    *args)` of it: decoded and parsed on a worker thread when it is over DECODE_ON_WORKER bytes,
+    so that a large body never holds the event loop."""
+    raw = await request.body()
+    def work():
+        body = decode_body(raw)
+        return parse(body, *args) if parse is not None else body
+    return await asyncio.to_thread(work) if len(raw) > DECODE_ON_WORKER else work()
 
 
 def state_of(request: Request) -> ServerState:
@@ -43,7 +50,7 @@ def state_of(request: Request) -> ServerState:
 @router.post("/v1/completions")
 async def completions(request: Request):
     st = state_of(request)
-    gen = parse_completion(await read_json(request), st.base_name, st.sampling_defaults)
+    gen = await read_json(request, parse_completion, st.base_name, st.sampling_defaults)
     if len(gen.prompts) > st.config.max_pending:
         raise bad("prompt", f"{len(gen.prompts)} prompts in one request; the daemon admits at most "
                             f"{st.config.max_pending} at once (`serve --max-pending`): split the request")
@@ -53,7 +60,7 @@ async def completions(request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     st = state_of(request)
-    gen = parse_chat(await read_json(request), st.base_name, st.sampling_defaults)
+    gen = await read_json(request, parse_chat, st.base_name, st.sampling_defaults)
     return await generate(request, st, gen, "chatcmpl")
 
 

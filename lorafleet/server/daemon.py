@@ -9,10 +9,11 @@
    are 0700, an existing one keeps its mode if safe (`paths.socket_dir`), and the socket is
    created 0600 (under a umask, so it is never briefly open to others).
 3. Serve with uvicorn on the pre-bound sockets (the Unix socket, and TCP when asked), through
-   `uvicorn.Server.run`, so on uvloop and httptools (both dependencies; uvicorn's "auto" picks
-   them): the event loop's CPU per streamed token, `tiny` at 1 in flight, was 0.12-0.22 ms on
-   uvloop against 0.18-0.25 ms on asyncio's loop (three daemons of each, alternated, two
-   streams of 512 tokens each; 2026-12-04).
+   `uvicorn.Server.run`, so on uvloop (a dependency; uvicorn's "auto" picks it: the event loop's
+   CPU per streamed token, `tiny` at 1 in flight, was 0.12-0.22 ms on uvloop against 0.18-0.25
+   ms on asyncio's loop, three daemons of each, alternated, two streams of 512 tokens each;
+   2026-12-04) and httptools, whose protocol `connections.guarded_protocol` bounds: a header
+   timeout for every connection, a cap on TCP connections, the open-file limit raised.
 4. SIGTERM or SIGINT: stop admitting (new requests get 503), let in-flight requests finish for
    up to `drain_timeout` seconds, answer what is left with 503 (a stream gets an error event;
    either way the engine aborts it), stop the engine thread, remove the socket and the pid
@@ -42,6 +43,7 @@ from lorafleet.errors import ConfigError, DaemonRunningError
 from lorafleet.model.config import generation_defaults
 from lorafleet.paths import check_socket_path, pidfile_path, socket_dir
 from lorafleet.server.app import create_app
+from lorafleet.server.connections import guarded_protocol, raise_fd_limit
 from lorafleet.server.state import ServerState
 from lorafleet.server.worker import EngineWorker
 
@@ -263,9 +265,12 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
                             sampling_defaults=generation_defaults(Path(model_path)))
         if state.sampling_defaults:
             log.info("sampling defaults from the model's generation_config.json: %s", state.sampling_defaults)
+        files = raise_fd_limit()
+        log.info("open files: up to %d; TCP connections: up to %d", files, config.max_tcp_connections)
         server = DaemonServer(uvicorn.Config(
             create_app(state), log_config=None, access_log=config.access_log, lifespan="off",
-            timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=30), state)
+            http=guarded_protocol(config.header_timeout, config.max_tcp_connections),
+            timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=config.idle_timeout), state)
         # Everything built so far lives as long as the daemon: out of the collector's sight, a
         # full collection takes microseconds instead of ~100 ms (measured on the demo fleet:
         # 210k objects, torch's and the web stack's), which would otherwise stall every stream.

@@ -11,7 +11,13 @@ field, so the client gets OpenAI's error body with a 400. Unknown fields are ign
 more than any one server reads; fields that would change the output and are not implemented
 (n > 1, echo, penalties, logit_bias...) are refused rather than silently ignored.
 
-vLLM's extras are accepted: top_k, ignore_eos, stop_token_ids, include_stop_str_in_output.
+vLLM's extras are accepted: top_k, min_p, ignore_eos, stop_token_ids, include_stop_str_in_output.
+
+Every list a body may carry is capped: `prompt` (a list of prompts: `--max-pending`; token ids:
+the context), `stop` (MAX_STOP_STRINGS of MAX_STOP_LENGTH), `stop_token_ids`
+(MAX_STOP_TOKEN_IDS), `messages` (MAX_MESSAGES), and a chat message's content parts by the body's
+size. Bodies over DECODE_ON_WORKER bytes are decoded and checked on a worker thread, not on the
+event loop (`decode_body_async`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,13 @@ MAX_LOGPROBS = 20
 MAX_DEPTH = 32          # JSON nesting a request body may have (OpenAI's bodies need 5)
 MAX_STOP_STRINGS = 64   # each is searched for at every new token
 MAX_STOP_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 1024  # checked against every new token (a set), but kept per request
+MAX_MESSAGES = 4096     # chat turns in one request
+# JSON values a body may hold, counted as its commas and colons before it is parsed: parsing holds
+# the GIL (~40 ns a value), so a body of a million tiny values would stall every other thread for
+# 40 ms; 262,144 still takes a 128K-token prompt as ids
+MAX_JSON_ITEMS = 1 << 18
+DECODE_ON_WORKER = 64 << 10  # bodies larger than this are decoded and checked on a worker thread
 
 
 def bad(param: str | None, message: str) -> InvalidRequestError:
@@ -56,7 +69,9 @@ class Generation:
 def decode_body(raw: bytes) -> Any:
     """bytes -> JSON value; a 400 for anything that is not JSON made of valid Unicode strings
     nested at most MAX_DEPTH deep (a lone surrogate such as "\\ud800" is valid JSON but no
-    text: tokenizers and UTF-8 encoders refuse it)."""
+    text: tokenizers and UTF-8 encoders refuse it), holding at most MAX_JSON_ITEMS values."""
+    if raw.count(b",") + raw.count(b":") > MAX_JSON_ITEMS:
+        raise bad(None, f"the request body holds more than {MAX_JSON_ITEMS} JSON values")
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
@@ -164,13 +179,18 @@ def _sampling(body: dict, max_tokens_default: int, max_tokens: int | None, logpr
     used where the request names none, as vLLM does with a model's generation_config.json."""
     defaults = defaults or {}
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_ids):
+    if not isinstance(stop_ids, list):
+        raise bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad("stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of non-negative integers")
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
         temperature=_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0),
         top_p=_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_open=True),
         top_k=_integer(body, "top_k", defaults.get("top_k", 0), lo=-1),
+        min_p=_number(body, "min_p", defaults.get("min_p", 0.0), lo=0.0, hi=1.0),
         seed=_integer(body, "seed", None, lo=0, hi=2**63 - 1),
         stop=_stop(body),
         stop_token_ids=tuple(stop_ids),
@@ -250,9 +270,13 @@ def parse_chat(body: Any, base_name: str, defaults: dict | None = None) -> Gener
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad("response_format", "response_format: only {\"type\": \"text\"} is supported")
+    if _bool(body, "echo", False):  # vLLM's chat extra: the prompt before the answer
+        raise bad("echo", "echo is not supported")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise bad("messages", f"messages takes at most {MAX_MESSAGES} turns")
     messages = [_message(m, i) for i, m in enumerate(messages)]
     want = _bool(body, "logprobs", False)
     top = _integer(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)

@@ -18,9 +18,11 @@ lorafleet reads are stored; pickled weights (`*.bin`, `*.pt`) never are.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -112,6 +114,37 @@ def pull(source: str, *, name: str | None = None, base: bool = False, revision: 
     From the Hub, weight files are downloaded into the store's partial downloads (resumed by the
     next pull if this one dies), claimed until the install has moved them into the store."""
     store = store or Store()
+    try:
+        return _pull(source, name, base, revision, for_model, strict_base, store, progress, warn)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space(e, store, Path(source).expanduser()) from None
+        raise
+
+
+def _no_space(e: OSError, store: Store, source: Path) -> StoreError:
+    """The one line for a disk (or quota) that filled during a pull: where, how much is free, and
+    about how much the pull needs (a folder's files, and their laid-out copy for an adapter)."""
+    where = Path(e.filename) if e.filename else store.root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    files = [f for f in source.rglob("*") if f.is_file()] if source.is_dir() else []
+    need = f", and this pull needs about {_size(2 * sum(f.stat().st_size for f in files))}" if files else ""
+    return StoreError(f"no space left on the device holding {where} ({_size(free)} free{need}); free some "
+                      "space (`lorafleet store gc` removes files no item uses) and pull again")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _pull(source: str, name: str | None, base: bool, revision: str | None, for_model: str | None,
+          strict_base: bool, store: Store, progress: bool, warn: Callable[[str], None]) -> dict:
     kind = "models" if base else "adapters"
     name = check_name(name if name is not None else default_name(source))
     path = Path(source).expanduser()

@@ -28,6 +28,8 @@ from textual.widgets import DataTable, Footer, Input, Static
 
 from lorafleet.cli.common import duration
 from lorafleet.errors import DaemonUnreachableError, LorafleetError
+
+NOT_LORAFLEET = "what answers is not a lorafleet daemon (its /v1/stats lacks what a daemon reports)"
 from lorafleet.tui import model
 from lorafleet.tui.widgets import PoolMap, Rates, SwitchPanel, owner_style
 
@@ -215,6 +217,11 @@ class TopApp(App):
     def ingest(self, stats: dict | None, error: str | None = None, unreachable: bool = True) -> None:
         """A snapshot arrives, or the error in its place (`unreachable`: nothing answered, rather
         than a daemon that refused, say a wrong API key): redraw what it changes."""
+        if stats is not None:
+            try:
+                model.check_snapshot(stats)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError):  # something else answered
+                stats, error, unreachable = None, NOT_LORAFLEET, True
         self.error, self.unreachable = error, unreachable
         if stats is not None:
             self.stats = stats

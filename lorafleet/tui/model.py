@@ -189,3 +189,15 @@ class History:
     def latest(self, key: str) -> float | None:
         s = self.series[key]
         return s[-1] if s else None
+
+
+def check_snapshot(stats: dict) -> None:
+    """Raise (KeyError, TypeError, ValueError...) unless `stats` has every part the screen reads:
+    an answer that is not a lorafleet daemon's /v1/stats, taken apart before anything is drawn."""
+    History().add(stats)
+    eng = stats["engine"]
+    adapter_rows(eng)
+    list(eng["pool"]["page_map"])
+    for key in ("loaded_per_step", "regression", "window_steps"):
+        eng["switches"][key]
+

@@ -159,6 +159,46 @@ def test_an_adapter_larger_than_the_pool_is_refused_for_good_and_changes_nothing
     assert engine.pool.num_free == engine.pool.num_pages and not engine.list_adapters()
 
 
+def declared_huge(src: Path, dst: Path, rank: int) -> Path:
+    """A copy of the adapter `src` whose k_proj of layer 0 declares `rank` in its header, its data a
+    hole in a sparse file (no disk used, nothing worth reading)."""
+    import json
+    import shutil
+    import struct
+
+    shutil.copytree(src, dst)
+    p = dst / "adapter_model.safetensors"
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    key = "base_model.model.model.layers.0.self_attn.k_proj.lora_"
+    fin = header[key + "A.weight"]["shape"][1]
+    fout = header[key + "B.weight"]["shape"][0]
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    for ab, shape in (("A", [rank, fin]), ("B", [fout, rank])):
+        nbytes = 4 * shape[0] * shape[1]
+        header[key + ab + ".weight"] = {"dtype": "F32", "shape": shape, "data_offsets": [end, end + nbytes]}
+        end += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n:8 + n + end])
+        f.truncate(8 + len(text) + end)
+    return dst
+
+
+def test_an_eager_load_checks_the_declared_size_before_reading_a_tensor(llama_dir, adapter_bank, tmp_path, monkeypatch):
+    from lorafleet.lora import adapter as adapter_mod
+
+    huge = declared_huge(adapter_bank[2], tmp_path / "huge", rank=400_000)
+    engine = Engine(llama_dir, pool_bytes=4 << 20)
+    monkeypatch.setattr(adapter_mod, "_read_tensors", lambda path: pytest.fail("a tensor was read"))
+    for load in (engine.load_adapter, engine.register_adapter):
+        with pytest.raises(AdapterTooLargeError, match="'huge' needs .* pages"):
+            load("huge", huge)
+    assert engine.pool.num_free == engine.pool.num_pages and not engine.list_adapters()
+
+
 def test_an_adapter_that_fits_only_once_requests_finish_is_refused_as_retryable(llama_dir, adapter_bank):
     probe = Engine(llama_dir, pool_bytes=4 << 20)
     need = probe.load_adapter("big", adapter_bank[32])["pages"]
@@ -258,3 +298,37 @@ def test_one_lora_batch_holds_decode_and_prefill_segments_with_their_row_tables(
     for entry in (a, b):  # the table lies in the adapter's own pages
         assert entry.row_table * 8 // engine.pool.page_bytes in entry.pages
         assert pool[entry.row_table] == entry.max_rank  # layer 0's q_proj rank
+
+
+def test_start_up_loads_into_a_small_pool_evict_the_adapters_no_request_holds():
+    """The demo fleet through a 2 MiB pool, as `serve --pool-bytes 2MiB` loads it before any step:
+    each load evicts earlier ones that no request holds; every adapter then serves on demand."""
+    from lorafleet.demo import default_fleet
+    from lorafleet.demo.skills import expected, user_turn
+
+    fleet = default_fleet()
+    engine = Engine(fleet.model, pool_bytes=2 << 20)
+    for name, path in fleet.adapters.items():
+        engine.load_adapter(name, path)
+    evicted = [n for n in fleet.adapters if engine.adapters.get(n).evictions]
+    assert evicted and engine.adapters.get(list(fleet.adapters)[-1]).ready
+    name = evicted[0]
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": user_turn(name, "mixed batch")}],
+                                                  add_generation_prompt=True, tokenize=True)
+    out = engine.generate([prompt], SamplingParams(max_tokens=48, temperature=0.0), adapters=[name])[0]
+    assert out.text == expected(name, "mixed batch")
+
+
+def test_a_young_adapter_a_waiting_request_holds_is_spared_by_other_loads(llama_dir, adapter_bank):
+    probe = Engine(llama_dir, pool_bytes=4 << 20)
+    need = probe.load_adapter("a", adapter_bank[32])["pages"]
+    engine = Engine(llama_dir, pool_bytes=(need + need // 2) * probe.pool.page_bytes)
+    engine.load_adapter("a", adapter_bank[32])
+    engine.add_request([5, 6, 7], GREEDY, adapter="a")   # holds "a" (waiting: not yet run)
+    with pytest.raises(PoolExhaustedError):
+        engine.load_adapter("b", adapter_bank[32])          # would need a's pages: spared while young
+    while engine.has_unfinished():
+        engine.step()
+    engine.adapters.step += engine.config.min_resident_steps  # no longer young
+    engine.load_adapter("b", adapter_bank[32])
+    assert engine.adapters.get("a").evictions == 1

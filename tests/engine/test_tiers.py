@@ -212,17 +212,17 @@ def test_a_load_failure_seen_during_an_eager_load_still_fails_its_requests_at_on
     engine.register_adapter("broken", broken)
     (broken / "adapter_model.safetensors").unlink()
     failed = threading.Event()
-    real = host_cache.build_host_adapter
+    real = engine.adapters.inspect  # a load's first look at the files, on its worker
 
-    def build(path, *args):
+    def inspect(name, path):
         if path == broken:
             try:
-                return real(path, *args)
+                return real(name, path)
             finally:
                 failed.set()
         assert failed.wait(30), "the broken load never ran"  # the eager load lands after the failure
-        return real(path, *args)
-    monkeypatch.setattr(host_cache, "build_host_adapter", build)
+        return real(name, path)
+    monkeypatch.setattr(engine.adapters, "inspect", inspect)
     waiting = engine.add_request(random_prompts(1)[0], SHORT, adapter="broken", deadline_s=60)
     engine.load_adapter("eager", thousand["t0041"])
     assert "eager" in engine.adapters and engine.adapters.get("broken").error

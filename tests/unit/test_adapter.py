@@ -271,7 +271,8 @@ def test_target_matching_mirrors_peft(case, base):
     cfg = SimpleNamespace(**{**fields, **case})  # LoraConfig itself refuses some combinations
     ours = dict(case)
     for name in base.module_names():
-        assert bool(peft_config._is_target(ours, name)) == bool(check_target_module_exists(cfg, name)), name
+        match = peft_config.Matcher(Path("adapter_config.json"))
+        assert bool(peft_config._is_target(ours, name, match)) == bool(check_target_module_exists(cfg, name)), name
 
 
 def test_pattern_key_mirrors_peft(base):
@@ -283,7 +284,7 @@ def test_pattern_key_mirrors_peft(base):
         d = {k: patterns[k] for k in keys}
         for name in base.module_names():
             theirs = get_pattern_key(list(d), name)
-            ours = peft_config._pattern_key(d, name)
+            ours = peft_config._pattern_key(d, name, peft_config.Matcher(Path("adapter_config.json")))
             assert (ours if ours is not None else name) == theirs, (keys, name)
 
 
@@ -791,3 +792,66 @@ def test_digest_sees_dtype_and_names(good, base):
             t[k.replace(".weight", ".default.weight")] = t.pop(k)
     edit_tensors(good, rename)
     assert load_adapter(good, base).digest not in (d, d64)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a file can make expensive is bounded before it is evaluated (issue 48)
+# ---------------------------------------------------------------------------------------------
+
+BACKTRACKING = r"(.*?)*?.*?q.*?_.*?x"  # matches nothing, in exponential time on a module name
+
+
+@pytest.mark.parametrize("field, value", [
+    ("target_modules", BACKTRACKING),
+    ("exclude_modules", BACKTRACKING),
+    ("rank_pattern", {BACKTRACKING: 4}),
+    ("alpha_pattern", {BACKTRACKING: 4}),
+])
+def test_a_pattern_that_backtracks_is_refused_at_its_timeout(good, base, field, value, monkeypatch):
+    calls = []
+    real = peft_config.Matcher.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[0])
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(peft_config.Matcher, "__call__", counted)
+    edit_config(good, **{field: value})
+    msg = refused(good, base, field, "takes too long")
+    secret_free(msg, good)
+    assert calls.count(field) >= 1  # refused at its first name's timeout, not after all of them
+    if field in ("target_modules", "exclude_modules"):  # what a registration checks (on a worker)
+        with pytest.raises(AdapterError, match="takes too long"):
+            read_adapter_config(good, base)
+
+
+def test_a_pattern_too_long_is_refused_before_it_is_compiled(good, base):
+    edit_config(good, target_modules="q_proj|" * 1000 + "v_proj")
+    refused(good, base, "target_modules", f"at most {peft_config.MAX_PATTERN_CHARS} characters")
+
+
+def test_many_rank_pattern_keys_one_per_module_still_load(good, base):
+    names = list(base.module_names())
+    edit_config(good, rank_pattern={n: 3 for n in names})  # PEFT's own form: one key per module
+    assert load_adapter(good, base).weights
+
+
+def test_a_header_over_its_cap_is_refused_before_it_is_parsed(good, base, monkeypatch):
+    from lorafleet.lora import adapter as adapter_mod
+
+    p = good / "adapter_model.safetensors"
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = {f"k{i}": "v" for i in range(120_000)}  # ~1.5 MiB of metadata
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    p.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    real = json.loads
+
+    def loads(text, *args, **kwargs):
+        assert len(text) < 1 << 20, "the header was parsed"
+        return real(text, *args, **kwargs)
+    monkeypatch.setattr(adapter_mod.json, "loads", loads)
+    secret_free(refused(good, base, "header is over 1 MiB"), good)
+    with pytest.raises(AdapterError, match="header is over"):
+        adapter_mod.weights_numel(good)
