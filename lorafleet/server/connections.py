@@ -24,23 +24,34 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 log = logging.getLogger("lorafleet.server")
 
 
+REFUSALS_LOGGED_EVERY_S = 10.0  # a flood is logged as a count, not a line a connection (a line costs ~0.1 ms)
+
+
 def guarded_protocol(header_timeout: float, max_tcp: int) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with these limits (a class of its own: its TCP count is shared
     by the connections of one daemon)."""
     tcp: set = set()
+    refused = {"count": 0, "logged": 0.0}
 
     class Guarded(HttpToolsProtocol):
         _header_timer = None
+        _refused = False
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
             sock = transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                if len(tcp) >= max_tcp:
-                    log.warning("TCP connection from %s refused: %d open (`serve --max-tcp-connections`)",
-                                self.client, len(tcp))
-                    transport.abort()
-                    return
+            is_tcp = sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
+            if is_tcp and len(tcp) >= max_tcp:  # refused before uvicorn sets anything up: a flood costs little
+                self._refused = True
+                transport.abort()
+                refused["count"] += 1
+                now = self.loop.time()
+                if now - refused["logged"] >= REFUSALS_LOGGED_EVERY_S:
+                    log.warning("TCP connections refused: %d open (`serve --max-tcp-connections`); %d refused so far",
+                                len(tcp), refused["count"])
+                    refused["logged"] = now
+                return
+            super().connection_made(transport)
+            if is_tcp:
                 tcp.add(self)
             self._arm()
 
@@ -69,9 +80,15 @@ def guarded_protocol(header_timeout: float, max_tcp: int) -> type[HttpToolsProto
             super().on_headers_complete()
 
         def connection_lost(self, exc) -> None:
+            if self._refused:
+                return
             self._disarm()
             tcp.discard(self)
             super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
 
     Guarded.tcp_connections = tcp
     return Guarded

@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from lorafleet.engine.request import SamplingParams
 from lorafleet.errors import InvalidRequestError
 
@@ -70,7 +72,7 @@ def decode_body(raw: bytes) -> Any:
     """bytes -> JSON value; a 400 for anything that is not JSON made of valid Unicode strings
     nested at most MAX_DEPTH deep (a lone surrogate such as "\\ud800" is valid JSON but no
     text: tokenizers and UTF-8 encoders refuse it), holding at most MAX_JSON_ITEMS values."""
-    if raw.count(b",") + raw.count(b":") > MAX_JSON_ITEMS:
+    if _separators(raw) > MAX_JSON_ITEMS:
         raise bad(None, f"the request body holds more than {MAX_JSON_ITEMS} JSON values")
     try:
         body = json.loads(raw)
@@ -92,6 +94,16 @@ def decode_body(raw: bytes) -> Any:
                 _unicode(k, top)
                 stack.append((v, depth + 1, k if depth == 0 else top))
     return body
+
+
+def _separators(raw: bytes) -> int:
+    """Commas and colons in `raw` (an upper bound of its JSON values, less one). Small bodies by
+    `bytes.count`; large ones by numpy, which releases the GIL while it scans (a count of 4 MB
+    holds it ~3 ms)."""
+    if len(raw) <= DECODE_ON_WORKER:
+        return raw.count(b",") + raw.count(b":")
+    a = np.frombuffer(raw, dtype=np.uint8)
+    return int(np.count_nonzero(a == ord(","))) + int(np.count_nonzero(a == ord(":")))
 
 
 def _unicode(s: str, param: str | None) -> None:
