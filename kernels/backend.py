@@ -1,7 +1,9 @@
-"""One interface over the three kernel sets, chosen once per model: Triton on CUDA, the compiled
-C++ kernels on the CPU, the torch reference otherwise (or where a compiled kernel cannot serve:
-a dtype it lacks, a build that failed). The model and the LoRA batch call `Kernels`; nothing
-else in lorafleet asks which device it runs on to pick a kernel.
+"""One interface over the three kernel sets, chosen once per model, here and nowhere else: Triton on
+CUDA, the compiled C++ kernels on the CPU, the torch reference otherwise (or where a compiled
+kernel cannot serve: a dtype it lacks, a build that failed, triton missing). A fallback is named
+`torch` and says why (`Kernels.why`, logged once). The model, the LoRA batch and the engine call
+`Kernels` and read what it can do (`graphs`: its launches can be captured in a CUDA graph);
+nothing else in lorafleet asks which device it runs on to pick a kernel.
 
 `LORAFLEET_KERNELS` overrides the choice: `auto` (default), `triton`, `cpu`, `torch`. `triton` on
 a CPU tensor needs `TRITON_INTERPRET=1` (the interpreter: how CI runs the Triton path against the
@@ -65,6 +67,8 @@ class Kernels:
     decode_batch: Callable | None = None   # a pure decode step's batch tensors in one call (the CPU's)
     pack: Callable | None = None           # a base weight laid out for `linear`, in place (the CPU's panels)
     rows: Callable = reference.rows        # the embedding's rows, w[ids], in either layout `pack` leaves
+    graphs: bool = False                   # a decode step's launches can be captured as a CUDA graph
+    why: str = ""                          # a fallback's reason (the torch reference serving where one was wanted)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -91,20 +95,28 @@ ROW_OPS = ("rms_norm", "add_rms_norm", "rope_", "silu_mul", "greedy")
 REFERENCE_ROW_OPS = {op: getattr(reference, op) for op in ROW_OPS}
 
 
-def torch_kernels() -> Kernels:
+_said: set[str] = set()
+
+
+def torch_kernels(why: str = "") -> Kernels:
+    """The references; `why`: what fell back to them, said once on the `lorafleet.kernels` logger."""
+    if why and why not in _said:
+        _said.add(why)
+        log.warning("the torch reference kernels serve: %s", why)
     return Kernels("torch", reference.linear, lora=_lora_reference, write_kv=reference.write_kv,
-                   decode=reference.paged_decode, prefill=reference.paged_prefill, **REFERENCE_ROW_OPS)
+                   decode=reference.paged_decode, prefill=reference.paged_prefill, why=why, **REFERENCE_ROW_OPS)
 
 
 def cpu_kernels(dtype: torch.dtype) -> Kernels:
     """The C++ kernels where they serve (built: `cpu_module`; fp32 and bf16), with the reference
-    for prefill attention; the references for everything where they do not."""
-    from lorafleet.kernels import (cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu, panels_cpu,
-                                   pointwise_cpu)
+    for prefill attention; the torch reference, saying why, where they do not."""
+    from lorafleet.kernels import (build, cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu,
+                                   panels_cpu, pointwise_cpu)
 
-    if dtype not in (torch.float32, torch.bfloat16) or cpu_module.load() is None:
-        return Kernels("cpu", reference.linear, lora=_lora_reference, write_kv=reference.write_kv,
-                       decode=reference.paged_decode, prefill=reference.paged_prefill, **REFERENCE_ROW_OPS)
+    if dtype not in (torch.float32, torch.bfloat16):
+        return torch_kernels(f"the C++ CPU kernels take float32 and bfloat16, not {str(dtype).removeprefix('torch.')}")
+    if cpu_module.load() is None:
+        return torch_kernels(f"the C++ CPU kernels are unavailable ({build.why_not(cpu_module.NAME)})")
 
     def lora(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None):
         lora_cpu.lora(x, out, w, seg, entry, slots)
@@ -123,7 +135,7 @@ def triton_kernels() -> Kernels:
                                        meta.prefill_block_tables, scale, out, meta.max_prefill_len)
 
     return Kernels("triton", reference.linear, lora=lora_triton.lora, write_kv=attention_triton.write_kv,
-                   decode=attention_triton.paged_decode, prefill=prefill, **REFERENCE_ROW_OPS)
+                   decode=attention_triton.paged_decode, prefill=prefill, graphs=True, **REFERENCE_ROW_OPS)
 
 
 def triton_available() -> bool:
@@ -143,8 +155,7 @@ def select(device: torch.device, dtype: torch.dtype) -> Kernels:
         if device.type == "cuda":
             if triton_available():
                 return triton_kernels()
-            log.warning("triton is not installed: the GPU runs the torch reference kernels (slow)")
-            return torch_kernels()
+            return torch_kernels("triton is not installed: the GPU runs the torch reference (slow)")
         return cpu_kernels(dtype) if device.type == "cpu" else torch_kernels()
     if want == "triton":
         if not triton_available():

@@ -39,8 +39,9 @@ that logger already writes to stderr): before a real build, what is compiled, wh
 that usually takes; after it, how long it took; and one line when a kernel is unavailable (no
 compiler, a failed build, the lock timeout) and the torch reference is used instead.
 
-Set LORAFLEET_CPU_KERNELS=0 to force the torch reference; LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI)
-makes a kernel that cannot be loaded an error (`KernelUnavailableError`, with the build error).
+`LORAFLEET_KERNELS=torch` chooses the torch reference without building anything (`backend.select`,
+the one place a backend is chosen); LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) makes a kernel that cannot
+be loaded an error (`KernelUnavailableError`, with the build error).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ log = logging.getLogger("lorafleet.kernels")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 # extra flags for a build without AVX-512 on a CPU that has it (`load_kernel(avx2=True)`): the tests
-# run the AVX2 code of every CPU kernel (`cpu_vector`'s `vw` of 8 lanes) wherever they run
+# run the AVX2 code of every CPU kernel (`kernels/cpu/vector.h`'s `vw` of 8 lanes) wherever they run
 NO_AVX512 = ("-mno-avx512f",)
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 STAMP = "lorafleet-built.json"
@@ -101,30 +102,33 @@ def required() -> bool:
 def compile_inline(name: str, source: str, function: str | Sequence[str], cflags: Sequence[str] = ()):
     """Build (once per source, torch build, flags, compiler and CPU, in lorafleet's cache) and load
     a C++ CPU kernel binding `function` (a name or a list of names); None when that is impossible
-    here (said once on stderr) or disabled with LORAFLEET_CPU_KERNELS=0, unless
-    LORAFLEET_REQUIRE_CPU_KERNELS=1, which raises KernelUnavailableError instead. `cflags` join
+    here (`why_not` says why), unless LORAFLEET_REQUIRE_CPU_KERNELS=1, which raises
+    KernelUnavailableError instead. `cflags` join
     CFLAGS (and the key); a build with other flags needs its own `name` (one module per name)."""
     if name not in _modules:
         with _lock:
             if name not in _modules:
                 module = None
-                if os.environ.get("LORAFLEET_CPU_KERNELS", "1") == "0":
-                    _why_not[name] = "disabled by LORAFLEET_CPU_KERNELS=0"
-                else:
-                    functions = [function] if isinstance(function, str) else list(function)
-                    try:
-                        module = _load_or_build(name, source, functions, tuple(cflags))
-                    except Exception as e:  # no compiler, headers or ninja; a timeout: the reference still works
-                        _why_not[name] = e
-                        if not required():
-                            _say(logging.WARNING, f"lorafleet: CPU kernel {name} unavailable ({_first_line(e)}); "
-                                                  "using the torch reference")
+                functions = [function] if isinstance(function, str) else list(function)
+                try:
+                    module = _load_or_build(name, source, functions, tuple(cflags))
+                except Exception as e:  # no compiler, headers or ninja; a timeout: the reference still works
+                    _why_not[name] = e
+                    if not required():
+                        _say(logging.WARNING, f"lorafleet: CPU kernel {name} unavailable ({_first_line(e)}); "
+                                              "using the torch reference")
                 _modules[name] = module
     if _modules[name] is None and required():
         why = _why_not[name]
         cause = why if isinstance(why, BaseException) else None
         raise KernelUnavailableError(f"CPU kernel {name} unavailable and LORAFLEET_REQUIRE_CPU_KERNELS=1: {why}") from cause
     return _modules[name]
+
+
+def why_not(name: str) -> str:
+    """Why the kernel `name` did not load (its build error's first line), or "" where it did."""
+    why = _why_not.get(name)
+    return "" if why is None else _first_line(why)
 
 
 def load_kernel(name: str, source: str, function: str | Sequence[str], avx2: bool = False):

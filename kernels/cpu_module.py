@@ -1,57 +1,60 @@
-"""The CPU kernels as one C++ extension: the matmul (`linear_cpu`; on packed weights
-`panels_cpu`), the row-wise ops (`pointwise_cpu`), LoRA (`lora_cpu`), decode attention
-(`paged_attention_cpu`) and the driver that runs a decode step's layers over them in one call
-(`decode_layers_cpu`).
+"""The CPU kernels as one C++ extension, built from the sources in `kernels/cpu/`: the matmul
+(`linear.cpp`; on packed weights `panels.cpp`), the row-wise ops (`pointwise.cpp`), LoRA
+(`lora.cpp`), decode attention (`paged_attention.cpp`) and the driver that runs a decode step's
+layers over them in one call (`decode_layers.cpp`), all on `vector.h`. Each `*_cpu.py` module
+holds its kernel's semantics and Python wrappers; their `load` is this one's.
 
-Why one: a kernel's build is mostly torch's headers (~30 s each on 2 cores, whatever the
-kernel), so five extensions made a first start compile for ~2.5 min where one takes ~40 s; and
-the driver calls every kernel's C++, so it had to compile their sources anyway.
+Why one extension: a kernel's build is mostly torch's headers (the same ~30 s whatever the
+kernel), and the driver calls every kernel's C++, so it compiles their sources anyway.
 
-How: `cpu_vector`'s shared code, then every `#include` of the kernels' sources once, then each
-kernel's source in a C++ namespace of its own (so their private helpers may share names), then
-`using` declarations that put each kernel's bound functions at global scope, then the driver,
-which calls them as `pn::`, `lin::`, `pw::`, `lo::`, `att::`. Each kernel keeps its source, its
-documentation and its Python wrappers in its own module; their `load` is this one's. Built and
-cached by `build.py` (the key covers this whole text); LORAFLEET_CPU_KERNELS=0 forces the
-references.
+How: `lorafleet_cpu.cpp` includes each kernel (each in a C++ namespace of its own, so their
+private helpers may share names), puts the functions Python binds at global scope (`using`), then
+the driver. `source` splices its local includes into one text, each file once, each piece after a
+`#line` naming its file (a compiler's messages point at the real sources), and `build.py` keys
+the build by that text: a change to any file is a new build. LORAFLEET_KERNELS=torch chooses the
+references instead, building nothing (`backend.select`).
 """
 
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
-from lorafleet.kernels import cpu_vector
 from lorafleet.kernels.build import load_kernel
 
-NAME = "lorafleet_cpu_v1"
+NAME = "lorafleet_cpu_v2"
+SOURCES = Path(__file__).resolve().parent / "cpu"
+MAIN = "lorafleet_cpu.cpp"
+_LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$')
+_USING = re.compile(r"^using \w+::(\w+);$", re.MULTILINE)
 
 
-def _kernels() -> dict:
-    """namespace -> kernel module (imported here, not at the top: each imports `load` from here)."""
-    from lorafleet.kernels import linear_cpu, lora_cpu, paged_attention_cpu, panels_cpu, pointwise_cpu
-
-    # in this order: `lin` calls `pn`
-    return {"pn": panels_cpu, "lin": linear_cpu, "pw": pointwise_cpu, "lo": lora_cpu, "att": paged_attention_cpu}
+def _splice(name: str, seen: set[str]) -> list[str]:
+    """`name`'s lines with its local includes replaced by their files' (each file once)."""
+    if name in seen:
+        return []
+    seen.add(name)
+    out = [f'#line 1 "kernels/cpu/{name}"']
+    for i, line in enumerate((SOURCES / name).read_text().splitlines(), start=1):
+        m = _LOCAL_INCLUDE.match(line)
+        if m:
+            out += _splice(m.group(1), seen)
+            out.append(f'#line {i + 1} "kernels/cpu/{name}"')
+        elif line.strip() != "#pragma once":
+            out.append(line)
+    return out
 
 
 @functools.cache
 def source() -> tuple[str, tuple[str, ...]]:
-    """(the extension's C++, the names it binds)."""
+    """(the extension's C++ as one text, the names it binds: the main file's `using`s, then the
+    driver's)."""
     from lorafleet.kernels import decode_layers_cpu
 
-    kernels = _kernels()
-    includes, bodies, using = [], [], []
-    for ns, module in kernels.items():
-        src = module._SOURCE
-        assert src.startswith(cpu_vector.SOURCE), f"{module.__name__}: a kernel source starts with cpu_vector.SOURCE"
-        body = []
-        for line in src[len(cpu_vector.SOURCE):].splitlines():
-            (includes if line.startswith("#include") else body).append(line)
-        bodies.append(f"namespace {ns} {{\n" + "\n".join(body) + f"\n}}  // namespace {ns}\n")
-        using += [f"using {ns}::{fn};" for fn in module.FUNCTIONS]
-    text = "\n".join([cpu_vector.SOURCE, *dict.fromkeys(includes), *bodies, *using, decode_layers_cpu.DRIVER])
-    functions = tuple(fn for m in kernels.values() for fn in m.FUNCTIONS) + tuple(decode_layers_cpu.FUNCTIONS)
-    return text, functions
+    text = "\n".join(_splice(MAIN, set())) + "\n"
+    main = (SOURCES / MAIN).read_text()
+    return text, tuple(_USING.findall(main)) + tuple(decode_layers_cpu.FUNCTIONS)
 
 
 def load(avx2: bool = False):

@@ -282,7 +282,6 @@ def run(shapes: list[str], out: Path, deadline_s: float = 270.0, device: str | N
                 r = rows[-1]
                 save(f"{name} {case.name} [{label}]: {r['us']:.1f} us, {r['GB/s']:.0f} GB/s, "
                      f"{r['of_read']:.0%} of a {case.moved / 1e6:.1f} MB read, error {err:.1e}")
-            del pool
         if on_gpu:
             torch.cuda.empty_cache()
         rows.append(attention_figure(shape, dtype, dev, 64 if on_gpu else 4, 1024 if on_gpu else 64))

@@ -33,14 +33,19 @@ from tests.daemons import adapter_dirs, chat_model_dir, served  # noqa: E402,F40
 
 def pytest_configure(config):
     """Build the compiled CPU kernels once, up front, in this process: on a fresh machine that
-    takes a minute, which must not be spent inside a daemon a test is waiting for. With
+    takes most of a minute, which must not be spent inside a daemon a test is waiting for. With
     LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) a kernel that does not build stops the run here, with
-    the build error, before any test could skip or quietly take the torch path."""
+    the build error, before any test could skip or quietly take the torch path. Not where the
+    tests run on a GPU (LORAFLEET_DEVICE=cuda: kernels/gpu_check.sh) or on the torch or Triton
+    kernels alone (LORAFLEET_KERNELS). The build without AVX-512 (`isa`'s "avx2", heavy tests)
+    is built by the first test that asks for it."""
+    if os.environ.get("LORAFLEET_DEVICE", "cpu").startswith("cuda") or \
+            os.environ.get("LORAFLEET_KERNELS", "auto") in ("torch", "triton"):
+        return
     from lorafleet.kernels import build, cpu_module
 
     try:
         cpu_module.load()
-        cpu_module.load(avx2=True)  # tests/kernels' `isa` fixture: the AVX2 code, wherever the CPU has AVX-512 too
     except build.KernelUnavailableError as e:
         pytest.exit(f"{e}\n(unset LORAFLEET_REQUIRE_CPU_KERNELS to test the torch fallback instead)",
                     returncode=pytest.ExitCode.INTERNAL_ERROR)

@@ -83,7 +83,7 @@ class Engine:
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode = self.config.decode_graphs
         if mode == "auto":
-            mode = "on" if self.device.type == "cuda" and self.model.kernels.name == "triton" else "off"
+            mode = "on" if self.device.type == "cuda" and self.model.kernels.graphs else "off"
         if mode == "on" and self.device.type != "cuda":
             raise ConfigError("decode_graphs=on needs a CUDA device (use fixed to test the fixed-shape path)")
         if mode == "off":

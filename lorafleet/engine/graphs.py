@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from lorafleet.kernels.reference import AttentionMetadata

@@ -12,7 +12,7 @@ CPU_KERNELS = (linear_cpu, panels_cpu, lora_cpu, pointwise_cpu, paged_attention_
 @pytest.fixture(params=["native", "avx2"])
 def isa(request, monkeypatch):
     """A test that takes this runs twice: on the build for this CPU, then on one without AVX-512
-    (`load(avx2=True)`), whose vectors have 8 lanes, not 16 (`cpu_vector`'s `vw`), and whose
+    (`load(avx2=True)`), whose vectors have 8 lanes, not 16 (`kernels/cpu/vector.h`'s `vw`), and whose
     matmul tiles have other shapes. So a CI machine with AVX-512 checks the AVX2 code too;
     without AVX-512 both builds are AVX2."""
     if request.param == "avx2":

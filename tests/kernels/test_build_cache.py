@@ -82,7 +82,7 @@ needs_compiler = pytest.mark.skipif(_compiler_missing() is not None and not buil
 
 def _env(cache: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("LORAFLEET_CPU_KERNELS", "LORAFLEET_REQUIRE_CPU_KERNELS", "LORAFLEET_KERNEL_BUILD_TIMEOUT",
+           if k not in ("LORAFLEET_KERNELS", "LORAFLEET_REQUIRE_CPU_KERNELS", "LORAFLEET_KERNEL_BUILD_TIMEOUT",
                         "LORAFLEET_KERNEL_CACHE", "VIRTUAL_ENV")}
     env.update(LORAFLEET_KERNEL_CACHE=str(cache), PATH=_path(), **extra)
     return env

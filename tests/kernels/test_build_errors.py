@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from lorafleet.kernels import build, lora_cpu, paged_attention_cpu
 
@@ -41,13 +42,27 @@ def test_a_failed_build_raises_the_build_error_when_kernels_are_required(broken_
         assert str(e.value.__cause__) == BUILD_ERROR
 
 
-def test_disabled_kernels_are_an_error_when_kernels_are_required(monkeypatch):
+def test_the_torch_kernels_are_chosen_in_one_place_and_build_nothing(monkeypatch):
+    from lorafleet.kernels import backend
+
     monkeypatch.setattr(build, "_modules", {})
     monkeypatch.setattr(build, "_why_not", {})
-    monkeypatch.setenv("LORAFLEET_CPU_KERNELS", "0")
-    monkeypatch.setenv("LORAFLEET_REQUIRE_CPU_KERNELS", "1")
-    with pytest.raises(build.KernelUnavailableError, match="LORAFLEET_CPU_KERNELS=0"):
-        lora_cpu.load()
+    monkeypatch.setattr(build, "_load_or_build", lambda *a, **k: pytest.fail("a kernel was built"))
+    monkeypatch.setenv("LORAFLEET_KERNELS", "torch")
+    ops = backend.select(torch.device("cpu"), torch.float32)
+    assert ops.name == "torch" and not ops.graphs
+
+
+def test_a_fallback_names_itself_torch_and_says_why(monkeypatch, caplog):
+    from lorafleet.kernels import backend
+
+    for dtype, why in ((torch.float16, "not float16"), (torch.float32, "unavailable")):
+        if dtype == torch.float32:
+            monkeypatch.setattr("lorafleet.kernels.cpu_module.load", lambda avx2=False: None)
+        with caplog.at_level("WARNING", logger="lorafleet.kernels"):
+            ops = backend.cpu_kernels(dtype)
+        assert ops.name == "torch" and why in ops.why
+        assert any(ops.why in r.getMessage() for r in caplog.records)
 
 
 def test_the_test_session_stops_at_start_when_a_required_kernel_does_not_build(broken_build, monkeypatch):

@@ -26,7 +26,7 @@ SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (2
 
 
 def amd_cpu() -> bool:
-    """What the kernels' `amd_cpu()` (`cpu_vector.py`) answers, read here off /proc/cpuinfo's vendor."""
+    """What the kernels' `amd_cpu()` (`kernels/cpu/vector.h`) answers, read here off /proc/cpuinfo's vendor."""
     with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
         return "AuthenticAMD" in f.read()
 

@@ -1,16 +1,11 @@
-"""C++ shared by the CPU kernels (`linear_cpu`, `pointwise_cpu`, `paged_attention_cpu`, `lora_cpu`), pasted
-at the top of each kernel's source: one definition of the vector type, its loads and stores from
-fp32 and bf16, bf16 rounding, the horizontal sum and exp.
-
-The loops are written with GCC vector types rather than left to `#pragma omp simd`: the
-compiler left SiLU's exp, RoPE and the argmax scalar under it (a scalar exp took 3 ns an
-element). The one type is `vw`, a register of the widest set the CPU has (16 fp32 lanes with
-AVX-512, 8 with AVX2), never wider: the matmul tiles' accumulators must all fit in the register
-file (`linear_cpu`, `lora_cpu`), and on AVX2 a 16-lane vector's comparisons, selects and
-conversions ran one lane at a time (SiLU*up 4x and the greedy pick 10x slower: see `SOURCE`).
-"""
-
-SOURCE = r"""
+// What the CPU kernels share: the vector type every loop runs on, `vw`, one register of the widest
+// set the CPU has (16 fp32 lanes with AVX-512, 8 with AVX2), its fp32/bf16 loads and stores, bf16
+// rounding, the horizontal sum and exp, and `amd_cpu()`.
+// Decisions: GCC vector types, not `#pragma omp simd` (under it the compiler left exp, RoPE and the
+// argmax scalar); never a vector wider than a register (the matmul tiles' accumulators must all
+// fit in the register file, and on AVX2 GCC lowers a wider vector's comparisons, selects and
+// conversions one lane at a time).
+#pragma once
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstdint>
@@ -110,4 +105,3 @@ static inline bool amd_cpu() {
   }();
   return amd;
 }
-"""

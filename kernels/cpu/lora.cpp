@@ -1,0 +1,265 @@
+// LoRA through row tables (kernels/lora_cpu.py), in the namespace `lo` of the one extension (kernels/cpu/lorafleet_cpu.cpp).
+#include "vector.h"
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+namespace lo {
+
+// one (segment, module) of a call: rows [row0, row0 + n) against A [r, in] and Bt [r, n_out]
+// of one adapter, whose rows start at the pool offsets a[0 .. r) and b[0 .. r); its shrink
+// results at t + t_off ([n, r], fp32); for a one-row segment, its expand's partial sums at
+// p + p_off ([ceil(r / KE), n_out], fp32)
+struct Item {
+  int64_t row0, n, r, n_out, col, t_off, p_off;
+  const int64_t *a, *b;
+};
+
+// Tile shapes, so that every accumulator of a tile stays in a register (cpu_vector's `vw`):
+#if defined(__AVX512F__)    // 32 registers of 16 lanes
+constexpr int64_t KR = 4;   // rank rows per shrink tile: each x element loaded serves four
+constexpr int SR = 4;       // x rows per shrink tile: 16 accumulators
+constexpr int64_t CW = 64;  // output columns per expand task: four vectors per row
+constexpr int ER = 4;       // x rows per expand tile: 16 accumulators
+#else                       // AVX2: 16 registers of 8 lanes (the best of 18 shapes on tiny's, r64)
+constexpr int64_t KR = 4;
+constexpr int SR = 2;       // 8 accumulators
+constexpr int64_t CW = 128; // 512 contiguous bytes of each Bt row per task
+constexpr int ER = 1;       // 16 accumulators, Bt read straight into the FMAs
+#endif
+constexpr int64_t PF = 8;   // Bt rows prefetched ahead: a task's rows are n_out apart, which the
+                            // hardware prefetcher does not follow
+constexpr int64_t KE = 16;  // rank rows per task of a one-row segment's expand: whole Bt rows
+constexpr int64_t RW = 256; // output columns per task of its sum
+
+// t[b * ldt + j] = a[j] . x[b] over K, for NJ rank rows and NB x rows (fp32 sums)
+template <class S, int NJ, int NB>
+static inline void shrink_tile(const S* const* a, const S* const* x, int64_t K, float* t, int64_t ldt) {
+  vw acc[NB][NJ];
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < NJ; ++j) acc[b][j] = vw{};
+  int64_t d = 0;
+  for (; d + VW <= K; d += VW) {
+    vw av[NJ];
+    for (int j = 0; j < NJ; ++j) av[j] = wload(a[j] + d);
+    for (int b = 0; b < NB; ++b) {
+      const vw xv = wload(x[b] + d);
+      for (int j = 0; j < NJ; ++j) acc[b][j] += av[j] * xv;
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int j = 0; j < NJ; ++j) {
+      float s = hsum(acc[b][j]);
+      for (int64_t e = d; e < K; ++e) s += float(a[j][e]) * float(x[b][e]);
+      t[b * ldt + j] = s;
+    }
+}
+
+template <class S, int NJ>
+static inline void shrink_rows(const S* const* a, const S* xp, int64_t ldx, int64_t row0, int64_t n, int64_t K,
+                               float* t, int64_t ldt) {
+  int64_t b = 0;
+  for (; b + SR <= n; b += SR) {
+    const S* x[SR];
+    for (int i = 0; i < SR; ++i) x[i] = xp + (row0 + b + i) * ldx;
+    shrink_tile<S, NJ, SR>(a, x, K, t + b * ldt, ldt);
+  }
+  for (; b < n; ++b) {
+    const S* x[1] = {xp + (row0 + b) * ldx};
+    shrink_tile<S, NJ, 1>(a, x, K, t + b * ldt, ldt);
+  }
+}
+
+// the shrink of rank rows [k0, k0 + KR) of one item, for all its rows
+template <class S>
+static void shrink(const Item& it, int64_t k0, const S* wp, const S* xp, int64_t ldx, int64_t in, float* t) {
+  float* tk = t + it.t_off + k0;
+  const int64_t nk = std::min(KR, it.r - k0);
+  const S* a[KR];
+  bool tile = nk == KR;  // the KR rows side by side in one tile
+  for (int64_t j = 0; j < nk; ++j) a[j] = wp + it.a[k0 + j];
+#if defined(__AVX512F__)
+  // one x row on an AMD CPU with AVX-512: one A row at a time (the loop below), one sequential
+  // stream, as `linear_cpu` reads a weight for one row there (an AMD EPYC, 2 threads, `tiny`'s
+  // shapes, r64 on all 7 projections, the LoRA of a step, alternated in one process, the pool on
+  // huge pages as the engine's: 8 adapters of one row each 0.92-0.95x the time of KR rows side by
+  // side in three runs, 4 adapters 0.92x, 2 adapters 0.90x; on 4 KiB pages 0.83-0.98x, median
+  // 0.87x of six)
+  tile = tile && !(it.n == 1 && amd_cpu());
+#endif
+  if (tile) {
+    shrink_rows<S, KR>(a, xp, ldx, it.row0, it.n, in, tk, it.r);
+    return;
+  }
+  for (int64_t j = 0; j < nk; ++j)  // one rank row at a time: a tail, or the above
+    shrink_rows<S, 1>(&a[j], xp, ldx, it.row0, it.n, in, tk + j, it.r);
+}
+
+// out[rows, col + c0 ...] += t[rows] @ Bt[:, c0 : c0 + w] for NB rows, w <= CW columns: each
+// output element is summed in fp32 over every rank row and rounded once
+template <class S, int NB>
+static inline void expand_tile(const Item& it, int64_t b0, int64_t c0, int64_t w, const float* t,
+                               const S* const* bt, S* op, int64_t ldo) {
+  constexpr int Q = CW / VW;  // vectors per row
+  vw acc[NB][Q];
+  for (int b = 0; b < NB; ++b)
+    for (int q = 0; q < Q; ++q) acc[b][q] = vw{};
+  for (int64_t k = 0; k < it.r; ++k) {
+    if (b0 == 0 && k + PF < it.r)  // the first rows read Bt from memory: its later rows ahead
+      for (int64_t c = 0; c < CW; c += 64 / (int)sizeof(S)) __builtin_prefetch(bt[k + PF] + c, 0, 3);
+    vw bv[Q];
+    for (int q = 0; q < Q; ++q) bv[q] = wload(bt[k] + VW * q);
+    for (int b = 0; b < NB; ++b) {
+      const float c = t[(b0 + b) * it.r + k];
+      for (int q = 0; q < Q; ++q) acc[b][q] += c * bv[q];
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    S* y = op + (it.row0 + b0 + b) * ldo + it.col + c0;
+    if (w == CW) {
+      for (int q = 0; q < Q; ++q) wstore(y + VW * q, wload(y + VW * q) + acc[b][q]);
+    } else {
+      float sum[CW];
+      for (int q = 0; q < Q; ++q) wstore(sum + VW * q, acc[b][q]);
+      for (int64_t c = 0; c < w; ++c) y[c] = S(float(y[c]) + sum[c]);
+    }
+  }
+}
+
+// the expand of output columns [c0, c0 + CW) of one item, for all its rows; the last, narrower
+// block is first copied out (zero padded)
+template <class S>
+static void expand(const Item& it, int64_t c0, const S* wp, const float* t, S* op, int64_t ldo,
+                   std::vector<S>& buf, std::vector<const S*>& bt) {
+  const int64_t w = std::min(CW, it.n_out - c0);
+  bt.resize(it.r);
+  if (w < CW) buf.resize(it.r * CW);
+  for (int64_t k = 0; k < it.r; ++k) {
+    const S* src = wp + it.b[k] + c0;
+    if (w == CW) {
+      bt[k] = src;
+    } else {
+      S* row = buf.data() + k * CW;
+      std::copy(src, src + w, row);
+      std::fill(row + w, row + CW, S(0.f));
+      bt[k] = row;
+    }
+  }
+  const float* ti = t + it.t_off;
+  int64_t b = 0;
+  for (; b + ER <= it.n; b += ER) expand_tile<S, ER>(it, b, c0, w, ti, bt.data(), op, ldo);
+  for (; b < it.n; ++b) expand_tile<S, 1>(it, b, c0, w, ti, bt.data(), op, ldo);
+}
+
+// A one-row segment (decode) reads Bt by whole rows instead: a task takes KE rank rows and adds
+// each, scaled by the row's shrink result, to an fp32 partial of all n_out columns (in L1), so
+// Bt streams from memory in contiguous rows rather than in CW-column pieces n_out apart; a
+// last pass sums the partials into the output, each element rounded once.
+template <class S>
+static inline void axpy(float c, const S* x, float* y, int64_t n) {
+  const vw cv = vw{} + c;
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) wstore(y + i, wload(y + i) + cv * wload(x + i));
+  for (; i < n; ++i) y[i] += c * float(x[i]);
+}
+
+template <class S>
+static void expand_rows(const Item& it, int64_t k0, const S* wp, const float* t, float* p) {
+  float* part = p + it.p_off + (k0 / KE) * it.n_out;
+  std::fill(part, part + it.n_out, 0.f);
+  for (int64_t k = k0; k < std::min(it.r, k0 + KE); ++k)
+    axpy(t[it.t_off + k], wp + it.b[k], part, it.n_out);
+}
+
+template <class S>
+static void sum_parts(const Item& it, int64_t c0, const float* p, S* op, int64_t ldo) {
+  const int64_t parts = (it.r + KE - 1) / KE, w = std::min(RW, it.n_out - c0);
+  const float* part = p + it.p_off + c0;
+  S* y = op + it.row0 * ldo + it.col + c0;
+  int64_t c = 0;
+  for (; c + VW <= w; c += VW) {
+    vw acc = wload(part + c);
+    for (int64_t b = 1; b < parts; ++b) acc += wload(part + b * it.n_out + c);
+    wstore(y + c, wload(y + c) + acc);
+  }
+  for (; c < w; ++c) {
+    float acc = part[c];
+    for (int64_t b = 1; b < parts; ++b) acc += part[b * it.n_out + c];
+    y[c] = S(float(y[c]) + acc);
+  }
+}
+
+// S: the storage of x, out and the pool (float or bf16)
+template <class S>
+static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& w, const torch::Tensor& seg,
+                   int64_t entry, int64_t M) {
+  const S* xp = x.data_ptr<S>();
+  S* op = out.data_ptr<S>();
+  const S* wp = w.data_ptr<S>();
+  const int64_t* wi = reinterpret_cast<const int64_t*>(wp);  // the pool's bytes: the row tables
+  const int64_t* sp = seg.data_ptr<int64_t>();
+  const int64_t S_ = seg.size(0), in = x.size(1);
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  std::vector<Item> items;
+  // (item, first rank row / column): the shrink's tasks; the expand's, first those of segments
+  // of several rows (columns), then those of one row (rank rows); the one-row sums (columns)
+  std::vector<std::pair<int64_t, int64_t>> shrinks, expands, row_expands, sums;
+  int64_t t_size = 0, p_size = 0;
+  for (int64_t s = 0; s < S_; ++s) {
+    const int64_t n = sp[3 * s + 1] - sp[3 * s];
+    for (int64_t m = 0; m < M && n > 0; ++m) {  // an empty segment's table is never read
+      const int64_t* f = wi + sp[3 * s + 2] + entry + m * 5;  // (r, n_out, col, a_rows, b_rows)
+      const int64_t r = f[0], n_out = f[1];
+      if (r == 0) continue;
+      const int64_t i = items.size();
+      items.push_back({sp[3 * s], n, r, n_out, f[2], t_size, p_size, wi + f[3], wi + f[4]});
+      t_size += n * r;
+      for (int64_t k = 0; k < r; k += KR) shrinks.emplace_back(i, k);
+      if (n == 1) {
+        p_size += (r + KE - 1) / KE * n_out;
+        for (int64_t k = 0; k < r; k += KE) row_expands.emplace_back(i, k);
+        for (int64_t c = 0; c < n_out; c += RW) sums.emplace_back(i, c);
+      } else {
+        for (int64_t c = 0; c < n_out; c += CW) expands.emplace_back(i, c);
+      }
+    }
+  }
+  if (items.empty()) return;
+  const int64_t n_cols = expands.size();
+  expands.insert(expands.end(), row_expands.begin(), row_expands.end());
+  std::vector<float> t(t_size);
+  std::unique_ptr<float[]> p(new float[p_size]);  // each task zeroes its own part
+  at::parallel_for(0, (int64_t)shrinks.size(), 1, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) shrink<S>(items[shrinks[i].first], shrinks[i].second, wp, xp, ldx, in, t.data());
+  });
+  at::parallel_for(0, (int64_t)expands.size(), 1, [&](int64_t a, int64_t b) {
+    std::vector<S> buf;
+    std::vector<const S*> bt;
+    for (int64_t i = a; i < b; ++i) {
+      const Item& it = items[expands[i].first];
+      if (i < n_cols) expand<S>(it, expands[i].second, wp, t.data(), op, ldo, buf, bt);
+      else expand_rows<S>(it, expands[i].second, wp, t.data(), p.get());
+    }
+  });
+  if (!sums.empty())
+    at::parallel_for(0, (int64_t)sums.size(), 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) sum_parts<S>(items[sums[i].first], sums[i].second, p.get(), op, ldo);
+    });
+}
+
+void lora(torch::Tensor x, torch::Tensor out, torch::Tensor w, torch::Tensor seg, int64_t entry, int64_t slots) {
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && w.scalar_type() == x.scalar_type(),
+              "lora: x, out and the pool differ in dtype");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(), "lora: layout");
+  TORCH_CHECK(seg.is_contiguous() && seg.dim() == 2 && seg.size(1) == 3, "lora: seg must be [S, 3], contiguous");
+  if (x.scalar_type() == at::kFloat) lora_t<float>(x, out, w, seg, entry, slots);
+  else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora: float32 or bfloat16 only");
+    lora_t<c10::BFloat16>(x, out, w, seg, entry, slots);
+  }
+}
+
+}  // namespace lo
