@@ -124,8 +124,8 @@ def _decode_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, scale,
 
 
 def decode_warps(head_dim: int) -> int:
-    """Warps of a decode program: 8 from 128 lanes of head_dim up (4 would take 138 registers a
-    thread on sm_90, `tests/kernels/test_triton_compile.py`)."""
+    """Warps of a decode program: 8 from 128 lanes of head_dim up (with 4, each thread would hold
+    too many registers on sm_90: `tests/kernels/test_triton_compile.py` prints them)."""
     return 8 if _pad(head_dim) >= 128 else 4
 
 

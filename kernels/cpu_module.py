@@ -4,7 +4,7 @@
 layers over them in one call (`decode_layers.cpp`), all on `vector.h`. Each `*_cpu.py` module
 holds its kernel's semantics and Python wrappers; their `load` is this one's.
 
-Why one extension: a kernel's build is mostly torch's headers (the same ~30 s whatever the
+Why one extension: a kernel's build is mostly torch's headers (the same time whatever the
 kernel), and the driver calls every kernel's C++, so it compiles their sources anyway.
 
 How: `lorafleet_cpu.cpp` includes each kernel (each in a C++ namespace of its own, so their

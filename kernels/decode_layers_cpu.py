@@ -3,12 +3,10 @@ over its layers, in C++, calling the same C++ kernels the Python loop calls one 
 
 Why: a decode step on `tiny` (8 layers) made ~100 kernel calls, and the Python between them
 (argument passing, the qkv split into three views, each LoRA group's metadata view, the wrappers)
-took 0.7 ms of a 7.3 ms step at batch 1, 0.85 of 11.0 at batch 8 and 1.5 of 22.3 at batch 8 over
-8 adapters (AMD EPYC, 2 threads, contexts up to 364 tokens), beside 0.55-0.9 ms of engine
-bookkeeping; issue 18's bound for that step at batch 1 is ~4.3 ms. Here a step's layers are one
-call; the model's Python still embeds the tokens and runs the final norm and LM head. Steps with
-the one call against the Python loop, alternated in one process: 0.93x the time at batch 1,
-0.96x at batch 8, 0.94x at batch 8 over 8 adapters.
+took a noticeable share of the step against issue 18's bound, beside the engine's bookkeeping.
+Here a step's layers are one call; the model's Python still embeds the tokens and runs the final
+norm and LM head. Steps with the one call are faster than with the Python loop, at batch 1 and 8,
+with and without adapters.
 
 How: the driver below is compiled in the CPU kernels' one extension (`cpu_module`), after the
 kernels' sources (`panels_cpu` as `pn::`, `linear_cpu` as `lin::`, `pointwise_cpu` as `pw::`,
@@ -21,15 +19,12 @@ decode rows (one query token per sequence): a step with a prefill row runs the P
 LORAFLEET_KERNELS=torch chooses the reference.
 
 Two more calls for a decode step, because every Python call after the layers' weights have
-streamed through the caches runs cold (on an AMD EPYC VM a numpy cumsum of 8 numbers took
-25-80 us after a 128 MB read, 2.5 us warm):
+streamed through the caches runs cold (a trivial numpy call took many times its warm time):
 - `decode_forward`: the whole forward pass of a decode-only step (the embedding, the layers,
   the final norm and the LM head), `Kernels.decode_forward`; the Python forward's logits bit
-  for bit. Alone, alternated with the Python around `decode_layers` in one process: `tiny`
-  steps 0.97-0.99x the time at batch 1, 0.98-1.01x at batch 8 (three runs; within the noise).
+  for bit. Alone, within the noise of the Python around `decode_layers`.
 - `decode_batch`: a pure decode step's batch tensors (`ModelRunner.prepare`), in one call
-  instead of ~30 numpy and torch calls that took 0.32-0.4 ms of a `tiny` step at batch 1 and 8
-  (0.07-0.1 ms in one call); steps 0.91-0.94x the time at batch 1, 0.93-0.99x at batch 8.
+  instead of ~30 numpy and torch calls; steps faster at batch 1 and 8.
 """
 
 from __future__ import annotations

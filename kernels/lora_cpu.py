@@ -21,20 +21,14 @@ This kernel makes it one call per (layer, group) in two or three parallel passes
 - but a segment of one row (decode) reads Bt by whole rows: tasks of 16 rank rows add each row,
   scaled by its shrink result, to an fp32 partial of every output column, and a third pass sums
   the partials into the output (rounded once). Column tasks read each Bt row in 512-byte pieces
-  n_out apart; whole rows stream. Measured on tiny's shapes, r64 on all 7 projections, an AMD
-  EPYC (AVX2), the LoRA calls of one step, old and new alternated: one adapter at batch 1
-  2.12 -> 1.88 ms, 8 adapters of one row each 12.5 -> 10.6 ms, with 8 rank rows a task. In
-  another run 16 rows took 1.83 and 10.2 ms against 8's 1.87 and 10.4 (32: 1.81 and 9.9; 4:
-  1.95 and 11.4); 16 keeps a rank-64 module at 4 tasks for the threads.
+  n_out apart; whole rows stream, and were faster. 16 rank rows a task: faster than 4 or 8,
+  about even with 32, and it keeps a rank-64 module at 4 tasks for the threads.
 The tiles are sized to the CPU's register file (`cpu/vector.h`'s `vw`): the AVX-512 shapes ran
-out of registers on AVX2 (an AMD EPYC without AVX-512, tiny's shapes, r64 on all 7 projections:
-8 rows of one adapter took 9.2 ms a step against 1.9-2.4 ms with the AVX2 shapes, 8 adapters
-of one row each 13.8 ms against 8.1-9.0).
+out of registers on AVX2, several times slower than the AVX2 shapes.
 So even one adapter at batch 1 spreads over every thread and decode reads each weight once, at
 the memory bound. The first version's tasks were (segment, block of 4 rows): one adapter at
-batch 1 ran on one thread, and 8 rows of one adapter read its weights twice (measured on tiny's
-shapes, r64 on all 7 projections, caches cold: 247 -> 128 us per layer at batch 1, 334 -> 202
-us for 8 rows of one adapter, 1072 -> 908 us for 8 adapters of one row each, 19-21 GB/s).
+batch 1 ran on one thread, and 8 rows of one adapter read its weights twice (slower at every
+batch measured).
 float32 and bfloat16 (x, out and the pool in one dtype): sums in fp32, each output element
 rounded once when the segment's whole delta joins it, as the reference does.
 It is compiled on first use with the other CPU kernels, as one extension (`cpu_module`); where

@@ -4,12 +4,11 @@ pages, and the greedy pick of each row's token (issue 18).
 
 Why they exist: between its four matmuls a Llama layer runs ~40 small torch ops (a norm is six:
 pow, mean, add, rsqrt, mul, mul; RoPE is seven per tensor, plus two gathers of the cos/sin
-tables). At decode each costs its dispatch, not its arithmetic: measured on SmolLM2-135M's
-shapes (30 layers, one thread), a decode step without its matmuls took 4.5 ms at batch 1 and
-7.4 ms at batch 8, a fifth to a third of the step's memory bound. Here each is one call that
+tables). At decode each costs its dispatch, not its arithmetic, and together they took a large
+share of the step's memory bound (measured on SmolLM2-135M's shapes). Here each is one call that
 reads its rows once. Two more had the same cause: the KV write was two `index_put_` calls per
-layer (0.7 ms of smol's step at batch 8), and torch's `argmax`, unvectorised on the CPU, took
-0.76 ms over 8 rows of a 49,152-token vocabulary (the kernel: one vector pass per piece of a row).
+layer, and torch's `argmax`, unvectorised on the CPU, was slow over a large vocabulary (the
+kernel: one vector pass per piece of a row).
 
 Semantics: each op is its reference in `reference.py` (`rms_norm`, `add_rms_norm`, `rope_`,
 `silu_mul`, `write_kv`, `greedy`), computed in fp32 and rounded to the tensor's dtype where the reference rounds

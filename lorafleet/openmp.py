@@ -3,15 +3,13 @@ thread owns them.
 
 How they wait: set in the environment before torch loads libgomp (which reads it once, at load),
 so only by the commands that start an engine (`serve`, the bench's lorafleet runs), never by
-importing lorafleet. A decode step is ~100 short kernel calls with tens of microseconds of Python
-between them, and between two calls torch's OpenMP workers fall asleep; waking a worker costs
-more than a small kernel (on `tiny`'s shapes an o_proj LoRA call took 36 us on 2 threads against
-10 us on one). `OMP_WAIT_POLICY=ACTIVE` with `GOMP_SPINCOUNT=2000` makes a worker spin ~0.1 ms
-before it sleeps: across the gaps inside a step, not across the gaps between steps, where the
-daemon's event loop and its clients need the cores (ACTIVE alone spins for minutes: through the
-daemon, 70 tokens/s instead of 130 at batch 1). Measured in-process, `tiny`, batch 1 on one
-rank-64 adapter: a step 10.3 -> 8.4 ms, its LoRA calls 2.4 -> 1.5 ms; through the daemon
-(README, Kernels): one adapter at 1 in flight 95 -> 115 tokens/s, eight in turn 104 -> 125.
+importing lorafleet. A decode step is ~100 short kernel calls with a little Python between
+them, and between two calls torch's OpenMP workers fall asleep; waking a worker costs more than
+a small kernel, so a small call on 2 threads measured slower than on one. `OMP_WAIT_POLICY=ACTIVE`
+with `GOMP_SPINCOUNT=2000` makes a worker spin briefly before it sleeps: across the gaps inside a
+step, not across the gaps between steps, where the daemon's event loop and its clients need the
+cores (ACTIVE alone spins for minutes: through the daemon it measured much slower). With it,
+steps and their LoRA calls measured faster, in-process and through the daemon (README, Kernels).
 Both are defaults: a variable the user set wins.
 
 Which thread owns them (`serial_thread`): libgomp gives every thread that runs a parallel region
@@ -21,13 +19,9 @@ says. One other thread with a team is enough on 2 cores: a prefetch worker that 
 adapter, or the thread that built the engine before the daemon's engine thread took it over. So
 the engine's thread keeps the process's only team: the prefetch workers (which only read and
 copy adapters, niced below the steps anyway) run their torch ops on themselves alone, and the
-daemon's main thread gives its team up once the engine thread runs. Measured in-process with
-libgomp's defaults (`tiny`, AMD EPYC, 2 threads, batch 8, 8 rank-64 adapters loaded by the
-prefetcher, medians of 3 runs of 50 steps, the two forms in separate processes): a base decode
-step 8.0 -> 6.3-6.6 ms (6.3 in a process that never loaded an adapter), one adapter on every
-row 12.2 -> 7.9-8.4 ms, the 8 adapters in turn 16.8-17.4 -> 11.6-11.9 ms; with the daemon's
-ACTIVE/2000, 6.7-6.9 -> 6.2-6.7, 8.1-8.2 -> 7.5-7.9 and 12.1-12.5 -> 11.2-11.4 ms. Through the
-daemon (ACTIVE already) no change stood out of the host's noise.
+daemon's main thread gives its team up once the engine thread runs. In-process, decode steps
+(base, one adapter, adapters in turn) measured faster with one team, under libgomp's defaults
+and under the daemon's ACTIVE/2000; through the daemon the change stayed within the noise.
 """
 
 from __future__ import annotations

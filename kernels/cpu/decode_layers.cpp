@@ -13,8 +13,8 @@ using OptT = c10::optional<torch::Tensor>;
 // (not yet in x).
 // (`layers` touches no Python object: its callers release the GIL around it, so that other
 // threads (the adapter loaders, the server) run meanwhile, as they did between the Python loop's
-// calls; holding the GIL through a step stalled a stream 3-4x its median step while a 200 MB
-// adapter loaded)
+// calls; holding the GIL through a step stalled a stream several times its median step while a
+// large adapter loaded)
 static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const torch::Tensor& kv,
                             const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& positions,
                             const torch::Tensor& slot_pages, const torch::Tensor& slot_offsets,

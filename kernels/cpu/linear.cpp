@@ -17,9 +17,8 @@ namespace lin {
 #if defined(__AVX512BF16__)
 // bf16 x bf16 on CPUs that have VDPBF16PS: each instruction multiplies 32 bf16 pairs exactly and
 // adds them pairwise into 16 fp32 sums, so no widening and half the instructions of fp32 FMAs
-// (widened bf16 made the kernel compute-bound from 4 rows on: 2.6x the bound at 8 rows; widened
-// with x widened once per call, as without VDPBF16PS, `tiny`'s weights streamed in 1.04-1.17x
-// the time of this at 1-12 rows on the Sapphire Rapids VM, alternated in one process)
+// (widened bf16 made the kernel compute-bound from a few rows on; widened with x widened once
+// per call, as without VDPBF16PS, it was slower at every row count measured on Intel)
 template <int NB, int TB>
 static inline void tile_dpbf16(const c10::BFloat16* const* w, const c10::BFloat16* const* x, int64_t K,
                                float (*out)[TB], const c10::BFloat16* const* pf) {
@@ -47,17 +46,17 @@ static inline void tile_dpbf16(const c10::BFloat16* const* w, const c10::BFloat1
 #endif
 
 // The tile's x rows: bf16 x is widened to fp32 once per call where the CPU lacks VDPBF16PS, not
-// once per weight row in the tile (that made bf16 at 8 rows compute-bound on AVX2: 18 ms for
-// tiny's 59 MB, slower than fp32's twice the bytes)
+// once per weight row in the tile (that made bf16 at 8 rows compute-bound on AVX2, slower than
+// fp32's twice the bytes)
 template <class S> struct XOf { using type = S; };
 #if !defined(__AVX512BF16__)
 template <> struct XOf<c10::BFloat16> { using type = float; };
 #endif
 template <class S> using X = typename XOf<S>::type;
 
-// The next block's rows are asked for non-temporal (prefetchnta) on AVX2: on an AMD EPYC, with
-// the weights on huge pages, 0.93-0.97x the time of prefetcht0 at 2-8 fp32 rows (`tiny`'s
-// weights), 0.98-1.0x in bf16. Untried with AVX-512: its hint stays the one measured there
+// The next block's rows are asked for non-temporal (prefetchnta) on AVX2: faster than prefetcht0
+// there (AMD, weights on huge pages; bf16 about even). Untried with AVX-512: its hint stays the
+// one measured there
 #if defined(__AVX512F__)
 #define PF_HINT 3
 #else
@@ -113,8 +112,7 @@ struct Span { int64_t k0, len; float* part; };
 // end repeat the last row (computed, never stored), so a tile always has its full shape. PF:
 // prefetch, as the first tile runs, the same span of the weight rows [pn, pn + NB) (pn < 0: none).
 // R, the rows that are real, is a template argument like the tile's shape: with R a runtime
-// count, a tile of 5-7 rows in (1, 8) ran 22% slower than the full 8 (`tiny`'s weights, the
-// same x rows: 21.4 against 27.3 GB/s), the same FMAs on the same data
+// count, a partial tile ran markedly slower than the full one, the same FMAs on the same data
 template <class S, int NB, int TB, bool PF, int R>
 static void block(const Args& a, const Span& c, int64_t t0, int64_t n0, int64_t nn, int64_t pn, int64_t pk) {
   constexpr int64_t tb = R;
@@ -127,8 +125,8 @@ static void block(const Args& a, const Span& c, int64_t t0, int64_t n0, int64_t 
   for (int j = 0; j < NB; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, nn - 1)) * a.K + c.k0;
   for (int t = 0; t < TB; ++t) x[t] = xp + (t0 + std::min<int64_t>(t, tb - 1)) * a.ldx + c.k0;
   // the first tile of a block reads its rows from memory: it prefetches the next block's
-  // (the hardware prefetcher alone leaves memory idle while the FMAs run: measured 1.5x slower
-  // at 8 rows)
+  // (the hardware prefetcher alone leaves memory idle while the FMAs run: measured slower
+  // without it)
   const S* pf[NB];
   for (int j = 0; j < NB; ++j) pf[j] = wp + std::min<int64_t>(pn + j, a.N - 1) * a.K + pk;
   float out[NB][TB];
@@ -177,15 +175,11 @@ static void tiles(const Args& a, const Span& c, int64_t n0, int64_t nn, int64_t 
 // so that the chunk of x stays in L1 while the weights stream by, and the next block's piece of
 // the same chunk is prefetched (after its last block, the range's first block's next chunk).
 // 8 rows of `tiny`'s and `smol`'s down projection (1,536 wide: 48 KB of x, all of L1) had every x
-// vector come from L2 for each weight vector. On an Intel Sapphire Rapids VM (2 threads, medians
-// of 31-41 alternated passes), `tiny`'s 33 weights at 8 rows took 0.93-0.96x the time of whole
-// rows (the down projection alone 0.88x), 0.94x at 7 and 6, and `smol`'s 211 at 8 rows 0.93x;
-// whole decode steps at batch 8, two engines alternated: `tiny` 0.95-0.97x (48 of 60 rounds
-// below 1), `smol` 0.93x (10 of 10). Chunks of at most 24 or 32 KB: 0.97-0.98x at 8 rows; 12 KB
-// (512-wide weights cut too), 1.10x; cutting `smol`'s 576-wide weights (18 KB at 8 rows) into
-// halves, 1.19x: rows read in pieces of 1.1 KB streamed worse than whole, hence XCHUNK_FROM.
-// (Summing 16 of a tile's accumulators at once by a transposing shuffle tree, beside it: 0.99x at
-// 8 rows, 1.03x at 4; not kept.) AVX2 keeps `run_kchunks` below, measured on its host
+// vector come from L2 for each weight vector; chunked, faster on Intel at 6-8 rows, in the
+// matmuls and in whole decode steps. Tried: larger chunks (less gain), smaller ones cutting
+// narrower weights too (slower: rows read in short pieces stream worse than whole, hence
+// XCHUNK_FROM); not kept. Tried: summing a tile's accumulators by a transposing shuffle tree;
+// no faster, not kept. AVX2 keeps `run_kchunks` below, measured on its host
 constexpr int64_t XCHUNK_FROM = 32 * 1024, XCHUNK_BYTES = 16 * 1024;
 
 template <class S, int NB, int TB, bool PF = true>
@@ -218,18 +212,14 @@ static void run(const Args& a) {
 
 // x rows wider than L1 keeps beside the weight stream (8 fp32 rows of a 1,536-wide input, `tiny`'s
 // and `smol`'s down projection: 48 KB): a tile reloads every x vector from L2 for each weight
-// vector (down streamed at 13-15 GB/s at 8 rows against ~25 for the other shapes). Here K goes
+// vector (the down projection streamed well below the other shapes' rate). Here K goes
 // in chunks of KC, each chunk of the x rows (16 KB) against a group of G weight rows, so that it
 // stays in L1 while the rows' pieces go by; sums are kept per chunk and added up. The pieces of a
 // group are not contiguous, so the next group's rows (which are) are asked for a piece's worth
 // at a time while this group's are computed, with prefetcht0 (non-temporal lines were gone again
-// before their turn: no faster than (2, 4)). Measured on an AMD EPYC (AVX2, 2 threads, weights
-// on huge pages), against the tiles before, alternated: `tiny`'s 8 down weights at 7-8 rows
-// 0.81-0.87x the time, all 33 of its weights 0.95x at 7-8 rows (whole `tiny` decode steps: 0.99x
-// at batch 7, 1.01x at 8, within the noise); 4 weights of [1024, 11008] (a Llama-2-7B down
-// projection's width) 0.92x at 2 rows, 0.86x at 4, 0.65x at 6, 0.61x at 8, and [1024, 4096]
-// 0.88x at 4 rows, 0.81x at 8. Below 40 KB of x no gain: 6 rows of 1,536 (36 KB) took 1.03x and
-// 1.08x the time of the (1, 8) tile in whole `tiny` decode steps
+// before their turn: no faster than (2, 4)). Faster than the tiles on AVX2 (AMD, weights on huge
+// pages), the more the wider the rows (a Llama-2-7B down projection's width most); whole `tiny`
+// decode steps within the noise. Below KCHUNK_BYTES of x no gain: slower in whole decode steps
 constexpr int64_t KCHUNK_BYTES = 40 * 1024;  // x rows past this go by chunks of K
 
 template <class S, int TB, int R>
@@ -289,18 +279,17 @@ template <class S>
 static void dispatch(const Args& a) {
 #if defined(__AVX512F__)
   // one row on an AMD CPU with AVX-512: one weight row at a time, no software prefetch, one
-  // sequential stream (an AMD EPYC with AVX-512, 2 threads, alternated in one process: `tiny`'s
-  // weights 0.72x the (6, 4) tile's time in fp32 (34.8 GB/s, the rate a sum reads), 0.59x in
-  // bf16, `smol`'s 0.68x; (2, 1) to (16, 1) 0.93-0.97x). Intel keeps the tile measured there
+  // sequential stream (there faster than the (6, 4) tile in fp32 and bf16, at the rate a plain
+  // sum reads, and than (2, 1) to (16, 1)). Intel keeps the tile measured there
   if (a.T == 1 && amd_cpu()) run<S, 1, 1, false>(a);
   else if (a.T <= 4) run<S, 6, 4>(a);
   else run<S, 3, 8>(a);
 #else
-  // AVX2 (each the best of 5-10 shapes measured on an AMD EPYC): one fp32 row streams 8 weight
-  // rows side by side with no prefetch (tiny's weights at 23 GB/s, 21 with (6, 1) and its
-  // prefetch; bf16, compute-bound by the widening, ran 20% slower so); from 2 rows on one weight
-  // row at a time against 4 or 8 x rows, as it streams from memory ((6, 4), six weight rows side
-  // by side, took 1.09-1.17x the time of (1, 4) at 2-4 rows, weights on huge pages)
+  // AVX2 (each the best of the shapes measured on AMD): one fp32 row streams 8 weight rows side
+  // by side with no prefetch (faster than (6, 1) with its prefetch; bf16, compute-bound by the
+  // widening, ran slower so); from 2 rows on one weight row at a time against 4 or 8 x rows, as
+  // it streams from memory ((6, 4), six weight rows side by side, was slower at 2-4 rows,
+  // weights on huge pages)
   if (a.T == 1 && std::is_same_v<S, float>) run<S, 8, 1, false>(a);
   // x rows past KCHUNK_BYTES would leave L1 to the weight stream: K in chunks (`run_kchunks`)
   else if (a.T >= 2 && a.T <= 8 && a.T * a.K * int64_t(sizeof(X<S>)) > KCHUNK_BYTES) kchunks<S>(a);
@@ -310,20 +299,14 @@ static void dispatch(const Args& a) {
 #endif
 }
 
-// more rows than this: torch's GEMM (`linear` in Python). With AVX-512 (an Intel host, tiny's 33
-// weights, one thread): 24 rows 20.9 ms here against 23.6 ms for torch, 32 rows 32-38 against
-// 26.9. But fp32 on an AMD CPU with AVX-512, where torch's GEMM (MKL) ran at 50-80 GFLOP/s at
-// 16-64 rows: 64 (an AMD EPYC, 2 threads, `tiny`'s 32 projection weights, medians of 7
-// alternated passes: the kernel's time against torch's 0.50x at 16 rows, 0.52x at 32, 0.66x at
-// 48, 0.68x at 64, 1.06x at 96, 1.03x at 128; in bf16, torch's (oneDNN) 0.79x at 16 and 0.89x at
-// 24 but 1.09x at 32 and 1.22x at 64, so bf16 keeps 24). With AVX2 (an AMD EPYC, 2 threads),
-// torch's GEMM ran at 37-60 GFLOP/s where the (2, 4) tiles ran at ~77: 64 rows 48.8 ms against
-// 64.9-80.8; past that the x rows outgrow L2.
+// more rows than this: torch's GEMM (`linear` in Python), from where it overtakes the kernel. With
+// AVX-512 (measured on Intel): 24. But fp32 on an AMD CPU with AVX-512, where torch's GEMM (MKL)
+// is slow at 16-64 rows: 64 (beyond, the kernel is no faster; in bf16 torch's (oneDNN) GEMM
+// overtakes it past 24 rows, so bf16 keeps 24). With AVX2: 64, the (2, 4) tiles faster than
+// torch's GEMM up to there; past that the x rows outgrow L2.
 // bf16 where the CPU has AMX: torch's bf16 GEMM (oneDNN) runs on its tiles, and takes over from
-// 13 rows (an Intel Sapphire Rapids VM, 2 threads, medians of 9 alternated passes over `tiny`'s
-// 33 weights: the kernel's time against torch's 0.73-0.75x at 8-9 rows, 0.87-1.02x at 10-11
-// (`smol` too), 0.90-1.14x at 12, 1.19x at 13, 1.18-1.35x at 16, 1.50-1.69x at 20-24; with
-// oneDNN held to AVX512-BF16 (ONEDNN_MAX_CPU_ISA), torch's took 1.2-1.5x the kernel's at 13-24)
+// 13 rows, where it overtook the kernel on Intel (with oneDNN held to AVX512-BF16,
+// ONEDNN_MAX_CPU_ISA, it stayed slower than the kernel)
 // (where the kernel lets this process use the AMX state at all: Linux 5.16 and later grant it on
 // request, as oneDNN asks for it before it uses the tiles; elsewhere torch's bf16 GEMM has none)
 int64_t max_rows(bool bf16) {
@@ -341,7 +324,7 @@ int64_t max_rows(bool bf16) {
 
 // Past max_rows() rows in fp32 on an AMD CPU: oneDNN's GEMM, through the op torch registers for
 // it (mkldnn::_linear_pointwise, which Inductor's CPU fusions call), instead of at::linear's MKL
-// (measured: the module doc); at::linear where the op is missing (torch built without oneDNN)
+// (faster there: the module doc); at::linear where the op is missing (torch built without oneDNN)
 static torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
   if (!op || x.scalar_type() != at::kFloat || !amd_cpu()) return at::linear(x, w, bias);

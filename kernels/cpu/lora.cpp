@@ -83,11 +83,8 @@ static void shrink(const Item& it, int64_t k0, const S* wp, const S* xp, int64_t
   for (int64_t j = 0; j < nk; ++j) a[j] = wp + it.a[k0 + j];
 #if defined(__AVX512F__)
   // one x row on an AMD CPU with AVX-512: one A row at a time (the loop below), one sequential
-  // stream, as `linear_cpu` reads a weight for one row there (an AMD EPYC, 2 threads, `tiny`'s
-  // shapes, r64 on all 7 projections, the LoRA of a step, alternated in one process, the pool on
-  // huge pages as the engine's: 8 adapters of one row each 0.92-0.95x the time of KR rows side by
-  // side in three runs, 4 adapters 0.92x, 2 adapters 0.90x; on 4 KiB pages 0.83-0.98x, median
-  // 0.87x of six)
+  // stream, as `linear_cpu` reads a weight for one row there (faster than KR rows side by side
+  // for a step's LoRA over 2-8 adapters of one row each, the pool on huge pages or not)
   tile = tile && !(it.n == 1 && amd_cpu());
 #endif
   if (tile) {

@@ -13,8 +13,8 @@ namespace att {
 // pages are scattered: the hardware prefetcher cannot guess the next one. So while four rows of
 // one kv head of this page are computed, the same four rows of the next page are asked for: a
 // few lines at a time, spread over the page's loop. Asking for a whole page at once when its
-// turn began (256 lines) did no better than no prefetch at all, while the spread requests took
-// 7-23% off a call of 8 sequences or more (see the module doc)
+// turn began (256 lines) did no better than no prefetch at all, while the spread requests made a
+// call of 8 sequences or more faster (see the module doc)
 template <class S>
 static inline void prefetch_rows4(const S* base, int64_t stride, int64_t width) {
   constexpr int64_t LINE = 64 / int64_t(sizeof(S));

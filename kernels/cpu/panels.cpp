@@ -18,8 +18,8 @@ namespace pn {
 // out [N, K] again for torch's GEMM. With AVX2, the first pass of a chunk asks for the same chunk
 // of the next panel; 2-4 rows go as one pass of 4 (rows past T repeat the last, computed and
 // never stored), 5-8 as 6 + the rest. With AVX-512 (on AMD CPUs only: `panel_width`), passes of
-// up to 8 rows and no software prefetch. One row, with either: `panel_row` (measured: see the
-// module doc and there)
+// up to 8 rows and no software prefetch. One row, with either: `panel_row` (why: the module doc
+// and there)
 constexpr int64_t PW = 2 * VW;
 constexpr int64_t PKC = 128;
 constexpr int64_t RB = 64;
@@ -56,11 +56,10 @@ static inline void panel_pass(const float* wp, const float* const* x, int64_t k0
 }
 
 // one row against a panel: all of K in one pass, four k at a time into four pairs of sums, so
-// that eight loads of the stream are in flight (a pass of one row keeps one pair and goes by
-// chunks of K: `tiny`'s 33 weights at 1 row took 0.78-0.98x its time, medians of 100 alternated
-// passes in one process, seven processes, the AMD EPYC with AVX-512; in the build for AVX2 on
-// the same host, 0.85-0.88x; two k at a time, 0.81-0.98x. 2-4 rows the same way, two or four k
-// at a time: 0.98-1.01x the chunked passes' time, not kept)
+// that eight loads of the stream are in flight: faster than a pass of one row, which keeps one
+// pair and goes by chunks of K, on AMD with AVX-512 and in the build for AVX2 (two k at a time
+// about the same). Tried: 2-4 rows the same way, two or four k at a time; no faster than the
+// chunked passes, not kept
 static inline void panel_row(const float* wp, const float* x, int64_t K, vw* st) {
   vw a[4][2] = {};
   int64_t k = 0;
@@ -131,8 +130,8 @@ static void run_panels(const float* xp, int64_t ldx, int64_t T, const float* W, 
 
 // w's rows `ids` [T] as [T, K], w [N, K] or packed (`pack`): a tied LM head's embedding, packed
 // with it, is read by rows too. A row of a panel is one lane of it, PW floats apart: each of its
-// K elements costs a cache line, T x K lines for the T tokens of a step (a decode step of 8 rows
-// of 576: 4,608 lines, 0.3 MB, where its LM head streams 113 MB)
+// K elements costs a cache line, T x K lines for the T tokens of a step (few beside what the LM
+// head itself streams)
 torch::Tensor rows(torch::Tensor w, torch::Tensor ids) {
   if (w.dim() != 3) return w.index_select(0, ids);
   TORCH_CHECK(w.size(2) == PW && w.is_contiguous() && w.scalar_type() == at::kFloat,
@@ -154,7 +153,7 @@ torch::Tensor rows(torch::Tensor w, torch::Tensor ids) {
 }
 
 // the panel width `pack` uses, 0 where weights stay [N, K]: panels pay on AVX2 and, with AVX-512,
-// on the AMD CPU they were measured on; on the Intel one they did not (module doc)
+// on AMD CPUs; on Intel they did not (module doc)
 int64_t panel_width() {
 #if defined(__AVX512F__)
   return amd_cpu() ? PW : 0;

@@ -196,11 +196,9 @@ void write_kv(torch::Tensor kv, torch::Tensor k, torch::Tensor v, torch::Tensor 
 // Each row is cut into as many pieces as there are threads, and a thread takes the same piece of
 // every row (tasks piece by piece), as the LM head's threads each wrote a range of its columns;
 // one pass a piece: each lane keeps its largest value and the first index holding it. Before,
-// rows went to threads whole, in two passes (the largest value, then where it first is). In decode
-// steps, the two alternated in one process (Sapphire Rapids VM, 2 threads, medians of 136 steps):
-// `tiny`'s 8,192 logits, 1 row 38 -> 34 us, 8 rows 68 -> 53 us; `smol`'s 8 x 49,152 238 -> 166 us;
-// on logits in cache, `smol`'s 8 rows 81 -> 32 us. (The same call on logits in cache takes ~6 us
-// for one `tiny` row: in a step most of it is the call's code and data, cold after the weights.)
+// rows went to threads whole, in two passes (the largest value, then where it first is): slower,
+// in decode steps and on logits in cache. (In a step most of the call's time is its code and
+// data, cold after the weights.)
 constexpr int64_t GREEDY_PIECE = 2048;  // no piece shorter
 
 std::tuple<torch::Tensor, torch::Tensor> greedy(torch::Tensor logits) {

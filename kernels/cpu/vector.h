@@ -17,8 +17,8 @@ typedef float v4 __attribute__((vector_size(16)));
 // `vw`: one register of the widest vector set the CPU has. AVX-512 has 32 registers of 16 lanes;
 // AVX2 has 16 of 8. Every kernel computes on it, never on a vector wider than a register: GCC
 // splits arithmetic on a too-wide vector into register halves, but it lowers comparisons,
-// selects and int<->float conversions on one lane at a time (on an AMD EPYC without AVX-512, a
-// 16-lane exp made SiLU 3.6 ns an element and the greedy pick 1.7)
+// selects and int<->float conversions on one lane at a time (on AVX2, a 16-lane exp made SiLU
+// and the greedy pick several times slower)
 #if defined(__AVX512F__)
 typedef float vw __attribute__((vector_size(64)));
 #else

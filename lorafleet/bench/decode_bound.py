@@ -12,27 +12,22 @@ row of it per sequence), the LM head counted once even when tied to it.
 Beside each step, the profile of a miss: the step's matmuls alone (`matmul_time`: one
 `Kernels.linear` call per distinct weight matrix, on as many random rows as the batch, the best
 of a few passes), against the same round's bound. Where the step misses its target, this says
-whether the matmuls already do (2026-12-02, AMD EPYC, `tiny` at batch 8 in a slow phase: they
-took 1.54-1.73x the bound alone) or the rest of the step (attention, norms, the engine) does;
+whether the matmuls already do or the rest of the step (attention, norms, the engine) does;
 the matmuls' compute floor (`matmul_cached_time`: the same matmuls at the kernels' rate on
-weights kept in cache), which says whether the multiply-adds alone come near the bound (an
-Intel Sapphire Rapids VM, 2 threads, 2026-12-03: at batch 8 0.59-0.89x the bound on `tiny` and
-0.58-0.82x on `smol` in six runs, so the stream can reach the bound only if the FMAs hide under
-it entirely; 1.4-1.75 G 512-bit FMAs a second a core there, in a register-only loop);
-and the engine's part of the step (`host_ms`: its step records' `host_s`, the median over the
-same steps: scheduling, the batch, sampling and outputs, everything around the forward pass).
+weights kept in cache), which says whether the multiply-adds alone come near the bound (where
+they do, the stream can reach the bound only if the FMAs hide under it entirely); and the
+engine's part of the step (`host_ms`: its step records' `host_s`, the median over the same
+steps: scheduling, the batch, sampling and outputs, everything around the forward pass).
 
 Other work on the machine is measured per round like the peer benchmarks' (`machine.other_cores`:
 the CPU time of other processes, and the time the hypervisor gave the machine's other guests);
 a round that had more than `report.CONTENDED_CORES` of it is named under the table: its steps
-and its bound are the host's figures, not the code's (2026-12-03, an Intel VM whose hypervisor
-took 35-40% of its cores' time for minutes: `tiny`'s batch-1 step 18-24 ms against 6.0-6.2 in
-the quiet minutes before, the kernels unchanged).
+and its bound are the host's figures, not the code's (a busy hypervisor can make steps several
+times slower with the kernels unchanged).
 
 The bandwidth is measured again after each round, and each round's steps are set against their
 own round's bound; the ratio is the median of those. On a shared machine whose speed drifts
-over minutes (a `tiny` step at batch 1 took 6.7 ms in one minute and 11 in another, on an AMD
-EPYC VM), one bandwidth taken at the end let the ratio follow the drift rather than the code.
+over minutes, one bandwidth taken at the end let the ratio follow the drift rather than the code.
 """
 
 from __future__ import annotations
@@ -96,9 +91,8 @@ def matmul_cached_time(model, rows: int, slice_bytes: int = 2 << 20, calls: int 
     dimensions but the first, and the dtype), the kernel's seconds per byte on a slice of about
     `slice_bytes` of the first such weight (its first rows, kept in cache across `calls` calls;
     the best of `passes`), times the bytes of every weight of that layout (`matmul_weights`).
-    2 MiB: on an Intel Sapphire Rapids VM (2 MB of L2 a core, 2 threads) `tiny`'s matmuls at 8
-    rows came to 5.9-6.2 ms with slices of 512 KiB, 5.0-5.2 with 1 MiB, 4.6-4.9 with 2 MiB and
-    4.5-5.3 with 4 MiB: smaller slices add each call's start to the floor, larger ones leave L2."""
+    2 MiB by default: smaller slices add each call's start to the floor, larger ones leave a
+    core's L2."""
     weights = matmul_weights(model.w)
     g = torch.Generator().manual_seed(0)
     per_byte: dict[tuple, float] = {}

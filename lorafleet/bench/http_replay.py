@@ -10,10 +10,8 @@ a system's server.
 
 The client is aiohttp (`session`), not httpx as elsewhere in lorafleet: the bench runs on the
 same cores as the server it measures, and every millisecond of CPU its client spends is taken
-from that server. Reading a stream cost httpx ~0.17 ms of CPU per token and aiohttp's C parser
-~0.06 (`tiny`, the daemon at 8 in flight over 8 adapters in turn, 4,096 tokens: the client 0.64-
-0.74 CPU-s with httpx, 0.24-0.34 with aiohttp; the daemon's tokens/s with aiohttp 1.07x, 1.12x,
-1.16x and 1.06x the httpx replay's in four alternated pairs, one daemon, 2026-12-04).
+from that server. Reading a stream with aiohttp's C parser measured far less CPU per token than
+with httpx, and the daemon served more tokens/s under the aiohttp replay.
 """
 
 from __future__ import annotations

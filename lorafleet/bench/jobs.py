@@ -10,10 +10,10 @@
 
 The replay repeats (`more_replays`) and the result is the median replay by tokens/s, every
 replay's figure, with the cores other processes kept busy meanwhile, in `details["repeats"]`: a
-replay of a small workload lasts ~0.1 s on the small shapes, shorter than the bursts of other
-work on a shared machine, so one replay is one sample of whether the cores were free (the quick
-sweep's neighbouring points once read 102 and 1,676 tokens/s). A workload whose adapters start
-on disk replays once: only the first replay measures cold loads.
+replay of a small workload is short, shorter than the bursts of other work on a shared machine,
+so one replay is one sample of whether the cores were free (neighbouring sweep points have read
+far apart for that alone). A workload whose adapters start on disk replays once: only the first
+replay measures cold loads.
 
 The system modules import only this module, `machine.py` and `workloads.py`; the registry
 (`systems.py`) imports the systems, so nothing imports in a circle.

@@ -155,7 +155,7 @@ def request_body(prompt: list[int], max_tokens: int, lora: int | None, lora_ids:
 
 
 async def _replay(url: str, job: Job, lora_ids: dict[str, int], all_ids: list[int]) -> tuple[float, list[dict]]:
-    # a connection per request (localhost TCP: well under a millisecond), never one the server may have closed
+    # a connection per request (localhost TCP: cheap), never one the server may have closed
     async with http_replay.session(url, len(job.requests) + 1, fresh_connections=True,
                                    silence_s=SILENCE_TIMEOUT_S) as http:
         async def send(req, client, sent_at: float) -> dict:

@@ -158,7 +158,7 @@ def converters(say: Callable[[str], None] = _quiet) -> Path:
 def _download_sdist(into: Path, log: Path) -> Path:
     into.mkdir(parents=True)
     # the source distribution of this one package only: with `--no-binary :all:` pip also built the
-    # sdist's build requirements from source to read its metadata (CMake itself: over 20 minutes)
+    # sdist's build requirements from source to read its metadata (CMake itself, very slowly)
     _step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME, "--disable-pip-version-check",
            "-d", str(into), f"{SDIST_NAME}=={SDIST_VERSION}"], log, f"downloading {SDIST_NAME} {SDIST_VERSION}")
     [tarball] = into.glob("*.tar.gz")

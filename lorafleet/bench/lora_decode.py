@@ -38,7 +38,7 @@ def best_seconds(fn, repeats: int) -> float:
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of a streaming read: the best of `repeats` sums over an nbytes float32 tensor, on
     huge pages where the host has them, as the model's weights are (`memory.hugepages`): 4 KiB
-    pages read ~10% slower on an AMD EPYC, and would make the bound easier than the machine."""
+    pages read slower, and would make the bound easier than the machine."""
     x = hugepages.empty(nbytes // 4, dtype=torch.float32).fill_(1)
     best = best_seconds(x.sum, repeats)
     del x

@@ -2,10 +2,10 @@
 while a figure was timed.
 
 With torch on every core, one other busy process stalls each parallel op until the OS runs the
-thread the op waits for: on this project's 2-core machine a `micro` decode step went from ~2 ms
-to ~50-90 ms, in bursts of seconds, and one process served the same requests at 157 and then
-2,915 tokens/s. The bench cannot stop other work; it measures it per replay (`other_cores`), so
-that a figure timed beside it is reported as such (`report.noise_warnings`).
+thread the op waits for: on a small machine a decode step can take many times longer, in bursts
+of seconds, and the same requests can be served an order of magnitude slower or faster. The
+bench cannot stop other work; it measures it per replay (`other_cores`), so that a figure timed
+beside it is reported as such (`report.noise_warnings`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from lorafleet.bench.workloads import Workload
 
 SUBJECTS = ("lorafleet", "lorafleet-daemon")
 NOISY_SPREAD = 1.5     # replays of one run this far apart (fastest over slowest): the machine, not the system
-CONTENDED_CORES = 0.15  # cores other processes kept busy while a figure was timed (0.2 cost tiny 30%)
+CONTENDED_CORES = 0.15  # cores other processes kept busy while a figure was timed (a little more already slows tiny markedly)
 SWEEP_JUMP = 2.0       # neighbouring sweep points this far apart: worth a second look
 
 
@@ -134,8 +134,7 @@ def memory(rows: list[dict]) -> list[dict]:
 def noise_warnings(report: dict) -> list[str]:
     """What makes this report's figures untrustworthy as they stand: other processes busy while
     a figure was timed (`machine.py`), replays of one run that disagree, and neighbouring sweep
-    points far apart (the quick sweep once read 102 and 1,676 tokens/s over 1 and 4 adapters:
-    the machine, not the adapters)."""
+    points far apart (the machine, not the adapters, can move them that much)."""
     env, out, contended = report["environment"], [], False
     cores, threads = env.get("cpu_count"), env.get("threads")
     runs = [(f"{r['model']} {r['system']}", r["details"]) for r in report["results"] if r["status"] == "ok"]

@@ -5,11 +5,11 @@ is imported only when a subcommand runs."""
 from __future__ import annotations
 
 import json
-import time
-from typing import Annotated, Callable
+from typing import Annotated
 
 import typer
 
+from lorafleet.cli import bench_suites as suites
 from lorafleet.cli.common import err_console, fail, styled, user_errors
 
 ALL_SYSTEMS = "lorafleet,transformers,peft-groups,peft-mixed,merged"
@@ -75,7 +75,7 @@ def run(
     occupancy, ratios, memory against merged copies, the switch regression (table, slope among
     steps of the same shape, PNG) and, with --sweep, throughput against the number of adapters.
     """
-    _throughput(model or ["tiny"], workload or ["base-only"], systems, _parse_sweep(sweep or ""),
+    suites.throughput(model or ["tiny"], workload or ["base-only"], systems, suites.parse_sweep(sweep or ""),
                 max_baseline_requests, device, threads, out, as_json)
 
 
@@ -87,7 +87,7 @@ def quick(
 ) -> None:
     """A smoke run in a few minutes: the quick workload (8 short requests, 4 adapters and the
     base) on every system, and lorafleet's throughput over 1 and 4 adapters."""
-    _throughput(model or ["micro", "tiny"], ["quick"], systems, (1, 4), None, device, threads, out, as_json)
+    suites.throughput(model or ["micro", "tiny"], ["quick"], systems, (1, 4), None, device, threads, out, as_json)
 
 
 @app.command("full")
@@ -101,7 +101,7 @@ def full(
 ) -> None:
     """Every workload except quick, every system, and the adapter sweep 1, 8, 64, 256, 1000 on
     uniform-1000's requests: one report per workload and a summary; states its duration."""
-    _throughput(model or ["tiny"], None, systems, (), max_baseline_requests, device, threads, out, as_json)
+    suites.throughput(model or ["tiny"], None, systems, (), max_baseline_requests, device, threads, out, as_json)
 
 
 @app.command("llama-cpp")
@@ -133,9 +133,9 @@ def llama_cpp(
     counts = list(dict.fromkeys(in_flight or [1, 8]))
     names = [s.strip() for s in systems.split(",") if s.strip()]
     shapes = model or ["tiny"]
-    _check_shapes(shapes)
-    _check_choices("--workload", loads, PEER_WORKLOADS)
-    _check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
+    suites.check_shapes(shapes)
+    suites.check_choices("--workload", loads, PEER_WORKLOADS)
+    suites.check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
     path = resolve_out_path(out)
     with user_errors():
         from lorafleet.bench.llamacpp_build import LlamaCppUnavailable, server_binary
@@ -144,9 +144,9 @@ def llama_cpp(
 
         if "llama.cpp" in names:
             try:  # the build, with its progress, before the runs (their workers' output is captured)
-                server_binary(_say)
+                server_binary(suites.say)
             except LlamaCppUnavailable as e:
-                _say(f"llama.cpp will be skipped: {e}")
+                suites.say(f"llama.cpp will be skipped: {e}")
         variants = tuple(get_workload(w).with_concurrency(n) for w in loads for n in counts)
         report = run_suite(shapes, path, workloads=variants, systems=tuple(names), sweeps={}, name="llama-cpp",
                            device="cpu", threads=threads, console=err_console)
@@ -185,8 +185,8 @@ def lora_decode(
         from lorafleet.bench.lora_decode import run_lora_decode
 
         return run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
-                               peft=peft and not quick, threads=threads, progress=_say)
-    _suite("lora-decode", model or (["micro"] if quick else ["tiny"]), one, "lora_decode_table", out, as_json)
+                               peft=peft and not quick, threads=threads, progress=suites.say)
+    suites.suite("lora-decode", model or (["micro"] if quick else ["tiny"]), one, "lora_decode_table", out, as_json)
 
 
 @app.command("decode-bound")
@@ -201,14 +201,15 @@ def decode_bound(
     """A decode step of the base model (no adapters) at each batch size against its memory
     bound: the step's weight bytes over the read bandwidth measured in the same run; beside it,
     the step's matmuls alone against the same bound."""
-    _check_choices("--dtype", [dtype], ("float32", "bfloat16"))
+    suites.check_choices("--dtype", [dtype], ("float32", "bfloat16"))
 
     def one(shape: str) -> dict:
         from lorafleet.bench.decode_bound import run_decode_bound
 
         return run_decode_bound(shape, batches=tuple(batch or (1, 8, 32)), steps=4 if quick else 16,
-                                rounds=1 if quick else 3, threads=threads, dtype=dtype, progress=_say)
-    _suite("decode-bound", model or (["micro"] if quick else ["tiny", "smol"]), one, "decode_bound_table", out, as_json)
+                                rounds=1 if quick else 3, threads=threads, dtype=dtype, progress=suites.say)
+    shapes = model or (["micro"] if quick else ["tiny", "smol"])
+    suites.suite("decode-bound", shapes, one, "decode_bound_table", out, as_json)
 
 
 @app.command("switch")
@@ -221,14 +222,14 @@ def switch(
 ) -> None:
     """The switch cost, isolated: per-token latency of a fixed-shape decode batch against the
     adapters landing in each step, loaded in the background for waiting requests."""
-    _check_choices("--source", [source], ("store", "folder"))
+    suites.check_choices("--source", [source], ("store", "folder"))
 
     def one(shape: str) -> dict:
         from lorafleet.bench.switch_cost import run_switch_cost
 
         return run_switch_cost(shape, batch=8 if quick else 32, cold=16 if quick else 96, steps=8 if quick else 48,
                                source=source)
-    _suite("switch", model or (["micro"] if quick else ["smol"]), one, "switch_cost_table", out, as_json)
+    suites.suite("switch", model or (["micro"] if quick else ["smol"]), one, "switch_cost_table", out, as_json)
 
 
 @app.command("overhead")
@@ -247,8 +248,8 @@ def overhead(
         from lorafleet.bench.overhead import run_overhead
 
         return run_overhead(shape, running=running, num_adapters=adapters, steps=steps, burst=burst, device=device,
-                            threads=threads, progress=_say)
-    _suite("overhead", model or ["tiny"], one, "overhead_table", out, as_json)
+                            threads=threads, progress=suites.say)
+    suites.suite("overhead", model or ["tiny"], one, "overhead_table", out, as_json)
 
 
 @app.command("store-load")
@@ -266,7 +267,7 @@ def store_load(
         from lorafleet.bench.store_load import run_store_load
 
         return run_store_load(shape, rank=rank, repeats=repeats)
-    _suite("store-load", model or ["smol"], one, "store_load_table", out, as_json)
+    suites.suite("store-load", model or ["smol"], one, "store_load_table", out, as_json)
 
 
 @app.command("stats-cost")
@@ -292,8 +293,8 @@ def stats_cost(
         from lorafleet.bench.stats_cost import run_stats_cost
 
         return run_stats_cost(shape, num_adapters=adapters, batch=batch, min_steps=steps, polls=polls, rounds=rounds,
-                              device=device, threads=threads, progress=_say)
-    _suite("stats-cost", model or ["smol"], one, "stats_cost_table", out, as_json)
+                              device=device, threads=threads, progress=suites.say)
+    suites.suite("stats-cost", model or ["smol"], one, "stats_cost_table", out, as_json)
 
 
 @app.command("gpu")
@@ -316,120 +317,5 @@ def gpu(
 
         batches = [min(b, 8) for b in batch or [64]] if quick else batch or [64]
         small = dict(max_tokens=4, many=min(many, 12), context=64) if quick else {"many": many}
-        return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=_say, **small)
-    _suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json)
-
-
-# -- what the subcommands share ----------------------------------------------------------------
-
-def _throughput(shapes: list[str], loads: list[str] | None, systems: str, counts: tuple[int, ...],
-                max_baseline_requests: int | None, device: str, threads: int | None, out: str | None,
-                as_json: bool) -> None:
-    """run, quick and full: `loads` None is the full suite."""
-    from lorafleet.bench.report import resolve_out_path
-    from lorafleet.bench.systems import SYSTEM_NAMES
-    from lorafleet.bench.workloads import WORKLOADS
-
-    names = [s.strip() for s in systems.split(",") if s.strip()]
-    _check_shapes(shapes)
-    _check_choices("--workload", loads or [], WORKLOADS)
-    _check_choices("--systems", names or [""], SYSTEM_NAMES)
-    path = resolve_out_path(out)
-    common = dict(device=device, threads=threads, console=err_console, max_baseline_requests=max_baseline_requests)
-    with user_errors():
-        from lorafleet.bench.runner import run_bench, run_suite
-
-        if loads is None:
-            report = run_suite(shapes, path, systems=tuple(names), **common)
-        elif len(loads) > 1:
-            loads = list(dict.fromkeys(loads))
-            report = run_suite(shapes, path, workloads=tuple(loads), systems=tuple(names), name="workloads",
-                               sweeps={w: counts for w in loads}, **common)
-        else:
-            report = run_bench(shapes, loads[0], names, path, sweep=counts, **common)
-    _print(report, as_json)
-    err_console.print(f"wrote {path}", highlight=False)
-    failed = [f"{r['workload']}/{r['model']}/{r['system']}" for rep in report.get("reports", [report])
-              for r in rep["results"] if r["status"] == "error"]
-    if failed:
-        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")
-
-
-def _print(report: dict, as_json: bool) -> None:
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-        return
-    from rich.console import Console
-
-    from lorafleet.bench.tables import render, suite_summary
-
-    console = Console()
-    for rep in report.get("reports", [report]):
-        for table in render(rep):
-            console.print(table)
-        plots = {k: v for k, v in rep.get("plots", {}).items() if k != "notes"}
-        for kind, path in plots.items():
-            err_console.print(f"{kind} plot: {path}", highlight=False)
-        for note in rep.get("plots", {}).get("notes", []):
-            err_console.print(f"no plot: {note}", highlight=False)
-        for warning in rep.get("warnings", []):
-            err_console.print(styled("noisy:", "yellow", warning))
-    if "reports" in report:
-        console.print(suite_summary(report))
-    err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
-
-
-def _suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str, out: str | None,
-           as_json: bool) -> None:
-    """lora-decode, decode-bound, switch, overhead, store-load, stats-cost and gpu: one result per
-    shape, `tables.<table>` of them, the JSON report. Each runs lorafleet's engine in this
-    process: its OpenMP workers wait as under `lorafleet serve` (`lorafleet/openmp.py`), set
-    before anything here imports torch."""
-    from lorafleet import openmp
-
-    openmp.set_defaults()
-    from lorafleet.bench.report import resolve_out_path, write_json
-
-    _check_shapes(shapes)
-    path, started = resolve_out_path(out), time.perf_counter()
-    with user_errors():
-        results = [run_one(shape) for shape in dict.fromkeys(shapes)]
-    report = {"suite": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "duration_s": time.perf_counter() - started, "results": results}
-    write_json(report, path)
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    else:
-        from rich.console import Console
-
-        from lorafleet.bench import tables
-
-        Console().print(getattr(tables, table)(results))
-    err_console.print(f"wrote {path}", highlight=False)
-
-
-def _say(message: str) -> None:
-    err_console.print(message, highlight=False)
-
-
-def _parse_sweep(text: str) -> tuple[int, ...]:
-    try:
-        counts = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        counts = (-1,)
-    if any(n < 1 for n in counts):
-        raise typer.BadParameter(f"{text!r}: positive adapter counts, comma-separated", param_hint="--sweep")
-    return counts
-
-
-def _check_shapes(shapes: list[str]) -> None:
-    from lorafleet.bench.fixtures import SHAPES
-
-    _check_choices("--model", shapes, SHAPES)
-
-
-def _check_choices(option: str, given: list[str], choices) -> None:
-    unknown = [g for g in given if g not in choices]
-    if unknown:
-        raise typer.BadParameter(f"{', '.join(repr(u) for u in unknown)} (choose from {', '.join(choices)})",
-                                 param_hint=option)
+        return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=suites.say, **small)
+    suites.suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json)

@@ -57,10 +57,8 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 # (upper, rot13) is a ~26-way map, and this base does not let an MLP-only adapter learn one in
 # reasonable time (our reading, not inspected: it copies with attention and learned each
 # character's embedding independently, with no "case" direction as a large model would have).
-# Measured while building the fleet: MLP-only upper was at 0% exact after 1,200 steps (rank 16,
-# lr 5e-3; loss stuck near 2.5) and MLP-only rot13 at 0% after 900 (rank 32), while all-linear
-# title at rank 8 passed 98% by step 200. The MLP-only adapter is therefore kebab: one character
-# (space) mapped to one other.
+# While building the fleet, MLP-only upper and rot13 never learned, while all-linear title did
+# quickly. The MLP-only adapter is therefore kebab: one character (space) mapped to one other.
 SKILLS: dict[str, Skill] = {s.name: s for s in (
     Skill("kebab", lambda t: t.replace(" ", "-"), "spaces become dashes", 4, 8, MLP),
     Skill("upper", str.upper, "UPPERCASE every letter", 8, 16, ATTN + MLP),

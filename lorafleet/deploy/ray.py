@@ -79,12 +79,12 @@ def replica_class(max_adapters_per_replica: int):
             path, resolver = self.adapters.get(name), self.server.worker.resolver
 
             def register(engine) -> bool:
-                if name not in engine.adapters:
+                if engine.adapter_path(name) is None:
                     if path is not None:
                         engine.register_adapter(name, path)
                     elif resolver is not None:
                         resolver.resolve(engine, name)
-                return name in engine.adapters
+                return engine.adapter_path(name) is not None
             if not await self.server.run(register):
                 raise AdapterNotFoundError(f"model {name!r} does not exist: it is neither the base "
                                            f"({self.base_name!r}), an adapter given at deploy time, nor in the store")

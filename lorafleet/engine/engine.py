@@ -22,14 +22,16 @@ from lorafleet.engine.graphs import DecodeGraphs
 from lorafleet.engine.output import OutputProcessor
 from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status
 from lorafleet.engine.policy import POLICIES
-from lorafleet.engine.regression import live_switches
 from lorafleet.engine.runner import ModelRunner
 from lorafleet.engine.scheduler import Scheduler
-from lorafleet.engine.stats import EngineStats, summary
+from lorafleet.engine.stats import EngineStats
+from lorafleet.engine import views
 from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, RequestFailedError,
                               RequestNotFoundError)
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
 from lorafleet.lora.adapter import BaseShapes
+from lorafleet.memory.arbiter import Arbiter
+from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.memory.layout import page_problem
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.prefetch import Prefetcher
@@ -66,10 +68,12 @@ class Engine:
         self.kv = KVCacheManager(self.pool, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                  prefix_cache=cfg.prefix_cache)
         self.adapters = AdapterResidency(self.pool, BaseShapes.from_model_config(mc), cfg.host_cache_bytes,
-                                         self.kv, cfg.min_resident_steps, cfg.eviction)
-        self.prefetcher = Prefetcher(self.adapters, cfg.prefetch_workers)
+                                         cfg.min_resident_steps)
+        self.arbiter = Arbiter(self.pool, self.kv, self.adapters,
+                               EvictionOrder(cfg.eviction, cfg.block_size, self.pool.page_bytes))
+        self.prefetcher = Prefetcher(self.adapters, self.arbiter, cfg.prefetch_workers)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   residency=self.adapters, policy=POLICIES[cfg.policy](),
+                                   residency=self.adapters, arbiter=self.arbiter, policy=POLICIES[cfg.policy](),
                                    max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv, self._decode_graphs())
         eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
@@ -195,9 +199,7 @@ class Engine:
             reqs = [c.request for c in chunks if c.samples]
             tokens, lps, errors = sample(logits, [r.params for r in reqs],          # 4
                                          [r.generator or self._generator for r in reqs], self.model.kernels.greedy)
-            for c in chunks:
-                c.request.num_computed += c.num_tokens
-                self.kv.commit(c.request)  # its full blocks can serve later prompts (prefix cache)
+            self.scheduler.computed(chunks)
             for i, (req, token, lp) in enumerate(zip(reqs, tokens, lps)):          # 5
                 outputs.append(self._fail(req, errors[i]) if i in errors else self._append(req, token, lp))
             self._record(t0, chunks, len(reqs), len(tick.loaded))
@@ -210,19 +212,19 @@ class Engine:
     def _record(self, t0: float, chunks, generated: int, loaded: int) -> None:
         prompt_tokens = sum(c.num_tokens for c in chunks if not (c.samples and c.num_tokens == 1))
         if prompt_tokens:  # what recomputing a cached block would cost (the eviction order)
-            self.adapters.order.observe_prefill(self.runner.last_model_s, sum(c.num_tokens for c in chunks))
+            self.arbiter.order.observe_prefill(self.runner.last_model_s, sum(c.num_tokens for c in chunks))
         self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, generated,
                                   distinct_adapters=len({c.request.adapter for c in chunks}),
                                   adapters_loaded=loaded, model_s=self.runner.last_model_s)
 
     def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
         try:
-            self.outputs.append(req, token, logprobs)
+            reason = self.outputs.append(req, token, logprobs)
         except Exception as e:  # noqa: BLE001 - one request's text must not fail the step
             log.exception("processing the output of %s failed", req.request_id)
             return self._fail(req, f"internal error while processing its output: {type(e).__name__}")
-        if req.finish_reason is not None:
-            return self._finish(req, req.finish_reason, [token])
+        if reason is not None:
+            return self._finish(req, reason, [token])
         return self.outputs.output(req, [token])
 
     def _fail(self, req: Request, why: str, code: str = RequestFailedError.code) -> RequestOutput:
@@ -245,8 +247,9 @@ class Engine:
         return expired
 
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None) -> RequestOutput:
-        """Every way a request ends comes here: out of the queues, pages and adapter back, its
-        last output (the rest of its text: engine/output.py's one rule)."""
+        """Every way a request ends comes here, the one writer of `finish_reason`: out of the
+        queues, pages and adapter back, its last output (the rest of its text: engine/output.py's
+        one rule)."""
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         if req.status is not Status.FINISHED:
@@ -302,17 +305,25 @@ class Engine:
         pages given back. Running requests keep their KV."""
         return self.kv.reset()
 
+    def adapter_path(self, name: str) -> Path | None:
+        """The folder registered under `name`, or None when no adapter has that name."""
+        return self.adapters.entries[name].path if name in self.adapters else None
+
+    def lora_capacity(self) -> dict:
+        """How many adapters the pool could hold at the median adapter size (what gateways read
+        as `max_lora`): `Arbiter.adapter_capacity`."""
+        return self.arbiter.adapter_capacity(self.config.max_num_seqs)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
     def list_adapters(self) -> list[dict]:
         return [e.info() for e in self.adapters.entries.values()]
 
     def lora_queues(self) -> dict[str, dict[str, int]]:
         """Requests per adapter, running and waiting (for vllm:lora_requests_info)."""
-        out: dict[str, dict[str, int]] = {"running": {}, "waiting": {}}
-        for where, reqs in (("running", self.scheduler.running), ("waiting", self.scheduler.waiting)):
-            for r in reqs:
-                if r.adapter is not None:
-                    out[where][r.adapter] = out[where].get(r.adapter, 0) + 1
-        return out
+        return views.lora_queues(self.scheduler)
 
     def step_records(self) -> list[dict]:
         """One dict per recent step: time_s, host_s (the part outside the model's forward pass:
@@ -351,58 +362,9 @@ class Engine:
         return [done[i] for i in ids]
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity()
-        self.kv.check_integrity()
-        self.adapters.check_integrity()
-        users: dict = {}
-        pins: dict = {}
-        for r in self.requests.values():
-            if r.adapter is not None:
-                assert r.lora is not None and r.lora.name == r.adapter, f"{r.request_id}: adapter not held"
-                users[r.lora] = users.get(r.lora, 0) + 1
-        for r in self.scheduler.running:
-            if r.lora is not None:
-                pins[r.lora] = pins.get(r.lora, 0) + 1
-        for entry in itertools.chain(self.adapters.entries.values(), self.adapters.retired):
-            assert entry.users == users.pop(entry, 0), f"adapter {entry.name!r}: users count is off"
-            assert entry.pins == pins.pop(entry, 0), f"adapter {entry.name!r}: pin count is off"
-        assert not users, "requests hold adapters the registry does not know"
-        live = {r.request_id for r in self.scheduler.running}
-        assert live <= set(self.kv.rows), "a running request has no block table"
-        assert set(self.kv.rows) <= live, "pages held by a request that is not running"
-
-    def _adapter_details(self) -> dict:
-        """`adapter_details`: name -> its record (`AdapterEntry.info`) with the p50/p99 of its
-        recent loads (`load_s`) and of its finished requests' exposed waits (`stall_s`), for every
-        adapter a request ever named or that holds memory; `untouched_adapters`: the names of the
-        rest, registered on disk and never asked for (nothing to say but the name: their files
-        are first read on their first request). A fleet of thousands polled every second pays
-        for the adapters in use, not for the registry (`lorafleet bench stats-cost`)."""
-        details, untouched = {}, []
-        for e in self.adapters.entries.values():
-            if e.tier == "disk" and not (e.hits or e.misses or e.users or e.disk_loads or e.error):
-                untouched.append(e.name)
-            else:
-                details[e.name] = {**e.info(), "load_s": summary(e.recent_loads), "stall_s": summary(e.recent_waits)}
-        return {"adapter_details": details, "untouched_adapters": untouched}
+        """Every part's invariants, and the requests' holds and pins against the registry's
+        counts (`views.check_integrity`); after every step where `debug_checks` is on."""
+        views.check_integrity(self)
 
     def stats(self) -> dict:
-        pool = self.pool.stats()
-        return {
-            "model": str(self.model_path),
-            "device": str(self.device),
-            "max_model_len": self.max_model_len,
-            "pool": {**pool, "page_map": self.pool.page_runs()},
-            "adapters": self.adapters.stats(),
-            "prefix_cache": self.kv.stats(),
-            "eviction": self.adapters.order.stats(),
-            **self._adapter_details(),
-            "switches": live_switches(self.counters.steps),
-            "scheduler": self.scheduler.policy.snapshot(),
-            "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
-            "num_running": len(self.scheduler.running),
-            "num_waiting": self.scheduler.num_waiting,
-            "kernels": self.model.kernels.name,
-            "decode_graphs": self.runner.graphs.stats() if self.runner.graphs else {"enabled": False},
-            **self.counters.snapshot(),
-        }
+        return views.stats(self)

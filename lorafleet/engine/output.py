@@ -24,9 +24,9 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def append(self, req: Request, token: int, logprobs: dict | None) -> None:
-        """Add one sampled token: its text, its logprobs, and the finish it causes (sets
-        `req.finish_reason` to "stop" or "length")."""
+    def append(self, req: Request, token: int, logprobs: dict | None) -> str | None:
+        """Add one sampled token: its text and its logprobs; returns the finish it causes, "stop"
+        or "length", or None (the engine's `_finish` records it: one writer of `finish_reason`)."""
         req.output_token_ids.append(token)
         if logprobs is not None:
             req.logprobs.append(logprobs)
@@ -37,11 +37,12 @@ class OutputProcessor:
             req.text += req.detokenizer.step(token)
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            req.finish_reason = "stop"
-        elif p.stop and self._cut_at_stop_string(req, old_len):
-            req.finish_reason = "stop"
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            req.finish_reason = "length"
+            return "stop"
+        if p.stop and self._cut_at_stop_string(req, old_len):
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     @staticmethod
     def _cut_at_stop_string(req: Request, new_from: int) -> bool:

@@ -66,10 +66,7 @@ class ModelRunner:
         A pure decode step (every row one token that samples: most steps of a busy server) goes
         to the kernels' `decode_batch` where they have one (the CPU's: one C++ call). Why: the
         ~30 numpy and torch calls below each run cold after the weights have streamed through
-        the caches (a numpy cumsum of 8 took 25-80 us after a 128 MB read, 2.5 us warm), so they
-        cost 0.32-0.4 ms of a `tiny` step at batch 1 and 8 on an AMD EPYC (2 threads), 0.07-0.1
-        in one call; steps took 0.91-0.94x the time at batch 1 and 0.93-0.99x at batch 8
-        (alternated in one process)."""
+        the caches, so one call costs much less than they do, and steps measured faster."""
         kv = self.kv
         fast = self.model.kernels.decode_batch
         if fast is not None and not all_logits and all(c.num_tokens == 1 and c.samples for c in chunks):

@@ -13,13 +13,13 @@ prefill), and a preempted sequence simply recomputes its prompt and output as on
   `growth` of the tokens its `max_tokens` still allows, and admission keeps the KV pages for
   that. `growth` starts at GROWTH_START, decays by GROWTH_DECAY per step to GROWTH_MIN (most
   requests stop long before their `max_tokens`), and returns to 1 at a preemption (these ones
-  do not). Without it admission filled the pool with prompts whose answers then had no room:
-  uniform-1000-tiered preempted 40 sequences and recomputed 3,600 tokens (22% of its prompts).
+  do not). Without it admission filled the pool with prompts whose answers then had no room,
+  and preempted sequences recomputed them (figures: docs/benchmark-history.md).
   The idea is SGLang's "new token ratio"; the rule here is ours.
 - A waiting request whose adapter is not on the device yet is skipped, never blocking those
   behind it (no head-of-line blocking); the prefetcher is bringing its adapter in.
 - A running sequence that needs a KV page first takes it from idle adapters and cached KV
-  blocks (the residency's one eviction order, `memory/eviction.py`); only then is the newest
+  blocks (the arbiter's one eviction order, `memory/arbiter.py`); only then is the newest
   running sequence preempted (pages freed, work recomputed).
 - Admission pins a request's adapter; preemption and finishing unpin it.
 - Admission first takes what the prefix cache holds of the request's leading blocks
@@ -70,11 +70,12 @@ class Scheduler:
     the per-key counts the policy and the prefetcher need are kept up to date as requests move."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 residency=None, policy=None, watermark: float = 0.01, max_model_len: int | None = None):
+                 residency=None, arbiter=None, policy=None, watermark: float = 0.01, max_model_len: int | None = None):
         self.kv = kv
         self.max_model_len = max_model_len  # caps what a sequence can still grow (None: max_tokens alone)
         self.growth = GROWTH_START
-        self.residency = residency  # None: no adapters
+        self.residency = residency  # None: no adapters (pins)
+        self.arbiter = arbiter      # None: nothing to evict (room for KV, `memory/arbiter.py`)
         self.policy = policy or FCFS()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -147,14 +148,13 @@ class Scheduler:
         if self.kv.pool.can_allocate(pages):
             return True
         keep = {protect} if protect is not None else set()
-        return self.residency is not None and self.residency.make_room(pages, keep, for_kv=True,
-                                                                       wanted=self.waiting_loras)
+        return self.arbiter is not None and self.arbiter.make_room(pages, keep, for_kv=True, wanted=self.waiting_loras)
 
     def _could_hold(self, pages: int, protect=None) -> bool:
         """Whether `pages` could be had for KV without preempting: free, or evictable."""
         if self.kv.pool.can_allocate(pages):
             return True
-        return self.residency is not None and self.residency.reclaimable(protect) >= pages
+        return self.arbiter is not None and self.arbiter.reclaimable(protect) >= pages
 
     # -- a step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -236,7 +236,7 @@ class Scheduler:
             req.adapter_wait += now - req.adapter_blocked_since
             req.adapter_blocked_since = None
         if req.adapter_cold and not req.num_preemptions:  # what a cold adapter cost it (the eviction order)
-            self.residency.order.observe_miss(req.adapter_wait, len(req.lora.pages) * self.kv.pool.page_bytes)
+            self.arbiter.order.observe_miss(req.adapter_wait, len(req.lora.pages) * self.kv.pool.page_bytes)
         self.policy.on_admit(req)
         req.status = Status.RUNNING
         self.running[req] = None
@@ -259,6 +259,14 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def computed(self, chunks: list[Chunk]) -> None:
+        """The step ran `chunks`: their tokens are computed, and their full blocks named for the
+        prefix cache. The scheduler is the one writer of `num_computed` (admission sets it to
+        what the cache held, preemption to 0, this to what ran)."""
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+            self.kv.commit(c.request)
 
     def preempt(self, req: Request) -> None:
         self._stop(req)

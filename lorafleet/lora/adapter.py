@@ -48,8 +48,8 @@ from lorafleet.lora.peft_config import (  # noqa: F401  MODULES, BaseShapes, rea
 
 
 # An adapter's safetensors header: a few hundred bytes a tensor (70B's 80 layers, all seven
-# projections: ~190 KB). Parsing JSON holds the GIL (~15 ms a MiB): a header is bounded well below
-# safetensors' own 100 MB, so a hostile file cannot stall the threads beside its load.
+# projections: ~190 KB). Parsing JSON holds the GIL: a header is bounded well below safetensors'
+# own 100 MB, so a hostile file cannot stall the threads beside its load.
 _MAX_HEADER_BYTES = 1 << 20
 # The tensor keys PEFT writes for a supported module; only these are quoted in messages. The layer
 # index is canonical and short (a huge one would be echoed, and int() refuses over 4300 digits).

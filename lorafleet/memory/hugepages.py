@@ -2,15 +2,11 @@
 model's weights, `place`) and the unified page pool (`zeros`).
 
 Why: a decode step at small batch reads every weight once, at the memory bound (issue 18). On
-4 KiB pages, `tiny`'s 117 MB of weights span ~28,700 pages, far more than the second-level TLB
-holds (2,048 entries on a Zen 2), so a step's stream is also ~28,700 page walks, and the
-software prefetches of the matmul kernel wait on them. On 2 MiB pages the same weights are 56
-pages. Measured on an AMD EPYC (AVX2, 2 threads), `tiny`'s 33 weights through the CPU matmul,
-the same values on 4 KiB and on 2 MiB pages alternated in one process (15 rounds, medians):
-1 row 4.80 -> 4.17 ms (24.5 -> 28.1 GB/s), 8 rows 5.70 -> 4.91 ms (20.6 -> 23.9 GB/s); a
-streaming sum over 1 GiB read 27.2 GB/s on 4 KiB pages and 30.7 on 2 MiB pages
-(`bench.lora_decode.measure_bandwidth` reads huge pages too, so the decode bound is the
-machine's best).
+4 KiB pages a model's weights span far more pages than the second-level TLB holds, so a step's
+stream is also a page walk per page, and the software prefetches of the matmul kernel wait on
+them; 2 MiB pages hold the same weights in 512 times fewer. The CPU matmuls and a streaming read
+both measured faster on huge pages (`bench.lora_decode.measure_bandwidth` reads huge pages too,
+so the decode bound is the machine's best).
 
 How: an anonymous private mapping, advised MADV_HUGEPAGE before anything touches it, seen by
 torch through `torch.frombuffer` (the tensor holds the mapping: it lives as long as any view of

@@ -14,19 +14,16 @@ an entry's fields).
    CUDA stream on GPUs, a plain copy on CPU); when it is on disk, start its load, and when pages
    can be had now, copy it in the same task (its size is known from the file header): one
    hand-off instead of two, so a cold adapter is ready one step sooner;
-3. when such work is short (its typical time, below, at most `MAX_TICK_WAIT_S`; a stored
-   adapter loads in ~3 ms), wait for the wanted ones in flight, harvesting as each lands (and
-   giving pages to one that landed on the host only), until all have landed or
-   `TICK_WAIT_LOADS` typical times have passed, never longer than `MAX_TICK_WAIT_S`: a cold
-   adapter then serves in the step it arrived before, not one step later (a step can be a long
-   prefill), at the price of a few milliseconds of that step. The deadline is a multiple of the typical time, not the typical time: about half
-   of all loads take longer, and one that missed the step by a millisecond cost its request the
-   whole step (measured on `shared-prefix-pressure`: 4 of 27 cold loads missed a 3 ms wait, and
-   a miss before a 576-token prefill cost its request 0.75-0.86 s). The typical time is the
-   median of the last `RECENT` loads, and of the last copies for a host -> device copy (~1 ms
-   where a disk load takes ~3): with a moving average, one 115 ms load outlier lifted it past
-   the cap and switched the waits off until several more disk loads came, while every copy
-   in that time missed its step.
+3. when such work is short (its typical time, below, at most `MAX_TICK_WAIT_S`), wait for the
+   wanted ones in flight, harvesting as each lands (and giving pages to one that landed on the
+   host only), until all have landed or `TICK_WAIT_LOADS` typical times have passed, never
+   longer than `MAX_TICK_WAIT_S`: a cold adapter then serves in the step it arrived before, not
+   one step later (a step can be a long prefill), at the price of a few milliseconds of that
+   step. The deadline is a multiple of the typical time, not the typical time itself: about
+   half of all loads take longer, and a load that misses the step by a millisecond costs its
+   request the whole step. The typical time is the median of the last `RECENT` loads (of the
+   last copies for a host -> device copy): one outlier lifts a moving average past the cap and
+   switches the waits off. (Figures: docs/benchmark-history.md, "lorafleet/memory/prefetch.py".)
 The engine also calls `want` the moment a request arrives, so loads start before the next step.
 
 Eager loads (`load_eager`: `Engine.load_adapter`, `/v1/load_lora_adapter`) read, validate and
@@ -55,6 +52,7 @@ import torch
 from lorafleet import openmp
 from lorafleet.errors import AdapterError, AdapterTooLargeError, PoolExhaustedError, ShuttingDownError
 from lorafleet.memory import host_cache
+from lorafleet.memory.arbiter import Arbiter
 from lorafleet.memory.host_cache import HostAdapter
 from lorafleet.memory.layout import pieces
 from lorafleet.memory.pool import PagePool
@@ -78,8 +76,9 @@ class TickResult:
 
 
 class Prefetcher:
-    def __init__(self, residency: AdapterResidency, workers: int = 2):
+    def __init__(self, residency: AdapterResidency, arbiter: Arbiter, workers: int = 2):
         self.residency = residency
+        self.arbiter = arbiter  # pages for an adapter: room is the arbiter's to make
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="lorafleet-prefetch",
                                            initializer=_worker_start)
         device = residency.pool.tensor.device
@@ -138,12 +137,12 @@ class Prefetcher:
         r = self.residency
         try:
             if entry.host is not None:
-                if not r.allocate(entry, reserve=reserve_pages, protect=protect):
+                if not self.arbiter.place(entry, reserve=reserve_pages, protect=protect):
                     return False
                 self._start_copy(entry)
                 self._copying.append(entry)
                 return True
-            with_pages = entry.numel > 0 and r.allocate(entry, reserve=reserve_pages, protect=protect)
+            with_pages = entry.numel > 0 and self.arbiter.place(entry, reserve=reserve_pages, protect=protect)
         except AdapterTooLargeError as e:  # only its own requests fail
             r.load_failed(entry, str(e))
             self._result.failed[entry] = str(e)
@@ -212,7 +211,7 @@ class Prefetcher:
             self._eager_done(entry, done)
             return done.set_result(old.info())
         try:
-            fits = r.allocate(entry, protect={old} if old is not None else set())
+            fits = self.arbiter.place(entry, protect={old} if old is not None else set())
         except AdapterTooLargeError as e:
             return self._eager_refused(entry, done, e)
         if not fits:
@@ -268,9 +267,8 @@ def _reason(e: Exception, entry: AdapterEntry) -> str:
 
 # Nice 10, not 19: a worker runs Python between its C calls, so it holds the GIL at times, and
 # a thread descheduled while holding it stalls the engine thread until it runs again (priority
-# inversion). Measured with both cores busy (tests/server/test_hostile.py's setting, plus two
-# CPU hogs): the engine thread's largest gap while a 200 MB adapter loaded was 365 ms at nice
-# 19, 165 ms at 15, 5.7 ms at 12, 5.1 ms at 10.
+# inversion); with both cores busy, nice 19 and 15 stretched the engine thread's gaps by tens of
+# times, nice 12 and 10 did not (figures: docs/benchmark-history.md).
 WORKER_NICE = 10
 
 

@@ -2,10 +2,11 @@
 pages of the unified pool.
 
 This module is the only writer of adapter state (the fields of `AdapterEntry`). The others call
-its interface: the engine `acquire`/`release` for a request's life; the scheduler `pin`/`unpin`,
-and `make_room`; the prefetcher the load transitions (`load_started`, `loaded`,
-`load_failed`, `copy_started`, `copied`), `allocate`, and `stage`/`install` for eager loads.
-Moving data between tiers ahead of need is `prefetch.py`; the host tier's LRU is `host_cache.py`.
+its interface: the engine `acquire`/`release` for a request's life; the scheduler `pin`/`unpin`;
+the prefetcher the load transitions (`load_started`, `loaded`, `load_failed`, `copy_started`,
+`copied`), `allocate`, and `stage`/`install` for eager loads; the arbiter (`arbiter.py`, the one
+place that decides what leaves the pool) `evictable` and `evict`. Moving data between tiers ahead
+of need is `prefetch.py`; the host tier's LRU is `host_cache.py`.
 
 Contracts:
 - Registering costs no device memory: only the config and the weights file's header are read.
@@ -19,9 +20,9 @@ Contracts:
   the old entry: requests that acquired it finish on its weights, and its pages and host copy go
   back when its last user releases it. A request never mixes two weights, and every request
   that arrives after the swap gets the new ones.
-- Eviction frees device pages of unpinned adapters and cached KV blocks (`memory/kv.py`), in
-  one order (`memory/eviction.py`: least expected loss per byte, LRU within each kind), and
-  only when pages are needed (for KV or another adapter). An adapter made ready less than
+- Eviction frees device pages of unpinned adapters, among cached KV blocks (`memory/kv.py`), when
+  the arbiter says so (`memory/arbiter.py`: one order, `memory/eviction.py`), and only when pages
+  are needed (for KV or another adapter). An adapter made ready less than
   `min_resident_steps` steps ago for a request (one holds it, or one ran on it since) is spared
   when another adapter wants its pages (hysteresis, so two hot sets do not thrash the pool); one
   no request has held since it became ready (loaded at start, or by an API call) is not, so
@@ -47,9 +48,8 @@ from typing import Container
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
 from lorafleet.lora.adapter import BaseShapes, header_ranks, read_adapter_config, weights_numel
-from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.memory.host_cache import HostAdapter, HostCache
-from lorafleet.memory.kv import KVCacheManager, kv_salt
+from lorafleet.memory.kv import kv_salt
 from lorafleet.memory.layout import Layout
 from lorafleet.memory.pool import CACHED, PagePool
 
@@ -115,12 +115,9 @@ class AdapterEntry:
 
 
 class AdapterResidency:
-    def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int, kv: KVCacheManager,
-                 min_resident_steps: int = 4, eviction: str = "cost"):
+    def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int, min_resident_steps: int = 4):
         self.pool = pool
         self.base = base
-        self.kv = kv  # its cached blocks are the other kind of evictable page
-        self.order = EvictionOrder(eviction, kv.block_size, pool.page_bytes)
         self.host = HostCache(host_cache_bytes)
         self.entries: dict[str, AdapterEntry] = {}   # name -> its current entry
         self.retired: set[AdapterEntry] = set()      # replaced or unloaded, still in use or in flight
@@ -334,70 +331,27 @@ class AdapterResidency:
         numel = entry.host.layout.paged_numel(self.itemsize) if entry.host is not None else entry.numel
         return -(-numel // self.pool.page_elems)
 
-    def allocate(self, entry: AdapterEntry, reserve: int = 0, protect: Container[AdapterEntry] = frozenset(),
-                 for_kv: bool = False) -> bool:
-        """Give `entry` its device pages, evicting idle adapters not in `protect` if that makes
-        room; False (nothing evicted) when it cannot fit now. AdapterTooLargeError when it
-        never can."""
-        need = self.pages_needed(entry)
-        self.check_fits(entry.name, need * self.pool.page_elems)
-        if not self.make_room(need + reserve, protect, for_kv=for_kv):
-            return False
-        entry.pages = self.pool.allocate(need, entry.owner)
-        return True
+    def allocate(self, entry: AdapterEntry) -> None:
+        """Give `entry` its device pages, which must be free (`memory/arbiter.py` makes the room)."""
+        entry.pages = self.pool.allocate(self.pages_needed(entry), entry.owner)
 
-    def _idle(self, protect: Container[AdapterEntry], for_kv: bool) -> list[AdapterEntry]:
+    def evictable(self, protect: Container[AdapterEntry], for_kv: bool) -> list[AdapterEntry]:
         """Adapters that may be evicted now, least recently used first (kept in that order as
-        adapters are pinned and unpinned: no sort, no scan of the registry)."""
+        adapters are pinned and unpinned: no sort, no scan of the registry): idle, not in
+        `protect`, and, but for KV, not young for a request (the hysteresis in the module doc)."""
         young = self.step - self.min_resident_steps
         return [e for e in self._idle_lru if e not in protect
                 and (for_kv or e.ready_step <= young or not (e.users or e.served))]
 
-    def reclaimable(self, protect: AdapterEntry | None = None) -> int:
-        """Pages KV could have without preempting anyone: free ones, cached KV blocks and idle
-        adapters' (but `protect`'s)."""
-        pages = self.pool.num_free + self.pool.num_cached + self.idle_pages
+    def idle_pages_but(self, protect: AdapterEntry | None = None) -> int:
+        """Pages of the idle adapters, `protect`'s left out."""
+        pages = self.idle_pages
         if protect is not None and protect in self._idle_lru:
             pages -= len(protect.pages)
         return pages
 
-    def make_room(self, pages: int, protect: Container[AdapterEntry] = frozenset(), for_kv: bool = False,
-                  wanted: Container[AdapterEntry] = frozenset()) -> bool:
-        """Evict idle adapters (unpinned, not in `protect`; young ones only for KV) and cached KV
-        blocks, in the eviction order, until `pages` are free; adapters in `wanted` (those of
-        waiting requests) only when nothing else is left. Evicts nothing when that would not
-        suffice.
-
-        Why `wanted` go last: an adapter loaded for a waiting request that another request's
-        admission evicts makes its request miss the step (a whole prefill, when the other one
-        brought a prompt) and load again. LRU spares it by luck (it was just loaded, so it is
-        the most recent); an order by cost per byte need not (an adapter is cheap to bring back
-        per byte, so it may go before older KV blocks)."""
-        if self.pool.can_allocate(pages):
-            return True
-        idle = self._idle(protect, for_kv)
-        short = pages - self.pool.num_free
-        if self.pool.num_cached + sum(len(e.pages) for e in idle) < short:
-            return False
-        others = [e for e in idle if e not in wanted]
-        last = [e for e in idle if e in wanted]
-        now, i = time.monotonic(), 0
-        while not self.pool.can_allocate(pages):
-            adapter = others[i] if i < len(others) else None
-            kv_since = self.kv.oldest_cached(self.order.reuse_aware)
-            if adapter is None and kv_since is None:
-                self._evict(last.pop(0))
-                self.order.evictions["adapters"] += 1
-            elif self.order.kv_first(kv_since, adapter.last_used if adapter else None, now):
-                self.kv.evict_cached(self.order.reuse_aware)
-                self.order.evictions["kv_blocks"] += 1
-            else:
-                self._evict(adapter)
-                self.order.evictions["adapters"] += 1
-                i += 1
-        return True
-
-    def _evict(self, entry: AdapterEntry) -> None:
+    def evict(self, entry: AdapterEntry) -> None:
+        """Free an idle adapter's pages (the arbiter's decision: `memory/arbiter.py`)."""
         self._free_device(entry)
         entry.evictions += 1
         self._drop_if_unused(entry)

@@ -68,7 +68,7 @@ def model_card(st: ServerState, name: str, adapter: dict | None) -> dict:
 @v1.get("/v1/models")
 async def list_models(request: Request):
     st = state_of(request)
-    adapters = await on_engine(request, lambda e: e.list_adapters())
+    adapters = await on_engine(request, lambda engine: engine.list_adapters())
     cards = [model_card(st, st.base_name, None)] + [model_card(st, a["name"], a) for a in adapters]
     return {"object": "list", "data": cards}
 
@@ -78,7 +78,7 @@ async def show_model(request: Request, name: str):
     st = state_of(request)
     if name == st.base_name:
         return model_card(st, name, None)
-    adapters = await on_engine(request, lambda e: e.list_adapters())
+    adapters = await on_engine(request, lambda engine: engine.list_adapters())
     for a in adapters:
         if a["name"] == name:
             return model_card(st, name, a)
@@ -114,9 +114,9 @@ async def load_lora_adapter(request: Request):
         # expensive), then only the bookkeeping on the engine thread
         check_name(name)
         numel = await asyncio.to_thread(st.worker.engine.inspect_adapter, name, path)
-        info = await on_engine(request, lambda e: e.register_adapter(name, path, numel=numel))
+        info = await on_engine(request, lambda engine: engine.register_adapter(name, path, numel=numel))
     else:
-        info = await asyncio.wrap_future(await on_engine(request, lambda e: e.load_adapter_async(name, path)))
+        info = await asyncio.wrap_future(await on_engine(request, lambda engine: engine.load_adapter_async(name, path)))
     log.info("adapter %s %s from %s", name, "loaded" if info["tier"] == "device" else "registered", path)
     return {"object": "lora_adapter", "message": f"Success: LoRA adapter '{name}' added successfully.",
             "adapter": info}
@@ -125,7 +125,7 @@ async def load_lora_adapter(request: Request):
 @v1.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request):
     name, _ = _lora_body(await read_json(request), need_path=False)
-    await on_engine(request, lambda e: e.unload_adapter(name))
+    await on_engine(request, lambda engine: engine.unload_adapter(name))
     log.info("adapter %s unloaded", name)
     return {"object": "lora_adapter", "message": f"Success: LoRA adapter '{name}' removed successfully."}
 
@@ -134,7 +134,7 @@ async def unload_lora_adapter(request: Request):
 async def reset_prefix_cache(request: Request):
     """Forget every cached prefix (vLLM's route of the same name): the next prompts are computed
     in full. Running requests keep their KV."""
-    pages = await on_engine(request, lambda e: e.reset_prefix_cache())
+    pages = await on_engine(request, lambda engine: engine.reset_prefix_cache())
     return {"object": "prefix_cache", "message": f"Success: {pages} cached pages freed.", "pages_freed": pages}
 
 

@@ -4,8 +4,8 @@ descriptors from its other clients.
 
 uvicorn closes a keep-alive connection idle after a response (`timeout_keep_alive`, our
 `--idle-timeout`), but not one that never sends a whole request: a client that opens
-connections and sends half their headers (slowloris) kept each one, and ~1,100 of them spent
-the common 1,024 descriptors, after which even Unix-socket clients were reset. Here:
+connections and sends half their headers (slowloris) kept each one until they spent the
+process's descriptors, after which even Unix-socket clients were reset. Here:
 - every connection must complete a request's headers within `header_timeout` seconds of opening,
   or of the first byte of its next request on keep-alive; else it is closed;
 - TCP connections beyond `max_tcp` are closed as they open (the Unix socket has no cap: its
@@ -24,7 +24,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 log = logging.getLogger("lorafleet.server")
 
 
-REFUSALS_LOGGED_EVERY_S = 10.0  # a flood is logged as a count, not a line a connection (a line costs ~0.1 ms)
+REFUSALS_LOGGED_EVERY_S = 10.0  # a flood is logged as a count, not a line a connection (every line costs CPU)
 
 
 def guarded_protocol(header_timeout: float, max_tcp: int) -> type[HttpToolsProtocol]:

@@ -10,10 +10,9 @@
    created 0600 (under a umask, so it is never briefly open to others).
 3. Serve with uvicorn on the pre-bound sockets (the Unix socket, and TCP when asked), through
    `uvicorn.Server.run`, so on uvloop (a dependency; uvicorn's "auto" picks it: the event loop's
-   CPU per streamed token, `tiny` at 1 in flight, was 0.12-0.22 ms on uvloop against 0.18-0.25
-   ms on asyncio's loop, three daemons of each, alternated, two streams of 512 tokens each;
-   2026-12-04) and httptools, whose protocol `connections.guarded_protocol` bounds: a header
-   timeout for every connection, a cap on TCP connections, the open-file limit raised.
+   CPU per streamed token measured lower than on asyncio's loop) and httptools, whose protocol
+   `connections.guarded_protocol` bounds: a header timeout for every connection, a cap on TCP
+   connections, the open-file limit raised.
 4. SIGTERM or SIGINT: stop admitting (new requests get 503), let in-flight requests finish for
    up to `drain_timeout` seconds, answer what is left with 503 (a stream gets an error event;
    either way the engine aborts it), stop the engine thread, remove the socket and the pid
@@ -272,8 +271,8 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
             http=guarded_protocol(config.header_timeout, config.max_tcp_connections),
             timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=config.idle_timeout), state)
         # Everything built so far lives as long as the daemon: out of the collector's sight, a
-        # full collection takes microseconds instead of ~100 ms (measured on the demo fleet:
-        # 210k objects, torch's and the web stack's), which would otherwise stall every stream.
+        # full collection stays short instead of walking torch's and the web stack's objects,
+        # which would otherwise stall every stream.
         gc.freeze()
         where = f"{sock_path}" + (f" and http://{config.host}:{config.port}" if config.host else "")
         log.info("serving %s as %r on %s (pid %d)", model_path, base_name, where, os.getpid())

@@ -59,7 +59,6 @@ without touching this file.
 from __future__ import annotations
 
 import re
-import statistics
 import time
 
 import orjson
@@ -80,32 +79,12 @@ def lora_queues(engine) -> dict:
     return engine.lora_queues()
 
 
-def lora_capacity(engine) -> dict:
-    """How many adapters the pool could hold at the median adapter size (`max_lora`, see the
-    module's docstring): {"max_adapters", "median_pages", "sized_adapters", "basis"}, basis
-    "resident" (device or host tier), "registered" (sizes from the weights files' headers,
-    before any adapter is resident) or "max_num_seqs" (no adapter registered). Runs on the
-    engine thread; one pass over the registry."""
-    pool = engine.pool
-    entries = [e for e in engine.adapters.entries.values() if e.numel > 0]
-    basis = "resident"
-    sized = [e for e in entries if e.tier != "disk"]
-    if not sized:
-        basis, sized = "registered", entries
-    if not sized:
-        return {"max_adapters": engine.config.max_num_seqs, "median_pages": None, "sized_adapters": 0,
-                "basis": "max_num_seqs"}
-    median = statistics.median(-(-e.numel // pool.page_elems) for e in sized)
-    return {"max_adapters": max(1, int(pool.num_pages // median)), "median_pages": median,
-            "sized_adapters": len(sized), "basis": basis}
-
-
 def engine_snapshot(engine) -> dict:
     """Engine.stats() plus the per-adapter queues and the pool's adapter capacity; runs on the
     engine thread."""
     stats = engine.stats()
     return {**stats, "lora": lora_queues(engine), "num_adapters": stats["adapters"]["registered"],
-            "max_num_seqs": engine.config.max_num_seqs, "lora_capacity": lora_capacity(engine)}
+            "max_num_seqs": engine.max_num_seqs, "lora_capacity": engine.lora_capacity()}
 
 
 def max_lora(snapshot: dict) -> int:
@@ -128,10 +107,10 @@ def residency(snapshot: dict) -> list[tuple[str, str, str, str]]:
 
 
 def stats_body(version: str, server: dict, snapshot: dict) -> bytes:
-    """GET /v1/stats's body: with a thousand adapters it was ~450 KiB before idle adapters went
-    by name only (~90 KiB since), which orjson writes in well under a millisecond (the standard
-    library's json took ~8 ms for the 450 KiB, FastAPI's encoder far longer; each
-    poll of `lorafleet top` pays it). `lorafleet bench stats-cost` measures this function."""
+    """GET /v1/stats's body, written by orjson: with many adapters the body is large (idle
+    adapters go by name only to keep it small), and the standard library's json and FastAPI's
+    encoder measured far slower (each poll of `lorafleet top` pays it). `lorafleet bench
+    stats-cost` measures this function."""
     return orjson.dumps({"version": version, "server": server, "engine": snapshot})
 
 

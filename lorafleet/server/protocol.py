@@ -40,8 +40,8 @@ MAX_STOP_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024  # checked against every new token (a set), but kept per request
 MAX_MESSAGES = 4096     # chat turns in one request
 # JSON values a body may hold, counted as its commas and colons before it is parsed: parsing holds
-# the GIL (~40 ns a value), so a body of a million tiny values would stall every other thread for
-# 40 ms; 262,144 still takes a 128K-token prompt as ids
+# the GIL, so a body of a million tiny values would stall every other thread; 262,144 still takes
+# a 128K-token prompt as ids
 MAX_JSON_ITEMS = 1 << 18
 DECODE_ON_WORKER = 64 << 10  # bodies larger than this are decoded and checked on a worker thread
 
@@ -98,8 +98,8 @@ def decode_body(raw: bytes) -> Any:
 
 def _separators(raw: bytes) -> int:
     """Commas and colons in `raw` (an upper bound of its JSON values, less one). Small bodies by
-    `bytes.count`; large ones by numpy, which releases the GIL while it scans (a count of 4 MB
-    holds it ~3 ms)."""
+    `bytes.count`; large ones by numpy, which releases the GIL while it scans (`bytes.count`
+    holds it throughout)."""
     if len(raw) <= DECODE_ON_WORKER:
         return raw.count(b",") + raw.count(b":")
     a = np.frombuffer(raw, dtype=np.uint8)

@@ -18,9 +18,12 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from lorafleet.errors import LorafleetError, RequestNotFoundError, ShuttingDownError
+
+if TYPE_CHECKING:
+    from lorafleet.engine.api import EngineAPI
 
 log = logging.getLogger("lorafleet.server")
 
@@ -63,7 +66,7 @@ def _put_all(items: list) -> None:
 
 
 class EngineWorker:
-    def __init__(self, engine, idle_wait: float = 0.5, resolver=None):
+    def __init__(self, engine: EngineAPI, idle_wait: float = 0.5, resolver=None):
         """`resolver` (a `store.resolver.StoreResolver`, or None): adapters named by requests are
         looked up in the store before the request is added."""
         self.engine = engine  # read only immutable things (tokenizer, max_model_len) off-thread

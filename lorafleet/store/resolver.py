@@ -20,9 +20,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorafleet.errors import StoreError
 from lorafleet.store.store import Store, check_name
+
+if TYPE_CHECKING:
+    from lorafleet.engine.api import EngineAPI
 
 log = logging.getLogger("lorafleet.server")
 
@@ -33,16 +37,17 @@ class StoreResolver:
         # name -> (its manifest's (mtime_ns, size), the folder registered) when we registered it
         self._known: dict[str, tuple[tuple[int, int], Path]] = {}
 
-    def resolve(self, engine, name: str) -> None:
+    def resolve(self, engine: EngineAPI, name: str) -> None:
         try:
             path = self.store.manifest_path("adapters", check_name(name))
             st = path.stat()
         except (StoreError, OSError):
             return  # not a store name, or not in the store: the engine answers (404)
         seen = (st.st_mtime_ns, st.st_size)
-        if name in engine.adapters:
+        registered = engine.adapter_path(name)
+        if registered is not None:
             known = self._known.get(name)
-            if known is None or known[1] != engine.adapters.get(name).path or known[0] == seen:
+            if known is None or known[1] != registered or known[0] == seen:
                 return  # the engine's own (or loaded over ours since), or ours and unchanged
         try:
             manifest = json.loads(path.read_text())

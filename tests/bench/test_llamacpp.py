@@ -22,6 +22,8 @@ from lorafleet.bench.llamacpp_build import (LlamaCppUnavailable, convert_adapter
                                             stand_in_tokenizer)
 from lorafleet.bench.workloads import BenchRequest, Workload
 
+pytestmark = pytest.mark.heavy  # builds llama-server
+
 REQUIRE = os.environ.get("LORAFLEET_REQUIRE_LLAMACPP") == "1"
 ONE_ADAPTER = Workload("one", 1, (4, 4), (4, 4), num_adapters=1, ranks=(8,))
 EOS = 2  # the bench models' </s>

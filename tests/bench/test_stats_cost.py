@@ -62,9 +62,10 @@ def test_a_poll_is_the_snapshot_and_its_json():
     from lorafleet.server.metrics import stats_body
 
     class Engine:  # what engine_snapshot reads
-        config = type("Config", (), {"max_num_seqs": 4})()
-        pool = type("Pool", (), {"num_pages": 8, "page_elems": 16})()  # lora_capacity: no adapter sized
-        adapters = type("Adapters", (), {"entries": {}})()
+        max_num_seqs = 4
+
+        def lora_capacity(self):  # no adapter sized yet
+            return {"max_adapters": 4, "median_pages": None, "sized_adapters": 0, "basis": "max_num_seqs"}
 
         def stats(self):
             return {"pool": {"page_map": [["free", 8]]}, "adapters": {"registered": 1}}

@@ -93,6 +93,7 @@ def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.heavy  # a whole benchmark run end to end
 def test_bench_quick_runs_every_system_warmed_up_and_writes_the_json_report_and_plots(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "report.json"
@@ -208,6 +209,7 @@ def test_a_lorafleet_error_prints_one_line_and_exits_with_its_code(tmp_path, mon
     assert "Traceback" not in result.output
 
 
+@pytest.mark.heavy  # a whole benchmark run end to end
 def test_lora_decode_quick_reports_the_ratios_issue_3_asks_for(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "lora.json"
@@ -221,6 +223,7 @@ def test_lora_decode_quick_reports_the_ratios_issue_3_asks_for(home, tmp_path, m
     assert row["one_vs_none_throughput"] > 0
 
 
+@pytest.mark.heavy  # a whole benchmark run end to end
 def test_switch_quick_regresses_latency_on_adapters_landed(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "switch.json"
@@ -233,6 +236,7 @@ def test_switch_quick_regresses_latency_on_adapters_landed(home, tmp_path, monke
     assert "adapters landed" in result.stdout
 
 
+@pytest.mark.heavy  # a whole benchmark run end to end
 def test_the_daemon_system_serves_the_same_requests_through_the_socket(home, tmp_path, monkeypatch):
     monkeypatch.setenv("LORAFLEET_HOME", str(home))
     out = tmp_path / "daemon.json"
@@ -246,6 +250,7 @@ def test_the_daemon_system_serves_the_same_requests_through_the_socket(home, tmp
     assert rows["lorafleet-daemon"]["details"]["warm_up"]["adapter_loaded"]
 
 
+@pytest.mark.heavy  # a whole benchmark run end to end
 def test_llama_cpp_runs_a_peer_workload_at_each_count_in_flight_and_tabulates_it(home, tmp_path, monkeypatch):
     """The verb through the daemon alone (llama-server's runs: tests/bench/test_llamacpp.py): the
     closed loop served at each count, one report each, the comparison's table printed."""

@@ -18,6 +18,8 @@ if os.environ.get("LORAFLEET_REQUIRE_RAY") != "1":
 
 from lorafleet.demo.skills import expected, user_turn  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # starts Ray
+
 
 def free_port() -> int:
     with socket.socket() as s:

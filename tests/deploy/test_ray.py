@@ -28,6 +28,8 @@ from ray import serve  # noqa: E402
 from lorafleet.demo import default_fleet  # noqa: E402
 from lorafleet.demo.skills import held_out_texts, user_turn  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # starts Ray
+
 POOL = 64 << 20
 APP = "lorafleet-test"
 

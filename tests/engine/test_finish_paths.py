@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import shutil
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from lorafleet import Engine, SamplingParams
+from lorafleet.engine import engine as engine_module
 from lorafleet.demo import default_fleet
 from lorafleet.demo.evaluate import chat_prompt
 from tests.fixtures import stepping
@@ -81,20 +83,20 @@ def test_pool_full_length(fleet):
 
 
 def test_deadline(engine, monkeypatch):
-    """Each step held to >= 5 ms, so the 0.3 s deadline comes long before the model's length
-    limit whatever the machine (the demo model decodes a token in ~1 ms: fast enough to reach
-    its maximum length within 0.3 s)."""
-    execute = engine.runner.execute
-
-    def slow(*args, **kwargs):
-        time.sleep(0.005)
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, "execute", slow)
+    """The deadline is read on the engine's clock, which here moves only when the test moves it:
+    past the deadline once the request has 12 tokens, so it ends with exactly those, however
+    long each step took on this machine."""
+    now = [time.monotonic()]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter))
     params = SamplingParams(max_tokens=5000, temperature=0, ignore_eos=True)
     rid = engine.add_request(chat_prompt(engine, None, "hello world"), params, deadline_s=0.3)
-    final = check_text_once(run(engine, rid), "deadline")
-    assert final.text.startswith("hello world") and len(final.token_ids) > 11
+    outs = []
+    for step_outs in stepping(engine, until=lambda: bool(outs and outs[-1].finished), timeout=60):
+        outs += [o for o in step_outs if o.request_id == rid]
+        if len(outs) == 12:
+            now[0] += 1.0  # past the deadline: the next step ends it
+    final = check_text_once(outs, "deadline")
+    assert final.text.startswith("hello world") and len(final.token_ids) == 12
 
 
 def test_abort(engine):

@@ -217,7 +217,7 @@ def test_the_engine_evicts_in_its_order(llama_dir, adapters, policy):
     e.generate([[5, 6, 7]], GREEDY, adapters=["kv"])                   # then the adapter goes idle
     cached = e.pool.num_cached
     assert cached >= 3 and e.adapters.get("kv").ready
-    e.adapters.order.recompute_s_per_token = 1.0  # recomputing is dear (a measured figure, forced)
+    e.arbiter.order.recompute_s_per_token = 1.0  # recomputing is dear (a measured figure, forced)
     e.adapters.step += 100                        # no hysteresis in the way
     e.generate([[5, 6, 7]], GREEDY, adapters=["kv2"])
     ev = e.stats()["eviction"]
@@ -241,12 +241,12 @@ def test_an_adapter_a_waiting_request_wants_is_evicted_for_kv_last(llama_dir, ad
         e.generate([[5, 6, 7]], GREEDY, adapters=["kv"])
         kv, cached = e.adapters.get("kv"), e.pool.num_cached
         assert cached >= 3 and kv.ready
-        e.adapters.order.recompute_s_per_token = 1.0  # recomputing is dear: the order prefers the adapter
+        e.arbiter.order.recompute_s_per_token = 1.0  # recomputing is dear: the order prefers the adapter
         e.adapters.step += 100
-        assert e.adapters.make_room(e.pool.num_free + 1, for_kv=True, wanted={kv} if wanted else ())
+        assert e.arbiter.make_room(e.pool.num_free + 1, for_kv=True, wanted={kv} if wanted else ())
         assert kv.ready == wanted and e.pool.num_cached == (cached - 1 if wanted else cached)
         if wanted:  # only the wanted adapter is left to give: it goes
-            assert e.adapters.make_room(e.pool.num_free + cached, for_kv=True, wanted={kv})
+            assert e.arbiter.make_room(e.pool.num_free + cached, for_kv=True, wanted={kv})
             assert not kv.ready and e.pool.num_cached == 0
         e.check_integrity()
 
@@ -282,6 +282,6 @@ def test_the_cost_order_gives_back_never_reused_blocks_before_reused_ones(llama_
         e.generate([one_off], GREEDY)
         assert len(e.kv.hot) == 3 and len(e.kv.cold) > 0
         for _ in range(len(e.kv.cold)):
-            e.adapters.make_room(e.pool.num_free + 1)           # one page at a time, as a load would
+            e.arbiter.make_room(e.pool.num_free + 1)           # one page at a time, as a load would
         hits = {name: hits_for(e, p, None)[0] for name, p in (("system", system), ("one-off", one_off))}
         assert hits[survivor] == 48, (policy, hits)

@@ -42,6 +42,7 @@ def test_mixed_ranks_eager_and_at_fixed_decode_shapes(llama_dir, tmp_path, monke
     assert graphs["replays"] >= GREEDY.max_tokens - 1 and graphs["recaptures"] == 0
 
 
+@pytest.mark.heavy  # the demo fleet through the Triton interpreter
 def test_the_demo_fleet_answers_through_the_triton_kernels(monkeypatch):
     """The base and three skills of different ranks and targets in one batch (10 tokens each:
     the interpreter is slow): token for token what the torch path answers."""

@@ -27,6 +27,8 @@ import pytest
 
 from lorafleet.kernels import build
 
+pytestmark = pytest.mark.heavy  # real builds of the C++ kernels
+
 FUNCTION = "add_one"
 BUILD_S = 600  # the most one start that compiles may take here
 LOAD_S = 120  # the most one start that only loads may take (import torch included)
@@ -50,6 +52,7 @@ print(json.dumps({"module": module.__file__, "seconds": seconds, "prefix": sys.p
 KEY = r"""
 import sys
 from lorafleet.kernels import build
+
 print(build.build_key(sys.argv[1], open(sys.argv[2]).read(), ["add_one"]))
 """
 

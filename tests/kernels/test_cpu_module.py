@@ -16,7 +16,7 @@ KERNELS = (linear_cpu, panels_cpu, pointwise_cpu, lora_cpu, paged_attention_cpu,
 pytestmark = pytest.mark.skipif(cpu_module.load() is None, reason="the kernels do not build here")
 
 
-@pytest.mark.parametrize("avx2", [False, True])
+@pytest.mark.parametrize("avx2", [False, pytest.param(True, marks=pytest.mark.heavy)])
 def test_every_kernel_module_loads_the_one_build_with_every_function(avx2):
     module = cpu_module.load(avx2)
     assert all(k.load(avx2) is module for k in KERNELS)

@@ -98,6 +98,7 @@ def test_past_max_rows_it_is_torchs_gemm_onednns_in_fp32_on_an_amd_cpu(isa, dtyp
             assert torch.equal(y, F.linear(x, w, bias))
 
 
+@pytest.mark.heavy  # the build without AVX-512
 def test_where_torchs_gemm_takes_over_per_build_and_cpu():
     """Where torch's GEMM takes over, per build: 64 rows where it has no AVX-512 (on the AMD host
     it was measured on, torch's GEMM ran at about half the kernel's rate up to there), and in fp32

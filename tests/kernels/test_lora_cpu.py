@@ -18,7 +18,7 @@ OPS = {"cpu": lora_cpu.lora, "cpu-avx2": lambda *args: lora_cpu.load(avx2=True).
        "reference": reference.lora}
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.heavy) if o == "cpu-avx2" else o for o in OPS])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_heterogeneous_segments_on_scattered_pages(op, seed):
     rng = random.Random(seed)
@@ -79,7 +79,7 @@ def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
     assert torch.equal(got[~case.covered], case.base[~case.covered])
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.heavy) if o == "cpu-avx2" else o for o in OPS])
 def test_each_layer_and_group_reads_its_own_fields_of_the_row_tables(op):
     # two slots (gate_up) in layer 2 of 3, then one slot (o) in layer 0: the entry picks the fields
     for slots, layer in ((2, 2), (1, 0)):

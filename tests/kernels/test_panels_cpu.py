@@ -58,6 +58,7 @@ def test_packed_panels_equal_the_exact_product_within_1e_5_at_every_row_count(n,
         assert got.shape == (t, n) and (got.double() - exact(x, w, b)).abs().max().item() <= 1e-5 * scale, (t, n, k)
 
 
+@pytest.mark.heavy  # the build without AVX-512
 def test_packed_weights_refuse_what_they_cannot_serve():
     mod = panels_cpu.load(avx2=True)  # the build with panels, whatever this CPU has
     packed = torch.randn(32, 16).view(2, 16, 16).transpose(1, 2).contiguous()

@@ -17,6 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # compiles every Triton kernel for two GPUs
+
 SCRIPT = r'''
 import re
 import subprocess
@@ -27,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from lorafleet.kernels import attention_triton as A, lora_triton as L
+
 
 INDEX = ("seg_ptr", "wi_ptr", "tables_ptr", "pages_ptr", "offsets_ptr", "lens_ptr", "q_start_ptr", "q_len_ptr",
          "start_pos_ptr")

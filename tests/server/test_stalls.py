@@ -33,6 +33,8 @@ from lorafleet.demo.skills import held_out_texts
 from tests.daemons import POOL, Daemon
 from tests.server.test_hostile import MAX_OTHER_CORES, NOISY_BOUND, STREAM, demo_running, read_stream
 
+pytestmark = pytest.mark.heavy  # timing: token gaps beside hostile input
+
 POOL_BYTES = int(POOL.rstrip("M")) << 20
 STREAMS = 16
 FLOOD = 1100

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from lorafleet.store.pull import pull
 from lorafleet.store.store import Store
 from tests.fixtures import ALL7, build_adapter, build_model
@@ -23,6 +25,7 @@ def start_pull(folder, home):
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
+@pytest.mark.heavy  # dozens of pull processes killed at random points
 def test_pulls_killed_at_random_points_leave_the_store_consistent(tmp_path):
     base = build_model(tmp_path / "base", "llama", hidden_size=256, intermediate_size=704, num_hidden_layers=4)
     old = build_adapter(base, tmp_path / "old", seed=1, r=8, target_modules=ALL7)

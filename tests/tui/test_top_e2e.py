@@ -16,6 +16,8 @@ import pytest
 
 from tests.daemons import ADAPTERS
 
+pytestmark = pytest.mark.heavy  # runs `lorafleet top` in tmux
+
 TMUX = shutil.which("tmux")
 if TMUX is None and os.environ.get("LORAFLEET_REQUIRE_TMUX") != "1":
     pytest.skip("tmux is not installed (LORAFLEET_REQUIRE_TMUX=1 makes this a failure)", allow_module_level=True)

@@ -21,7 +21,8 @@ class Entry(SimpleNamespace):
 
 
 class StubResidency:
-    """Adapters own pool pages; make_room evicts unpinned, unprotected ones, wanted ones last."""
+    """Adapters own pool pages; as the arbiter, make_room evicts unpinned, unprotected ones, wanted
+    ones last."""
 
     def __init__(self, pool, adapters):
         self.pool, self.entries = pool, {}
@@ -54,7 +55,7 @@ def test_a_preempted_request_whose_adapter_was_just_evicted_waits():
     pool = PagePool(9, kv_page_elems(1, 16, 1, 4), torch.float32, "cpu")
     kv = KVCacheManager(pool, 1, 16, 1, 4)
     residency = StubResidency(pool, {"b": 2, "c": 2})   # 5 pages left for KV
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=1000, residency=residency)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=1000, residency=residency, arbiter=residency)
     params = SamplingParams(max_tokens=4)
     reqs = [Request(f"p{i}", list(range(1, n + 1)), params, adapter,   # 3, 3 and 1 pages of KV
                     lora=residency.entries[adapter] if adapter else None)

@@ -1,0 +1,83 @@
+"""What the engine says about itself, read across its parts and written by none of them: the
+stats snapshot (`Engine.stats`, `/v1/stats`), the per-adapter queues, and the integrity check the
+tests run after every step. Read only: each part keeps the one writer of its own state."""
+
+from __future__ import annotations
+
+import itertools
+
+from lorafleet.engine.regression import live_switches
+from lorafleet.engine.stats import summary
+
+
+def lora_queues(scheduler) -> dict[str, dict[str, int]]:
+    """Requests per adapter name, running and waiting."""
+    out: dict[str, dict[str, int]] = {"running": {}, "waiting": {}}
+    for where, reqs in (("running", scheduler.running), ("waiting", scheduler.waiting)):
+        for r in reqs:
+            if r.adapter is not None:
+                out[where][r.adapter] = out[where].get(r.adapter, 0) + 1
+    return out
+
+
+def adapter_details(adapters) -> dict:
+    """`adapter_details`: name -> its record (`AdapterEntry.info`) with the p50/p99 of its recent
+    loads (`load_s`) and of its finished requests' exposed waits (`stall_s`), for every adapter a
+    request ever named or that holds memory; `untouched_adapters`: the names of the rest,
+    registered on disk and never asked for (nothing to say but the name: their files are first
+    read on their first request). A fleet of thousands polled every second pays for the adapters
+    in use, not for the registry (`lorafleet bench stats-cost`)."""
+    details, untouched = {}, []
+    for e in adapters.entries.values():
+        if e.tier == "disk" and not (e.hits or e.misses or e.users or e.disk_loads or e.error):
+            untouched.append(e.name)
+        else:
+            details[e.name] = {**e.info(), "load_s": summary(e.recent_loads), "stall_s": summary(e.recent_waits)}
+    return {"adapter_details": details, "untouched_adapters": untouched}
+
+
+def stats(engine) -> dict:
+    pool = engine.pool.stats()
+    return {
+        "model": str(engine.model_path),
+        "device": str(engine.device),
+        "max_model_len": engine.max_model_len,
+        "pool": {**pool, "page_map": engine.pool.page_runs()},
+        "adapters": engine.adapters.stats(),
+        "prefix_cache": engine.kv.stats(),
+        "eviction": engine.arbiter.order.stats(),
+        **adapter_details(engine.adapters),
+        "switches": live_switches(engine.counters.steps),
+        "scheduler": engine.scheduler.policy.snapshot(),
+        "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
+        "num_running": len(engine.scheduler.running),
+        "num_waiting": engine.scheduler.num_waiting,
+        "kernels": engine.model.kernels.name,
+        "decode_graphs": engine.runner.graphs.stats() if engine.runner.graphs else {"enabled": False},
+        **engine.counters.snapshot(),
+    }
+
+
+def check_integrity(engine) -> None:
+    """The pool's, the prefix cache's and the registry's own checks; then every request that
+    names an adapter holds its entry, the registry's user and pin counts equal the requests'
+    holds and the running ones' pins, and block tables belong to running requests alone."""
+    engine.pool.check_integrity()
+    engine.kv.check_integrity()
+    engine.adapters.check_integrity()
+    users: dict = {}
+    pins: dict = {}
+    for r in engine.requests.values():
+        if r.adapter is not None:
+            assert r.lora is not None and r.lora.name == r.adapter, f"{r.request_id}: adapter not held"
+            users[r.lora] = users.get(r.lora, 0) + 1
+    for r in engine.scheduler.running:
+        if r.lora is not None:
+            pins[r.lora] = pins.get(r.lora, 0) + 1
+    for entry in itertools.chain(engine.adapters.entries.values(), engine.adapters.retired):
+        assert entry.users == users.pop(entry, 0), f"adapter {entry.name!r}: users count is off"
+        assert entry.pins == pins.pop(entry, 0), f"adapter {entry.name!r}: pin count is off"
+    assert not users, "requests hold adapters the registry does not know"
+    live = {r.request_id for r in engine.scheduler.running}
+    assert live <= set(engine.kv.rows), "a running request has no block table"
+    assert set(engine.kv.rows) <= live, "pages held by a request that is not running"
