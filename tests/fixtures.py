@@ -194,3 +194,17 @@ def slow_down(monkeypatch, module, name: str, seconds: float) -> None:
         return fn(*args, **kwargs)
 
     monkeypatch.setattr(module, name, slowed)
+
+
+def demo_in_process():
+    """The demo fleet behind the daemon's app, in this process (`InProcessServer`): an engine on
+    the CPU with every adapter registered. The caller closes it."""
+    from lorafleet.demo import default_fleet
+    from lorafleet.deploy.inprocess import InProcessServer
+    from lorafleet.engine.engine import Engine
+
+    fleet = default_fleet()
+    engine = Engine(fleet.model, device="cpu", pool_bytes=64 << 20)
+    for name, path in fleet.adapters.items():
+        engine.register_adapter(name, path)
+    return InProcessServer(engine, fleet.name, fleet.model)

@@ -10,20 +10,13 @@ import time
 
 import pytest
 
-from lorafleet.demo import default_fleet
 from lorafleet.demo.skills import expected, user_turn
+from tests.fixtures import demo_in_process
 
 
 @pytest.fixture(scope="module")
 def server():
-    from lorafleet.deploy.inprocess import InProcessServer
-    from lorafleet.engine.engine import Engine
-
-    fleet = default_fleet()
-    engine = Engine(fleet.model, device="cpu", pool_bytes=64 << 20)
-    for name, path in fleet.adapters.items():
-        engine.register_adapter(name, path)
-    s = InProcessServer(engine, fleet.name, fleet.model)
+    s = demo_in_process()
     yield s
     s.close()
 

@@ -18,18 +18,12 @@ import pytest
 from lorafleet.demo import default_fleet
 from lorafleet.server import protocol
 from tests.daemons import Daemon
+from tests.fixtures import demo_in_process
 
 
 @pytest.fixture(scope="module")
 def server():
-    from lorafleet.deploy.inprocess import InProcessServer
-    from lorafleet.engine.engine import Engine
-
-    fleet = default_fleet()
-    engine = Engine(fleet.model, device="cpu", pool_bytes=64 << 20)
-    for name, path in fleet.adapters.items():
-        engine.register_adapter(name, path)
-    s = InProcessServer(engine, fleet.name, fleet.model)
+    s = demo_in_process()
     yield s
     s.close()
 

@@ -66,15 +66,21 @@ async def read_stream(http, body) -> tuple[str, str | None, list[float]]:
     return "".join(text), reason, times
 
 
+async def start_streams(http, bodies, running: int | None = None, within_s: float = 60) -> list:
+    """A stream for each body; their tasks, once the engine runs `running` of them (all)."""
+    streams = [asyncio.create_task(read_stream(http, b)) for b in bodies]
+    deadline = time.monotonic() + within_s
+    while demo_running(await http.get("/v1/stats")) < (running or len(bodies)):
+        assert time.monotonic() < deadline, "the streams did not start"
+        await asyncio.sleep(0.002)
+    return streams
+
+
 def beside_ten_streams(demo, send_hostile):
     """Run 10 streams; once they all produce tokens, `send_hostile(http)`; return both."""
     async def run():
         async with demo.async_http(timeout=120.0) as http:
-            started = [asyncio.create_task(read_stream(http, b)) for b in stream_bodies()]
-            deadline = time.monotonic() + 30
-            while demo_running(await http.get("/v1/stats")) < 10:
-                assert time.monotonic() < deadline, "the 10 streams did not start"
-                await asyncio.sleep(0.002)
+            started = await start_streams(http, stream_bodies(), running=10)
             hostile = await send_hostile(http)
             return await asyncio.gather(*started), hostile
     return asyncio.run(run())
@@ -275,11 +281,7 @@ def load_beside_streams(daemon, name: str, path) -> tuple[float, float, str]:
 
     async def run():
         async with daemon.async_http(timeout=120.0) as http:
-            streams = [asyncio.create_task(read_stream(http, b)) for b in bodies]
-            deadline = time.monotonic() + 60
-            while demo_running(await http.get("/v1/stats")) < len(bodies):
-                assert time.monotonic() < deadline, "the streams did not start"
-                await asyncio.sleep(0.002)
+            streams = await start_streams(http, bodies)
             await asyncio.sleep(0.1)
             cpu0, t0 = machine.cpu_seconds((daemon.proc.pid,)), time.monotonic()
             r = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})

@@ -31,7 +31,7 @@ from lorafleet.bench import machine
 from lorafleet.demo import default_fleet
 from lorafleet.demo.skills import held_out_texts
 from tests.daemons import POOL, Daemon
-from tests.server.test_hostile import MAX_OTHER_CORES, NOISY_BOUND, STREAM, demo_running, read_stream
+from tests.server.test_hostile import MAX_OTHER_CORES, NOISY_BOUND, STREAM, start_streams
 
 pytestmark = pytest.mark.heavy  # timing: token gaps beside hostile input
 
@@ -183,11 +183,7 @@ def beside_streams(daemon, send) -> tuple[list, float, float | None, float, str]
 
     async def run():
         async with daemon.async_http(timeout=120.0) as http:
-            streams = [asyncio.create_task(read_stream(http, b)) for b in bodies]
-            deadline = time.monotonic() + 60
-            while demo_running(await http.get("/v1/stats")) < len(bodies):
-                assert time.monotonic() < deadline, "the streams did not start"
-                await asyncio.sleep(0.002)
+            streams = await start_streams(http, bodies)
             await asyncio.sleep(0.2)
             rss0 = rss(daemon.proc.pid)
             cpu0, t0 = machine.cpu_seconds((daemon.proc.pid,)), time.monotonic()
