@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from lorafleet import paths
-from lorafleet.errors import ConfigError, DaemonUnreachableError, ServerError
+from lorafleet.errors import ConfigError, DaemonStartingError, DaemonUnreachableError, ServerError
 
 # generation may take as long as it takes; everything else answers within a step or two
 _GENERATE_TIMEOUT = httpx.Timeout(10.0, read=None)
@@ -59,6 +60,11 @@ class Client:
 
     # -- plumbing ----------------------------------------------------------------------------
     def unreachable(self) -> DaemonUnreachableError:
+        if self.socket is not None and (pid := paths.starting_daemon(self.socket)) is not None:
+            return DaemonStartingError(
+                f"the lorafleet daemon on {self.socket} (pid {pid}) is still starting: it loads its model, "
+                "and on a machine's first start builds the CPU kernels (a minute or two); "
+                "`lorafleet logs -f` shows where it is", pid)
         if self.socket is None:
             return DaemonUnreachableError(f"no lorafleet daemon answers at {self.where}; start one with "
                                           "`lorafleet serve --host H --port P --api-key KEY`")
@@ -108,6 +114,24 @@ class Client:
     # -- endpoints ---------------------------------------------------------------------------
     def health(self) -> dict:
         return self._json("GET", "/health")
+
+    def wait_started(self, timeout: float, waiting: Callable[[DaemonStartingError], None] = lambda e: None,
+                     poll: float = 0.5) -> None:
+        """Return once the daemon answers; while it is starting (`DaemonStartingError`) call
+        `waiting` once and poll, up to `timeout` seconds. Any other failure (no daemon at all, or one
+        that died while starting) raises at once; still starting at the deadline raises that."""
+        deadline, told = time.monotonic() + timeout, False
+        while True:
+            try:
+                self.health()
+                return
+            except DaemonStartingError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                if not told:
+                    waiting(e)
+                    told = True
+            time.sleep(poll)
 
     def stats(self) -> dict:
         """The daemon's /v1/stats; refused as not a lorafleet daemon's unless it has its parts."""

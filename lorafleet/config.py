@@ -7,7 +7,9 @@ unified pool's byte size is the only memory knob, and KV and adapters share it.
 from __future__ import annotations
 
 import os
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
 from lorafleet.errors import ConfigError
 
@@ -107,3 +109,26 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if not isinstance(self.max_tcp_connections, int) or self.max_tcp_connections < 1:
             raise ConfigError(f"max_tcp_connections must be a positive integer, got {self.max_tcp_connections!r}")
+
+
+CONFIG_TABLES = ("serve",)  # what $LORAFLEET_HOME/config.toml may hold: one table per verb it sets defaults of
+
+
+def read_config_file(path: Path) -> dict[str, dict]:
+    """The tables of the config file at `path` ({} where there is none). A file that is not TOML,
+    or that holds anything but the known tables, is a ConfigError naming the file: a misspelt
+    table must not be ignored in silence."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    for key, value in data.items():
+        if key not in CONFIG_TABLES or not isinstance(value, dict):
+            raise ConfigError(f"{path}: unknown {'table' if isinstance(value, dict) else 'key'} {key!r} "
+                              f"(known tables: {', '.join(f'[{t}]' for t in CONFIG_TABLES)})")
+    return data

@@ -130,6 +130,17 @@ class DaemonUnreachableError(LorafleetError):
     code = "daemon_unreachable"
 
 
+class DaemonStartingError(DaemonUnreachableError):
+    """A daemon holds the socket's pid file but does not answer yet: it is loading its model (and,
+    on a machine's first start, building the CPU kernels)."""
+
+    code = "daemon_starting"
+
+    def __init__(self, message: str, pid: int):
+        super().__init__(message)
+        self.pid = pid
+
+
 class StoreError(LorafleetError):
     """A store operation was refused: a bad name, a missing item, an inconsistent file."""
 

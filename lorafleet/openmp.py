@@ -9,7 +9,7 @@ a small kernel, so a small call on 2 threads measured slower than on one. `OMP_W
 with `GOMP_SPINCOUNT=2000` makes a worker spin briefly before it sleeps: across the gaps inside a
 step, not across the gaps between steps, where the daemon's event loop and its clients need the
 cores (ACTIVE alone spins for minutes: through the daemon it measured much slower). With it,
-steps and their LoRA calls measured faster, in-process and through the daemon (README, Kernels).
+steps and their LoRA calls measured faster, in-process and through the daemon (docs/benchmark-history.md).
 Both are defaults: a variable the user set wins.
 
 Which thread owns them (`serial_thread`): libgomp gives every thread that runs a parallel region

@@ -3,6 +3,9 @@
 - `LORAFLEET_HOME`, default `$XDG_DATA_HOME/lorafleet` (`~/.local/share/lorafleet`).
 - `LORAFLEET_SOCKET`, default `$XDG_RUNTIME_DIR/lorafleet/lorafleet.sock`, or
   `$LORAFLEET_HOME/run/lorafleet.sock` where there is no runtime dir.
+- `$LORAFLEET_HOME/config.toml`: `serve`'s defaults (its `[serve]` table).
+- A detached daemon's log (`log_file`): `$LORAFLEET_HOME/logs/daemon.log` for the default socket,
+  one file per other socket; the link `SOCKET.log` beside the socket names the file it writes.
 
 The socket itself is 0600: whoever can connect can load adapters from any path the daemon can
 read, so only its owner may. Directories the daemon creates for it are 0700; an existing one is
@@ -13,7 +16,10 @@ here imports torch.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shlex
+import re
 import stat
 from pathlib import Path
 
@@ -50,8 +56,46 @@ def pidfile_path(socket: Path) -> Path:
     return socket.with_name(socket.name + ".pid")
 
 
+def starting_daemon(socket: Path) -> int | None:
+    """The pid of a lorafleet daemon that claimed `socket` (its pid file) and lives, or None. The
+    daemon writes that file before it loads its model and binds the socket, so a live one there
+    while nothing answers on the socket is a daemon still starting. Reads, never locks: a
+    starting daemon's own check of the file must not see a reader's lock."""
+    try:
+        content = pidfile_path(socket).read_bytes()[:32]
+        pid = int(content)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if pid > 0 and b"lorafleet" in cmdline else None
+
+
 def logs_dir() -> Path:
     return home() / "logs"
+
+
+def config_file() -> Path:
+    """`serve`'s defaults: the `[serve]` table of this TOML file."""
+    return home() / "config.toml"
+
+
+def log_file(socket: Path) -> Path:
+    """Where a detached daemon (or the service) on `socket` logs by default: `daemon.log` for the
+    default socket, else a file of that socket's own, so that two daemons never share one. The
+    name is the socket's name made safe plus a digest of its whole path: two sockets of one name
+    in two folders get two files, and no character of a path reaches the file name unchecked."""
+    socket = Path(os.path.abspath(socket))
+    if socket == Path(os.path.abspath(socket_path())):
+        return logs_dir() / "daemon.log"
+    digest = hashlib.sha256(os.fsencode(str(socket))).hexdigest()[:8]
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.stem).strip(".")[:40] or "socket"
+    return logs_dir() / f"daemon-{stem}-{digest}.log"
+
+
+def log_link(socket: Path) -> Path:
+    """The symbolic link beside `socket` that `serve --detach` points at its log file (which
+    `--log-file` may have put anywhere), for `lorafleet logs` to find."""
+    return socket.with_name(socket.name + ".log")
 
 
 def socket_dir(path: Path) -> Path:
@@ -89,3 +133,10 @@ def check_socket_path(path: Path) -> Path:
         raise ConfigError(f"socket path {path} is {len(os.fsencode(str(path)))} bytes; Unix sockets "
                           f"allow {MAX_SOCKET_PATH}: choose a shorter one (--socket or LORAFLEET_SOCKET)")
     return path
+
+
+def command_for(sock: Path, verb: str, *args: str) -> str:
+    """The command line that reaches the daemon on `sock` (`lorafleet stop`, ...): with
+    `--socket` unless `sock` is the default one, which the command would reach anyway."""
+    target = [] if os.path.abspath(sock) == os.path.abspath(socket_path()) else ["--socket", os.path.abspath(sock)]
+    return shlex.join(["lorafleet", verb, *target, *args])

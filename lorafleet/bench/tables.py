@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 from rich import box
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from lorafleet.bench.report import CONTENDED_CORES, SUBJECTS
+
+# the width tables get away from a terminal: no table comes near it, so none is ever cut
+UNBOUNDED_WIDTH = 100_000
+
+
+def console(file=None) -> Console:
+    """The console the tables print on (stdout, or `file`): a terminal's width on a terminal;
+    elsewhere (a file, a pipe) wide enough for every table, whose cells are never cut, where
+    rich would cut them to 80 columns. Markup on: the tables style cells with it and escape
+    what they quote."""
+    out = Console(file=file)
+    return out if out.is_terminal else Console(file=file, width=UNBOUNDED_WIDTH)
 
 
 def render(report: dict) -> list[Table]:

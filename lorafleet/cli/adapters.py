@@ -9,8 +9,8 @@ import typer
 
 from lorafleet.cli import store as store_cli
 from lorafleet.errors import AdapterNotFoundError, DaemonUnreachableError, LorafleetError
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, out_console,
-                                  print_json, ranks_text, user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, human_bytes,
+                                  out_console, print_json, ranks_text, user_errors)
 
 app = typer.Typer(help="List, inspect, load, unload and remove LoRA adapters (the daemon's and the store's).",
                   no_args_is_help=True)
@@ -86,13 +86,46 @@ def show(name: NameArg, socket: SocketOption = None, url: UrlOption = None, api_
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
-    for key, value in info.items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
-        elif isinstance(value, list):
-            value = ", ".join(map(str, value)) or "-"
-        grid.add_row(key, str(value))
+    for key, value in show_rows(info):
+        grid.add_row(key, value)
     out_console().print(grid)
+
+
+def show_rows(info: dict, indent: str = "") -> list[tuple[str, str]]:
+    """`adapters show`'s lines: each field as people read it (`human`); the store record, a
+    dict, as its own lines under "store", indented."""
+    rows = []
+    for key, value in info.items():
+        if key == "store" and isinstance(value, dict):
+            rows.append((indent + key, ""))
+            rows += show_rows(value, indent + "  ")
+        else:
+            rows.append((indent + key, human(key, value)))
+    return rows
+
+
+def human(key: str, value) -> str:
+    """A field's value for people: '-' for none, yes/no, sizes in KiB/MiB, times in ms or s,
+    lists joined, dicts as `k=v` (a store record's files as their count)."""
+    if value is None or value == "" or value == [] or value == {}:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)) and (key == "size" or key.endswith("_bytes")):
+        return human_bytes(value)
+    if isinstance(value, (int, float)) and key.endswith("_s"):
+        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return ", ".join(human("", v) for v in value)
+    if isinstance(value, dict):
+        if key == "files":
+            return f"{len(value)} file{'s' if len(value) != 1 else ''}"
+        if key == "base" and "name" in value:
+            return str(value["name"])
+        return ", ".join(f"{k}={human(k, v)}" for k, v in value.items())
+    return str(value)
 
 
 @app.command("load")

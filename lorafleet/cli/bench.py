@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from lorafleet.cli import bench_suites as suites
-from lorafleet.cli.common import err_console, fail, styled, user_errors
+from lorafleet.cli.common import err_console, fail, json_errors, styled, user_errors
 
 ALL_SYSTEMS = "lorafleet,transformers,peft-groups,peft-mixed,merged"
 PEER_WORKLOADS = ("peer-base", "peer-one-adapter", "peer-round-robin")  # bench llama-cpp's
@@ -42,7 +42,8 @@ Out = Annotated[str | None, typer.Option(  # str: a Path would drop the trailing
     "--out", "-o", metavar="PATH",
     help="Where to write the JSON report (and any PNG plots next to it): a file, or a directory "
          "(existing, or ending in /) to get TIMESTAMP.json. Default: ./bench-results/TIMESTAMP.json")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the JSON report on stdout instead of the tables.")]
+AsJson = Annotated[bool, typer.Option("--json", callback=json_errors, help="Print the JSON report on stdout "
+                                      "instead of the tables; errors too, as JSON on stderr.")]
 Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:N].")]
 Threads = Annotated[int | None, typer.Option("--threads", min=1, help="torch threads. Default: all cores.")]
 Quick = Annotated[bool, typer.Option("--quick", help="A smoke run: the micro shape, fewer steps.")]
@@ -136,29 +137,24 @@ def llama_cpp(
     suites.check_shapes(shapes)
     suites.check_choices("--workload", loads, PEER_WORKLOADS)
     suites.check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
+    suites.require(shapes, names)
+    if "llama.cpp" in names:
+        suites.llama_server()
     path = resolve_out_path(out)
     with user_errors():
-        from lorafleet.bench.llamacpp_build import LlamaCppUnavailable, server_binary
         from lorafleet.bench.runner import run_suite
         from lorafleet.bench.workloads import get_workload
 
-        if "llama.cpp" in names:
-            try:  # the build, with its progress, before the runs (their workers' output is captured)
-                server_binary(suites.say)
-            except LlamaCppUnavailable as e:
-                suites.say(f"llama.cpp will be skipped: {e}")
         variants = tuple(get_workload(w).with_concurrency(n) for w in loads for n in counts)
         report = run_suite(shapes, path, workloads=variants, systems=tuple(names), sweeps={}, name="llama-cpp",
                            device="cpu", threads=threads, console=err_console)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
-        from rich.console import Console
-
-        from lorafleet.bench.tables import peer_tables
+        from lorafleet.bench.tables import console, peer_tables
 
         for table in peer_tables(report):
-            Console().print(table)
+            console().print(table)
         for warning in (w for rep in report["reports"] for w in rep["warnings"]):
             err_console.print(styled("noisy:", "yellow", warning))
         err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
@@ -186,7 +182,9 @@ def lora_decode(
 
         return run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
                                peft=peft and not quick, threads=threads, progress=suites.say)
-    suites.suite("lora-decode", model or (["micro"] if quick else ["tiny"]), one, "lora_decode_table", out, as_json)
+    needs = {m: "PEFT's mixed-adapter batch, which --no-peft leaves out" for m in ("transformers", "peft")}
+    suites.suite("lora-decode", model or (["micro"] if quick else ["tiny"]), one, "lora_decode_table", out, as_json,
+                 needs=needs if peft and not quick else None)
 
 
 @app.command("decode-bound")
@@ -318,4 +316,4 @@ def gpu(
         batches = [min(b, 8) for b in batch or [64]] if quick else batch or [64]
         small = dict(max_tokens=4, many=min(many, 12), context=64) if quick else {"many": many}
         return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=suites.say, **small)
-    suites.suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json)
+    suites.suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json, on_device=True)

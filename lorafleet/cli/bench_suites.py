@@ -1,9 +1,11 @@
 """How the `lorafleet bench` subcommands run: the throughput suites (`throughput`: run, quick,
 full, llama-cpp), the one-figure suites (`suite`: one result per shape, its table, its JSON
-report), and the checks of their choices. Importing it imports neither torch nor the bench code."""
+report), and the checks of their choices and of the modules they need (`require`, before
+anything runs). Importing it imports neither torch nor the bench code."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from typing import Callable
@@ -11,6 +13,11 @@ from typing import Callable
 import typer
 
 from lorafleet.cli.common import err_console, fail, styled, user_errors
+
+BENCH_EXTRA = "pip install 'lorafleet[bench]'"  # pyproject's `bench` extra: every module below
+# the modules a system needs beyond lorafleet's own (llama.cpp's: its converters', beside the build)
+SYSTEM_MODULES = {"transformers": ("transformers",), "peft-groups": ("transformers", "peft"),
+                  "peft-mixed": ("transformers", "peft"), "llama.cpp": ("gguf", "sentencepiece")}
 
 
 def throughput(shapes: list[str], loads: list[str] | None, systems: str, counts: tuple[int, ...],
@@ -25,6 +32,9 @@ def throughput(shapes: list[str], loads: list[str] | None, systems: str, counts:
     check_shapes(shapes)
     check_choices("--workload", loads or [], WORKLOADS)
     check_choices("--systems", names or [""], SYSTEM_NAMES)
+    require(shapes, names, plots=True)
+    if "llama.cpp" in names:
+        llama_server()
     path = resolve_out_path(out)
     common = dict(device=device, threads=threads, console=err_console, max_baseline_requests=max_baseline_requests)
     with user_errors():
@@ -50,13 +60,11 @@ def print_report(report: dict, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
-    from rich.console import Console
+    from lorafleet.bench import tables
 
-    from lorafleet.bench.tables import render, suite_summary
-
-    console = Console()
+    console = tables.console()
     for rep in report.get("reports", [report]):
-        for table in render(rep):
+        for table in tables.render(rep):
             console.print(table)
         plots = {k: v for k, v in rep.get("plots", {}).items() if k != "notes"}
         for kind, path in plots.items():
@@ -66,22 +74,24 @@ def print_report(report: dict, as_json: bool) -> None:
         for warning in rep.get("warnings", []):
             err_console.print(styled("noisy:", "yellow", warning))
     if "reports" in report:
-        console.print(suite_summary(report))
+        console.print(tables.suite_summary(report))
     err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
 
 
 def suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str, out: str | None,
-           as_json: bool) -> None:
+          as_json: bool, needs: dict[str, str] | None = None, on_device: bool = False) -> None:
     """lora-decode, decode-bound, switch, overhead, store-load, stats-cost and gpu: one result per
     shape, `tables.<table>` of them, the JSON report. Each runs lorafleet's engine in this
     process: its OpenMP workers wait as under `lorafleet serve` (`lorafleet/openmp.py`), set
-    before anything here imports torch."""
+    before anything here imports torch. `needs`, `on_device`: what `require` checks first,
+    beside building the shapes' models."""
+    check_shapes(shapes)
+    require(shapes, on_device=on_device, needs=needs)
     from lorafleet import openmp
 
     openmp.set_defaults()
     from lorafleet.bench.report import resolve_out_path, write_json
 
-    check_shapes(shapes)
     path, started = resolve_out_path(out), time.perf_counter()
     with user_errors():
         results = [run_one(shape) for shape in dict.fromkeys(shapes)]
@@ -91,11 +101,9 @@ def suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: s
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
-        from rich.console import Console
-
         from lorafleet.bench import tables
 
-        Console().print(getattr(tables, table)(results))
+        tables.console().print(getattr(tables, table)(results))
     err_console.print(f"wrote {path}", highlight=False)
 
 
@@ -124,3 +132,61 @@ def check_choices(option: str, given: list[str], choices) -> None:
     if unknown:
         raise typer.BadParameter(f"{', '.join(repr(u) for u in unknown)} (choose from {', '.join(choices)})",
                                  param_hint=option)
+
+
+def require(shapes: list[str], systems: list[str] | tuple[str, ...] = (), plots: bool = False,
+            on_device: bool = False, needs: dict[str, str] | None = None) -> None:
+    """Fail in one line, before anything runs, naming each module the run needs that is not
+    installed and the command that installs them all: transformers to build a shape's random
+    model not built yet, each system's (`SYSTEM_MODULES`), matplotlib for the plots, and `needs`
+    (module -> what for). A subcommand that went on would end in a traceback minutes later."""
+    from lorafleet.bench.fixtures import cache_key, cache_root
+
+    wanted: dict[str, dict[str, list[str]]] = {}  # module -> what for -> names
+
+    def want(module: str, what: str, name: str) -> None:
+        wanted.setdefault(module, {}).setdefault(what, []).append(name)
+    for shape in dict.fromkeys(shapes):
+        if not (cache_root() / cache_key(shape, 0, on_device) / "config.json").is_file():  # build_base's test
+            want("transformers", "model", shape)
+    for system in systems:
+        for module in SYSTEM_MODULES.get(system, ()):
+            want(module, "system", system)
+    if plots:
+        want("matplotlib", "the plots", "")
+    for module, why in (needs or {}).items():
+        want(module, why, "")
+
+    def reasons(whats: dict[str, list[str]]) -> str:
+        return "; ".join(f"to build the {_and(names)} model{'s' * (len(names) > 1)}" if what == "model" else
+                         f"for the {_and(names)} system{'s' * (len(names) > 1)}" if what == "system" else
+                         f"for {what}" for what, names in whats.items())
+    missing = [f"{m} ({reasons(whats)})" for m, whats in wanted.items() if not _installed(m)]
+    if missing:
+        raise fail(f"not installed: {', '.join(missing)}. Install the bench's dependencies: {BENCH_EXTRA}",
+                   code="missing_dependency")
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, found without importing it (transformers takes seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported already, without a spec
+        return True
+    except ImportError:  # a parent package that fails
+        return False
+
+
+def llama_server() -> None:
+    """llama.cpp's server, built before the runs when it is not (minutes, with its progress; the
+    workers' output is captured); one line naming what is missing when it cannot be built."""
+    from lorafleet.bench.llamacpp_build import LlamaCppUnavailable, server_binary
+
+    try:
+        server_binary(say)
+    except LlamaCppUnavailable as e:
+        raise fail(f"llama.cpp cannot run: {e}") from None

@@ -4,6 +4,9 @@ Both consoles print text literally (no rich markup, no highlighting): names, pat
 come from users and files, and `[b]` in a path is a folder name, not bold. What is styled is
 styled with `styled`, never with markup in a string.
 
+With `--json` (`JsonOption`), a verb's failure is a JSON object on stderr instead of that line,
+`{"error": {"code": ..., "message": ...}}`, with the same exit code: `fail` decides, for every verb.
+
 Nothing here imports torch, triton or the engine: `lorafleet --help` must answer fast.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated
 
@@ -33,19 +37,32 @@ def styled(label: str, style: str, message: str = "") -> Text:
     return Text.assemble((label, style), " " if message else "", message)
 
 
-def fail(message: str, exit_code: int = 1) -> typer.Exit:
-    """Print `error: message` on stderr; return the Exit to raise."""
-    err_console.print(styled("error:", "bold red", message), soft_wrap=True)
+# set by `--json` (`json_errors`) for the command line it belongs to, unset when that ends
+_json_errors: ContextVar[bool] = ContextVar("lorafleet_json_errors", default=False)
+
+# a failure's `code` when the caller names none, by exit code (LorafleetErrors carry their own)
+_CODES = {1: "error", 2: "usage_error", 3: "daemon_unreachable"}
+
+
+def fail(message: str, exit_code: int = 1, code: str | None = None) -> typer.Exit:
+    """Print `error: message` on stderr, or with `--json` the object `{"error": {"code", "message"}}`
+    (`code` defaults by exit code); return the Exit to raise."""
+    if _json_errors.get():
+        error = {"code": code or _CODES.get(exit_code, "error"), "message": message}
+        typer.echo(json.dumps({"error": error}, ensure_ascii=False), err=True)  # one line, never wrapped
+    else:
+        err_console.print(styled("error:", "bold red", message), soft_wrap=True)
     return typer.Exit(exit_code)
 
 
 @contextmanager
 def user_errors():
-    """Turn a `LorafleetError` into one line on stderr and its exit code, without a traceback."""
+    """Turn a `LorafleetError` into one line on stderr (or its JSON) and its exit code, without a
+    traceback."""
     try:
         yield
     except LorafleetError as e:
-        raise fail(str(e), e.exit_code) from None
+        raise fail(str(e), e.exit_code, e.code) from None
 
 
 # -- what the client verbs share ---------------------------------------------------------------
@@ -61,7 +78,21 @@ UrlOption = Annotated[str | None, typer.Option(
 ApiKeyOption = Annotated[str | None, typer.Option(
     "--api-key", envvar="LORAFLEET_API_KEY", metavar="KEY",
     help="The daemon's API key, sent as `Authorization: Bearer KEY` (needed with --url).")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of text.")]
+
+
+def json_errors(ctx: typer.Context, value: bool) -> bool:
+    """`--json`'s callback: the command's failures print JSON too (see `fail`), until it ends.
+    Undone when the root context closes: it always does, where a subcommand's context is never
+    closed when a later option of the command line is refused."""
+    if value:
+        _json_errors.set(True)
+        ctx.find_root().call_on_close(lambda: _json_errors.set(False))
+    return value
+
+
+JsonOption = Annotated[bool, typer.Option(
+    "--json", callback=json_errors,
+    help="Print JSON for scripts instead of text; errors too, as {\"error\": {\"code\", \"message\"}} on stderr.")]
 
 
 def client(socket: Path | None, url: str | None = None, api_key: str | None = None):

@@ -11,7 +11,8 @@ from typing import Annotated
 import typer
 
 from lorafleet import __version__
-from lorafleet.cli import adapters, bench, chat, deploy, serve, status, store, top
+from lorafleet.cli import adapters, bench, chat, deploy, logs, ps, serve, service, status, store, top
+from lorafleet.cli.serve_config import ServeCommand
 from lorafleet.cli.common import fail
 from lorafleet.errors import LorafleetError
 
@@ -23,8 +24,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # docstring paragraphs reflow to the terminal's width
 )
-app.command("serve")(serve.serve)
+app.command("serve", cls=ServeCommand)(serve.serve)
 app.command("status")(status.status)
+app.command("ps")(ps.ps)
+app.command("logs")(logs.logs)
 app.command("stop")(status.stop)
 app.command("chat")(chat.chat)
 app.command("top")(top.top)
@@ -34,6 +37,7 @@ app.add_typer(store.models_app, name="models")
 app.add_typer(store.store_app, name="store")
 app.add_typer(bench.app, name="bench")
 app.add_typer(deploy.app, name="deploy")
+app.add_typer(service.app, name="service")
 
 
 def _print_version(value: bool) -> None:

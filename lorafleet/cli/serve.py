@@ -1,10 +1,13 @@
 """`lorafleet serve`: run the daemon in the foreground (or detached, with --detach).
 
-The engine, the server and torch are imported only when the daemon starts.
+Its defaults come from `$LORAFLEET_HOME/config.toml` and `--lora-modules` reads as vLLM's
+(`serve_config.ServeCommand`, the command's class). The engine, the server and torch are
+imported only when the daemon starts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -16,6 +19,7 @@ from typing import Annotated
 
 import typer
 
+from lorafleet import paths
 from lorafleet.cli.common import SocketOption, err_console, fail, user_errors
 from lorafleet.errors import DaemonUnreachableError, LorafleetError
 
@@ -34,14 +38,36 @@ def parse_size(text: str | None, option: str = "--pool-bytes") -> int | None:
     return int(number * 1024 ** ("kmgt".index(unit) + 1)) if unit else int(number)
 
 
+ADAPTER_HINT = "--adapter / --lora-modules"
+
+
 def parse_adapters(specs: list[str] | None) -> dict[str, Path]:
+    """NAME=PATH, or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}` (the
+    base's name is accepted and not checked: one daemon serves one base), -> name -> folder."""
     out = {}
     for spec in specs or []:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise typer.BadParameter(f"{spec!r}: use NAME=PATH", param_hint="--adapter")
+        name, path = _adapter_spec(spec)
+        if name in out:
+            raise typer.BadParameter(f"adapter {name!r} given twice", param_hint=ADAPTER_HINT)
         out[name] = Path(path).expanduser().resolve()
     return out
+
+
+def _adapter_spec(spec: str) -> tuple[str, str]:
+    if spec.lstrip().startswith("{"):
+        try:
+            obj = json.loads(spec)
+        except ValueError as e:
+            raise typer.BadParameter(f"{spec!r} is not JSON: {e}", param_hint=ADAPTER_HINT) from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str) \
+                or not obj["name"] or not obj["path"] or set(obj) - {"name", "path", "base_model_name"}:
+            raise typer.BadParameter(f"{spec!r}: use {{\"name\": NAME, \"path\": PATH}} (and optionally "
+                                     "\"base_model_name\"), with string values", param_hint=ADAPTER_HINT)
+        return obj["name"], obj["path"]
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise typer.BadParameter(f"{spec!r}: use NAME=PATH", param_hint=ADAPTER_HINT)
+    return name, path
 
 
 def serve(
@@ -60,7 +86,9 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="The base's name in `model` fields. Default: the model folder's name.")] = None,
     adapter: Annotated[list[str] | None, typer.Option(
-        "--adapter", "-a", metavar="NAME=PATH", help="Load a PEFT adapter folder at start; repeat for more.")] = None,
+        "--adapter", "-a", "--lora-modules", metavar="NAME=PATH",
+        help="Load a PEFT adapter folder at start; repeat for more. --lora-modules is vLLM's spelling: it "
+             "also takes several after one flag, and vLLM's JSON form {\"name\": ..., \"path\": ...}.")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:N].")] = "auto",
     pool_bytes: Annotated[str | None, typer.Option(
         "--pool-bytes", metavar="SIZE", help="The unified page pool (KV + adapters), e.g. 2GiB. "
@@ -92,17 +120,25 @@ def serve(
                                                  "same adapter weights.")] = True,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Start the daemon in the background and return once it answers.")] = False,
     log_file: Annotated[Path | None, typer.Option(
-        "--log-file", metavar="PATH", help="With --detach: where the daemon logs. Default: $LORAFLEET_HOME/logs/daemon.log.")] = None,
+        "--log-file", metavar="PATH", help="With --detach: where the daemon logs. Default: $LORAFLEET_HOME/logs/"
+                                           "daemon.log (for another socket than the default, a file of its own).")] = None,
+    print_config: Annotated[bool, typer.Option(
+        "--print-config", help="Print the settings this command line would use (as TOML: each with where it came "
+                               "from) and exit without starting.")] = False,
 ) -> None:
     """Run the daemon: one base model, many LoRA adapters, an OpenAI-compatible API on a Unix socket.
 
+    Defaults come from the [serve] table of $LORAFLEET_HOME/config.toml; flags win.
     SIGTERM or Ctrl-C drains in-flight requests (up to --drain-timeout seconds), then exits 0.
     """
-    from lorafleet import paths
     from lorafleet.config import ServerConfig
 
     with user_errors():
         sock = paths.socket_path(socket)
+        if print_config:
+            from lorafleet.cli.serve_config import print_config as show
+
+            return show(ctx, sock, log_file or paths.log_file(sock))
         model, stored_name = model_folder(model)
         served_model_name = served_model_name or stored_name
         config = ServerConfig(socket=str(sock), host=host, port=port, api_key=api_key,
@@ -156,8 +192,8 @@ def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, P
         fleet = default_fleet()
         model, name = fleet.model, fleet.name
         adapters = {**fleet.adapters, **adapters}
-        log.info("no MODEL given: serving the bundled demo fleet (%s and the adapters %s); "
-                 "try `lorafleet chat --adapter reverse \"hello world\"`", name, ", ".join(fleet.adapters))
+        log.info("no MODEL given: serving the bundled demo fleet (%s and the adapters %s); try `%s`", name,
+                 ", ".join(fleet.adapters), paths.command_for(Path(config.socket), "chat", "--adapter", "reverse", "hello world"))
     else:
         name = model.name
     name = config.served_model_name or name
@@ -180,11 +216,22 @@ def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, P
     run_daemon(build_engine, config, name, str(model), adapters, resolver)
 
 
-def _setup_logging() -> None:
-    from rich.logging import RichHandler
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # a file's: one line an event, dated
 
-    handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False, markup=False)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", datefmt="[%X]", handlers=[handler], force=True)
+
+def _setup_logging() -> None:
+    """On a terminal, rich's columns (time, level, message); anywhere else (the log file of
+    `--detach` and of the service, a pipe) one plain line per event with its date and time, for
+    grep and `lorafleet logs`."""
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False,
+                                               markup=False, log_time_format="[%X]")
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
@@ -215,10 +262,26 @@ def _rebuild_argv(command, params: dict, **overrides) -> list[str]:
     return ["serve", *options, *(["--", *arguments] if arguments else [])]
 
 
+def started_message(pid: int, sock: Path, log_file: Path) -> str:
+    return (f"lorafleet daemon started (pid {pid}) on {sock}; logs in {log_file} (`{paths.command_for(sock, 'logs', '-f')}`); "
+            f"stop it with `{paths.command_for(sock, 'stop')}`")
+
+
+def _link_log(sock: Path, log_file: Path) -> None:
+    """Point the link beside the socket at the daemon's log (`paths.log_link`), replacing an old
+    link of ours; anything else there is left alone (then `logs` falls back to the default)."""
+    link = paths.log_link(sock)
+    try:
+        if link.is_symlink() and link.lstat().st_uid == os.geteuid():
+            link.unlink()
+        link.symlink_to(log_file.absolute())
+    except OSError:  # a file of that name, or a folder we may not write: `logs` then needs --log-file
+        pass
+
+
 def _detach(argv: list[str], sock: Path, log_file: Path | None, api_key: str | None,
             wait_s: float = 600.0) -> None:
     """Start `lorafleet <argv>` in a new session, logging to a file; return once it answers."""
-    from lorafleet import paths
     from lorafleet.client import Client
 
     with Client(sock) as c:
@@ -227,7 +290,7 @@ def _detach(argv: list[str], sock: Path, log_file: Path | None, api_key: str | N
             raise fail(f"a lorafleet daemon (pid {pid}) already serves {sock}")
         except DaemonUnreachableError:
             pass
-    log_file = log_file or paths.logs_dir() / "daemon.log"
+    log_file = log_file or paths.log_file(sock)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "COLUMNS": os.environ.get("COLUMNS", "120")}
     if api_key:
@@ -249,5 +312,5 @@ def _detach(argv: list[str], sock: Path, log_file: Path | None, api_key: str | N
                 time.sleep(0.2)
         else:
             raise fail(f"the daemon (pid {child.pid}) did not answer within {wait_s:.0f}s; see {log_file}")
-    err_console.print(f"lorafleet daemon started (pid {child.pid}) on {sock}; logs in {log_file}; "
-                      "stop it with `lorafleet stop`", highlight=False, soft_wrap=True)
+    _link_log(sock, log_file)
+    err_console.print(started_message(child.pid, sock, log_file), highlight=False, soft_wrap=True)

@@ -65,8 +65,13 @@ def stop(
 ) -> None:
     """Stop the daemon: in-flight requests finish first (SIGTERM), then it exits. Socket only
     (no --url): it signals the daemon's pid, so the daemon must run on this machine."""
+    from lorafleet.errors import DaemonStartingError
+
     with user_errors(), client(socket) as c:
-        pid = c.stats()["server"]["pid"]
+        try:
+            pid, starting = c.stats()["server"]["pid"], False
+        except DaemonStartingError as e:  # it has no socket yet: its pid file names it
+            pid, starting = e.pid, True
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -75,7 +80,7 @@ def stop(
             raise fail(f"not allowed to signal the daemon (pid {pid})") from None
         # gone once its socket is removed (the daemon's last step) or the process has ended
         deadline = time.monotonic() + timeout
-        while _alive(pid) and c.socket.exists():
+        while _alive(pid) and (starting or c.socket.exists()):
             if time.monotonic() > deadline:
                 raise fail(f"the daemon (pid {pid}) is still draining after {timeout:g}s; "
                            f"`kill -INT {pid}` stops it without waiting")

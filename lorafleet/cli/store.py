@@ -32,6 +32,12 @@ def served_base(socket, url: str | None = None, api_key: str | None = None) -> P
     return Path(base["root"]).resolve() if base and base.get("root") else None
 
 
+def _served(socket) -> tuple[str, Path] | None:
+    """The name and folder of the base the daemon on `socket` serves (None: no daemon answers)."""
+    base = next((m for m in daemon_models(socket) or () if not m.get("parent")), None)
+    return (base["id"], Path(base["root"])) if base and base.get("root") else None
+
+
 def size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
@@ -47,11 +53,15 @@ def pull(
                                                   "names, else the only one).")] = None,
     strict_base: Annotated[bool, typer.Option("--strict-base", help="Refuse an adapter whose "
                                               "base_model_name_or_path names another base (default: a warning).")] = False,
+    socket: Annotated[Path | None, typer.Option(
+        "--socket", metavar="PATH", help="The daemon whose base an adapter is validated against when the store "
+                                         "does not decide (default: LORAFLEET_SOCKET, else the default socket).")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Fetch a base or an adapter into the store, validated once.
 
-    Adapters are checked against a stored base exactly as a load would check them; only
+    Adapters are checked against a base (--for's, the stored one the adapter names, the one the
+    running daemon serves, or the store's only one) exactly as a load would check them; only
     safetensors and JSON files are fetched and stored, never pickles; installs are atomic and
     content-addressed. Hub downloads honour HF_TOKEN and resume."""
     from lorafleet.store.pull import pull as do_pull
@@ -60,7 +70,8 @@ def pull(
         err_console.print(styled("warning:", "yellow", message))
     with user_errors():
         manifest = do_pull(source, name=name, base=base, revision=revision, for_model=for_model,
-                           strict_base=strict_base, progress=not as_json, warn=warn)
+                           strict_base=strict_base, progress=not as_json, warn=warn,
+                           served=None if base or for_model else _served(socket))
     if as_json:
         return print_json(manifest)
     what = "base" if base else f"adapter (ranks {ranks_text(manifest)}, validated against {manifest['base']['name']})"

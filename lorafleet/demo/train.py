@@ -2,7 +2,7 @@
 
 Run by hand (needs the `train` extra: transformers and peft), never in CI. Seeded: the same
 command on the same torch build gives the same files. On a 2-core CPU the whole fleet takes
-about the time printed at the end (see README, "The demo fleet").
+about the time printed at the end (docs/demo.md).
 
 1. A byte-level tokenizer (the `tokenizers` library; one token per byte, a few special tokens,
    a chat template) saved as tokenizer.json + tokenizer_config.json.

@@ -111,7 +111,9 @@ class AdapterEntry:
                 "pages": len(self.pages or ()), "users": self.users,
                 "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
                 "loads": self.disk_loads, "device_loads": self.device_loads,
-                "evictions": self.evictions, "load_time_s": self.load_time_s, "error": self.error}
+                "evictions": self.evictions, "load_time_s": self.load_time_s, "error": self.error,
+                # seconds since a request last used it (or it became ready); None: never loaded
+                "idle_s": time.monotonic() - self.last_used if self.last_used else None}
 
 
 class AdapterResidency:

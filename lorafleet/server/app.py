@@ -25,7 +25,7 @@ from lorafleet import __version__
 from lorafleet.errors import AdapterError, LorafleetError, UnauthorizedError
 from lorafleet.memory.residency import check_name
 from lorafleet.server import metrics
-from lorafleet.server.completions import read_json, router as completions_router, state_of
+from lorafleet.server.completions import pull_hint, read_json, router as completions_router, state_of
 from lorafleet.server.errors import ErrorResponse
 from lorafleet.server.protocol import bad
 from lorafleet.server.state import ServerState
@@ -65,10 +65,22 @@ def model_card(st: ServerState, name: str, adapter: dict | None) -> dict:
     return card
 
 
+async def all_adapters(request: Request, st: ServerState) -> list[dict]:
+    """The engine's adapters, then the store's that fit the served base and that the engine does not
+    hold yet (`tier` "store": the resolver registers one on its first request)."""
+    adapters = await on_engine(request, lambda engine: engine.list_adapters())
+    resolver = st.worker.resolver
+    if resolver is None:
+        return adapters
+    held = {a["name"] for a in adapters}
+    stored = await asyncio.to_thread(resolver.available, st.model_path)
+    return adapters + [a for a in stored if a["name"] not in held]
+
+
 @v1.get("/v1/models")
 async def list_models(request: Request):
     st = state_of(request)
-    adapters = await on_engine(request, lambda engine: engine.list_adapters())
+    adapters = await all_adapters(request, st)
     cards = [model_card(st, st.base_name, None)] + [model_card(st, a["name"], a) for a in adapters]
     return {"object": "list", "data": cards}
 
@@ -78,11 +90,10 @@ async def show_model(request: Request, name: str):
     st = state_of(request)
     if name == st.base_name:
         return model_card(st, name, None)
-    adapters = await on_engine(request, lambda engine: engine.list_adapters())
-    for a in adapters:
+    for a in await all_adapters(request, st):
         if a["name"] == name:
             return model_card(st, name, a)
-    e = LorafleetError(f"model {name!r} does not exist (GET /v1/models lists them)")
+    e = LorafleetError(f"model {name!r} does not exist (GET /v1/models lists them){pull_hint(st, name)}")
     e.http_status, e.code, e.param = 404, "model_not_found", "model"
     raise e
 

@@ -64,6 +64,14 @@ async def chat_completions(request: Request):
     return await generate(request, st, gen, "chatcmpl")
 
 
+def pull_hint(st: ServerState, name: str) -> str:
+    """How an adapter of that name could come to exist here."""
+    if st.worker.resolver is not None:
+        return (f"; to serve an adapter under that name, store it with `lorafleet pull SOURCE --name {name}` "
+                "(the daemon serves stored adapters on their first request)")
+    return "; load one with POST /v1/load_lora_adapter (this daemon does not serve the store)"
+
+
 async def generate(request: Request, st: ServerState, gen: Generation, prefix: str):
     n = 1 if gen.kind == "chat" else len(gen.prompts)
     st.admit(n)
@@ -75,8 +83,10 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
             await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink))
     except AdapterNotFoundError:
         run.close()
+        store = ", nor in the store" if st.worker.resolver is not None else ""
         e = AdapterNotFoundError(f"model {gen.model!r} does not exist: it is neither the base "
-                                 f"({st.base_name!r}) nor a loaded adapter (GET /v1/models lists them)")
+                                 f"({st.base_name!r}) nor a loaded adapter{store} (GET /v1/models lists them)"
+                                 f"{pull_hint(st, gen.model)}")
         e.code, e.param = "model_not_found", "model"
         raise e from None
     except BaseException:

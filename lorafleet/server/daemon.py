@@ -40,7 +40,7 @@ from lorafleet import openmp
 from lorafleet.config import ServerConfig
 from lorafleet.errors import ConfigError, DaemonRunningError
 from lorafleet.model.config import generation_defaults
-from lorafleet.paths import check_socket_path, pidfile_path, socket_dir
+from lorafleet.paths import check_socket_path, command_for, pidfile_path, socket_dir
 from lorafleet.server.app import create_app
 from lorafleet.server.connections import guarded_protocol, raise_fd_limit
 from lorafleet.server.state import ServerState
@@ -109,7 +109,7 @@ class PidLock:
             if locked:
                 pid = content.decode(errors="replace").strip() or "?"
                 raise DaemonRunningError(f"a lorafleet daemon (pid {pid}) already serves {socket_path}; "
-                                         "stop it with `lorafleet stop` or choose another --socket")
+                                         f"stop it with `{command_for(socket_path, 'stop')}` or choose another --socket")
             if not PID_FILE.fullmatch(content):
                 raise not_ours
             pid = int(content)
@@ -163,7 +163,7 @@ def clear_stale_socket(path: Path) -> None:
         return
     finally:
         probe.close()
-    raise DaemonRunningError(f"a daemon already answers on {path}; stop it with `lorafleet stop` "
+    raise DaemonRunningError(f"a daemon already answers on {path}; stop it with `{command_for(path, 'stop')}` "
                              "or choose another --socket")
 
 
@@ -236,6 +236,11 @@ class DaemonServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def _stop_starting(signum, frame) -> None:
+    log.info("stopped while starting (SIGTERM)")
+    raise SystemExit(0)
+
+
 def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
           adapters: dict[str, Path] | None = None, resolver=None) -> None:
     """Run the daemon until SIGTERM/SIGINT. `engine_factory()` builds the Engine (after the
@@ -246,6 +251,9 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
     lock = PidLock(pidfile_path(sock_path)).acquire(sock_path)
     worker = engine = None
     sockets: list[socket.socket] = []
+    # SIGTERM while starting (`lorafleet stop` of a daemon not answering yet) unwinds through the
+    # `finally` below, so the pid file goes with it; the server's own handlers replace this one
+    signal.signal(signal.SIGTERM, _stop_starting)
     try:
         clear_stale_socket(sock_path)
         engine = engine_factory()

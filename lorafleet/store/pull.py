@@ -8,7 +8,8 @@ laid out as the engine's pages hold them (`memory.layout.save`, stored beside th
 `lorafleet-layout.safetensors`, for the pages of the default `block_size`: a load from the store
 maps it and copies it, nothing else; an engine with other pages lays it out again). The
 base is the one named with `--for`, else the stored base whose name or Hub id its
-`base_model_name_or_path` names, else the only base in the store. A `base_model_name_or_path`
+`base_model_name_or_path` names, else the base a running daemon serves (stored or a folder: the
+manifest then records the folder), else the only base in the store. A `base_model_name_or_path`
 naming another model is a warning (an error with `strict_base`): shapes decide what can be
 served, the name is a hint. A base is checked as the engine reads it (`model.config.ModelConfig`:
 the architecture and features it can serve) and must hold safetensors weights. Only the files
@@ -45,25 +46,36 @@ def _hub_id(manifest: dict) -> str | None:
     return source[3:] if source.startswith("hf:") else None
 
 
-def choose_base(store: Store, adapter_cfg: dict, for_model: str | None) -> dict:
+def choose_base(store: Store, adapter_cfg: dict, for_model: str | None,
+                served: tuple[str, Path] | None = None) -> dict:
+    """The base an adapter is validated against: `--for`'s; else the stored base its
+    base_model_name_or_path names; else the base a running daemon serves (`served`: its name and
+    folder), stored or not; else the store's only base. A base that is not stored is returned as
+    {"name", "snapshot": None, "folder"}."""
     if for_model is not None:
         return store.get("models", for_model)
     bases = store.list("models")
-    if not bases:
-        raise StoreError("the store holds no base model to validate the adapter against: pull one first "
-                         "(lorafleet pull SOURCE --base)")
     wanted = adapter_cfg.get("base_model_name_or_path")
     named = [b for b in bases if wanted and wanted in (b["name"], _hub_id(b))]
     if len(named) == 1:
         return named[0]
+    if served is not None:
+        name, folder = served
+        folder = folder.resolve()
+        stored = [b for b in bases if store.folder(b).resolve() == folder]
+        return stored[0] if stored else {"name": name, "snapshot": None, "folder": str(folder)}
     if len(bases) == 1:
         return bases[0]
+    if not bases:
+        raise StoreError("the store holds no base model to validate the adapter against, and no daemon "
+                         "serves one: pull one first (lorafleet pull SOURCE --base) or start the daemon "
+                         "on the base (lorafleet serve MODEL)")
     raise StoreError(f"the store holds {len(bases)} bases and the adapter's base_model_name_or_path names "
                      "none of them: say which with --for MODEL")
 
 
 def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_base: bool,
-                      warn: Callable[[str], None], layout_file: Path) -> dict:
+                      warn: Callable[[str], None], layout_file: Path, served: tuple[str, Path] | None) -> dict:
     """Validate the adapter in `folder` (raises on any problem), write its laid-out weights to
     `layout_file`, and return the manifest's adapter fields."""
     from lorafleet.config import EngineConfig
@@ -73,8 +85,8 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
     from lorafleet.model.config import ModelConfig
 
     cfg = read_adapter_config(folder)
-    base = choose_base(store, cfg, for_model)
-    model = ModelConfig.from_folder(store.folder(base))
+    base = choose_base(store, cfg, for_model, served)
+    model = ModelConfig.from_folder(store.base_folder(base))
     shapes = BaseShapes.from_model_config(model)
     adapter = load_adapter(folder, shapes)  # AdapterError names what is wrong
     wanted = cfg.get("base_model_name_or_path")
@@ -87,7 +99,8 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
     page_elems = kv_page_elems(model.num_layers, EngineConfig().block_size, model.num_kv_heads, model.head_dim)
     layout.save(layout_file, adapter, shapes, page_elems)
     ranks = adapter.ranks
-    return {"digest": adapter.digest, "base": {"name": base["name"], "snapshot": base["snapshot"]},
+    where = {"snapshot": base["snapshot"]} if base["snapshot"] else {"snapshot": None, "folder": base["folder"]}
+    return {"digest": adapter.digest, "base": {"name": base["name"], **where},
             "ranks": ranks, "modules": sorted(ranks), "params": adapter.num_params}
 
 
@@ -107,15 +120,17 @@ def default_name(source: str) -> str:
 
 def pull(source: str, *, name: str | None = None, base: bool = False, revision: str | None = None,
          for_model: str | None = None, strict_base: bool = False, store: Store | None = None,
-         progress: bool = True, warn: Callable[[str], None] = lambda m: None) -> dict:
+         progress: bool = True, warn: Callable[[str], None] = lambda m: None,
+         served: tuple[str, Path] | None = None) -> dict:
     """Validate and store SOURCE (a folder, or a Hub repo id) as NAME; returns the manifest.
+    `served`: the name and folder of the base a running daemon serves (see `choose_base`).
     A refusal raises (StoreError, AdapterError, ModelLoadError...) and leaves the store as it was.
 
     From the Hub, weight files are downloaded into the store's partial downloads (resumed by the
     next pull if this one dies), claimed until the install has moved them into the store."""
     store = store or Store()
     try:
-        return _pull(source, name, base, revision, for_model, strict_base, store, progress, warn)
+        return _pull(source, name, base, revision, for_model, strict_base, store, progress, warn, served)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise _no_space(e, store, Path(source).expanduser()) from None
@@ -144,7 +159,8 @@ def _size(n: float) -> str:
 
 
 def _pull(source: str, name: str | None, base: bool, revision: str | None, for_model: str | None,
-          strict_base: bool, store: Store, progress: bool, warn: Callable[[str], None]) -> dict:
+          strict_base: bool, store: Store, progress: bool, warn: Callable[[str], None],
+          served: tuple[str, Path] | None) -> dict:
     kind = "models" if base else "adapters"
     name = check_name(name if name is not None else default_name(source))
     path = Path(source).expanduser()
@@ -181,7 +197,7 @@ def _pull(source: str, name: str | None, base: bool, revision: str | None, for_m
         from lorafleet.memory.layout import LAYOUT_FILE
 
         laid_out = tmp / LAYOUT_FILE
-        record = _validate_adapter(store, folder, for_model, strict_base, warn, laid_out)
+        record = _validate_adapter(store, folder, for_model, strict_base, warn, laid_out, served)
         with store.lock():
             return store.install(kind, name, {**{f: folder / f for f in ADAPTER_FILES}, LAYOUT_FILE: laid_out},
                                  {**record, **origin}, take=take)

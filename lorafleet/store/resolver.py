@@ -53,10 +53,21 @@ class StoreResolver:
             manifest = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return  # replaced while read: the next request sees the new one
-        base = self.store.snapshots / manifest["base"]["snapshot"]
-        same_base = base.resolve() == Path(engine.model_path).resolve()  # validated against this very base
+        same_base = self.store.base_folder(manifest["base"]).resolve() == Path(engine.model_path).resolve()
         folder = self.store.folder(manifest)
         engine.register_adapter(name, folder, manifest["digest"] if same_base else None)
         self._known[name] = (seen, folder)
         log.info("adapter %s resolved from the store (%s, digest %s)", name, manifest.get("source"),
                  str(manifest.get("digest"))[:12])
+
+    def available(self, model_path: str | Path) -> list[dict]:
+        """The stored adapters validated against the base at `model_path` (the daemon's): what
+        /v1/models lists beside the engine's adapters before their first request. Reads the
+        store's manifests: called off the event loop and the engine thread."""
+        here = Path(model_path).resolve()
+        try:
+            adapters = self.store.list("adapters")
+        except (StoreError, OSError):
+            return []
+        return [{"name": m["name"], "path": str(self.store.folder(m)), "ranks": m["ranks"], "tier": "store",
+                 "digest": m["digest"]} for m in adapters if self.store.base_folder(m["base"]).resolve() == here]

@@ -114,6 +114,11 @@ class Store:
         """The folder the engine loads: the item's snapshot (symlinks to its blobs)."""
         return self.snapshots / manifest["snapshot"]
 
+    def base_folder(self, base: dict) -> Path:
+        """Where an adapter manifest's base is: a stored base's snapshot, or the folder of the base
+        a daemon served when the adapter was pulled (not in the store: `pull.choose_base`)."""
+        return self.snapshots / base["snapshot"] if base.get("snapshot") else Path(base["folder"])
+
     def blob(self, sha256: str, size: int | None = None) -> Path | None:
         """The stored file of that sha256 (and size), if the store has it."""
         if not SHA256_RE.match(sha256 or ""):

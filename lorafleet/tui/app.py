@@ -22,106 +22,26 @@ from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import ModalScreen
+from textual.containers import Horizontal, Vertical
+from textual.events import Resize
 from textual.widgets import DataTable, Footer, Input, Static
 
 from lorafleet.cli.common import duration
 from lorafleet.errors import DaemonUnreachableError, LorafleetError
-
-NOT_LORAFLEET = "what answers is not a lorafleet daemon (its /v1/stats lacks what a daemon reports)"
 from lorafleet.tui import model
+from lorafleet.tui.screens import AdapterScreen, HelpScreen
 from lorafleet.tui.widgets import PoolMap, Rates, SwitchPanel, owner_style
 
-HELP = """\
-[b]lorafleet top[/b]: pool, adapters and switch cost, from /v1/stats
-
-[b]p[/b]        pause / resume (no polling while paused)
-[b]q[/b]        quit
-[b]?[/b]        this help
-[b]/[/b]        filter the adapters by name (Enter, Esc: done)
-[b]s[/b] [b]S[/b]      sort by the next column / reverse the order
-         (or click a column's header)
-[b]Enter[/b]    the highlighted adapter's detail (Esc closes)
-[b]Tab[/b]      between the adapters table and the pool map
-[b]arrows[/b]   move in the table, or over the pool map's cells
-
-Pool map: · free, [dodger_blue1]█[/] KV, [cyan3]▒[/] cached KV, a colour per
-adapter; the highlighted adapter's pages are inverted.
-Rates: per second of the daemon's clock.
-Switches: adapters loaded per step, and per-token latency
-against them with the slope fitted within step shape
-(the engine's last 1,000 steps).
-
-Esc closes this help."""
+NOT_LORAFLEET = "what answers is not a lorafleet daemon (its /v1/stats lacks what a daemon reports)"
+TIER_STYLE = {"device": "green", "host": "yellow", "disk": "grey50"}
+NARROW = 100  # below this many columns the switches panel takes the table's place on `w`, not its side
 
 
-class HelpScreen(ModalScreen):
-    BINDINGS = [Binding("escape,question_mark,q", "app.pop_screen", "close")]
-    DEFAULT_CSS = """
-    HelpScreen { align: center middle; }
-    HelpScreen > VerticalScroll { width: 66; height: auto; max-height: 90%;
-                                  border: round $accent; background: $surface; padding: 0 1; }
-    """
+class AdapterTable(DataTable):
+    """The adapters table; a new width refits its columns (`model.fit_columns`)."""
 
-    def compose(self) -> ComposeResult:
-        with VerticalScroll():
-            yield Static(HELP)
-
-
-class AdapterScreen(ModalScreen):
-    """One adapter's record: what the table shows and the rest of it (digest, path, per-module
-    ranks, evictions, totals), refreshed with each snapshot while open."""
-
-    BINDINGS = [Binding("escape,enter", "app.pop_screen", "close")]
-    DEFAULT_CSS = """
-    AdapterScreen { align: center middle; }
-    AdapterScreen > VerticalScroll { width: 90%; max-width: 96; height: auto; max-height: 90%;
-                                     border: round $accent; background: $surface; padding: 0 1; }
-    """
-
-    def __init__(self, name: str, row: dict | None):
-        super().__init__()
-        self.adapter, self.row = name, row
-
-    def compose(self) -> ComposeResult:
-        with VerticalScroll():
-            yield Static(id="detail")
-
-    def on_mount(self) -> None:
-        self.show(self.row)
-
-    def show(self, row: dict | None) -> None:
-        self.row = row
-        out = Text()
-        out.append(f"{self.adapter}\n", style=f"bold {owner_style(self.adapter)}")
-        if row is None:
-            out.append("no longer known to the daemon (unloaded or replaced)\n", style="italic")
-        elif row["info"] is None:
-            out.append("registered on disk and never asked for: its files are read on its first request\n"
-                       "(`lorafleet adapters show NAME` prints where they are)\n", style="italic")
-        else:
-            info = row["info"]
-            fields = [
-                ("tier", row["tier"]), ("pinned", "yes" if info["pinned"] else "no"),
-                ("ranks", ", ".join(f"{m} {r}" for m, r in sorted(info["ranks"].items())) or "-"),
-                ("parameters", f"{info['params']:,}"), ("pages", str(info["pages"])),
-                ("requests", f"{row['running']} running, {row['waiting']} waiting, {info['users']} holding it"),
-                ("hits / misses", f"{info['hits']} / {info['misses']}"),
-                ("loads", f"{info['loads']} from disk, {info['device_loads']} onto the device, "
-                          f"{info['evictions']} evictions"),
-                ("load time", f"p50 {model.ms(row['load_p50'])} ms, p99 {model.ms(row['load_p99'])} ms, "
-                              f"{info['load_time_s']:.3f} s in all"),
-                ("exposed stall", f"p50 {model.ms(info['stall_s']['p50'])} ms, p99 {model.ms(row['stall_p99'])} ms"),
-                ("digest", info["digest"] or "(not read yet)"), ("path", info["path"]),
-            ]
-            if info["error"]:
-                fields.append(("last error", info["error"]))
-            for k, v in fields:
-                out.append(f"{k:>14}  ", style="bold")
-                out.append(f"{v}\n")
-        out.append("Esc closes", style="dim")
-        self.query_one("#detail", Static).update(out)
+    def on_resize(self, event: Resize) -> None:
+        self.app.refit_table()
 
 
 class TopApp(App):
@@ -143,7 +63,7 @@ class TopApp(App):
     BINDINGS = [
         Binding("q", "quit", "quit"), Binding("p", "pause", "pause"), Binding("question_mark", "help", "help"),
         Binding("slash", "filter", "filter"), Binding("s", "sort(1)", "sort"),
-        Binding("S", "sort(0)", "reverse", show=False),
+        Binding("S", "sort(0)", "reverse", show=False), Binding("w", "switches", "switches"),
     ]
 
     def __init__(self, source: Callable[[], dict] | None, where: str, interval: float = 1.0):
@@ -158,6 +78,8 @@ class TopApp(App):
         self.sort_key, self.sort_reverse = "running", True
         self.filter_text = ""
         self._wake = threading.Event()       # cuts the poller's sleep short (resume)
+        self.columns: list[str] = []         # the table's columns now: those that fit whole
+        self.show_switches = False           # narrow screens: the switches panel instead of the table
 
     # -- layout ------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -171,7 +93,7 @@ class TopApp(App):
                     yield Rates(id="rates")
             with Horizontal(id="lower"):
                 with Vertical(id="table-box"):
-                    yield DataTable(id="adapters", cursor_type="row", zebra_stripes=True)
+                    yield AdapterTable(id="adapters", cursor_type="row", zebra_stripes=True)
                     yield Input(placeholder="filter adapters by name", id="filter")
                 yield SwitchPanel(id="switches")
         yield Footer()
@@ -181,10 +103,7 @@ class TopApp(App):
         self.query_one("#rates-box").border_title = "throughput · latency p50/p99"
         self.query_one("#table-box").border_title = "adapters"
         self.query_one("#switches").border_title = "switches"
-        table = self.query_one("#adapters", DataTable)
-        for col in model.COLUMNS:
-            table.add_column(col.label, key=col.key)
-        table.focus()
+        self.query_one("#adapters", DataTable).focus()
         self._draw_status()
         if self.source is not None:
             self.poll()
@@ -276,9 +195,6 @@ class TopApp(App):
         self._draw_table()
         if isinstance(self.screen, AdapterScreen):
             self.screen.show(self._row(self.screen.adapter))
-        box = self.query_one("#table-box")
-        box.border_subtitle = (f"{len(self.rows)} known · sorted by {self._sort_label()}"
-                               + (f" · filter '{self.filter_text}'" if self.filter_text else ""))
 
     def _sort_label(self) -> str:
         label = next(c.label for c in model.COLUMNS if c.key == self.sort_key)
@@ -288,20 +204,42 @@ class TopApp(App):
         return next((r for r in self.rows if r["name"] == name), None)
 
     def _draw_table(self) -> None:
+        """The rows, in the columns that fit whole (the rest: Enter, the adapter's detail)."""
         table = self.query_one("#adapters", DataTable)
         selected = self.selected_adapter()
         rows = model.sort_rows(model.filter_rows(self.rows, self.filter_text), self.sort_key, self.sort_reverse)
-        table.clear()
-        for r in rows:
-            tier_style = {"device": "green", "host": "yellow", "disk": "grey50"}[r["tier"]]
-            table.add_row(
-                Text(r["name"], style=owner_style(r["name"])), Text(r["tier"], style=tier_style),
-                r["ranks_text"], str(r["pages"]), str(r["running"]), str(r["waiting"]),
-                str(r["hits"]), str(r["misses"]), str(r["loads"]), model.ms(r["load_p50"]),
-                model.ms(r["load_p99"]), model.ms(r["stall_p99"]), key=r["name"])
+        texts = [model.cell_texts(r) for r in rows]
+        width = table.size.width - table.styles.scrollbar_size_vertical  # the scrollbar's, whether shown or not
+        columns = model.fit_columns(texts, width, table.cell_padding) if width > 0 else model.COLUMNS
+        table.clear(columns=[c.key for c in columns] != self.columns)
+        if [c.key for c in columns] != self.columns:
+            for col in columns:
+                table.add_column(col.label, key=col.key)
+            self.columns = [c.key for c in columns]
+        for r, t in zip(rows, texts):
+            style = {"name": owner_style(r["name"]), "tier": TIER_STYLE[r["tier"]]}
+            table.add_row(*(Text(t[k], style=style[k]) if k in style else t[k] for k in self.columns), key=r["name"])
         if selected is not None and selected in table.rows:
             table.move_cursor(row=table.get_row_index(selected), animate=False)
         self.query_one(PoolMap).highlight = self.selected_adapter()
+        hidden = len(model.COLUMNS) - len(self.columns)
+        self.query_one("#table-box").border_subtitle = (
+            f"{len(self.rows)} known · sorted by {self._sort_label()}"
+            + (f" · filter '{self.filter_text}'" if self.filter_text else "")
+            + (f" · {hidden} more: Enter" if hidden else ""))
+
+    def refit_table(self) -> None:
+        if self.stats is not None:
+            self._draw_table()
+
+    def on_resize(self, event: Resize) -> None:
+        self._place_switches(event.size.width)
+
+    def _place_switches(self, width: int) -> None:
+        """Beside the table on a wide screen; on a narrow one, in the table's place while `w` says."""
+        narrow = width < NARROW
+        self.query_one("#switches").display = not narrow or self.show_switches
+        self.query_one("#table-box").display = not narrow or not self.show_switches
 
     def selected_adapter(self) -> str | None:
         table = self.query_one("#adapters", DataTable)
@@ -319,6 +257,10 @@ class TopApp(App):
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
+
+    def action_switches(self) -> None:
+        self.show_switches = not self.show_switches
+        self._place_switches(self.size.width)
 
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)

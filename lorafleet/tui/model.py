@@ -12,6 +12,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from rich.cells import cell_len
+
 from lorafleet.cli.common import ranks_text
 
 HISTORY = 600  # samples kept per series: 10 minutes at one poll per second
@@ -88,13 +90,15 @@ class Column:
     key: str
     label: str
     numeric: bool = True
+    keep: int = 0  # a narrow screen drops whole columns, the highest `keep` first, never cuts one
 
 
 COLUMNS = (
-    Column("name", "adapter", numeric=False), Column("tier", "tier", numeric=False), Column("rank", "rank"),
-    Column("pages", "pages"), Column("running", "run"), Column("waiting", "wait"), Column("hits", "hits"),
-    Column("misses", "miss"), Column("loads", "loads"), Column("load_p50", "load p50"),
-    Column("load_p99", "load p99"), Column("stall_p99", "stall p99"),
+    Column("name", "adapter", numeric=False, keep=0), Column("tier", "tier", numeric=False, keep=1),
+    Column("rank", "rank", keep=2), Column("pages", "pages", keep=5), Column("running", "run", keep=3),
+    Column("waiting", "wait", keep=4), Column("hits", "hits", keep=9), Column("misses", "miss", keep=8),
+    Column("loads", "loads", keep=10), Column("load_p50", "load p50", keep=11),
+    Column("load_p99", "load p99", keep=7), Column("stall_p99", "stall p99", keep=6),
 )
 COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 TIER_ORDER = {"device": 0, "host": 1, "disk": 2}
@@ -119,6 +123,45 @@ def adapter_rows(engine: dict) -> list[dict]:
             "stall_p99": info["stall_s"]["p99"], "info": info,
         })
     return rows
+
+
+def cell_texts(row: dict) -> dict[str, str]:
+    """A row's cells as the table prints them, by column key."""
+    return {"name": row["name"], "tier": row["tier"], "rank": row["ranks_text"], "pages": str(row["pages"]),
+            "running": str(row["running"]), "waiting": str(row["waiting"]), "hits": str(row["hits"]),
+            "misses": str(row["misses"]), "loads": str(row["loads"]), "load_p50": ms(row["load_p50"]),
+            "load_p99": ms(row["load_p99"]), "stall_p99": ms(row["stall_p99"])}
+
+
+def fit_columns(texts: list[dict[str, str]], width: int, padding: int = 1) -> list[Column]:
+    """The columns that fit `width` cells whole (each as wide as its label or its widest cell, plus
+    `padding` on both sides), kept in `keep` order, in the table's order; the adapter's name
+    always. What does not fit is in the adapter's detail (Enter)."""
+    def need(c: Column) -> int:
+        return max([cell_len(c.label)] + [cell_len(t[c.key]) for t in texts]) + 2 * padding
+
+    kept, used = set(), 0
+    for c in sorted(COLUMNS, key=lambda c: c.keep):
+        if kept and used + need(c) > width:
+            break
+        kept.add(c.key)
+        used += need(c)
+    return [c for c in COLUMNS if c.key in kept]
+
+
+def wrap_items(items: list[str], width: int) -> list[list[str]]:
+    """`items` grouped into lines of at most `width` cells, space-separated, breaking only between
+    items (an item wider than the line gets a line of its own): a legend never loses a number."""
+    lines: list[list[str]] = []
+    used = 0
+    for item in items:
+        if lines and used + 1 + cell_len(item) <= width:
+            lines[-1].append(item)
+            used += 1 + cell_len(item)
+        else:
+            lines.append([item])
+            used = cell_len(item)
+    return lines
 
 
 def sort_rows(rows: list[dict], key: str, reverse: bool) -> list[dict]:

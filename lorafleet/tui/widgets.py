@@ -62,7 +62,32 @@ class PoolMap(Widget, can_focus=True):
         self.refresh()
 
     def _grid(self) -> tuple[int, int]:
-        return max(1, self.size.width), max(1, self.size.height - 3)  # three lines: size, shares, cursor
+        """Cells per line and lines of cells: what the legend and the cursor's line leave. When the
+        pages outnumber the cells, the legend says how many a cell holds (sized for the most)."""
+        width = max(1, self.size.width)
+        rows = self.size.height - len(self._legend(width, 1)) - 1
+        if self.pool is not None and self.pool["total_pages"] > width * max(1, rows):
+            rows = self.size.height - len(self._legend(width, self.pool["total_pages"])) - 1
+        return width, max(1, rows)
+
+    def _legend(self, width: int, per: int) -> list[list[tuple[str, str]]]:
+        """The lines under the map: the pool's size (`per` pages a cell), then each owner class's
+        share, as (text, style) items wrapped between items to `width`."""
+        if self.pool is None:
+            return []
+        pool = self.pool
+        size = [(f"{pool['total_pages']} pages", "bold"), (f"× {human_bytes(pool['page_bytes'])}", "bold"),
+                (f"= {human_bytes(pool['total_pages'] * pool['page_bytes'])}", "bold")]
+        if per > 1:
+            size.append((f"({per} per cell)", "bold"))
+        shares = model.pool_totals(pool)
+        items = [(CLASS_GLYPH[cls] + f"{cls} {100 * shares[cls]:.0f}%", CLASS_STYLE.get(cls, "orange1"))
+                 for cls in (FREE, KV, CACHED, ADAPTER)]
+        lines = []
+        for group in (size, items):
+            by_text = dict(group)
+            lines += [[(t, by_text[t]) for t in line] for line in model.wrap_items([t for t, _ in group], width)]
+        return lines
 
     def cells(self) -> list[model.Cell]:
         width, rows = self._grid()
@@ -91,14 +116,15 @@ class PoolMap(Widget, can_focus=True):
                 style = "bold white on red"
             out.append(CLASS_GLYPH[model.owner_class(cell.label)] if cell.dense else SPARSE_GLYPH, style=style)
         pool = self.pool
-        shares = model.pool_totals(pool)
-        per = cells[0].count if cells else 1
-        out.append(f"\n{pool['total_pages']} pages × {human_bytes(pool['page_bytes'])} = "
-                   f"{human_bytes(pool['total_pages'] * pool['page_bytes'])}"
-                   f"{f', {per} per cell' if per > 1 else ''}\n", style="bold")
-        for cls in (FREE, KV, CACHED, ADAPTER):
-            out.append(CLASS_GLYPH[cls], style=CLASS_STYLE.get(cls, "orange1"))
-            out.append(f"{cls} {100 * shares[cls]:.0f}% ")
+        for line in self._legend(width, cells[0].count if cells else 1):
+            out.append("\n")
+            for i, (text, style) in enumerate(line):
+                out.append(" " if i else "")
+                if style == "bold":
+                    out.append(text, style=style)
+                else:  # a share: its glyph in the owner's colour, the words plain
+                    out.append(text[0], style=style)
+                    out.append(text[1:])
         out.append("\n")
         if cells and self.has_focus:
             cell = cells[self.cursor]

@@ -72,3 +72,29 @@ def test_lorafleet_1_lists_every_command_and_root_option():
 def test_no_page_documents_a_command_that_does_not_exist():
     pages = {p.name for p in MAN.glob("lorafleet-*.1")}
     assert pages == {f"lorafleet-{name}.1" for name in ROOT.commands}
+
+
+ROOT_DIR = MAN.parent
+
+
+def test_every_page_installs_with_the_package():
+    """pyproject's data-files put each page of man/ into <prefix>/share/man/man1, where `man` finds
+    it from an activated environment: a page missing from the list would not be installed."""
+    import tomllib
+
+    data_files = tomllib.loads((ROOT_DIR / "pyproject.toml").read_text())["tool"]["setuptools"]["data-files"]
+    assert sorted(data_files["share/man/man1"]) == sorted(f"man/{p.name}" for p in MAN.glob("*.1"))
+
+
+@pytest.mark.heavy  # builds a wheel
+def test_the_wheel_carries_every_page(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT_DIR), "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path)], check=True, capture_output=True, timeout=600)
+    (wheel,) = tmp_path.glob("lorafleet-*.whl")
+    data = {n.split(".data/data/", 1)[1] for n in zipfile.ZipFile(wheel).namelist() if ".data/data/" in n}
+    assert "share/man/man1/lorafleet.1" in data
+    assert {f"share/man/man1/{p.name}" for p in MAN.glob("*.1")} <= data

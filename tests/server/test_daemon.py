@@ -167,3 +167,14 @@ def test_sigint_past_the_drain_timeout_answers_503_and_still_exits_0(tmp_path, c
     assert cut.status_code == 503 and cut.json()["error"]["code"] == "shutting_down"
     assert "drain timeout" in cut.json()["error"]["message"]
     assert not d.socket.exists()
+
+
+def test_the_log_of_a_daemon_without_a_terminal_is_one_dated_line_per_event(served):
+    """Written to a file (as `--detach` and the service do): every line an event with its date, time,
+    level and logger, no rich columns wrapped over several lines."""
+    import re
+
+    lines = [line for line in served.log().splitlines() if line.strip()]
+    event = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+    assert any("serving" in line for line in lines)
+    assert lines and all(event.match(line) for line in lines), [line for line in lines if not event.match(line)][:5]

@@ -94,3 +94,16 @@ def test_beside_a_daemon_ls_shows_both_and_rm_waits_for_unload(served, chat_mode
     assert run(home, "adapters", "unload", "held", socket=sock).exit_code == 0
     assert run(home, "adapters", "rm", "held", socket=sock).exit_code == 0
     assert "held" not in {row["name"] for row in json.loads(run(home, "adapters", "ls", "--json", socket=sock).stdout)}
+
+
+def test_pull_with_an_empty_store_validates_against_the_base_the_daemon_serves(tmp_path, served, adapter_dirs,
+                                                                                 chat_model_dir):
+    """No base in the store, a daemon serving one from a folder: the adapter is validated against
+    that folder, which its manifest records (tests/store/test_resolver.py: the daemon serves it)."""
+    home = tmp_path / "home"
+    refused = run(home, "pull", str(adapter_dirs["attn-r3"]), "--name", "mine")  # no daemon on LORAFLEET_SOCKET
+    assert refused.exit_code != 0 and "no daemon serves one" in refused.output
+    out = run(home, "pull", str(adapter_dirs["attn-r3"]), "--name", "mine", "--json", socket=served.socket)
+    assert out.exit_code == 0, out.output
+    manifest = json.loads(out.stdout)
+    assert manifest["base"] == {"name": "base", "snapshot": None, "folder": str(chat_model_dir.resolve())}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.demo import default_fleet
+from lorafleet.errors import StoreError
 from lorafleet.store.pull import pull
 from lorafleet.store.store import Store
 from tests.daemons import Daemon
@@ -34,14 +35,41 @@ def test_store_adapters_serve_on_first_request_and_a_repull_serves_the_new_weigh
     root, store, fleet = stored
     daemon = Daemon.start(root / "a", model="demo", env={"LORAFLEET_HOME": str(store.root.parent)})
     try:
-        with daemon.http() as c:
-            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["demo"]  # served by its store name
+        with daemon.http() as c:  # served by its store name; the stored adapter listed before its first use
+            cards = c.get("/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in cards] == [("demo", None), ("skill", "demo")]
+        assert cards[1]["lorafleet"]["tier"] == "store" and cards[1]["root"] == str(store.folder(store.get("adapters", "skill")))
         assert ask(daemon, "skill", "hello world") == (200, "dlrow olleh")
+        with daemon.http() as c:  # now the engine's, listed once
+            skill = [m for m in c.get("/v1/models").json()["data"] if m["id"] == "skill"]
+        assert len(skill) == 1 and skill[0]["lorafleet"]["tier"] != "store"
         pull(str(fleet.adapters["upper"]), name="skill", store=store)              # re-pulled: other weights
         assert ask(daemon, "skill", "hello world") == (200, "HELLO WORLD")
         pull(str(fleet.adapters["title"]), name="fresh", store=store)              # pulled after the start
         assert ask(daemon, "fresh", "hello world") == (200, "Hello World")
-        assert ask(daemon, "missing", "hello world")[0] == 404
+        status, body = ask(daemon, "missing", "hello world")
+        assert status == 404 and "nor in the store" in body and "lorafleet pull SOURCE --name missing" in body
+    finally:
+        daemon.kill()
+
+
+def test_an_adapter_pulled_with_no_base_stored_fits_the_base_the_daemon_serves(tmp_path):
+    """An empty store, a daemon serving a base from its folder: `pull` validates the adapter against
+    that base (recorded by folder), and the daemon lists it and serves it. With no daemon either,
+    the refusal names both ways out."""
+    fleet = default_fleet()
+    store = Store(tmp_path / "home" / "store")
+    with pytest.raises(StoreError, match="no daemon serves one"):
+        pull(str(fleet.adapters["reverse"]), name="skill", store=store)
+    manifest = pull(str(fleet.adapters["reverse"]), name="skill", store=store, served=("demo", fleet.model))
+    assert manifest["base"] == {"name": "demo", "snapshot": None, "folder": str(fleet.model.resolve())}
+    assert store.list("models") == []
+    daemon = Daemon.start(tmp_path / "d", env={"LORAFLEET_HOME": str(store.root.parent)})  # the demo fleet's folder
+    try:
+        with daemon.http() as c:
+            ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
+        assert "skill" in ids
+        assert ask(daemon, "skill", "hello world") == (200, "dlrow olleh")
     finally:
         daemon.kill()
 

@@ -81,17 +81,17 @@ async def test_sorting_by_key_by_reverse_and_by_header(stream):
 async def test_tiers_and_measured_columns_match_the_snapshot(stream):
     details = known(stream[-1]["engine"])
     app = TopApp(None, "/tmp/test.sock")
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(160, 40)) as pilot:  # wide enough for every column
         await feed(app, pilot, stream)
         table = app.query_one("#adapters", DataTable)
-        assert table.row_count == len(details)
+        assert table.row_count == len(details) and app.columns == list(model.COLUMN_KEYS)
         for i in range(table.row_count):
-            cells = [str(c) for c in table.get_row_at(i)]
-            info = details[cells[0]]
-            assert cells[1] == info["tier"]
-            assert cells[3] == str(info["pages"])
-            assert cells[8] == str(info["loads"])
-            assert cells[9] == model.ms(info["load_s"]["p50"])
+            cells = dict(zip(app.columns, (str(c) for c in table.get_row_at(i))))
+            info = details[cells["name"]]
+            assert cells["tier"] == info["tier"]
+            assert cells["pages"] == str(info["pages"])
+            assert cells["loads"] == str(info["loads"])
+            assert cells["load_p50"] == model.ms(info["load_s"]["p50"])
         tiers = {info["tier"] for info in details.values()}
         assert len(tiers) >= 2, "the recorded stream should hold adapters on more than one tier"
 
@@ -218,13 +218,42 @@ async def test_no_daemon_then_a_daemon_that_goes_away_and_restarts(stream):
         await pilot.press("q")
 
 
+def visible(app, widget) -> bool:
+    region = app.query_one(widget).region
+    return region.width > 0 and region.height > 0
+
+
 @pytest.mark.parametrize("size", [(80, 24), (120, 40)])
 async def test_usable_at_small_and_large_terminals(stream, size):
+    """Every panel on the screen whole; the table's columns each wide enough for its every cell
+    and together within the table (a narrow screen drops whole columns, the least wanted first,
+    and says how many); the pool's legend within the pool's box with all four shares; below 100
+    columns `w` swaps the switches panel and the table."""
     app = TopApp(None, "/tmp/test.sock")
     async with app.run_test(size=size) as pilot:
         await feed(app, pilot, stream)
-        for widget in ("#pool-box", "#rates-box", "#table-box", "#switches"):
+        panels = ["#pool-box", "#rates-box", "#table-box"] + (["#switches"] if size[0] >= 100 else [])
+        for widget in panels:
             region = app.query_one(widget).region
             assert region.width >= 20 and region.height >= 5, (widget, region)
             assert region.right <= size[0] and region.bottom <= size[1], (widget, region)
-        assert app.query_one("#adapters", DataTable).row_count == len(known(stream[-1]["engine"]))
+        table = app.query_one("#adapters", DataTable)
+        assert table.row_count == len(known(stream[-1]["engine"]))
+        widths = [c.get_render_width(table) for c in table.columns.values()]
+        assert sum(widths) <= table.size.width
+        for i in range(table.row_count):
+            for text, width in zip(table.get_row_at(i), widths):
+                assert len(str(text)) + 2 * table.cell_padding <= width, (str(text), width)
+        assert app.columns[:4] == ["name", "tier", "rank", "pages"] or len(app.columns) < 4
+        hidden = len(model.COLUMNS) - len(app.columns)
+        assert (f"{hidden} more: Enter" in str(app.query_one("#table-box").border_subtitle)) == bool(hidden)
+        pool = app.query_one(PoolMap)
+        legend = text_of(pool).splitlines()
+        assert all(len(line) <= pool.size.width for line in legend)
+        assert all(any(f"{cls} " in line and "%" in line for line in legend) for cls in ("free", "kv", "cached", "adapter"))
+        if size[0] < 100:
+            assert not visible(app, "#switches")
+            await pilot.press("w")
+            assert visible(app, "#switches") and not visible(app, "#table-box")
+            await pilot.press("w")
+            assert visible(app, "#table-box") and not visible(app, "#switches")

@@ -1,0 +1,197 @@
+"""`lorafleet service install|uninstall|status`: the daemon as a systemd user service.
+
+`install [--] [SERVE_ARGS]...` writes `$XDG_CONFIG_HOME/systemd/user/lorafleet.service`, whose
+`ExecStart` runs `serve` with those arguments, as given, under this interpreter
+(`sys.executable -m lorafleet.cli.main`: the environment lorafleet is installed in, whether or not
+its `bin` is on the service's PATH). The arguments are checked by parsing them as `serve` would,
+so a typo fails here rather than in a restart loop; they are kept as typed, not expanded, so
+that `config.toml` keeps setting the rest. The daemon writes the log `lorafleet logs` reads
+(`StandardOutput=append:`), not the journal. Then `systemctl --user daemon-reload` and
+`enable --now` run, unless `--no-start` or there is no systemctl: then the commands are printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lorafleet import paths
+from lorafleet.cli.common import JsonOption, err_console, fail, print_json
+
+UNIT = "lorafleet.service"
+# the variables the service inherits from the shell that installs it; not the API key (a
+# secret in a world-readable unit: it goes in config.toml) nor the clients' URL
+NOT_INHERITED = {"LORAFLEET_API_KEY", "LORAFLEET_URL"}
+_BARE = re.compile(r"[A-Za-z0-9_@+=:,./-]+\Z")  # needs no quotes in ExecStart
+
+app = typer.Typer(help="Run the daemon as a systemd user service: install, uninstall, status.",
+                  no_args_is_help=True)
+
+
+def unit_path() -> Path:
+    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config) / "systemd" / "user" / UNIT
+
+
+def _checked(text: str, what: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):  # a newline would start a line of its own in the unit
+        raise fail(f"{what} {text!r} holds a control character, which a unit file cannot carry", 2)
+    return text
+
+
+def quote(arg: str) -> str:
+    """One argument as systemd's ExecStart reads it back: specifiers (%) and variables ($)
+    escaped, quoted where it holds anything but plain characters."""
+    _checked(arg, "the argument")
+    escaped = arg.replace("%", "%%").replace("$", "$$")
+    if _BARE.match(arg):
+        return escaped
+    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def unit_text(serve_args: list[str], env: dict[str, str], log_file: Path, cwd: Path, stop_timeout_s: float,
+              python: str = sys.executable) -> str:
+    exec_start = " ".join(quote(a) for a in [python, "-m", "lorafleet.cli.main", "serve", *serve_args])
+    environment = "".join(f"Environment={quote(f'{k}={v}')}\n" for k, v in sorted(env.items()))
+    for what, path in (("the log file", log_file), ("the working directory", cwd)):
+        _checked(str(path), what)
+    return f"""# written by `lorafleet service install`; `lorafleet service uninstall` removes it
+[Unit]
+Description=lorafleet: one base LLM, many LoRA adapters, an OpenAI-compatible API
+Documentation=man:lorafleet-service(1)
+
+[Service]
+Type=simple
+ExecStart={exec_start}
+WorkingDirectory={str(cwd).replace('%', '%%')}
+{environment}StandardOutput=append:{str(log_file).replace('%', '%%')}
+StandardError=inherit
+Restart=on-failure
+RestartSec=5
+# the drain (--drain-timeout) and some room to exit, before systemd kills it
+TimeoutStopSec={int(stop_timeout_s) + 30}
+
+[Install]
+WantedBy=default.target
+"""
+
+
+def _serve_context(serve_args: list[str]):
+    """`serve`'s parsed parameters for these arguments (with config.toml's defaults), or a usage
+    error naming the problem."""
+    from lorafleet.cli.main import app as root
+
+    command = typer.main.get_command(root).commands["serve"]
+    try:
+        return command.make_context("serve", list(serve_args))
+    except Exception as e:  # click's usage errors (Typer's copy of them) carry format_message
+        if not hasattr(e, "format_message"):
+            raise
+        raise fail(f"`serve {shlex.join(serve_args)}`: {e.format_message()}", 2) from None
+
+
+def _systemctl() -> str | None:
+    return shutil.which("systemctl")
+
+
+def _run(systemctl: str, *args: str) -> None:
+    done = subprocess.run([systemctl, "--user", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (done.stderr.strip() or done.stdout.strip()).splitlines()
+        raise fail(f"`systemctl --user {' '.join(args)}` failed ({why[-1] if why else f'status {done.returncode}'}); "
+                   f"the unit is {unit_path()}")
+
+
+@app.command("install", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def install(
+    serve_args: Annotated[list[str] | None, typer.Argument(
+        metavar="SERVE_ARGS", show_default=False,
+        help="What `lorafleet serve` gets: MODEL and its options, e.g. `-- ~/models/llama --pool-bytes 8GiB`.")] = None,
+    no_start: Annotated[bool, typer.Option(
+        "--no-start", help="Only write the unit; print the systemctl commands that enable and start it.")] = False,
+) -> None:
+    """Write a systemd user unit that runs `lorafleet serve SERVE_ARGS`, restarted on failure,
+    then enable and start it."""
+    serve_args = list(serve_args or [])
+    ctx = _serve_context(serve_args)
+    source = {name: getattr(ctx.get_parameter_source(name), "name", "") for name in ctx.params}
+    for name, why in (("detach", "a service runs serve in the foreground: leave out --detach"),
+                      ("print_config", "--print-config does not start a daemon"),
+                      ("api_key", ("a key in the unit's command line is shown by `ps` and `systemctl cat`: "
+                                   f"set it as api-key in the [serve] table of {paths.config_file()}"))):
+        if source[name] == "COMMANDLINE":
+            raise fail(why, 2)
+    sock = paths.socket_path(ctx.params["socket"])
+    log_file = Path(os.path.abspath(ctx.params["log_file"] or paths.log_file(sock)))
+    # the shell's PATH (compilers and ninja for the kernels' first build), this interpreter's bin first
+    bindir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env = {"PATH": path if bindir in path.split(os.pathsep) else f"{bindir}{os.pathsep}{path}"}
+    env |= {k: v for k, v in os.environ.items() if k.startswith("LORAFLEET_") and k not in NOT_INHERITED}
+    text = unit_text(serve_args, env, log_file, Path.cwd(), ctx.params["drain_timeout"])
+
+    unit = unit_path()
+    old = unit.read_text() if unit.is_file() else None
+    unit.parent.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(parents=True, exist_ok=True)  # systemd creates the file, not its folders
+    unit.write_text(text)
+    err_console.print(f"{'replaced' if old is not None else 'wrote'} {unit}", highlight=False, soft_wrap=True)
+    systemctl = _systemctl()
+    steps = [("daemon-reload",), ("enable", "--now", UNIT)]
+    if old is not None and old != text:
+        steps.append(("restart", UNIT))  # enable --now leaves a running daemon on its old command line
+    if no_start or systemctl is None:
+        why = "" if no_start else "no systemctl here; "
+        err_console.print(f"{why}to start it: " + "; ".join(f"systemctl --user {' '.join(s)}" for s in steps),
+                          highlight=False, soft_wrap=True)
+        return
+    for step in steps:
+        _run(systemctl, *step)
+
+    err_console.print(f"started {UNIT}: `{paths.command_for(sock, 'status')}` once it answers, `{paths.command_for(sock, 'logs', '-f')}` "
+                      "for its log; to keep it running after you log out: `loginctl enable-linger`",
+                      highlight=False, soft_wrap=True)
+
+
+@app.command("uninstall")
+def uninstall() -> None:
+    """Stop and disable the service (its in-flight requests drain first), and remove its unit."""
+    unit = unit_path()
+    if not unit.is_file():
+        raise fail(f"no lorafleet service: {unit} does not exist")
+    systemctl = _systemctl()
+    if systemctl is not None:
+        _run(systemctl, "disable", "--now", UNIT)
+    unit.unlink()
+    if systemctl is not None:
+        _run(systemctl, "daemon-reload")
+    err_console.print(f"removed {unit}" + ("" if systemctl else " (no systemctl here: nothing was running)"),
+                      highlight=False, soft_wrap=True)
+
+
+@app.command("status")
+def status(as_json: JsonOption = False) -> None:
+    """Show whether the unit is installed, what it runs, and systemd's view (enabled, active)."""
+    unit = unit_path()
+    if not unit.is_file():
+        raise fail(f"no lorafleet service: {unit} does not exist; `lorafleet service install` writes it")
+    exec_start = next((line.split("=", 1)[1] for line in unit.read_text().splitlines()
+                       if line.startswith("ExecStart=")), "")
+    info = {"unit": str(unit), "exec_start": exec_start, "enabled": None, "active": None}
+    systemctl = _systemctl()
+    if systemctl is not None:
+        for key in ("enabled", "active"):
+            done = subprocess.run([systemctl, "--user", f"is-{key}", UNIT], capture_output=True, text=True)
+            info[key] = done.stdout.strip() or "unknown"
+    if as_json:
+        return print_json(info)
+    for key, value in info.items():
+        typer.echo(f"{key:<10} {value if value is not None else '- (no systemctl here)'}")

@@ -1,0 +1,141 @@
+"""`lorafleet service install|uninstall|status`: the systemd user unit it writes (checked by
+`systemd-analyze verify` where that exists) and the systemctl calls it makes, through a fake
+`systemctl` on PATH that records its arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from lorafleet.cli import service as service_cli
+from lorafleet.cli.main import app
+
+runner = CliRunner()
+UNIT = "lorafleet.service"
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A config home, a LORAFLEET_HOME, and a fake systemctl first on PATH (it prints "fake")."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "systemctl.argv"}\necho fake\n')
+    (fake / "systemctl").chmod(0o755)
+    values = {"XDG_CONFIG_HOME": str(tmp_path / "config"), "LORAFLEET_HOME": str(tmp_path / "home"),
+              "LORAFLEET_SOCKET": str(tmp_path / "run" / "lf.sock"), "LORAFLEET_API_KEY": "not-in-the-unit",
+              "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    for k, v in values.items():
+        monkeypatch.setenv(k, v)
+    return tmp_path
+
+
+def lf(*args):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def calls(tmp_path) -> list[str]:
+    path = tmp_path / "systemctl.argv"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def unit_lines(tmp_path) -> list[str]:
+    return (tmp_path / "config" / "systemd" / "user" / UNIT).read_text().splitlines()
+
+
+def value(lines: list[str], key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in lines if line.startswith(key + "=")]
+
+
+def test_install_writes_the_unit_and_enables_it(env):
+    out = lf("service", "install", "--", "/models/llama", "--pool-bytes", "4GiB", "--max-num-seqs", "8")
+    assert out.exit_code == 0, out.output
+    lines = unit_lines(env)
+    assert shlex.split(value(lines, "ExecStart")[0]) == [sys.executable, "-m", "lorafleet.cli.main", "serve",
+                                                         "/models/llama", "--pool-bytes", "4GiB", "--max-num-seqs", "8"]
+    assert value(lines, "Restart") == ["on-failure"] and value(lines, "WantedBy") == ["default.target"]
+    environment = value(lines, "Environment")
+    assert f"LORAFLEET_HOME={env / 'home'}" in environment and f"LORAFLEET_SOCKET={env / 'run' / 'lf.sock'}" in environment
+    assert not any("LORAFLEET_API_KEY" in e or "not-in-the-unit" in e for e in environment)  # a secret stays out
+    # the daemon logs where `lorafleet logs` looks for the daemon on that socket
+    assert value(lines, "StandardOutput") == [f"append:{env / 'home' / 'logs' / 'daemon.log'}"]
+    assert value(lines, "TimeoutStopSec") == ["60"]  # the default 30 s drain and 30 to exit
+    assert calls(env) == ["--user daemon-reload", f"--user enable --now {UNIT}"]
+
+    again = lf("service", "install", "--", "/models/llama", "--pool-bytes", "8GiB")
+    assert again.exit_code == 0 and "replaced" in again.stderr
+    assert calls(env)[2:] == ["--user daemon-reload", f"--user enable --now {UNIT}", f"--user restart {UNIT}"]
+
+
+def test_install_takes_serve_options_without_the_double_dash(env):
+    assert lf("service", "install", "--no-start", "/models/llama", "-a", "sql=/a/sql", "--no-prefix-cache").exit_code == 0
+    exec_start = shlex.split(value(unit_lines(env), "ExecStart")[0])
+    assert exec_start[4:] == ["/models/llama", "-a", "sql=/a/sql", "--no-prefix-cache"]
+
+
+def test_uninstall_disables_stops_and_removes_it(env):
+    assert lf("service", "install", "/models/llama").exit_code == 0
+    unit = env / "config" / "systemd" / "user" / UNIT
+    out = lf("service", "uninstall")
+    assert out.exit_code == 0, out.output
+    assert calls(env)[2:] == [f"--user disable --now {UNIT}", "--user daemon-reload"]
+    assert not unit.exists()
+    again = lf("service", "uninstall")
+    assert again.exit_code == 1 and str(unit) in again.stderr and len(again.stderr.strip().splitlines()) == 1
+
+
+def test_no_start_or_no_systemctl_prints_the_commands_instead(env, monkeypatch):
+    out = lf("service", "install", "--no-start", "/models/llama")
+    assert out.exit_code == 0 and calls(env) == []
+    assert f"systemctl --user daemon-reload; systemctl --user enable --now {UNIT}" in out.stderr
+    monkeypatch.setenv("PATH", str(env / "nothing"))
+    out = lf("service", "install", "/models/llama")
+    assert out.exit_code == 0 and calls(env) == [] and "no systemctl" in out.stderr
+
+
+def test_status_shows_the_unit_and_systemds_view(env):
+    assert lf("service", "status").exit_code == 1
+    assert lf("service", "install", "/models/llama").exit_code == 0
+    info = json.loads(lf("service", "status", "--json").stdout)
+    assert info["unit"].endswith(f"systemd/user/{UNIT}") and "serve /models/llama" in info["exec_start"]
+    assert info["enabled"] == info["active"] == "fake"
+
+
+@pytest.mark.parametrize("args,named", [(["--detach"], "--detach"), (["--api-key", "k"], "api-key"),
+                                        (["--max-num-seqs", "x"], "--max-num-seqs"), (["--nope"], "--nope")])
+def test_serve_arguments_serve_would_refuse_are_a_usage_error(env, args, named):
+    out = lf("service", "install", "--", "/models/llama", *args)
+    assert out.exit_code == 2 and named in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (env / "config" / "systemd" / "user" / UNIT).exists() and calls(env) == []
+
+
+def test_the_unit_goes_under_the_home_config_without_xdg_config_home(env, monkeypatch):
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("HOME", str(env / "user"))
+    assert lf("service", "install", "--no-start", "/models/llama").exit_code == 0
+    assert (env / "user" / ".config" / "systemd" / "user" / UNIT).is_file()
+
+
+def test_arguments_are_quoted_for_systemd():
+    assert service_cli.quote("/models/llama") == "/models/llama"
+    assert service_cli.quote("a b") == '"a b"'
+    assert service_cli.quote('50% "x" $HOME \\') == '"50%% \\"x\\" $$HOME \\\\"'
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
+def test_systemd_analyze_verifies_the_unit(env):
+    model = env / "a model dir"  # spaces, %, $ and quotes in the arguments, escaped for systemd
+    out = lf("service", "install", "--no-start", "--", str(model), "--served-model-name", '50% "$off"',
+             "-a", "sql=/a/sql")
+    assert out.exit_code == 0, out.output
+    unit = env / "config" / "systemd" / "user" / UNIT
+    # --man=no: the pages may not be installed where this runs (Documentation= points at them)
+    done = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
