@@ -6,6 +6,8 @@ functions, so that `lorafleet --help` and `lorafleet --version` answer fast.
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Annotated
 
 import typer
@@ -56,9 +58,29 @@ def root(
 
 def main() -> None:
     try:
+        if "--json" in sys.argv[1:]:
+            raise SystemExit(_main_json())
         app(prog_name="lorafleet")  # the same name (and completion variable) under `python -m`
     except LorafleetError as e:  # verbs answer their own; this catches any that slip through
         raise SystemExit(fail(str(e), e.exit_code).exit_code) from None
+
+
+def _main_json() -> int:
+    """A command line with `--json`: a usage error (click's, raised while the line is parsed,
+    before any verb runs) is the JSON error object on stderr too, with click's exit status (2);
+    the verbs' own failures are already JSON (`common.fail`)."""
+    from typer.core import _click
+    from typer.exceptions import Abort
+
+    try:
+        rv = app(prog_name="lorafleet", standalone_mode=False)  # an Exit comes back as its status
+    except _click.exceptions.ClickException as e:
+        typer.echo(json.dumps({"error": {"code": "usage_error", "message": e.format_message()}},
+                              ensure_ascii=False), err=True)
+        return e.exit_code
+    except Abort:
+        return 1
+    return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
 
 
 if __name__ == "__main__":  # `python -m lorafleet.cli.main`: how `serve --detach` starts the daemon

@@ -62,3 +62,22 @@ def test_json_errors_end_with_their_command_line(tmp_path):
     assert invoke("chat", "--json", "--max-tokens", "0", "hi", **where).exit_code == 2
     after = invoke("status", **where)
     assert after.exit_code == 3 and after.stderr.startswith("error: no lorafleet daemon")
+
+
+@pytest.mark.parametrize("args", [["adapters", "ls", "--json", "--bogus"], ["chat", "--json", "--max-tokens", "0", "hi"]])
+def test_a_usage_error_with_json_is_a_json_error_with_clicks_exit_code(tmp_path, args):
+    """Refused while the command line is parsed, before any verb runs (`main`, as installed)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LORAFLEET_SOCKET": str(tmp_path / "nobody.sock"), "LORAFLEET_HOME": str(tmp_path / "home")}
+    done = subprocess.run([sys.executable, "-m", "lorafleet.cli.main", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    [line] = done.stderr.splitlines()
+    error = json.loads(line)["error"]
+    assert error["code"] == "usage_error" and ("--bogus" in error["message"] or "--max-tokens" in error["message"])
+    without = subprocess.run([sys.executable, "-m", "lorafleet.cli.main", *[a for a in args if a != "--json"]],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert without.returncode == 2 and not without.stderr.lstrip().startswith("{")
