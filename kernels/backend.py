@@ -10,7 +10,9 @@ a CPU tensor needs `TRITON_INTERPRET=1` (the interpreter: how CI runs the Triton
 references, slow but exact).
 
 Every op keeps the semantics of its reference in `reference.py`:
-- `linear(x, w, bias)`: `reference.linear` (`F.linear`), the base model's projections;
+- `linear(x, w, bias, scales)`: `reference.linear` (`F.linear`), the base model's projections;
+  with `scales`, w is a quantized weight's codes (`lorafleet.model.quant`'s layout), read as
+  `reference.dequantize(w, scales)` without a full-precision copy where a kernel has it;
 - `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`,
   `silu_mul(gu)`, `greedy(logits)`: the step's row-wise ops, as their namesakes in `reference.py`;
 - `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out)`: `reference.lora`, every
@@ -29,8 +31,9 @@ Every op keeps the semantics of its reference in `reference.py`:
   either layout (the CPU: `panels_cpu.pack`'s panels, fp32 on AVX2 and on AMD CPUs with
   AVX-512), else None (weights stay [N, K]). The model packs its projections once, at load,
   and its LM head, the embedding's storage where they are tied;
-- `rows(w, ids)`: the embedding's rows `w[ids]`, in either layout (the CPU: `panels_cpu.rows`,
-  which reads them out of a tied head's panels), else `reference.rows`.
+- `rows(w, ids, scales, dtype)`: the embedding's rows `w[ids]`, in either layout (the CPU:
+  `panels_cpu.rows`, which reads them out of a tied head's panels), else `reference.rows`;
+  quantized (`scales` given), dequantized in `dtype`.
 """
 
 from __future__ import annotations
@@ -121,10 +124,16 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     def lora(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None):
         lora_cpu.lora(x, out, w, seg, entry, slots)
 
-    return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
+    def linear(x, w, bias=None, scales=None):
+        return linear_cpu.linear(x, w, bias) if scales is None else reference.linear(x, w, bias, scales)
+
+    def rows(w, ids, scales=None, dtype=torch.float32):
+        return panels_cpu.rows(w, ids) if scales is None else reference.rows(w, ids, scales, dtype)
+
+    return Kernels("cpu", linear, lora=lora, write_kv=pointwise_cpu.write_kv,
                    decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
                    decode_forward=decode_layers_cpu.decode_forward, decode_batch=decode_layers_cpu.decode_batch,
-                   pack=panels_cpu.pack, rows=panels_cpu.rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
+                   pack=panels_cpu.pack, rows=rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
 
 
 def triton_kernels() -> Kernels:

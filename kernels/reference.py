@@ -56,14 +56,48 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.argmax(logits, dim=-1), torch.isfinite(logits).all(-1)
 
 
-def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The embedding's rows for token ids [T]: w [V, H] -> [T, H]."""
+def rows(w: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor | None = None,
+         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The embedding's rows for token ids [T]: w [V, H] -> [T, H]; a quantized embedding (codes w,
+    `scales`: `lorafleet.model.quant`'s layout) gives its rows dequantized, in `dtype`."""
+    if scales is not None:
+        return dequantize(w, scales, dtype, rows=ids)
     return w[ids]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A base projection: x [T, K] @ w[N, K]^T (+ bias [N]) -> [T, N], torch's GEMM."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           scales: torch.Tensor | None = None) -> torch.Tensor:
+    """A base projection: x [T, K] @ w[N, K]^T (+ bias [N]) -> [T, N], torch's GEMM. Quantized
+    (`scales` given, w the codes: `lorafleet.model.quant`'s layout): the weight dequantized in
+    x's dtype (`dequantize`), then the same GEMM."""
+    if scales is not None:
+        w = dequantize(w, scales, x.dtype)
     return F.linear(x, w, bias)
+
+
+def codes(q: torch.Tensor) -> torch.Tensor:
+    """A quantized weight's codes as signed integers, int8 [N, K]: int8 codes as they are; int4
+    (uint8 [N, K / 2], in each run of 32 elements byte i holding element i in its low nibble and
+    i + 16 in its high one) unpacked, 8 taken off."""
+    if q.dtype == torch.int8:
+        return q
+    n = q.shape[0]
+    b = q.view(n, -1, 16)
+    lo, hi = (b & 15).to(torch.int8) - 8, (b >> 4).to(torch.int8) - 8
+    return torch.stack([lo, hi], 2).view(n, -1)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
+               rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+    """A quantized weight's full-precision values [N, K] (or those of its `rows`) in `dtype`: each
+    code times its group's scale (scales [N, K / G], one per G elements), in fp32, rounded once.
+    The oracle every quantized kernel is tested against."""
+    if rows is not None:
+        q, scales = q[rows], scales[rows]
+    c = codes(q).float()
+    n, k = c.shape
+    g = k // scales.shape[1]
+    return (c.view(n, -1, g) * scales.float()[..., None]).view(n, k).to(dtype)
 
 
 @dataclass

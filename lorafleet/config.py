@@ -20,6 +20,7 @@ DEFAULT_CPU_POOL_BYTES = 1 << 30
 class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None            # None: fp32 on CPU, the checkpoint's dtype on GPU
+    quantize: str | None = None         # int8 | int4: quantize a full-precision base's weights at load
     pool_bytes: int | None = None       # the unified pool; None: 1 GiB on CPU, most free memory on GPU
     block_size: int = 16                # tokens per KV page
     max_num_seqs: int = 256             # sequences in one step
@@ -51,6 +52,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not isinstance(self.prefix_cache, bool):
             raise ConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if self.quantize not in (None, "int8", "int4"):
+            raise ConfigError(f"quantize must be int8 or int4, got {self.quantize!r}")
         if self.eviction not in ("cost", "lru"):
             raise ConfigError(f"eviction must be cost or lru, got {self.eviction!r}")
         if self.decode_graphs not in ("auto", "on", "off", "fixed"):

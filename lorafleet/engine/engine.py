@@ -49,7 +49,7 @@ class Engine:
         self.config = cfg = EngineConfig.from_kwargs(**options)
         self.device = resolve_device(cfg.device)
         self.model_path = Path(model)
-        self.model = load_model(self.model_path, self.device, cfg.dtype)
+        self.model = load_model(self.model_path, self.device, cfg.dtype, quantize=cfg.quantize)
         mc = self.model.cfg
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         self.model.cos, self.model.sin = self.model.cos[:self.max_model_len], self.model.sin[:self.max_model_len]

@@ -48,6 +48,12 @@ def rope_cache(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device) -> tu
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's weights that only `Kernels.linear` reads
 
 
+def quant_scheme(weights: dict[str, torch.Tensor]) -> str | None:
+    """"int8" or "int4" where the weights are quantized (`lorafleet.model.quant`), else None."""
+    s = weights.get("lm_head_s")
+    return None if s is None else ("int8" if weights["lm_head"].dtype == torch.int8 else "int4")
+
+
 class Layer(NamedTuple):
     """One decoder layer's tensors (None where the family has none: biases, q/k norms)."""
     in_norm: torch.Tensor
@@ -62,6 +68,10 @@ class Layer(NamedTuple):
     gate_up_b: torch.Tensor | None
     down: torch.Tensor
     down_b: torch.Tensor | None
+    qkv_s: torch.Tensor | None = None      # a quantized projection's scales (its codes in the field above)
+    o_s: torch.Tensor | None = None
+    gate_up_s: torch.Tensor | None = None
+    down_s: torch.Tensor | None = None
 
 
 class LlamaModel(torch.nn.Module):
@@ -74,18 +84,24 @@ class LlamaModel(torch.nn.Module):
     with AVX-512), the projections and the LM head are packed here, once, in their own storage:
     read them through `Kernels.linear` only, and a tied embedding (the LM head's storage, so
     packed with it) through `Kernels.rows`.
+
+    A quantized model (`lorafleet.model.quant`) holds each projection's and the LM head's codes
+    under the same names and their scales beside them (`<name>_s`, and `embed_s` where the
+    embedding is quantized: tied to the head); `dtype` is then the compute dtype, which
+    activations, norms, the KV cache and adapters keep.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int):
         super().__init__()
         self.cfg = cfg
         self.w = weights
-        t = weights["embed"]
+        t = weights["norm"]  # norms are never quantized: they carry the compute dtype
         self.dtype, self.device = t.dtype, t.device
+        self.quantization = quant_scheme(weights)
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = backend.select(t.device, t.dtype)  # every op of the forward pass, for this device
-        if self.kernels.pack is not None:  # the projections laid out for the kernels' `linear`, in place
+        if self.kernels.pack is not None and self.quantization is None:  # the projections laid out for the kernels' `linear`, in place
             tied = weights["lm_head"].data_ptr() == t.data_ptr()
             for name in ["embed" if tied else "lm_head"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
                                                             for n in PROJECTIONS]:
@@ -94,7 +110,7 @@ class LlamaModel(torch.nn.Module):
                 weights["lm_head"] = weights["embed"]
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
-        self.flat_layers = [t for lw in self.layers for t in lw]    # as `Kernels.decode_forward` passes them
+        self.flat_layers = [t for lw in self.layers for t in lw[:12]]  # as `Kernels.decode_forward` passes them
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
@@ -105,13 +121,13 @@ class LlamaModel(torch.nn.Module):
         A decode-only step runs in one call where the kernels have one (`Kernels.decode_forward`,
         the CPU's): the same ops as below, `layers_` included, in C++."""
         cfg, w, ops = self.cfg, self.w, self.kernels
-        if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0]:
+        if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0] and self.quantization is None:
             return ops.decode_forward(self, input_ids, positions, attn, kv_cache, logits_rows, lora)
-        x = ops.rows(w["embed"], input_ids)                         # [T, H], the residual stream
+        x = ops.rows(w["embed"], input_ids, w.get("embed_s"), self.dtype)   # [T, H], the residual stream
         out = self.layers_(x, positions, attn, kv_cache, lora)
         x.add_(out)
         x = ops.rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)  # only rows that sample
-        return ops.linear(x, w["lm_head"]).float()                    # [S, V]
+        return ops.linear(x, w["lm_head"], None, w.get("lm_head_s")).float()  # [S, V]
 
     def layers_(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
                 lora=None) -> torch.Tensor:
@@ -124,7 +140,7 @@ class LlamaModel(torch.nn.Module):
         for i, lw in enumerate(self.layers):
             # the previous layer's MLP output joins the residual stream as this norm reads it
             h = ops.rms_norm(x, lw.in_norm, eps) if out is None else ops.add_rms_norm(x, out, lw.in_norm, eps)
-            qkv = ops.linear(h, lw.qkv, lw.qkv_b)                      # [T, Q+2K]
+            qkv = ops.linear(h, lw.qkv, lw.qkv_b, lw.qkv_s)                      # [T, Q+2K]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
             # [T, H+2KVH, D] cut into q, k, v heads (split_with_sizes: one call, a third of
@@ -135,15 +151,15 @@ class LlamaModel(torch.nn.Module):
                 k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, eps).view(k.shape)
             ops.rope_(q, k, self.cos, self.sin, positions)                # in place
             o = ops.attention(q, k, v, kv_cache[:, i], attn, self.scale)  # [T, Q]
-            out = ops.linear(o, lw.o, lw.o_b)
+            out = ops.linear(o, lw.o, lw.o_b, lw.o_s)
             if lora is not None:
                 lora.apply(i, "o", o, out)
             h = ops.add_rms_norm(x, out, lw.post_norm, eps)
-            gu = ops.linear(h, lw.gate_up, lw.gate_up_b)                 # [T, 2I]
+            gu = ops.linear(h, lw.gate_up, lw.gate_up_b, lw.gate_up_s)                 # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gu)
             a = ops.silu_mul(gu)
-            out = ops.linear(a, lw.down, lw.down_b)
+            out = ops.linear(a, lw.down, lw.down_b, lw.down_s)
             if lora is not None:
                 lora.apply(i, "down", a, out)
         return out

@@ -1,6 +1,12 @@
 """Load a Hugging Face model folder (config.json + safetensors, single file or sharded) into the
 fused weight dict `LlamaModel` reads. Safetensors only: a folder with only pickle weights
-(`pytorch_model.bin`) is refused, never unpickled."""
+(`pytorch_model.bin`) is refused, never unpickled.
+
+Quantized bases (`lorafleet.model.quant`): a folder `lorafleet pull --quantize` wrote (its
+`quant.QUANT_FILE` names the scheme; each quantized weight `X.weight` stored as `X.qweight`, the
+codes, and `X.scales`) is read as it is; a full-precision folder loaded with `quantize=` is
+quantized tensor by tensor as it is read, so the full-precision model is never whole in memory
+(an 8B base in int4 loads on a 24 GiB machine)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from lorafleet.errors import ConfigError, ModelLoadError
 from lorafleet.memory import hugepages
+from lorafleet.model import quant
 from lorafleet.model.config import MODULE_BLOCK, ModelConfig
 from lorafleet.model.llama import LlamaModel
 
@@ -71,7 +78,15 @@ def _tensor_names(path: Path) -> list[str]:
         raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from None
 
 
-def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, device) -> dict[str, torch.Tensor]:
+def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, device,
+          quantized: set[str] = frozenset(), scheme: str | None = None, stored: bool = False) -> dict[str, torch.Tensor]:
+    """The `wanted` tensors, each checked against its shape. `quantized` names the weights that
+    are quantized (`scheme`): read as codes and scales (`stored`: X.qweight and X.scales), or
+    read in full precision and quantized at once; their codes come under X.weight and their
+    scales under X.weight_s."""
+    if stored:
+        files = {**files, **{n: files.get(n[:-len("weight")] + "qweight") for n in quantized}}
+        files = {n: f for n, f in files.items() if f is not None}
     missing = [n for n in wanted if n not in files]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -84,14 +99,41 @@ def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, dev
         try:
             with safe_open(path, framework="pt") as f:
                 for name in names:
+                    if stored and name in quantized:
+                        stem = name[:-len("weight")]
+                        q, scales = f.get_tensor(stem + "qweight"), _scales(f, files, stem, path)
+                        quant.check(q, scales, wanted[name], f"{path}: {stem}qweight")
+                        if quant.scheme_of(q) != scheme:
+                            raise ModelLoadError(f"{path}: {stem}qweight holds {quant.scheme_of(q)} codes in an "
+                                                 f"{scheme} model")
+                        out[name], out[name + "_s"] = q.to(device), scales.to(device=device, dtype=torch.float16)
+                        continue
                     t = f.get_tensor(name)
                     if tuple(t.shape) != wanted[name]:
                         raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(t.shape)}, "
                                              f"config.json implies {wanted[name]}")
-                    out[name] = t.to(device=device, dtype=dtype)
+                    if name in quantized:
+                        out[name], out[name + "_s"] = quant.quantize(t.to(device), scheme)
+                    else:
+                        out[name] = t.to(device=device, dtype=dtype)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{path}: unreadable safetensors file ({e})") from None
     return out
+
+
+def _scales(f, files: dict[str, Path], stem: str, path: Path) -> torch.Tensor:
+    """X.scales, which the writer keeps in X.qweight's file."""
+    try:
+        return f.get_tensor(stem + "scales")
+    except (SafetensorError, KeyError):
+        raise ModelLoadError(f"{path}: {stem}qweight has no {stem}scales beside it") from None
+
+
+def quantized_names(cfg: ModelConfig) -> set[str]:
+    """The checkpoint's weights a quantized base holds quantized: the projections, and the LM head
+    (the embedding, where it is the LM head)."""
+    names = {n for n in expected_shapes(cfg) if n.endswith("_proj.weight")}
+    return names | {"model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"}
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -118,18 +160,31 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> the fused names `LlamaModel` documents."""
-    w = {"embed": t["model.embed_tokens.weight"], "norm": t["model.norm.weight"]}
-    w["lm_head"] = w["embed"] if cfg.tie_word_embeddings else t["lm_head.weight"]
+    """Hugging Face names -> the fused names `LlamaModel` documents (a quantized weight's scales,
+    `X.weight_s`, fused with its codes under `<name>_s`)."""
+    def join(out: str, names: list[str]) -> None:
+        for suffix in ("", "_s"):
+            if names[0] + suffix in t:
+                parts = [t[n + suffix] for n in names]
+                w[out + suffix] = parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    w = {"norm": t["model.norm.weight"]}
+    join("embed", ["model.embed_tokens.weight"])
+    if cfg.tie_word_embeddings:
+        w["lm_head"] = w["embed"]
+        if "embed_s" in w:
+            w["lm_head_s"] = w["embed_s"]
+    else:
+        join("lm_head", ["lm_head.weight"])
     for i in range(cfg.num_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         w[q + "in_norm"] = t[p + "input_layernorm.weight"]
         w[q + "post_norm"] = t[p + "post_attention_layernorm.weight"]
-        w[q + "qkv"] = torch.cat([t[a + f"{x}_proj.weight"] for x in "qkv"])
-        w[q + "o"] = t[a + "o_proj.weight"]
-        w[q + "gate_up"] = torch.cat([t[m + "gate_proj.weight"], t[m + "up_proj.weight"]])
-        w[q + "down"] = t[m + "down_proj.weight"]
+        join(q + "qkv", [a + f"{x}_proj.weight" for x in "qkv"])
+        join(q + "o", [a + "o_proj.weight"])
+        join(q + "gate_up", [m + "gate_proj.weight", m + "up_proj.weight"])
+        join(q + "down", [m + "down_proj.weight"])
         if cfg.qkv_bias:
             w[q + "qkv_b"] = torch.cat([t[a + f"{x}_proj.bias"] for x in "qkv"])
         if cfg.o_bias:
@@ -142,6 +197,7 @@ def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             w[q + "k_norm"] = t[a + "k_norm.weight"]
         for name in (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
                      m + "gate_proj.weight", m + "up_proj.weight"):
+            t.pop(name + "_s", None)
             del t[name]  # the fused copy replaces it: free the original layer by layer, not at the end
     return w
 
@@ -149,7 +205,8 @@ def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 RANDOM_WEIGHTS = "lorafleet-random-weights.json"
 
 
-def random_weights(folder: Path, wanted: dict[str, tuple[int, ...]], dtype, device) -> dict[str, torch.Tensor]:
+def random_weights(folder: Path, wanted: dict[str, tuple[int, ...]], dtype, device,
+                   quantized: set[str] = frozenset(), scheme: str | None = None) -> dict[str, torch.Tensor]:
     """A benchmark's base whose folder holds `RANDOM_WEIGHTS` ({"seed": s, "std": x}) in place of
     weight files: every tensor made on `device` (norms at 1, the rest normal with that std), so
     an 8B-shaped model costs no disk and no download. Never a served model's path: such a folder
@@ -160,25 +217,94 @@ def random_weights(folder: Path, wanted: dict[str, tuple[int, ...]], dtype, devi
     except (OSError, ValueError, KeyError, TypeError):
         raise ModelLoadError(f"{folder / RANDOM_WEIGHTS}: expected {{\"seed\": int, \"std\": float}}") from None
     g = torch.Generator(device=device).manual_seed(seed)
-    return {name: (torch.ones(shape, dtype=dtype, device=device) if name.endswith("norm.weight") else
-                   torch.randn(shape, generator=g, dtype=dtype, device=device).mul_(std))
-            for name, shape in wanted.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in wanted.items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name in quantized:  # quantized as made: the full-precision model is never whole (8B in int4)
+            out[name], out[name + "_s"] = quant.quantize(
+                torch.randn(shape, generator=g, dtype=dtype, device=device).mul_(std), scheme)
+        else:
+            out[name] = torch.randn(shape, generator=g, dtype=dtype, device=device).mul_(std)
+    return out
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=None,
-               max_len: int | None = None) -> LlamaModel:
+               max_len: int | None = None, quantize: str | None = None) -> LlamaModel:
+    """The model in `folder` on `device`, computing in `dtype` (`resolve_dtype`); `quantize`
+    (int8 | int4): a full-precision base quantized as it is read. A quantized folder is served in
+    its own scheme (`quantize` None or the same)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: not a model folder")
     cfg = ModelConfig.from_folder(folder)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, cfg, device)
+    stored = quant.stored_scheme(folder)
+    if stored and quantize and quantize != stored:
+        raise ModelLoadError(f"{folder}: the base is stored in {stored}; it cannot be served in {quantize} "
+                             "(pull the full-precision model with --quantize " + quantize + ")")
+    scheme = stored or (quant.check_scheme(quantize) if quantize else None)
+    wanted = expected_shapes(cfg)
+    quantized = quantized_names(cfg) if scheme else set()
+    for name in quantized:
+        if not quant.quantizable(wanted[name][1], quant.INT4_GROUP):
+            raise ModelLoadError(f"{folder}: {name} has {wanted[name][1]} input features; {scheme} needs a "
+                                 f"multiple of {quant.QUANT_ALIGN}")
     if (folder / RANDOM_WEIGHTS).is_file() and not any(folder.glob("*.safetensors")):
-        tensors = random_weights(folder, expected_shapes(cfg), dtype, device)
+        tensors = random_weights(folder, wanted, dtype, device, quantized, scheme)
     else:
-        tensors = _read(weight_files(folder), expected_shapes(cfg), dtype, device)
+        tensors = _read(weight_files(folder), wanted, dtype, device, quantized, scheme, stored is not None)
     weights = fuse(cfg, tensors)
     if device.type == "cpu":
         tensors.clear()  # `weights` holds the last reference: each old tensor is freed as it moves
         hugepages.place(weights)  # a decode step streams them all: on huge pages, fewer TLB misses
     return LlamaModel(cfg, weights, max_len or cfg.max_model_len)
+
+
+SHARD_BYTES = 2 << 30  # a quantized folder's shards: at most this much each (as Hub checkpoints cut theirs)
+
+
+def write_quantized(folder: Path, out: Path, scheme: str) -> list[str]:
+    """The full-precision base in `folder` quantized in `scheme` into `out`: its weights in
+    safetensors (`quantized_names`' as X.qweight + X.scales, the rest as they are, shards of at
+    most SHARD_BYTES with their index) and `quant.QUANT_FILE`; one tensor in memory at a time.
+    Returns the files written, by name. `folder` is checked first as `load_model` reads it."""
+    from safetensors.torch import save_file
+
+    quant.check_scheme(scheme)
+    if quant.stored_scheme(folder):
+        raise ModelLoadError(f"{folder}: already quantized ({quant.stored_scheme(folder)}); quantize the "
+                             "full-precision model")
+    cfg = ModelConfig.from_folder(folder)
+    wanted, files = expected_shapes(cfg), weight_files(folder)
+    quantized = quantized_names(cfg)
+    for name in quantized:
+        if not quant.quantizable(wanted[name][1], quant.INT4_GROUP):
+            raise ModelLoadError(f"{folder}: {name} has {wanted[name][1]} input features; {scheme} needs a "
+                                 f"multiple of {quant.QUANT_ALIGN}")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in wanted:
+        t = _read(files, {name: wanted[name]}, None, "cpu", quantized & {name}, scheme)
+        for key, tensor in t.items():
+            key = key[:-len("weight_s")] + "scales" if key.endswith("weight_s") else \
+                key[:-len("weight")] + "qweight" if key in quantized else key
+            nbytes = quant.nbytes(tensor)
+            if size and size + nbytes > SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][key] = tensor.contiguous()
+            size += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, shard in zip(names, shards):
+        save_file(shard, out / fname, metadata={"format": "pt", "lorafleet_quantization": scheme})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(quant.nbytes(*s.values()) for s in shards)},
+                 "weight_map": {k: f for f, s in zip(names, shards) for k in s}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        names.append("model.safetensors.index.json")
+    (out / quant.QUANT_FILE).write_text(json.dumps({"scheme": scheme}) + "\n")
+    return names + [quant.QUANT_FILE]
