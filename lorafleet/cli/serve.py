@@ -94,6 +94,10 @@ def serve(
         "--pool-bytes", metavar="SIZE", help="The unified page pool (KV + adapters), e.g. 2GiB. "
                                               "Default: 1 GiB on CPU, most free memory on a GPU.")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32, bfloat16 or float16. Default: fp32 on CPU, the checkpoint's on GPU.")] = None,
+    quantize: Annotated[str | None, typer.Option(
+        "--quantize", metavar="int8|int4", help="Quantize a full-precision base's projections and LM head as it "
+                                                "loads (weight-only; activations, KV and adapters keep --dtype). A base "
+                                                "pulled with --quantize, or a GGUF file, is served in its own scheme.")] = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Sequences in one step.")] = 256,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", min=2, help="Context length. Default: the model's.")] = None,
     max_pending: Annotated[int, typer.Option(
@@ -147,7 +151,7 @@ def serve(
                               drain_timeout=drain_timeout, access_log=access_log, header_timeout=header_timeout,
                               idle_timeout=idle_timeout, max_tcp_connections=max_tcp_connections)
         engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
-                          "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+                          "quantize": quantize, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                           "prefix_cache": prefix_cache}
         adapters = parse_adapters(adapter)
         if detach:

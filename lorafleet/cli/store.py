@@ -47,6 +47,9 @@ def pull(
     name: Annotated[str | None, typer.Option("--name", help="The name to store it under (default: the "
                                              "folder's or repo's last component).")] = None,
     base: Annotated[bool, typer.Option("--base", help="SOURCE is a base model, not an adapter.")] = False,
+    quantize: Annotated[str | None, typer.Option(
+        "--quantize", metavar="int8|int4", help="With --base: store the base quantized (weight-only: int8 a scale per "
+                                                "output channel, int4 groups of 32), once; serve then reads it as is.")] = None,
     revision: Annotated[str | None, typer.Option("--revision", help="A Hub branch, tag or commit (default: main).")] = None,
     for_model: Annotated[str | None, typer.Option("--for", metavar="MODEL", help="The stored base to validate "
                                                   "the adapter against (default: the one its base_model_name_or_path "
@@ -69,12 +72,12 @@ def pull(
     def warn(message: str) -> None:
         err_console.print(styled("warning:", "yellow", message))
     with user_errors():
-        manifest = do_pull(source, name=name, base=base, revision=revision, for_model=for_model,
+        manifest = do_pull(source, name=name, base=base, quantize=quantize, revision=revision, for_model=for_model,
                            strict_base=strict_base, progress=not as_json, warn=warn,
                            served=None if base or for_model else _served(socket))
     if as_json:
         return print_json(manifest)
-    what = "base" if base else f"adapter (ranks {ranks_text(manifest)}, validated against {manifest['base']['name']})"
+    what = (f"base ({manifest['quantization']})" if manifest.get("quantization") else "base") if base else f"adapter (ranks {ranks_text(manifest)}, validated against {manifest['base']['name']})"
     err_console.print(f"pulled {manifest['name']}: {what}, {size(manifest['size'])}, from {manifest['source']}",
                       highlight=False)
 
@@ -105,8 +108,9 @@ def models_ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKe
     if not stored:
         err_console.print("no base models in the store; pull one with `lorafleet pull SOURCE --base`", highlight=False)
         return
-    _table(("NAME", "ARCHITECTURE", "LAYERS", "SIZE", "SOURCE", "SERVED"),
-           [(m["name"], m.get("architecture", "-"), m.get("layers", "-"), size(m["size"]), m["source"],
+    _table(("NAME", "ARCHITECTURE", "LAYERS", "WEIGHTS", "SIZE", "SOURCE", "SERVED"),
+           [(m["name"], m.get("architecture", "-"), m.get("layers", "-"), m.get("quantization", "full"),
+             size(m["size"]), m["source"],
              "yes" if m["served"] else "") for m in stored])
 
 

@@ -113,12 +113,31 @@ def _validate_model(folder: Path) -> dict:
             "hidden_size": cfg.hidden_size}
 
 
+def _quantized(folder: Path, files: list[str], scheme: str, out: Path) -> tuple[Path, list[str]]:
+    """`folder`'s base quantized in `scheme` into `out`, with its other files (config, tokenizer)
+    linked beside the quantized weights; returns (out, the files to store)."""
+    from lorafleet.model.loader import write_quantized
+
+    written = write_quantized(folder, out, scheme)
+    kept = [f for f in files if not f.endswith(".safetensors") and f != "model.safetensors.index.json"]
+    for f in kept:
+        os.symlink(os.path.abspath(folder / f), out / f)
+    return out, kept + written
+
+
+def _stored_scheme(folder: Path) -> str:
+    from lorafleet.model.quant import stored_scheme
+
+    return stored_scheme(folder)
+
+
 def default_name(source: str) -> str:
     """A folder's or repo's last component, with characters a name cannot hold replaced by '-'."""
     return re.sub(r"[^A-Za-z0-9._-]", "-", source.rstrip("/").split("/")[-1])[:128]
 
 
-def pull(source: str, *, name: str | None = None, base: bool = False, revision: str | None = None,
+def pull(source: str, *, name: str | None = None, base: bool = False, quantize: str | None = None,
+         revision: str | None = None,
          for_model: str | None = None, strict_base: bool = False, store: Store | None = None,
          progress: bool = True, warn: Callable[[str], None] = lambda m: None,
          served: tuple[str, Path] | None = None) -> dict:
@@ -127,10 +146,19 @@ def pull(source: str, *, name: str | None = None, base: bool = False, revision: 
     A refusal raises (StoreError, AdapterError, ModelLoadError...) and leaves the store as it was.
 
     From the Hub, weight files are downloaded into the store's partial downloads (resumed by the
-    next pull if this one dies), claimed until the install has moved them into the store."""
+    next pull if this one dies), claimed until the install has moved them into the store.
+
+    `quantize` (int8 | int4, a base only): the base is stored quantized (`model.loader.
+    write_quantized`: its weights quantized once, tensor by tensor; the manifest records the
+    scheme as `quantization`)."""
     store = store or Store()
+    if quantize is not None:
+        if not base:
+            raise StoreError("--quantize is for a base (--base); an adapter stays in full precision")
+        if quantize not in ("int8", "int4"):
+            raise StoreError(f"--quantize {quantize!r}: choose int8 or int4")
     try:
-        return _pull(source, name, base, revision, for_model, strict_base, store, progress, warn, served)
+        return _pull(source, name, base, quantize, revision, for_model, strict_base, store, progress, warn, served)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise _no_space(e, store, Path(source).expanduser()) from None
@@ -158,7 +186,7 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _pull(source: str, name: str | None, base: bool, revision: str | None, for_model: str | None,
+def _pull(source: str, name: str | None, base: bool, quantize: str | None, revision: str | None, for_model: str | None,
           strict_base: bool, store: Store, progress: bool, warn: Callable[[str], None],
           served: tuple[str, Path] | None) -> dict:
     kind = "models" if base else "adapters"
@@ -188,6 +216,12 @@ def _pull(source: str, name: str | None, base: bool, revision: str | None, for_m
             take = list(info["paths"].values())
         if base:
             files, record = fetched or model_files(folder), _validate_model(folder)
+            if quantize:
+                folder, files = _quantized(folder, files, quantize, tmp / "quantized")
+                record["quantization"] = quantize
+            elif (folder / "lorafleet-quantization.json").is_file():
+                files.append("lorafleet-quantization.json")
+                record["quantization"] = _stored_scheme(folder)
             with store.lock():
                 return store.install(kind, name, {f: folder / f for f in files}, {**record, **origin}, take=take)
         missing = [f for f in ADAPTER_FILES if not (folder / f).is_file()]
