@@ -1,8 +1,10 @@
-"""Measure the demo fleet: `python -m lorafleet.demo.evaluate [--texts N]`.
+"""Measure the demo fleet: `python -m lorafleet.demo.evaluate [--texts N] [--quantize int8|int4]`.
 
 Every skill (and the base's echo) on the held-out texts, greedy, all requests in one engine run;
 prints each adapter's exact-match rate and the highest rate at which its answers match another
 skill's. The README's table comes from this; tests/demo/test_fleet.py asserts the same numbers.
+With --quantize, the fleet on the base quantized at load (adapters in full precision) beside full
+precision: each skill's exact match in both and the points lost.
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def accuracy(answers: dict[str, str], skill: str | None) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", type=int, default=200)
+    ap.add_argument("--quantize", choices=("int8", "int4"), help="compare the base quantized at load with full precision")
     args = ap.parse_args(argv)
+    if args.quantize:
+        return compare(args.texts, args.quantize)
 
     engine = fleet_engine()
     t0 = time.perf_counter()
@@ -74,6 +79,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{task or 'base (echo)':12s} {accuracy(answers, task):7.1%}   closest other skill: "
               f"{worst or 'echo'} {others[worst]:.1%}")
     engine.close()
+
+
+def compare(n_texts: int, scheme: str) -> dict[str | None, tuple[float, float]]:
+    """Each task's exact match on the full-precision base and on the base in `scheme`, printed
+    with the points lost; returns {task: (full, quantized)}."""
+    rates = {}
+    for quantize in (None, scheme):
+        engine = fleet_engine(quantize=quantize)
+        rates[quantize] = {task: accuracy(answers, task) for task, answers in evaluate(engine, n_texts).items()}
+        engine.close()
+    print(f"{'skill':12s} {'full':>7s} {scheme:>7s}  points lost")
+    for task, full in rates[None].items():
+        print(f"{task or 'base (echo)':12s} {full:7.1%} {rates[scheme][task]:7.1%}  "
+              f"{100 * (full - rates[scheme][task]):+.1f}")
+    return {task: (full, rates[scheme][task]) for task, full in rates[None].items()}
 
 
 if __name__ == "__main__":
