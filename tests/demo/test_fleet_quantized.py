@@ -9,6 +9,7 @@ import pytest
 from lorafleet.demo.evaluate import compare
 
 LOSS = {"int8": 0.01, "int4": 0.05}
+pytestmark = pytest.mark.heavy  # four whole evaluations of the fleet
 
 
 @pytest.mark.parametrize("scheme", LOSS)
