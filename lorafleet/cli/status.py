@@ -44,7 +44,9 @@ def _grid(stats: dict):
     if srv.get("sampling_defaults"):
         model += "  defaults: " + ", ".join(f"{k}={v:g}" for k, v in srv["sampling_defaults"].items())
     grid.add_row("model", model)
-    grid.add_row("device", f"{eng['device']}, context {eng['max_model_len']} tokens")
+    weights = f"{eng['quantization']} weights, {eng['dtype']} compute" if eng.get("quantization") else eng.get("dtype", "?")
+    grid.add_row("device", f"{eng['device']}, {weights} ({human_bytes(eng.get('weight_bytes', 0))}), "
+                           f"context {eng['max_model_len']} tokens")
     grid.add_row("requests", f"{eng['num_running']} running, {eng['num_waiting']} waiting, "
                              f"{srv['pending']} admitted of {srv['max_pending']}, {srv['num_rejected']} refused")
     prefix = eng["prefix_cache"]

@@ -41,6 +41,9 @@ def stats(engine) -> dict:
     return {
         "model": str(engine.model_path),
         "device": str(engine.device),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "quantization": engine.model.quantization,  # None, int8 or int4 (the base's projections and LM head)
+        "weight_bytes": engine.model.weight_bytes(),
         "max_model_len": engine.max_model_len,
         "pool": {**pool, "page_map": engine.pool.page_runs()},
         "adapters": engine.adapters.stats(),

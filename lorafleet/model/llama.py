@@ -110,7 +110,15 @@ class LlamaModel(torch.nn.Module):
                 weights["lm_head"] = weights["embed"]
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
-        self.flat_layers = [t for lw in self.layers for t in lw[:12]]  # as `Kernels.decode_forward` passes them
+        self.flat_layers = [t for lw in self.layers for t in lw]  # as `Kernels.decode_forward` passes them
+
+    def weight_bytes(self) -> int:
+        """The bytes the base's weights take (each storage once: a tied LM head is the embedding)."""
+        seen: dict[int, int] = {}
+        for t in self.w.values():
+            if t is not None:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
@@ -121,7 +129,7 @@ class LlamaModel(torch.nn.Module):
         A decode-only step runs in one call where the kernels have one (`Kernels.decode_forward`,
         the CPU's): the same ops as below, `layers_` included, in C++."""
         cfg, w, ops = self.cfg, self.w, self.kernels
-        if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0] and self.quantization is None:
+        if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0]:
             return ops.decode_forward(self, input_ids, positions, attn, kv_cache, logits_rows, lora)
         x = ops.rows(w["embed"], input_ids, w.get("embed_s"), self.dtype)   # [T, H], the residual stream
         out = self.layers_(x, positions, attn, kv_cache, lora)

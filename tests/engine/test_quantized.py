@@ -55,7 +55,9 @@ def family(request, tmp_path_factory):
 def test_greedy_tokens_equal_peft_on_the_dequantized_base_in_one_mixed_batch(family, scheme):
     base, adapters = family
     engine = Engine(base, pool_bytes=8 << 20, quantize=scheme)
-    assert engine.model.quantization == scheme
+    stats = engine.stats()
+    assert (stats["quantization"], stats["dtype"]) == (scheme, "float32")
+    assert stats["weight_bytes"] < Engine(base, pool_bytes=4 << 20).stats()["weight_bytes"]
     for name, path in adapters.items():
         engine.load_adapter(name, path)
     order = [None, *adapters]
