@@ -12,7 +12,8 @@ references, slow but exact).
 Every op keeps the semantics of its reference in `reference.py`:
 - `linear(x, w, bias, scales)`: `reference.linear` (`F.linear`), the base model's projections;
   with `scales`, w is a quantized weight's codes (`lorafleet.model.quant`'s layout), read as
-  `reference.dequantize(w, scales)` without a full-precision copy where a kernel has it;
+  `reference.dequantize(w, scales)` without a full-precision copy where a kernel has it (Triton:
+  `quant_triton.linear`, dequantized in registers);
 - `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`,
   `silu_mul(gu)`, `greedy(logits)`: the step's row-wise ops, as their namesakes in `reference.py`;
 - `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out)`: `reference.lora`, every
@@ -137,13 +138,16 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
 
 
 def triton_kernels() -> Kernels:
-    from lorafleet.kernels import attention_triton, lora_triton
+    from lorafleet.kernels import attention_triton, lora_triton, quant_triton
 
     def prefill(q, k, v, kv, meta, scale, out):
         attention_triton.paged_prefill(q, kv, meta.prefill_starts, meta.prefill_lens, meta.prefill_positions,
                                        meta.prefill_block_tables, scale, out, meta.max_prefill_len)
 
-    return Kernels("triton", reference.linear, lora=lora_triton.lora, write_kv=attention_triton.write_kv,
+    def linear(x, w, bias=None, scales=None):  # (a quantized embedding's rows: `reference.rows`, T rows read)
+        return reference.linear(x, w, bias) if scales is None else quant_triton.linear(x, w, bias, scales)
+
+    return Kernels("triton", linear, lora=lora_triton.lora, write_kv=attention_triton.write_kv,
                    decode=attention_triton.paged_decode, prefill=prefill, graphs=True, **REFERENCE_ROW_OPS)
 
 

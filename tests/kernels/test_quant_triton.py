@@ -1,0 +1,164 @@
+"""The GPU quantized projection (kernels/quant_triton.py) computes `reference.linear(x, q, bias,
+scales)`: every form (T = 1, decode, prefill), K split or not, int8 per channel and in groups of
+32, int4 in groups of 32, 64 and 128, fp32, bf16 and fp16 activations, with and without a bias;
+and the Triton backend serves a quantized model with it, end to end, without ever dequantizing a
+whole weight.
+
+Run under the Triton interpreter (TRITON_INTERPRET=1, set below unless the environment says
+otherwise, before the kernel module is imported), shapes small for it; with TRITON_INTERPRET=0
+on a CUDA machine the same tests check the compiled kernel.
+
+Tolerances: fp32 activations, within 1e-5 of the sum of the terms' magnitudes (|x| @ |w|^T: the
+same products summed in another order); bf16/fp16, within 1e-2 of the output's largest magnitude
+(the reference rounds each dequantized weight to the activations' dtype before its GEMM and its
+output once more; the kernel multiplies the exact codes and rounds once: they differ by about
+two roundings of 2^-8).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from lorafleet.kernels import quant_triton, reference  # noqa: E402
+from lorafleet.model import quant  # noqa: E402
+
+if os.environ["TRITON_INTERPRET"] in ("", "0") and not torch.cuda.is_available():
+    pytest.skip("compiled Triton needs a GPU (set TRITON_INTERPRET=1)", allow_module_level=True)
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] not in ("", "0") else "cuda"
+
+NO_SPLIT = quant_triton.Config(waves=0)          # every launch writes y directly
+MAX_SPLIT = quant_triton.Config(waves=10 ** 6)   # K split into as many ranges as it has steps
+
+
+def weight(seed, n, k, scheme, group=None):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    w[:, :k // 3] *= 4                       # groups of different scales
+    q, s = quant.quantize(w, scheme, group)
+    return q.to(DEVICE), s.to(DEVICE)
+
+
+def check(x, q, s, bias=None, config=None):
+    got = quant_triton.linear(x, q, bias, s, config)
+    want = reference.linear(x, q, bias, s)
+    assert got.dtype == x.dtype and got.shape == want.shape and not torch.isnan(got).any()
+    if x.dtype == torch.float32:
+        mag = x.abs() @ reference.dequantize(q, s).abs().t() + (0 if bias is None else bias.abs())
+        assert ((got - want).abs() <= 1e-5 * mag + 1e-6).all(), (got - want).abs().max().item()
+    else:
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 1e-2 * want.float().abs().max().item(), err
+    return got
+
+
+def acts(seed, t, k, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randn(t, k, generator=g).to(DEVICE, dtype)
+
+
+SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)]
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("t", [1, 3, 16, 17, 40])
+def test_each_form_matches_the_reference_fp32(scheme, group, t):
+    k = 256 if group == 128 else 192      # 6 steps of 32 (3 of 64, 2 of 128), 1.5 tiles of 128 codes
+    q, s = weight(t, 37, k, scheme, group)
+    x = acts(t, t, k)
+    bias = acts(t + 1, 1, 37)[0]
+    check(x, q, s, bias if t % 2 else None)
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("config", [NO_SPLIT, MAX_SPLIT], ids=["whole-k", "split-k"])
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_split_and_unsplit_k_agree_with_the_reference(scheme, group, config, t):
+    k = {64: 192, 128: 384}.get(group, 160)   # 5 steps of 32: a tile of 256 codes cut short
+    q, s = weight(7 * t, 61, k, scheme, group)
+    x = acts(t, t, k)
+    check(x, q, s, acts(2, 1, 61)[0], config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("t", [1, 6, 24])
+def test_half_activations_give_their_dtype_within_a_rounding(dtype, scheme, group, t):
+    q, s = weight(t, 45, 256, scheme, group)
+    x = acts(t, t, 256, dtype)
+    bias = acts(3, 1, 45, dtype)[0]
+    check(x, q, s, bias if t > 1 else None)
+
+
+def test_row_strided_activations_and_one_unrolled_tail():
+    """x a row-strided view (as a step's rows can be); K = 96: one tile of 256 cut to 3 steps."""
+    q, s = weight(3, 19, 96, "int4", 32)
+    big = acts(4, 9, 200)
+    check(big[:, 40:136], q, s)
+    check(big[:1, 40:136], q, s)
+
+
+def test_the_launch_depends_on_shapes_only_and_splits_a_thin_grid():
+    """What a CUDA graph needs: the plan is host arithmetic on the shapes (and the SM count); a
+    decode step on a wide GPU splits K, a long prefill does not."""
+    cfg = quant_triton.CONFIG
+    one = quant_triton.plan(1, 4096, 4096, 32, False, 132, cfg)
+    assert one.block_m == 1 and one.splits > 1 and one.k_split % one.gk == 0 and one.k_split * one.splits >= 4096
+    assert quant_triton.plan(8, 6144, 4096, 4096, False, 132, cfg).block_m == 16
+    long = quant_triton.plan(2048, 14336 * 2, 4096, 32, False, 132, cfg)
+    assert long.splits == 1 and long.block_m == 64
+    # a step never crosses a group: GK divides G
+    for g in (32, 64, 96, 128, 160, 4096):
+        assert g % quant_triton.plan(1, 64, g * 2, g, False, 132, cfg).gk == 0
+
+
+def test_misfit_shapes_are_refused():
+    q, s = weight(0, 8, 64, "int4", 32)
+    with pytest.raises(ValueError):
+        quant_triton.linear(acts(0, 2, 128), q, None, s)
+    with pytest.raises(TypeError):
+        quant_triton.linear(acts(0, 2, 64).to(torch.int32), q, None, s)
+    assert quant_triton.linear(acts(0, 0, 64), q, None, s).shape == (0, 8)
+
+
+def test_the_triton_backend_serves_quantized_weights_without_a_full_copy(monkeypatch):
+    """`Kernels.linear` with scales runs this kernel: `reference.dequantize` (the full copy) is
+    never called; without scales the weight goes to torch's GEMM as before."""
+    from lorafleet.kernels import backend
+    kernels = backend.triton_kernels()
+    q, s = weight(5, 24, 128, "int8")
+    x = acts(5, 3, 128)
+    want = reference.linear(x, q, None, s)
+
+    def whole_copy(*a, **kw):
+        raise AssertionError("a quantized weight was dequantized whole")
+    monkeypatch.setattr(reference, "dequantize", whole_copy)
+    got = kernels.linear(x, q, None, s)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    w = acts(6, 24, 128)
+    torch.testing.assert_close(kernels.linear(x, w), x @ w.t())
+
+
+@pytest.mark.parametrize("scheme", ["int4", pytest.param("int8", marks=pytest.mark.heavy)])
+def test_an_engine_quantized_on_the_triton_path_gives_the_torch_paths_tokens(scheme, tmp_path, monkeypatch):
+    """`Engine(folder, quantize=...)` on the Triton kernels (interpreted) generates the greedy
+    tokens of the torch reference path on the same quantized weights."""
+    if DEVICE != "cpu":
+        monkeypatch.setenv("LORAFLEET_DEVICE", "cuda")
+    from lorafleet import Engine, SamplingParams
+    from tests.fixtures import build_model
+
+    folder = build_model(tmp_path, "llama")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11] * 3, [20, 21, 22], [30] * 17]
+    tokens = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("LORAFLEET_KERNELS", kernels)
+        engine = Engine(folder, pool_bytes=4 << 20, quantize=scheme)
+        assert engine.model.kernels.name == kernels and engine.model.quantization == scheme
+        tokens[kernels] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]
