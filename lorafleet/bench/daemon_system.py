@@ -26,6 +26,7 @@ class LorafleetDaemon(System):
     subject = True
     baseline = False
     closed_loop = True
+    quantizable = True
     proc = None  # the daemon, once prepare started it
 
     def prepare(self, job: Job) -> dict:
@@ -34,9 +35,7 @@ class LorafleetDaemon(System):
         self.root = Path(tempfile.mkdtemp(prefix="lorafleet-bench-"))
         self.sock = self.root / "run" / "d.sock"
         pool = job_pool_bytes(job, self.dtype.itemsize)
-        cmd = [sys.executable, "-m", "lorafleet.cli.main", "serve", job.model_dir, "--socket", str(self.sock),
-               "--device", str(self.device), "--dtype", str(self.dtype).removeprefix("torch."),
-               "--pool-bytes", str(pool), "--max-num-seqs", "256", "--max-pending", "100000"]
+        cmd = serve_command(job, self.sock, str(self.device), str(self.dtype).removeprefix("torch."), pool)
         env = {**os.environ, "LORAFLEET_HOME": str(self.root / "home"), "OMP_NUM_THREADS": str(self.threads)}
         self.log = open(self.root / "daemon.log", "wb")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
@@ -53,7 +52,7 @@ class LorafleetDaemon(System):
                 time.sleep(0.2)
         for name, path in job.adapters.items():
             self.client.load_adapter(name, path, lazy=job.residency == "registered")
-        return {"pool_bytes": pool, "residency": job.residency}
+        return {"pool_bytes": pool, "residency": job.residency, "command": cmd[1:], "quantization": job.quantize}
 
     def warm_up(self, job: Job) -> dict:
         """Through the socket: one adapter loaded (not one of the workload's), a completion on
@@ -88,6 +87,14 @@ class LorafleetDaemon(System):
         http_replay.stop_server(self.proc, 60)
         self.log.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def serve_command(job: Job, sock: Path, device: str, dtype: str, pool: int) -> list[str]:
+    """`lorafleet serve` for the job's base: this Python, the bench's device, dtype and pool, and
+    the job's `--quantize` (the base quantized as it loads)."""
+    return [sys.executable, "-m", "lorafleet.cli.main", "serve", job.model_dir, "--socket", str(sock),
+            "--device", device, "--dtype", dtype, "--pool-bytes", str(pool), "--max-num-seqs", "256",
+            "--max-pending", "100000", *(["--quantize", job.quantize] if job.quantize else [])]
 
 
 async def _replay(sock: Path, job: Job) -> tuple[float, list[dict]]:

@@ -9,6 +9,14 @@ target: within 1.5x at batch 1 and 8), in float32 or bfloat16 (half the bytes). 
 bytes are every distinct weight tensor of the model but the embedding table (a step reads one
 row of it per sequence), the LM head counted once even when tied to it.
 
+A quantized base (`--quantize int8|int4`, issue 51: `lorafleet.model.quant`) is measured the
+same way: the bound counts what a step reads as stored, each quantized weight's codes (int8, or
+uint8 with two int4 values a byte) and its float16 scales, beside the norms in the compute dtype;
+the matmuls pass each weight with its scales to `Kernels.linear`. The report adds the base's
+memory: every weight tensor it holds (the embedding included) against the same model's float32
+bytes (`memory_ratio`; issue 51's targets, `MEMORY_TARGETS`: int8 <= 0.27x, int4 <= 0.15x).
+The 8b shape runs here only in int4 (`fixtures.CPU_SCHEMES`), its weights made in memory.
+
 Beside each step, the profile of a miss: the step's matmuls alone (`matmul_time`: one
 `Kernels.linear` call per distinct weight matrix, on as many random rows as the batch, the best
 of a few passes), against the same round's bound. Where the step misses its target, this says
@@ -37,50 +45,88 @@ import time
 
 import torch
 
-from lorafleet.bench.fixtures import build_base
+from lorafleet.bench.fixtures import ON_DEVICE_ONLY, build_base, check_cpu_fit
 from lorafleet.bench.lora_decode import best_seconds, decode_step_time, measure_bandwidth
 from lorafleet.bench.machine import cpu_seconds, other_cores, other_cpu_seconds
+from lorafleet.model import quant
 
 TARGET_RATIO = 1.5
+MEMORY_TARGETS = {"int8": 0.27, "int4": 0.15}  # issue 51: the base's bytes (scales included) against fp32's
 
 
 def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
     """Bytes of the weights one decode step reads (distinct storages; the embedding's own table
-    only where it is the LM head too)."""
+    only where it is the LM head too). A quantized weight is its codes (int8, or uint8 holding
+    two int4 values) and its scales (`<name>_s`), both as stored."""
     seen, total = set(), 0
-    embed = weights["embed"].data_ptr()
+    untied = weights["lm_head"].data_ptr() != weights["embed"].data_ptr()
     for name, t in weights.items():
         ptr = t.data_ptr()
-        if ptr in seen or (name == "embed" and weights["lm_head"].data_ptr() != embed):
+        if ptr in seen or (untied and name in ("embed", "embed_s")):
             continue
         seen.add(ptr)
         total += t.numel() * t.element_size()
     return total
 
 
-def matmul_weights(weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The distinct weight matrices a decode step multiplies: every weight of two dimensions or
-    more (a matrix, or one packed into panels by `Kernels.pack`) but the embedding table (the LM
-    head counted once, whether or not it is the embedding's storage)."""
+def model_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """Bytes of every distinct weight tensor the model holds, the embedding included: its memory."""
+    seen, total = set(), 0
+    for t in weights.values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def fp32_weight_bytes(cfg) -> int:
+    """The same model's weights in float32 (a `ModelConfig`'s checkpoint shapes, a tied
+    embedding once): what the quantized base's memory is set against."""
+    from math import prod
+
+    from lorafleet.model.loader import expected_shapes
+
+    return 4 * sum(prod(shape) for shape in expected_shapes(cfg).values())
+
+
+def matmul_weights(weights: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The distinct weight matrices a decode step multiplies, each with its scales (`<name>_s`,
+    None where it is not quantized): every weight of two dimensions or more (a matrix, or one
+    packed into panels by `Kernels.pack`) but the embedding table (the LM head counted once,
+    whether or not it is the embedding's storage) and the scales themselves."""
     seen, out = set(), []
     for name, t in weights.items():
-        if t.dim() >= 2 and name != "embed" and t.data_ptr() not in seen:
+        if t.dim() >= 2 and name != "embed" and not name.endswith("_s") and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
-            out.append(t)
+            out.append((t, weights.get(name + "_s")))
     return out
+
+
+def in_width(w: torch.Tensor) -> int:
+    """The input features a weight multiplies: an int4 weight's codes hold two a byte."""
+    return quant.in_features(w) if w.dtype in (torch.int8, torch.uint8) else w.shape[1]
+
+
+def _linear(kernels, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None):
+    return kernels.linear(x, w) if scales is None else kernels.linear(x, w, None, scales)
+
+
+def _nbytes(w: torch.Tensor, scales: torch.Tensor | None) -> int:
+    return quant.nbytes(w, scales)
 
 
 def matmul_time(model, rows: int, passes: int = 5) -> float:
     """Seconds of a decode step's matmuls alone at `rows` rows: one `Kernels.linear` call per
-    distinct weight (`matmul_weights`) on random rows of its input width; the best of `passes`
-    passes over all of them (each pass streams every weight once, as a step does)."""
+    distinct weight (`matmul_weights`; a quantized one with its scales) on random rows of its
+    input width, in the model's compute dtype; the best of `passes` passes over all of them
+    (each pass streams every weight once, as a step does)."""
     weights = matmul_weights(model.w)
     g = torch.Generator().manual_seed(0)
-    xs = {k: torch.randn(rows, k, generator=g).to(model.dtype) for k in {w.shape[1] for w in weights}}
+    xs = {k: torch.randn(rows, k, generator=g).to(model.dtype) for k in {in_width(w) for w, _ in weights}}
 
     def one_pass():
-        for w in weights:
-            model.kernels.linear(xs[w.shape[1]], w)
+        for w, s in weights:
+            _linear(model.kernels, xs[in_width(w)], w, s)
     return best_seconds(one_pass, passes)
 
 
@@ -88,44 +134,48 @@ def matmul_cached_time(model, rows: int, slice_bytes: int = 2 << 20, calls: int 
     """Seconds a decode step's matmuls would take at `rows` rows if every weight stayed in cache:
     the compute floor of the kernels at that batch, beside the memory bound (where it comes near
     the bound, the FMAs and not the memory set the pace). Per distinct weight layout (all
-    dimensions but the first, and the dtype), the kernel's seconds per byte on a slice of about
-    `slice_bytes` of the first such weight (its first rows, kept in cache across `calls` calls;
-    the best of `passes`), times the bytes of every weight of that layout (`matmul_weights`).
-    2 MiB by default: smaller slices add each call's start to the floor, larger ones leave a
-    core's L2."""
+    dimensions but the first, the dtype, and a quantized weight's scales' width), the kernel's
+    seconds per byte on a slice of about `slice_bytes` of the first such weight (its first rows,
+    with their scales, kept in cache across `calls` calls; the best of `passes`), times the
+    bytes of every weight of that layout (`matmul_weights`, scales included). 2 MiB by default:
+    smaller slices add each call's start to the floor, larger ones leave a core's L2."""
     weights = matmul_weights(model.w)
     g = torch.Generator().manual_seed(0)
     per_byte: dict[tuple, float] = {}
     total = 0.0
-    for w in weights:
-        key = (tuple(w.shape[1:]), w.dtype)
+    for w, s in weights:
+        key = (tuple(w.shape[1:]), w.dtype, None if s is None else tuple(s.shape[1:]))
         if key not in per_byte:
-            row_bytes = w[0].numel() * w.element_size()
-            piece = w[:max(1, min(w.shape[0], slice_bytes // row_bytes))]
-            x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
-            model.kernels.linear(x, piece)  # into the cache
+            row_bytes = _nbytes(w[0:1], None if s is None else s[0:1])
+            n = max(1, min(w.shape[0], slice_bytes // row_bytes))
+            piece, piece_s = w[:n], None if s is None else s[:n]
+            x = torch.randn(rows, in_width(w), generator=g).to(w.dtype if s is None else model.dtype)
+            _linear(model.kernels, x, piece, piece_s)  # into the cache
 
             def repeated():
                 for _ in range(calls):
-                    model.kernels.linear(x, piece)
-            per_byte[key] = best_seconds(repeated, passes) / (calls * piece.numel() * piece.element_size())
-        total += per_byte[key] * w.numel() * w.element_size()
+                    _linear(model.kernels, x, piece, piece_s)
+            per_byte[key] = best_seconds(repeated, passes) / (calls * _nbytes(piece, piece_s))
+        total += per_byte[key] * _nbytes(w, s)
     return total
 
 
 def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, rounds: int = 3,
                      prompt_len: int = 16, threads: int | None = None, dtype: str = "float32",
-                     progress=None) -> dict:
+                     quantize: str | None = None, progress=None) -> dict:
     from lorafleet import Engine
 
+    check_cpu_fit(shape, quantize)
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine(build_base(shape), device="cpu", dtype=dtype, pool_bytes=1 << 30)
+    engine = Engine(build_base(shape, on_device=shape in ON_DEVICE_ONLY), device="cpu", dtype=dtype,
+                    pool_bytes=1 << 30, quantize=quantize)
     vocab = engine.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     decode_step_time(engine, prompts[:2], [None] * 2, 2)  # warm-up: first allocations, kernel builds
     nbytes = step_weight_bytes(engine.model.w)
+    held, fp32 = model_weight_bytes(engine.model.w), fp32_weight_bytes(engine.model.cfg)
     times, matmuls, hosts = {b: [] for b in batches}, {b: [] for b in batches}, {b: [] for b in batches}
     cached, bandwidths = {b: [] for b in batches}, []
     others = []  # cores other work kept busy in each round (None where /proc cannot say)
@@ -162,7 +212,9 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
                      "tokens_per_s": b / step, "effective_gb_s": nbytes / step / 1e9})
     return {"benchmark": "decode-bound", "shape": shape, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "steps": steps, "rounds": rounds,
-            "weight_bytes": nbytes, "bandwidth_gb_s": bandwidth / 1e9, "bound_ms": bound * 1e3,
+            "quantization": engine.model.quantization, "weight_bytes": nbytes,
+            "model_weight_bytes": held, "fp32_weight_bytes": fp32, "memory_ratio": held / fp32,
+            "memory_target": MEMORY_TARGETS.get(engine.model.quantization), "bandwidth_gb_s": bandwidth / 1e9, "bound_ms": bound * 1e3,
             "round_bandwidths_gb_s": [bw / 1e9 for bw in bandwidths],
             "round_other_cores": others, "other_cores": max((o for o in others if o is not None), default=None),
             "batches": rows, "target_ratio": TARGET_RATIO,

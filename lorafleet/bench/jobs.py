@@ -42,7 +42,9 @@ class Job:
     PEFT folder none of the requests uses, loaded (then unloaded) by the lorafleet systems' warm-up.
     `max_requests`: a baseline serves only the first N requests (None: all); lorafleet always
     serves all. `concurrency`: the workload's closed loop (at most that many requests in
-    flight), or None (each request sent at its arrival time)."""
+    flight), or None (each request sent at its arrival time). `quantize`: int8 or int4, the base
+    served quantized (weight-only: lorafleet quantizes it as it loads, llama.cpp gets it as
+    Q8_0 or Q4_0); systems that cannot serve it so skip the run."""
 
     system: str
     model_dir: str
@@ -57,6 +59,7 @@ class Job:
     max_requests: int | None = None
     warm_up_adapter: str | None = None
     concurrency: int | None = None
+    quantize: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -114,6 +117,7 @@ class System:
     isolated = True      # runs in a worker process of its own
     baseline = True      # serves at most `job.max_requests` requests
     closed_loop = False  # replays a workload's `concurrency` (its closed loop); the others skip it
+    quantizable = False  # serves a quantized base (`job.quantize`); the others skip such a job
 
     def __init__(self, device: str = "auto", dtype: str = "auto", threads: int | None = None):
         self.device_name = device
@@ -170,6 +174,9 @@ class System:
         if job.concurrency is not None and not self.closed_loop:
             return Result(self.name, status="skipped",
                           reason=f"replays arrival times only, not a closed loop of {job.concurrency} in flight")
+        if job.quantize and not self.quantizable:
+            return Result(self.name, status="skipped",
+                          reason=f"serves full-precision bases only, not one quantized in {job.quantize}")
         reason = self.skip_reason(job)
         if reason:
             return Result(self.name, status="skipped", reason=reason)

@@ -1,6 +1,7 @@
 """llama.cpp as a system of `lorafleet bench` (`llama.cpp`): `llama-server` on the same random
 model and PEFT adapters, converted to GGUF, the workload's requests replayed over HTTP as for
-the daemon system.
+the daemon system. The base is f32, or with `--quantize` (`job.quantize`) the same model as Q8_0
+(int8) or Q4_0 (int4, every tensor: `llamacpp_build.quantize_command`); adapters stay f32.
 
 The server and the GGUF files come from `llamacpp_build.py` (built and converted once, cached
 outside the repository; what cannot be had is the reason the system is skipped).
@@ -34,8 +35,8 @@ from pathlib import Path
 
 from lorafleet.bench import http_replay
 from lorafleet.bench.jobs import WARM_UP_PROMPT, Job, Replayed, System
-from lorafleet.bench.llamacpp_build import (SDIST_NAME, SDIST_VERSION, LlamaCppUnavailable, convert_adapter,
-                                            convert_model, server_binary)
+from lorafleet.bench.llamacpp_build import (GGUF_TYPES, SDIST_NAME, SDIST_VERSION, LlamaCppUnavailable,
+                                            convert_adapter, convert_model, server_binary)
 
 START_TIMEOUT_S = 300     # llama-server loading the model and adapters
 CTX_ROUND = 256           # each slot's context, rounded up to this (llama.cpp pads to it)
@@ -47,6 +48,7 @@ class LlamaCpp(System):
     name = "llama.cpp"
     baseline = False     # serves every request of the workload
     closed_loop = True
+    quantizable = True   # `job.quantize`: the same base as Q8_0 (int8) or Q4_0 (int4)
     proc = None          # llama-server, once prepare started it
 
     def skip_reason(self, job: Job) -> str | None:
@@ -58,12 +60,12 @@ class LlamaCpp(System):
         if device.type != "cpu":
             return f"built for the CPU only; this run is on {device}"
         if dtype != torch.float32:
-            return f"the GGUF files are f32; this run is in {dtype}"
+            return f"the GGUF files (and the KV cache) are f32; this run is in {dtype}"
         if job.residency != "loaded":
             return "llama-server loads every adapter at its start: it cannot start with adapters on disk"
         try:
             self.binary = server_binary()
-            self.model_gguf = convert_model(Path(job.model_dir))
+            self.model_gguf = convert_model(Path(job.model_dir), quantize=job.quantize, threads=self.threads)
             self.adapter_ggufs = {name: convert_adapter(Path(job.model_dir), Path(path))
                                   for name, path in job.adapters.items()}
             self.warm_up_gguf = (convert_adapter(Path(job.model_dir), Path(job.warm_up_adapter))
@@ -112,7 +114,8 @@ class LlamaCpp(System):
         self.warm_up_id = ids[self.warm_up_gguf.resolve()] if self.warm_up_gguf else None
         self.all_ids = sorted(ids.values())
         return {"server": str(self.binary), "command": cmd, "slots": slots, "ctx_per_slot": per_slot,
-                "model_gguf": str(self.model_gguf), "sdist": f"{SDIST_NAME}=={SDIST_VERSION}"}
+                "model_gguf": str(self.model_gguf), "model_gguf_type": GGUF_TYPES[job.quantize],
+                "sdist": f"{SDIST_NAME}=={SDIST_VERSION}"}
 
     def warm_up(self, job: Job) -> dict:
         """A small completion on the base and one on the warm-up adapter (none of the workload's)."""

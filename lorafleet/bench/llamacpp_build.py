@@ -1,12 +1,15 @@
-"""What llama.cpp as a bench system (`llamacpp.py`) runs on: `llama-server` built once for this
-machine, and the bench's model and PEFT adapters converted to GGUF once.
+"""What llama.cpp as a bench system (`llamacpp.py`) runs on: `llama-server` (and, for Q4_0,
+`llama-quantize`) built once for this machine, and the bench's model and PEFT adapters converted
+to GGUF once.
 
 Where the server comes from. Built once from the llama.cpp sources that the pinned
 llama-cpp-python source distribution vendors (`vendor/llama.cpp`): `pip download` fetches it
 (its sha256 checked), cmake configures it for this CPU (GGML_NATIVE) with nothing fetched over
-the network (no OpenSSL, no prebuilt web UI) and ninja builds the llama-server target only.
+the network (no OpenSSL, no prebuilt web UI) and ninja builds the llama-server target only; the
+llama-quantize target likewise, in a build of its own, the first time a Q4_0 model is wanted.
 `LORAFLEET_LLAMA_SERVER=/path/to/llama-server` runs a binary of your own instead (the converters
-still come from the sdist). When the server or a conversion cannot be had (no cmake, no
+still come from the sdist; the quantize tool is taken from beside it where it is there, else
+from `LORAFLEET_LLAMA_QUANTIZE`, else built). When the server or a conversion cannot be had (no cmake, no
 compiler, no registry, a converter's missing module), the system is reported skipped with the
 reason.
 
@@ -16,6 +19,9 @@ Cache, outside the repository, under the bench's (`$LORAFLEET_HOME/bench/llama.c
                       build: the sdist (version, sha256), the cmake flags, the versions of cmake
                       and of the C and C++ compilers, the machine and its CPU flags
   server-<key>.log    the last build's output
+  quantize-<key>/     llama-quantize and build.json, <key> the same inputs and the target's name
+                      (llama-server's key is unchanged by it: a cache built before the quantize
+                      tool keeps its server, and builds the tool beside it when first needed)
   converters-<version>-<sha>/  the vendored converters and their gguf-py
   *.lock              the builders' flocks
 Each is made in a temporary sibling renamed into place once complete, under an flock of its own
@@ -29,7 +35,13 @@ ASCII pieces, so that every generated token streams as it comes. Prompts go as t
 outputs come back as ids: its strings never matter. `convert_hf_to_gguf.py` and
 `convert_lora_to_gguf.py`, both `--outtype f32`, write into `<model>-gguf/` beside the base, each
 file named by a digest of its inputs (the files' bytes, the converters' sdist, the staging's form)
-and written under a temporary name, then renamed.
+and written under a temporary name, then renamed. A quantized base (`lorafleet bench llama-cpp
+--quantize`, the same model lorafleet quantizes as it loads): int8 is the converter's
+`--outtype q8_0` (`model-q8_0-<digest>.gguf`: blocks of 32 with an fp16 scale, where lorafleet's
+int8 has one scale per output channel), int4 is `llama-quantize --pure <f32 file> ... Q4_0`
+(`model-q4_0-pure-<digest>.gguf`: Q4_0 is lorafleet's int4 block for block; `--pure` makes the
+output tensor Q4_0 too, as lorafleet's LM head, where the tool's default mix keeps it in Q6_K).
+The adapters stay f32 GGUF LoRA (lorafleet's stay in the compute dtype).
 """
 
 from __future__ import annotations
@@ -59,6 +71,11 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON")
 CONVERTERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", "gguf-py")
 SERVER_ENV = "LORAFLEET_LLAMA_SERVER"
+QUANTIZE_ENV = "LORAFLEET_LLAMA_QUANTIZE"
+TOOLS = {"llama-server": "server", "llama-quantize": "quantize"}  # target -> its cache folder's prefix
+# `--quantize` -> the GGUF type llama-server is given: the converter writes f32 and Q8_0, the
+# quantize tool Q4_0 (from the f32 file, --pure: every tensor, the output one too, as lorafleet's int4)
+GGUF_TYPES = {None: "f32", "int8": "q8_0", "int4": "q4_0"}
 STAGE_FORM = 1            # the staged tokenizer's form: a new one converts every model again
 LOCK_WAIT_S = 3600        # for another process's build (a build takes minutes on 2 cores)
 STEP_TIMEOUT_S = 3600     # one step of a build: download, configure, compile
@@ -83,48 +100,78 @@ def server_binary(say: Callable[[str], None] = _quiet) -> Path:
     """`$LORAFLEET_LLAMA_SERVER`, else the cached build for this machine, built first if need be."""
     own = os.environ.get(SERVER_ENV)
     if own:
-        path = Path(own)
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise LlamaCppUnavailable(f"{SERVER_ENV}={own} is not an executable file")
-        return path
+        return _own_binary(SERVER_ENV, own)
+    return _built("llama-server", say)
+
+
+def quantize_binary(say: Callable[[str], None] = _quiet) -> Path:
+    """llama.cpp's quantize tool (Q4_0 for `--quantize int4`): `$LORAFLEET_LLAMA_QUANTIZE`, else
+    the `llama-quantize` beside `$LORAFLEET_LLAMA_SERVER` where there is one, else the cached
+    build for this machine (the same sources and flags as llama-server's), built first if need be."""
+    own = os.environ.get(QUANTIZE_ENV)
+    if own:
+        return _own_binary(QUANTIZE_ENV, own)
+    server = os.environ.get(SERVER_ENV)
+    if server and os.access(Path(server).with_name("llama-quantize"), os.X_OK):
+        return Path(server).with_name("llama-quantize")
+    return _built("llama-quantize", say)
+
+
+def build_key(target: str, inputs: dict | None = None) -> str:
+    """The cache key of one tool's build: llama-server's digests `build_inputs()` alone (so the
+    caches built before the quantize tool joined stay valid), any other target's names it too."""
+    inputs = inputs if inputs is not None else build_inputs()
+    return _digest_json(inputs if target == "llama-server" else {**inputs, "target": target})
+
+
+def _own_binary(env: str, value: str) -> Path:
+    path = Path(value)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise LlamaCppUnavailable(f"{env}={value} is not an executable file")
+    return path
+
+
+def _built(target: str, say: Callable[[str], None]) -> Path:
+    """`target` (TOOLS' llama-server or llama-quantize) from the cache, built into it first if
+    need be: `<TOOLS[target]>-<build_key>/<target>`."""
     inputs = build_inputs()
-    key = _digest_json(inputs)
+    key = build_key(target, inputs)
     root = cache_root()
-    final = root / f"server-{key}"
-    if (final / "llama-server").is_file():
-        return final / "llama-server"
+    final = root / f"{TOOLS[target]}-{key}"
+    if (final / target).is_file():
+        return final / target
     cmake, ninja = _tool("cmake"), _tool("ninja")
     missing = [name for name, path in (("cmake", cmake), ("ninja", ninja), ("a C++ compiler", inputs["cxx"]),
                                        ("a C compiler", inputs["cc"])) if path is None]
     if missing:
-        raise LlamaCppUnavailable(f"cannot build llama-server: {', '.join(missing)} not found "
+        raise LlamaCppUnavailable(f"cannot build {target}: {', '.join(missing)} not found "
                                   "(`pip install cmake ninja` gives cmake and ninja)")
-    with _locked(root / f"server-{key}.lock", "llama-server"):
-        if (final / "llama-server").is_file():  # another process built it meanwhile
-            return final / "llama-server"
-        say(f"building llama-server from {SDIST_NAME} {SDIST_VERSION}'s llama.cpp into {final} "
+    with _locked(root / f"{final.name}.lock", target):
+        if (final / target).is_file():  # another process built it meanwhile
+            return final / target
+        say(f"building {target} from {SDIST_NAME} {SDIST_VERSION}'s llama.cpp into {final} "
             f"(once; minutes on {os.cpu_count()} cores)")
-        log = root / f"server-{key}.log"
+        log = root / f"{final.name}.log"
         log.write_text("")
-        tmp = Path(tempfile.mkdtemp(prefix=f".server-{key}.", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         try:
             started = time.perf_counter()
             src = _extract(_download_sdist(tmp / "sdist", log), tmp / "src")
             _step([cmake, "-S", str(src), "-B", str(tmp / "build"), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                    *CMAKE_FLAGS], log, "configuring llama.cpp")
-            _step([cmake, "--build", str(tmp / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
-                  log, "building llama-server")
+            _step([cmake, "--build", str(tmp / "build"), "--target", target, "-j", str(os.cpu_count() or 1)],
+                  log, f"building {target}")
             done = tmp / "done"
             done.mkdir()
-            shutil.copy2(tmp / "build" / "bin" / "llama-server", done / "llama-server")
+            shutil.copy2(tmp / "build" / "bin" / target, done / target)
             seconds = time.perf_counter() - started
-            (done / "build.json").write_text(json.dumps({**inputs, "build_seconds": seconds,
+            (done / "build.json").write_text(json.dumps({**inputs, "target": target, "build_seconds": seconds,
                                                          "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
             os.rename(done, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        say(f"built llama-server in {seconds:.0f} s")
-    return final / "llama-server"
+        say(f"built {target} in {seconds:.0f} s")
+    return final / target
 
 
 def build_inputs() -> dict:
@@ -256,19 +303,59 @@ def _file_digest(path: Path, h=None) -> str:
 
 # -- conversions -------------------------------------------------------------------------------
 
-def convert_model(model_dir: Path, say: Callable[[str], None] = _quiet) -> Path:
-    """The bench model as an f32 GGUF, converted once (cached beside it, by content)."""
+def convert_model(model_dir: Path, say: Callable[[str], None] = _quiet, quantize: str | None = None,
+                  threads: int | None = None) -> Path:
+    """The bench model as a GGUF of `GGUF_TYPES[quantize]`, converted once (cached beside it, by
+    content): f32 and Q8_0 (`quantize` int8) by the converter, Q4_0 (int4) by the quantize tool
+    from the f32 file (`quantize_command`: `--pure`, `threads` of it)."""
     model_dir = Path(model_dir)
+    if quantize not in GGUF_TYPES:
+        raise ValueError(f"quantize {quantize!r}: one of {', '.join(map(str, GGUF_TYPES))}")
+    if quantize == "int4":
+        f32 = convert_model(model_dir, say)
+        out = f32.with_name(f32.name.replace("model-f32-", "model-q4_0-pure-", 1))
+        if not out.is_file():
+            binary = quantize_binary(say)
+            say(f"quantizing {model_dir.name}'s GGUF to Q4_0")
+            with tempfile.TemporaryDirectory(prefix=".quantize-", dir=out.parent) as tmp:
+                _run(quantize_command(binary, f32, Path(tmp) / "out.gguf", threads),
+                     f"quantizing {f32.name} to Q4_0")
+                os.replace(Path(tmp) / "out.gguf", out)
+        return out
+    outtype = GGUF_TYPES[quantize]
     conv = converters(say)
-    out = _gguf_dir(model_dir) / f"model-f32-{_inputs_digest(_model_files(model_dir))}.gguf"
+    out = _gguf_dir(model_dir) / f"model-{outtype}-{_inputs_digest(_model_files(model_dir))}.gguf"
     if not out.is_file():
-        say(f"converting {model_dir.name} to GGUF")
+        say(f"converting {model_dir.name} to GGUF ({outtype})")
         with tempfile.TemporaryDirectory(prefix=".convert-", dir=out.parent) as tmp:
             stage = _stage(model_dir, Path(tmp) / "model")
-            _convert([conv / "convert_hf_to_gguf.py", stage, "--outtype", "f32", "--outfile", Path(tmp) / "out.gguf"],
-                     f"converting {model_dir} to GGUF")
+            _convert(convert_command(conv, stage, outtype, Path(tmp) / "out.gguf"), f"converting {model_dir} to GGUF")
             os.replace(Path(tmp) / "out.gguf", out)
     return out
+
+
+def convert_command(conv: Path, stage: Path, outtype: str, outfile: Path) -> list:
+    """The converter's arguments (after the Python that runs it) for a model staged in `stage`."""
+    return [conv / "convert_hf_to_gguf.py", stage, "--outtype", outtype, "--outfile", outfile]
+
+
+def quantize_command(binary: Path, src: Path, dst: Path, threads: int | None = None) -> list:
+    """llama-quantize's command line: `src` (the f32 GGUF) to Q4_0 in `dst`, `--pure` so that
+    every tensor is Q4_0, the output (LM head) and token embedding included, where its default
+    mix keeps the output in Q6_K: lorafleet's int4 holds its LM head in int4, so this is the
+    same model in the same bytes."""
+    return [binary, "--pure", src, dst, "Q4_0", *([str(threads)] if threads else [])]
+
+
+def _run(cmd: list, what: str) -> None:
+    try:
+        proc = subprocess.run(list(map(str, cmd)), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=CONVERT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise LlamaCppUnavailable(f"{what} took over {CONVERT_TIMEOUT_S} s")
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise LlamaCppUnavailable(f"{what} failed (exit {proc.returncode}): {tail}")
 
 
 def convert_adapter(model_dir: Path, adapter_dir: Path, say: Callable[[str], None] = _quiet) -> Path:
@@ -290,7 +377,11 @@ def convert_adapter(model_dir: Path, adapter_dir: Path, say: Callable[[str], Non
 def _model_files(model_dir: Path) -> list[Path]:
     weights = sorted(model_dir.glob("*.safetensors"))
     if not weights:
-        raise LlamaCppUnavailable(f"{model_dir} has no *.safetensors to convert")
+        from lorafleet.model.loader import RANDOM_WEIGHTS
+
+        made = " (its weights are made in memory as it loads: no files for llama.cpp's converter)" \
+            if (model_dir / RANDOM_WEIGHTS).is_file() else ""
+        raise LlamaCppUnavailable(f"{model_dir} has no *.safetensors to convert{made}")
     return [model_dir / "config.json", *weights]
 
 

@@ -36,6 +36,7 @@ class LorafleetInProcess(System):
     name = "lorafleet"
     subject = True
     baseline = False
+    quantizable = True
     engine_options: dict = {}  # what the variants below change
 
     def __init__(self, *args, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, **kwargs):
@@ -49,7 +50,7 @@ class LorafleetInProcess(System):
 
         kwargs = dict(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                       max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                      **self.engine_options)
+                      quantize=job.quantize, **self.engine_options)
         if job.pool_fraction is not None or self.device.type != "cuda":
             kwargs["pool_bytes"] = job_pool_bytes(job, self.dtype.itemsize)
         if job.residency == "registered":  # every adapter fits the host tier: device residency is measured
@@ -59,7 +60,8 @@ class LorafleetInProcess(System):
             model_dir, stored = adapters.stored(Path(job.model_dir), [(n, Path(p)) for n, p in job.adapters.items()])
         self.engine = engine = Engine(model_dir, **kwargs)
         details = {"pool_bytes": engine.pool.num_pages * engine.pool.page_bytes, "pool_pages": engine.pool.num_pages,
-                   "residency": job.residency, "pool_fraction": job.pool_fraction}
+                   "residency": job.residency, "pool_fraction": job.pool_fraction,
+                   "quantization": engine.model.quantization}
         t0 = time.perf_counter()
         for name, path in job.adapters.items():
             if job.residency == "loaded":

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from lorafleet import openmp
 from lorafleet.bench import plots
 from lorafleet.bench.adapters import warm_up_adapter, workload_adapters
-from lorafleet.bench.fixtures import build_base, get_shape
+from lorafleet.bench.fixtures import ON_DEVICE_ONLY, build_base, check_cpu_fit, get_shape
 from lorafleet.bench.jobs import MAX_REPEATS, MAX_TIMED_S, MIN_REPEATS, MIN_TIMED_S, Job
 from lorafleet.bench.machine import default_threads, load_average
 from lorafleet.engine.regression import switch_regressions
@@ -43,19 +43,26 @@ SWEEP_SYSTEMS = ("lorafleet",)
 def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], out: Path, *,
               device: str = "auto", dtype: str = "auto", threads: int | None = None,
               max_baseline_requests: int | None = None, sweep: tuple[int, ...] = (),
-              console: Console | None = None) -> dict:
+              quantize: str | None = None, console: Console | None = None) -> dict:
     """Run `systems` on `workload` for each model shape (and lorafleet on the workload over each
     number of adapters in `sweep`); write the JSON report to `out`, the plots next to it, and
-    return the report. A system that fails or is not installed gets an "error" or "skipped" row."""
+    return the report. A system that fails or is not installed gets an "error" or "skipped" row.
+    `quantize` (int8 | int4): the base served quantized (`jobs.Job.quantize`); on the CPU, a
+    shape that fits only quantized (`fixtures.CPU_SCHEMES`) is refused otherwise, before anything runs."""
     started = time.perf_counter()
     models = {name: get_shape(name) for name in dict.fromkeys(shapes)}
+    if quantize not in (None, "int8", "int4"):
+        raise ConfigError(f"quantize must be int8 or int4, got {quantize!r}")
+    if _on_cpu(device):
+        for name in models:
+            check_cpu_fit(name, quantize)
     load = workload if isinstance(workload, Workload) else get_workload(workload)
     unknown = [s for s in systems if s not in SYSTEM_NAMES]
     if unknown or not systems:
         raise ConfigError(f"unknown system(s) {', '.join(unknown) or '(none given)'} "
                           f"(choose from {', '.join(SYSTEM_NAMES)})")
     common = dict(device=device, dtype=dtype, threads=threads or default_threads(),
-                  max_requests=max_baseline_requests or None)
+                  max_requests=max_baseline_requests or None, quantize=quantize)
     console = console or Console(stderr=True)
 
     load_before = load_average()
@@ -66,7 +73,7 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
         task = progress.add_task("", total=len(models) * (len(systems) + len(sweep) * len(SWEEP_SYSTEMS)))
         for name, shape in models.items():
             progress.update(task, description=f"{name}: building or reusing the model and adapters")
-            model_dir = build_base(name)
+            model_dir = build_base(name, on_device=name in ON_DEVICE_ONLY)
             for system in systems:
                 progress.update(task, description=f"{load.name} · {name} · {system}")
                 run = _run(system, model_dir, load, shape.vocab_size, common, Path(scratch))
@@ -84,7 +91,8 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
 
     environment = {**_environment(device, dtype, common["threads"]), "load_average_before": load_before,
                    "load_average_after": load_average()}
-    options = {"systems": systems, "max_baseline_requests": common["max_requests"], "batch_size": 16,
+    options = {"systems": systems, "max_baseline_requests": common["max_requests"], "quantize": quantize,
+               "batch_size": 16,
                "sweep": list(sweep), "sweep_systems": list(SWEEP_SYSTEMS) if sweep else [],
                "warm_up": "every system: untimed small requests on the same model before the clock "
                           "(lorafleet: CPU kernels and one adapter loaded too); see each run's details.warm_up",
@@ -127,6 +135,12 @@ def _across(reports: list[dict]) -> list[dict]:
            for r in reports for row in r["results"] if row["system"] == "lorafleet" and row["tokens_per_s"]}
     return [{"workload": w, "versus": v, "model": m, "tokens_per_s_ratio": tps[w, m] / tps[v, m]}
             for w, v in SUITE_ACROSS for (name, m) in tps if name == w and (v, m) in tps]
+
+
+def _on_cpu(device: str) -> bool:
+    from lorafleet.model.loader import resolve_device
+
+    return resolve_device(device).type == "cpu"
 
 
 def _run(system: str, model_dir: Path, load: Workload, vocab_size: int, common: dict, scratch: Path) -> dict:

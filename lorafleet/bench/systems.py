@@ -27,6 +27,9 @@ class MergedAccounting(System):
     isolated = False
 
     def run(self, job: Job) -> Result:
+        if job.quantize:  # the files' bytes are the full-precision base's
+            return Result(self.name, status="skipped",
+                          reason=f"serves full-precision bases only, not one quantized in {job.quantize}")
         base = weight_bytes(Path(job.model_dir))
         used = sorted({r.adapter for r in job.requests if r.adapter is not None})
         return Result(self.name, reason="memory accounting only",

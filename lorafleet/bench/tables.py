@@ -200,22 +200,35 @@ def decode_bound_table(results: list[dict]) -> Table:
     noisy = [f"\nnoisy: {r['shape']}: other work (other processes, the hypervisor's other guests) kept "
              f"{r['other_cores']:.1f} cores busy in its busiest round: the host's figures, not the code's"
              for r in results if _contended(r["other_cores"])]
+    quantized = [r for r in results if r.get("quantization")]
+    memory = ("\nmemory: the base's weight bytes (every tensor, scales included) against the same model's in "
+              "float32; target: " + ", ".join(f"{q} <= {t}x" for q, t in
+                                              dict((r["quantization"], r["memory_target"]) for r in quantized).items())
+              if quantized else "")
     table = _table("decode-bound: a base-model decode step against reading its weights once",
                    ["shape", "weights", "read GB/s", "batch", "step ms", "bound ms", "ratio", "tok/s", "matmuls ms",
-                    "in cache ms", "host ms"],
+                    "in cache ms", "host ms", *(["memory"] if quantized else [])],
                    f"ratio: the median over rounds of a round's step against its own bound; read GB/s and "
                    f"bound: their medians; matmuls: the step's matmuls alone (against the bound); in cache: the "
                    f"same matmuls at the kernels' speed on weights that stay in cache, their compute floor "
-                   f"(against the bound); host: the engine's part of a step, around the model's forward pass"
-                   f"\ntarget: <= {results[0]['target_ratio']}x the bound at batch 1 and 8" + "".join(noisy), left=1)
+                   f"(against the bound); host: the engine's part of a step, around the model's forward pass; "
+                   f"weights: the bytes a step reads (quantized: codes and scales)"
+                   f"\ntarget: <= {results[0]['target_ratio']}x the bound at batch 1 and 8" + memory + "".join(noisy),
+                   left=1)
     for r in results:
+        q = r.get("quantization")
         for i, row in enumerate(r["batches"]):
             first = i == 0
-            table.add_row(f"{r['shape']} {r['dtype']}" if first else "", f"{r['weight_bytes'] / 2**20:.0f} MiB" if first else "",
+            mem = []
+            if quantized:
+                mem = [f"{r['memory_ratio']:.3f}x fp32 {_verdict(r['memory_ratio'] <= r['memory_target'])}"
+                       if q and first else ""]
+            table.add_row(f"{r['shape']} {r['dtype']}{' ' + q if q else ''}" if first else "",
+                          f"{r['weight_bytes'] / 2**20:.0f} MiB" if first else "",
                           f"{r['bandwidth_gb_s']:.1f}" if first else "", str(row["batch"]), f"{row['step_ms']:.2f}",
                           f"{row['bound_ms']:.2f}", f"{row['ratio']:.2f}x", f"{row['tokens_per_s']:.0f}",
                           f"{row['matmul_ms']:.2f} ({row['matmul_ratio']:.2f}x)",
-                          f"{row['cached_ms']:.2f} ({row['cached_ratio']:.2f}x)", f"{row['host_ms']:.2f}")
+                          f"{row['cached_ms']:.2f} ({row['cached_ratio']:.2f}x)", f"{row['host_ms']:.2f}", *mem)
     return table
 
 

@@ -23,8 +23,9 @@ app = typer.Typer(
 
 def _models(default: str) -> object:
     return typer.Option("--model", "-m", metavar="SHAPE",
-                        help=f"Model shape: micro, tiny, smol (SmolLM2-135M's shapes), 1b (for GPUs) or 8b "
-                             f"(Llama-3-8B's shapes, `bench gpu` only). Repeat for several. Default: {default}.")
+                        help=f"Model shape: micro, tiny, smol (SmolLM2-135M's shapes), 1b (Llama-3.2-1B's) or 8b "
+                             f"(Llama-3-8B's: weights made in memory; on the CPU with --quantize int4 only). Repeat "
+                             f"for several. Default: {default}.")
 
 
 Systems = Annotated[str, typer.Option(
@@ -47,6 +48,11 @@ AsJson = Annotated[bool, typer.Option("--json", callback=json_errors, help="Prin
 Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:N].")]
 Threads = Annotated[int | None, typer.Option("--threads", min=1, help="torch threads. Default: all cores.")]
 Quick = Annotated[bool, typer.Option("--quick", help="A smoke run: the micro shape, fewer steps.")]
+Quantize = Annotated[str | None, typer.Option(
+    "--quantize", metavar="int8|int4",
+    help="Serve the base quantized (weight-only, as `lorafleet serve --quantize`: int8 a scale per output "
+         "channel, int4 Q4_0's groups of 32; fp16 scales). llama.cpp then gets the same model as Q8_0 or Q4_0; "
+         "the systems that serve full precision only are skipped.")]
 
 
 @app.command("run")
@@ -64,7 +70,7 @@ def run(
         "--sweep", metavar="N,N,...",
         help="Also run lorafleet on the workload's requests over each number of adapters and "
              "plot throughput against it (e.g. 1,8,64,256).")] = None,
-    max_baseline_requests: MaxBaseline = None,
+    max_baseline_requests: MaxBaseline = None, quantize: Quantize = None,
     device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """Throughput: every system on the same workload's requests, side by side.
@@ -77,18 +83,19 @@ def run(
     steps of the same shape, PNG) and, with --sweep, throughput against the number of adapters.
     """
     suites.throughput(model or ["tiny"], workload or ["base-only"], systems, suites.parse_sweep(sweep or ""),
-                max_baseline_requests, device, threads, out, as_json)
+                max_baseline_requests, device, threads, out, as_json, quantize)
 
 
 @app.command("quick")
 def quick(
     model: Annotated[list[str] | None, _models("micro and tiny")] = None,
-    systems: Systems = ALL_SYSTEMS,
+    systems: Systems = ALL_SYSTEMS, quantize: Quantize = None,
     device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """A smoke run in a few minutes: the quick workload (8 short requests, 4 adapters and the
     base) on every system, and lorafleet's throughput over 1 and 4 adapters."""
-    suites.throughput(model or ["micro", "tiny"], ["quick"], systems, (1, 4), None, device, threads, out, as_json)
+    suites.throughput(model or ["micro", "tiny"], ["quick"], systems, (1, 4), None, device, threads, out, as_json,
+                      quantize)
 
 
 @app.command("full")
@@ -98,11 +105,13 @@ def full(
     max_baseline_requests: Annotated[int, typer.Option(
         "--max-baseline-requests", min=1, metavar="N",
         help="Baselines serve only the first N requests of each workload; the report says so.")] = 64,
+    quantize: Quantize = None,
     device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """Every workload except quick, every system, and the adapter sweep 1, 8, 64, 256, 1000 on
     uniform-1000's requests: one report per workload and a summary; states its duration."""
-    suites.throughput(model or ["tiny"], None, systems, (), max_baseline_requests, device, threads, out, as_json)
+    suites.throughput(model or ["tiny"], None, systems, (), max_baseline_requests, device, threads, out, as_json,
+                      quantize)
 
 
 @app.command("llama-cpp")
@@ -121,13 +130,20 @@ def llama_cpp(
     threads: Annotated[int | None, typer.Option(
         "--threads", min=1, help="Threads of each system: lorafleet's torch threads, llama-server's -t and -tb. "
                                  "Default: all cores.")] = None,
+    quantize: Annotated[str | None, typer.Option(
+        "--quantize", metavar="int8|int4",
+        help="Both on the same base quantized: lorafleet quantizes it as it loads (`serve --quantize`), "
+             "llama-server gets it as Q8_0 (int8: the converter's --outtype q8_0) or Q4_0 (int4: llama-quantize "
+             "--pure, every tensor Q4_0 as lorafleet's LM head is int4; the tool is built once beside the "
+             "server). Adapters stay f32.")] = None,
     out: Out = None, as_json: AsJson = False,
 ) -> None:
-    """lorafleet through its daemon against llama.cpp's llama-server, on the CPU in f32: the same
-    random model and PEFT adapters (converted to GGUF), 64 requests of 64 + 64 tokens replayed as
-    streaming HTTP calls with N in flight, greedy. Each workload at each N, then one table:
-    tokens/s, TTFT p99, the ratio and issue 18's target. llama-server is built once (minutes)
-    from the llama.cpp that llama-cpp-python's sdist vendors, or taken from LORAFLEET_LLAMA_SERVER."""
+    """lorafleet through its daemon against llama.cpp's llama-server, on the CPU in f32 (or both
+    quantized: --quantize): the same random model and PEFT adapters (converted to GGUF), 64
+    requests of 64 + 64 tokens replayed as streaming HTTP calls with N in flight, greedy. Each
+    workload at each N, then one table: tokens/s, TTFT p99, the ratio and issue 18's target.
+    llama-server is built once (minutes) from the llama.cpp that llama-cpp-python's sdist
+    vendors, or taken from LORAFLEET_LLAMA_SERVER."""
     from lorafleet.bench.report import resolve_out_path
 
     loads = list(dict.fromkeys(workload or PEER_WORKLOADS))
@@ -137,9 +153,10 @@ def llama_cpp(
     suites.check_shapes(shapes)
     suites.check_choices("--workload", loads, PEER_WORKLOADS)
     suites.check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
+    suites.check_quantize(quantize, shapes, cpu=True)
     suites.require(shapes, names)
     if "llama.cpp" in names:
-        suites.llama_server()
+        suites.llama_server(quantize)
     path = resolve_out_path(out)
     with user_errors():
         from lorafleet.bench.runner import run_suite
@@ -147,7 +164,7 @@ def llama_cpp(
 
         variants = tuple(get_workload(w).with_concurrency(n) for w in loads for n in counts)
         report = run_suite(shapes, path, workloads=variants, systems=tuple(names), sweeps={}, name="llama-cpp",
-                           device="cpu", threads=threads, console=err_console)
+                           device="cpu", threads=threads, quantize=quantize, console=err_console)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
@@ -194,19 +211,27 @@ def decode_bound(
         "--batch", min=1, help="Requests decoding together; repeat for more. Default: 1, 8 and 32.")] = None,
     dtype: Annotated[str, typer.Option(
         "--dtype", help="float32 or bfloat16 (the weights' bytes halve; sums stay fp32).")] = "float32",
+    quantize: Annotated[str | None, typer.Option(
+        "--quantize", metavar="int8|int4",
+        help="The base quantized as it loads (--dtype is then the activations'): the bound counts the codes and "
+             "the fp16 scales a step reads; the report sets the base's bytes against fp32's.")] = None,
     quick: Quick = False, threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """A decode step of the base model (no adapters) at each batch size against its memory
     bound: the step's weight bytes over the read bandwidth measured in the same run; beside it,
-    the step's matmuls alone against the same bound."""
+    the step's matmuls alone against the same bound. With --quantize, the bytes are the
+    quantized codes and their scales, and the base's memory is set against fp32's."""
     suites.check_choices("--dtype", [dtype], ("float32", "bfloat16"))
 
     def one(shape: str) -> dict:
         from lorafleet.bench.decode_bound import run_decode_bound
 
         return run_decode_bound(shape, batches=tuple(batch or (1, 8, 32)), steps=4 if quick else 16,
-                                rounds=1 if quick else 3, threads=threads, dtype=dtype, progress=suites.say)
+                                rounds=1 if quick else 3, threads=threads, dtype=dtype, quantize=quantize,
+                                progress=suites.say)
     shapes = model or (["micro"] if quick else ["tiny", "smol"])
+    suites.check_shapes(shapes)
+    suites.check_quantize(quantize, shapes, cpu=True)
     suites.suite("decode-bound", shapes, one, "decode_bound_table", out, as_json)
 
 

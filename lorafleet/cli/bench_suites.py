@@ -22,8 +22,8 @@ SYSTEM_MODULES = {"transformers": ("transformers",), "peft-groups": ("transforme
 
 def throughput(shapes: list[str], loads: list[str] | None, systems: str, counts: tuple[int, ...],
                 max_baseline_requests: int | None, device: str, threads: int | None, out: str | None,
-                as_json: bool) -> None:
-    """run, quick and full: `loads` None is the full suite."""
+                as_json: bool, quantize: str | None = None) -> None:
+    """run, quick and full: `loads` None is the full suite; `quantize` the base's scheme."""
     from lorafleet.bench.report import resolve_out_path
     from lorafleet.bench.systems import SYSTEM_NAMES
     from lorafleet.bench.workloads import WORKLOADS
@@ -32,11 +32,13 @@ def throughput(shapes: list[str], loads: list[str] | None, systems: str, counts:
     check_shapes(shapes)
     check_choices("--workload", loads or [], WORKLOADS)
     check_choices("--systems", names or [""], SYSTEM_NAMES)
+    check_quantize(quantize, shapes, cpu=device == "cpu")
     require(shapes, names, plots=True)
     if "llama.cpp" in names:
         llama_server()
     path = resolve_out_path(out)
-    common = dict(device=device, threads=threads, console=err_console, max_baseline_requests=max_baseline_requests)
+    common = dict(device=device, threads=threads, console=err_console, max_baseline_requests=max_baseline_requests,
+                  quantize=quantize)
     with user_errors():
         from lorafleet.bench.runner import run_bench, run_suite
 
@@ -127,6 +129,25 @@ def check_shapes(shapes: list[str]) -> None:
     check_choices("--model", shapes, SHAPES)
 
 
+QUANTIZE_SCHEMES = ("int8", "int4")
+
+
+def check_quantize(quantize: str | None, shapes: list[str], cpu: bool) -> None:
+    """--quantize is a scheme lorafleet serves; on the CPU (`cpu`: the run's device is known to
+    be it), each shape fits in that precision (`fixtures.check_cpu_fit`: 8b only in int4)."""
+    from lorafleet.bench.fixtures import check_cpu_fit
+    from lorafleet.errors import ConfigError
+
+    if quantize is not None:
+        check_choices("--quantize", [quantize], QUANTIZE_SCHEMES)
+    if cpu:
+        for shape in dict.fromkeys(shapes):
+            try:
+                check_cpu_fit(shape, quantize)
+            except ConfigError as e:
+                raise typer.BadParameter(str(e), param_hint="--model") from None
+
+
 def check_choices(option: str, given: list[str], choices) -> None:
     unknown = [g for g in given if g not in choices]
     if unknown:
@@ -140,14 +161,15 @@ def require(shapes: list[str], systems: list[str] | tuple[str, ...] = (), plots:
     installed and the command that installs them all: transformers to build a shape's random
     model not built yet, each system's (`SYSTEM_MODULES`), matplotlib for the plots, and `needs`
     (module -> what for). A subcommand that went on would end in a traceback minutes later."""
-    from lorafleet.bench.fixtures import cache_key, cache_root
+    from lorafleet.bench.fixtures import ON_DEVICE_ONLY, cache_key, cache_root
 
     wanted: dict[str, dict[str, list[str]]] = {}  # module -> what for -> names
 
     def want(module: str, what: str, name: str) -> None:
         wanted.setdefault(module, {}).setdefault(what, []).append(name)
     for shape in dict.fromkeys(shapes):
-        if not (cache_root() / cache_key(shape, 0, on_device) / "config.json").is_file():  # build_base's test
+        made = on_device or shape in ON_DEVICE_ONLY  # as the bench builds it
+        if not (cache_root() / cache_key(shape, 0, made) / "config.json").is_file():  # build_base's test
             want("transformers", "model", shape)
     for system in systems:
         for module in SYSTEM_MODULES.get(system, ()):
@@ -181,12 +203,15 @@ def _installed(module: str) -> bool:
         return False
 
 
-def llama_server() -> None:
-    """llama.cpp's server, built before the runs when it is not (minutes, with its progress; the
-    workers' output is captured); one line naming what is missing when it cannot be built."""
-    from lorafleet.bench.llamacpp_build import LlamaCppUnavailable, server_binary
+def llama_server(quantize: str | None = None) -> None:
+    """llama.cpp's server (and for int4 its quantize tool, which writes Q4_0), built before the
+    runs when it is not (minutes, with its progress; the workers' output is captured); one line
+    naming what is missing when it cannot be built."""
+    from lorafleet.bench.llamacpp_build import LlamaCppUnavailable, quantize_binary, server_binary
 
     try:
         server_binary(say)
+        if quantize == "int4":
+            quantize_binary(say)
     except LlamaCppUnavailable as e:
         raise fail(f"llama.cpp cannot run: {e}") from None

@@ -95,12 +95,12 @@ def test_the_cli_runs_it_and_writes_the_report(tmp_path):
 def test_the_matmuls_timed_are_each_weight_matrix_once_and_no_embedding():
     embed, qkv, head = torch.zeros(10, 4), torch.zeros(12, 4), torch.zeros(10, 4)
     untied = {"embed": embed, "layers.0.qkv": qkv, "layers.0.norm": torch.zeros(4), "lm_head": head}
-    assert [t.data_ptr() for t in matmul_weights(untied)] == [qkv.data_ptr(), head.data_ptr()]
+    assert [(t.data_ptr(), s) for t, s in matmul_weights(untied)] == [(qkv.data_ptr(), None), (head.data_ptr(), None)]
     panels = torch.zeros(2, 4, 16)  # a weight packed by `Kernels.pack` is a matrix too
-    assert [t.data_ptr() for t in matmul_weights({**untied, "layers.0.down": panels})] == \
+    assert [t.data_ptr() for t, _ in matmul_weights({**untied, "layers.0.down": panels})] == \
         [qkv.data_ptr(), head.data_ptr(), panels.data_ptr()]
     tied = {"embed": embed, "layers.0.qkv": qkv, "layers.1.qkv": qkv, "lm_head": embed}
-    assert [t.data_ptr() for t in matmul_weights(tied)] == [qkv.data_ptr(), embed.data_ptr()]
+    assert [t.data_ptr() for t, _ in matmul_weights(tied)] == [qkv.data_ptr(), embed.data_ptr()]
 
 
 def test_bf16_halves_the_bytes_a_step_reads(report):
@@ -126,9 +126,83 @@ def test_the_compute_floor_is_each_layouts_rate_in_cache_times_the_bytes_of_its_
 
     w = {"embed": torch.zeros(50, 1024), "layers.0.up": torch.zeros(64, 1024), "layers.1.up": torch.zeros(96, 1024),
          "layers.0.down": torch.zeros(32, 512), "lm_head": torch.zeros(16, 512, dtype=torch.bfloat16)}
-    model = SimpleNamespace(w=w, kernels=SimpleNamespace(linear=linear))
+    model = SimpleNamespace(w=w, kernels=SimpleNamespace(linear=linear), dtype=torch.float32)
     floor = matmul_cached_time(model, rows=4, slice_bytes=64 << 10, calls=4, passes=2)
     nbytes = sum(t.numel() * t.element_size() for n, t in w.items() if n != "embed")
     assert floor == pytest.approx(nbytes * 1e-9, rel=1e-9)
     assert set(seen) == {((16, 1024), torch.float32), ((32, 512), torch.float32), ((16, 512), torch.bfloat16)}
     assert all(r * c * (2 if d == torch.bfloat16 else 4) <= 64 << 10 for (r, c), d in seen)
+
+
+# -- quantized bases (issue 51) ----------------------------------------------------------------
+
+def _quantized_micro(scheme: str) -> dict[str, torch.Tensor]:
+    from lorafleet.model.quant import quantize
+
+    g = torch.Generator().manual_seed(0)
+    w = {"embed": torch.randn(96, 64, generator=g), "norm": torch.ones(64), "layers.0.in_norm": torch.ones(64)}
+    for name, shape in (("layers.0.qkv", (128, 64)), ("layers.0.down", (64, 128)), ("lm_head", (96, 64))):
+        w[name], w[name + "_s"] = quantize(torch.randn(shape, generator=g), scheme)
+    return w
+
+
+def test_a_quantized_step_reads_its_codes_and_scales_and_the_norms_by_hand():
+    int8, int4 = _quantized_micro("int8"), _quantized_micro("int4")
+    norms = 2 * 64 * 4
+    # int8: a byte a weight, one fp16 scale per output channel; the untied embedding not read
+    assert step_weight_bytes(int8) == (128 * 64 + 64 * 128 + 96 * 64) + 2 * (128 + 64 + 96) + norms
+    # int4: half a byte a weight, an fp16 scale per 32 weights
+    assert step_weight_bytes(int4) == (128 * 64 + 64 * 128 + 96 * 64) // 2 + 2 * (128 * 2 + 64 * 4 + 96 * 2) + norms
+    assert int4["layers.0.qkv"].dtype == torch.uint8 and int8["layers.0.qkv"].dtype == torch.int8
+    tied = {**int4, "embed": int4["lm_head"], "embed_s": int4["lm_head_s"]}  # the head's storage: counted once
+    assert step_weight_bytes(tied) == step_weight_bytes(int4)
+
+
+def test_the_matmuls_of_a_quantized_model_pass_each_weight_with_its_scales_at_its_input_width(monkeypatch):
+    w = _quantized_micro("int4")
+    pairs = matmul_weights(w)
+    assert [(t.data_ptr(), s.data_ptr()) for t, s in pairs] == \
+        [(w[n].data_ptr(), w[n + "_s"].data_ptr()) for n in ("layers.0.qkv", "layers.0.down", "lm_head")]
+    seen = []
+
+    def linear(x, q, bias=None, scales=None):
+        from lorafleet.kernels.reference import linear as reference
+
+        seen.append((x.shape[1], x.dtype, q.dtype, scales is not None, bias))
+        return reference(x, q, bias, scales)
+    model = SimpleNamespace(w=w, kernels=SimpleNamespace(linear=linear), dtype=torch.float32)
+    from lorafleet.bench.decode_bound import matmul_time
+
+    assert matmul_time(model, rows=2, passes=1) > 0
+    assert seen == [(64, torch.float32, torch.uint8, True, None), (128, torch.float32, torch.uint8, True, None),
+                    (64, torch.float32, torch.uint8, True, None)]
+    seen.clear()
+    assert matmul_cached_time(model, rows=2, calls=1, passes=1) > 0
+    assert {s[:4] for s in seen} == {(64, torch.float32, torch.uint8, True), (128, torch.float32, torch.uint8, True)}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_base_is_measured_against_its_quantized_bytes_and_its_memory_against_fp32(scheme, report):
+    q = run_decode_bound("micro", batches=(1,), steps=2, rounds=1, threads=1, quantize=scheme)
+    assert q["quantization"] == scheme and report["quantization"] is None
+    from lorafleet.bench.fixtures import SHAPES, build_base, weight_gib
+    from lorafleet.model.loader import load_model
+
+    model = load_model(build_base("micro"), quantize=scheme)
+    assert q["weight_bytes"] == step_weight_bytes(model.w) < report["weight_bytes"]
+    assert q["fp32_weight_bytes"] == report["fp32_weight_bytes"] == report["model_weight_bytes"]
+    assert q["fp32_weight_bytes"] == SHAPES["micro"].params() * 4
+    assert q["model_weight_bytes"] == pytest.approx(weight_gib(SHAPES["micro"], scheme) * 2 ** 30)
+    assert q["memory_ratio"] == pytest.approx(q["model_weight_bytes"] / q["fp32_weight_bytes"])
+    assert q["memory_target"] == {"int8": 0.27, "int4": 0.15}[scheme] and report["memory_target"] is None
+    assert q["batches"][0]["matmul_ms"] > 0
+
+
+def test_8b_on_the_cpu_is_refused_unless_int4_before_anything_is_built(monkeypatch):
+    from lorafleet.bench import decode_bound
+    from lorafleet.errors import ConfigError
+
+    monkeypatch.setattr(decode_bound, "build_base", lambda *a, **k: pytest.fail("built"))
+    for scheme in (None, "int8"):
+        with pytest.raises(ConfigError, match="8b shape runs on the CPU only with --quantize int4.*do not fit in 24 GiB"):
+            run_decode_bound("8b", quantize=scheme)
