@@ -382,8 +382,13 @@ def peer_tables(suite: dict) -> list[Table]:
     return [_peer_table(suite, model) for model in models]
 
 
+PEER_PRECISION = {None: "f32", "int8": "int8 against Q8_0", "int4": "int4 against Q4_0 (--pure)"}
+
+
 def _peer_table(suite: dict, model: str) -> Table:
-    table = _table(f"{model}: lorafleet (through its daemon) against llama.cpp's llama-server",
+    quantize = next((rep.get("options", {}).get("quantize") for rep in suite["reports"]), None)
+    table = _table(f"{model}, {PEER_PRECISION[quantize]}: lorafleet (through its daemon) against llama.cpp's "
+                   "llama-server",
                    ["workload", "in\nflight", "system", "tok/s", "TTFT p99\nms", "ratio", "target", ""],
                    "ratio: lorafleet's tokens/s over llama.cpp's; TTFT from when each request was sent", left=3)
     notes = []

@@ -147,6 +147,23 @@ def test_decode_bound_quick_with_quantize_reports_the_bound_and_the_memory(tmp_p
     assert "micro float32 int8" in result.stdout and "memory" in result.stdout
 
 
+def test_the_peer_table_says_which_precisions_it_sets_against_each_other():
+    from rich.console import Console
+
+    from lorafleet.bench.tables import peer_tables
+
+    def suite(quantize):
+        row = {"model": "micro", "system": "llama.cpp", "status": "skipped", "reason": "r"}
+        return {"reports": [{"workload": {"name": "peer-base-8-in-flight", "concurrency": 8},
+                             "options": {"quantize": quantize}, "results": [row]}]}
+    for quantize, words in ((None, "micro, f32:"), ("int8", "micro, int8 against Q8_0:"),
+                            ("int4", "micro, int4 against Q4_0 (--pure):")):
+        console = Console(width=300, record=True)
+        for table in peer_tables(suite(quantize)):
+            console.print(table)
+        assert words in console.export_text()
+
+
 # -- the shapes ---------------------------------------------------------------------------------
 
 def test_the_1b_and_8b_shapes_are_llamas(tmp_path):
@@ -312,3 +329,4 @@ def test_llama_cpp_with_quantize_serves_both_on_the_same_quantized_base(scheme, 
     assert rows["llama.cpp"]["details"]["model_gguf_type"] == {"int8": "q8_0", "int4": "q4_0"}[scheme]
     assert rows["lorafleet-daemon"]["details"]["quantization"] == scheme
     assert "--quantize" in rows["lorafleet-daemon"]["details"]["command"]
+    assert {"int8": "int8 against Q8_0", "int4": "int4 against Q4_0"}[scheme] in result.stdout
