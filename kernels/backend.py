@@ -13,7 +13,8 @@ Every op keeps the semantics of its reference in `reference.py`:
 - `linear(x, w, bias, scales)`: `reference.linear` (`F.linear`), the base model's projections;
   with `scales`, w is a quantized weight's codes (`lorafleet.model.quant`'s layout), read as
   `reference.dequantize(w, scales)` without a full-precision copy where a kernel has it (Triton:
-  `quant_triton.linear`, dequantized in registers);
+  `quant_triton.linear`, dequantized in registers; the CPU: `linear_cpu.linear` sends them to
+  `quant_cpu`'s kernel, likewise);
 - `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`,
   `silu_mul(gu)`, `greedy(logits)`: the step's row-wise ops, as their namesakes in `reference.py`;
 - `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out)`: `reference.lora`, every
@@ -34,7 +35,7 @@ Every op keeps the semantics of its reference in `reference.py`:
   and its LM head, the embedding's storage where they are tied;
 - `rows(w, ids, scales, dtype)`: the embedding's rows `w[ids]`, in either layout (the CPU:
   `panels_cpu.rows`, which reads them out of a tied head's panels), else `reference.rows`;
-  quantized (`scales` given), dequantized in `dtype`.
+  quantized (`scales` given), dequantized in `dtype` (the CPU: `quant_cpu.rows`).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     """The C++ kernels where they serve (built: `cpu_module`; fp32 and bf16), with the reference
     for prefill attention; the torch reference, saying why, where they do not."""
     from lorafleet.kernels import (build, cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu,
-                                   panels_cpu, pointwise_cpu)
+                                   panels_cpu, pointwise_cpu, quant_cpu)
 
     if dtype not in (torch.float32, torch.bfloat16):
         return torch_kernels(f"the C++ CPU kernels take float32 and bfloat16, not {str(dtype).removeprefix('torch.')}")
@@ -125,13 +126,10 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     def lora(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None):
         lora_cpu.lora(x, out, w, seg, entry, slots)
 
-    def linear(x, w, bias=None, scales=None):
-        return linear_cpu.linear(x, w, bias) if scales is None else reference.linear(x, w, bias, scales)
-
     def rows(w, ids, scales=None, dtype=torch.float32):
-        return panels_cpu.rows(w, ids) if scales is None else reference.rows(w, ids, scales, dtype)
+        return panels_cpu.rows(w, ids) if scales is None else quant_cpu.rows(w, ids, scales, dtype)
 
-    return Kernels("cpu", linear, lora=lora, write_kv=pointwise_cpu.write_kv,
+    return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
                    decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
                    decode_forward=decode_layers_cpu.decode_forward, decode_batch=decode_layers_cpu.decode_batch,
                    pack=panels_cpu.pack, rows=rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})

@@ -9,7 +9,8 @@ norm and LM head. Steps with the one call are faster than with the Python loop, 
 with and without adapters.
 
 How: the driver below is compiled in the CPU kernels' one extension (`cpu_module`), after the
-kernels' sources (`panels_cpu` as `pn::`, `linear_cpu` as `lin::`, `pointwise_cpu` as `pw::`,
+kernels' sources (`panels_cpu` as `pn::`, `linear_cpu` as `lin::`, `quant_cpu` as `qt::` (a
+quantized projection's, where its scales are given), `pointwise_cpu` as `pw::`,
 `lora_cpu` as `lo::`, `paged_attention_cpu` as `att::`), whose C++ functions it calls directly.
 
 Semantics: those of the Python loop on the CPU kernels, op for op and in the same order, so the
@@ -35,7 +36,7 @@ from lorafleet.kernels.cpu_module import load
 from lorafleet.kernels.reference import AttentionMetadata
 
 FUNCTIONS = ["decode_layers", "decode_forward", "decode_batch"]
-FIELDS = 12  # tensors per layer, in `llama.Layer`'s order
+FIELDS = 16  # tensors per layer, in `llama.Layer`'s order (the four projections' scales last)
 
 
 
@@ -66,7 +67,8 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta
     head; returns fp32 logits [S, V] for `logits_rows`. The same ops in the same order as the
     Python forward around `decode_layers`, so the same logits bit for bit (why: the module doc)."""
     cfg, w = model.cfg, model.w
-    return load().decode_forward(input_ids, logits_rows, w["embed"], model.flat_layers, w["norm"], w["lm_head"],
+    return load().decode_forward(input_ids, logits_rows, w["embed"], w.get("embed_s"), model.flat_layers, w["norm"],
+                                 w["lm_head"], w.get("lm_head_s"),
                                  *_step_args(kv, model.cos, model.sin, positions, meta, model.scale, cfg.rms_norm_eps,
                                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lora))
 

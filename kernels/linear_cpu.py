@@ -81,8 +81,10 @@ def max_rows(dtype: torch.dtype = torch.float32) -> int:
     return load().max_rows(dtype == torch.bfloat16)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           scales: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16), or w
     packed by `panels_cpu.pack`: the kernel on packed w at every row count, on w [N, K] up to
-    `max_rows()` rows and torch's GEMM beyond (the C++ `linear` decides)."""
-    return load().linear(x, w, bias)
+    `max_rows()` rows and torch's GEMM beyond (the C++ `linear` decides). With `scales`, w is a
+    quantized weight's codes: `quant_cpu.linear` (`Kernels.linear`'s one entry for both)."""
+    return load().linear(x, w, bias, scales)

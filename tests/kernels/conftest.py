@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.kernels import decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu, panels_cpu, pointwise_cpu
+from lorafleet.kernels import (decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu, panels_cpu, pointwise_cpu,
+                               quant_cpu)
 
-CPU_KERNELS = (linear_cpu, panels_cpu, lora_cpu, pointwise_cpu, paged_attention_cpu, decode_layers_cpu)
+CPU_KERNELS = (linear_cpu, panels_cpu, lora_cpu, pointwise_cpu, paged_attention_cpu, decode_layers_cpu, quant_cpu)
 
 
 @pytest.fixture(params=["native", pytest.param("avx2", marks=pytest.mark.heavy)])
