@@ -9,11 +9,11 @@ or fp32; y in x's dtype; products summed in fp32.
 
 Design:
 - **Group-aligned K steps.** A program walks its K range in steps of GK elements, GK the largest
-  power of two up to `Config.group_k` dividing G, so a step lies in one group: the step's
-  partial sums are taken over the raw codes (exact in any dtype: |q| <= 127) and multiplied by
-  the step's one scale per output row once ([BLOCK_N] loads and multiplies a step, not one a
-  weight). `Config.tile_k // GK` steps are unrolled per loop iteration (`tl.static_range`), so
-  each row has a wide run of codes in flight.
+  power of two up to `Config.group_k` dividing G (32 for fp32 dot tiles), so a step lies in one
+  group: the step's partial sums are taken over the raw codes (exact in any dtype: |q| <= 127)
+  and multiplied by the step's one scale per output row once ([BLOCK_N] loads and multiplies a step, not one a
+  weight). `Config.tile_k // GK` steps (`tile_k_decode`, `tile_k_prefill` with dot tiles) are
+  unrolled per loop iteration (`tl.static_range`), so each row has a wide run of codes in flight.
 - **int4 without interleaving.** A step's bytes [.., GK / 2] are read as one contiguous run per
   row (16-byte loads); the low nibbles are the elements 32r + i of each run r, the high ones
   32r + 16 + i, so the step multiplies the low nibbles by x at those columns and the high ones by
@@ -57,25 +57,26 @@ import triton.language as tl
 @dataclass(frozen=True)
 class Config:
     group_k: int = 128        # the largest K step under one scale (a power of two >= 32)
-    tile_k: int = 256         # K elements a loop iteration reads per row (steps unrolled: tile_k // GK)
+    tile_k: int = 256         # K elements a loop iteration reads per row at T = 1 (steps unrolled: tile_k // GK)
+    tile_k_decode: int = 128  # the same at T <= 16 (the 16-row dot tiles hold registers)
     block_n_gemv: int = 64    # output rows per program at T = 1
     block_n_decode: int = 64  # output rows per program at T <= 16
     block_n_prefill: int = 128  # output rows per program at T > 16 (64 with fp32 activations)
-    tile_k_prefill: int = 64  # the same at T > 16 (the dot tiles hold the registers)
+    tile_k_prefill: int = 64  # the same at T > 16
     waves: int = 4            # programs per SM below which K is split
     warps: int = 4
     warps_prefill: int = 8
     stages: int = 3
 
     def __post_init__(self):
-        for v in (self.group_k, self.tile_k, self.tile_k_prefill):
+        for v in (self.group_k, self.tile_k, self.tile_k_decode, self.tile_k_prefill):
             if v < 32 or v & (v - 1):
                 raise ValueError(f"invalid quantized matmul config {self}: group_k and tile_k are powers of two >= 32")
 
 
 CONFIG = Config()
-CANDIDATES = (CONFIG, Config(tile_k=512), Config(group_k=64, tile_k=128), Config(block_n_gemv=32, block_n_decode=32),
-              Config(block_n_gemv=128, warps=8), Config(waves=8))
+CANDIDATES = (CONFIG, Config(tile_k=512), Config(group_k=64, tile_k=128, tile_k_decode=64),
+              Config(block_n_gemv=32, block_n_decode=32), Config(block_n_gemv=128, warps=8), Config(waves=8))
 DECODE_ROWS = 16   # up to this many rows: the decode form (16-row dot tiles)
 SUM_BLOCK = 256    # output columns per program of `_sum_kernel`
 
@@ -209,7 +210,7 @@ def plan(t: int, n: int, k: int, group: int, fp32: bool, sms: int, cfg: Config =
     """The launch for x [t, k] times a weight [n, k] in groups of `group` (host arithmetic only)."""
     cap = 32 if fp32 and t > 1 else cfg.group_k  # fp32 dots are FMA loops: wider steps spill registers
     gk = next(p for p in (256, 128, 64, 32) if p <= cap and group % p == 0)
-    sub = max(1, (cfg.tile_k if t <= DECODE_ROWS else cfg.tile_k_prefill) // gk)
+    sub = max(1, (cfg.tile_k if t == 1 else cfg.tile_k_decode if t <= DECODE_ROWS else cfg.tile_k_prefill) // gk)
     if t == 1:
         bm, bn = 1, cfg.block_n_gemv
     elif t <= DECODE_ROWS:

@@ -162,3 +162,68 @@ def test_an_engine_quantized_on_the_triton_path_gives_the_torch_paths_tokens(sch
         assert engine.model.kernels.name == kernels and engine.model.quantization == scheme
         tokens[kernels] = [o.token_ids for o in engine.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
+
+
+COMPILE = r'''
+import re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from lorafleet.kernels import quant_triton as Q
+
+ALIGNED = ("K", "QK", "SG", "G", "K_SPLIT", "stride_x", "stride_y", "N")  # as Llama's shapes are
+
+def signature(kernel, dtype, codes, constexprs):
+    types = {"q_ptr": codes, "s_ptr": "*fp16", "p_ptr": "*fp32"}
+    return {n: "constexpr" if n in constexprs else types.get(n, "*" + dtype if n.endswith("_ptr") else "i32")
+            for n in kernel.arg_names}
+
+cases = set()
+for dtype in ("bf16", "fp16", "fp32"):
+    for cfg in Q.CANDIDATES if dtype == "bf16" else Q.CANDIDATES[:1]:
+        for codes, int4 in (("*u8", True), ("*i8", False)):
+            for t in (1, 8, 64, 512):
+                for group in (32, 128, 4096):
+                    lp = Q.plan(t, 4096, 4096, group, dtype == "fp32", 132, cfg)
+                    cases.add((Q._qmm_kernel, dtype, codes, (("INT4", int4), ("HAS_BIAS", True), ("PARTIAL", lp.splits > 1),
+                               ("UPCAST", dtype == "fp32"), ("BLOCK_M", lp.block_m), ("BLOCK_N", lp.block_n), ("GK", lp.gk),
+                               ("W", lp.gk // 2 if int4 else lp.gk), ("SUB", lp.sub)), lp.warps, cfg.stages))
+    cases.add((Q._sum_kernel, dtype, "*i8", (("HAS_BIAS", True), ("BLOCK", Q.SUM_BLOCK)), 4, 3))
+spills = []
+for kernel, dtype, codes, constexprs, warps, stages in sorted(cases, key=str):
+    constexprs = dict(constexprs)
+    sig = signature(kernel, dtype, codes, constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if sig[n].startswith("*") or n in ALIGNED}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        info = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
+                              capture_output=True, text=True, check=True).stderr
+    spilled = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    print(f"{kernel.__name__} {dtype} {codes} {constexprs} {warps} warps: {spilled} spills: ok")
+    if spilled:
+        spills.append(f"{kernel.__name__} {dtype} {codes} {constexprs}: {spilled} spills")
+print(f"cases: {len(cases)}")
+assert not spills, spills
+'''
+
+
+@pytest.mark.heavy  # compiles every launch of the kernel (each candidate in bf16) for sm_90
+def test_every_launch_compiles_for_sm90_without_spilling(tmp_path):
+    """What the interpreter does not check: the compiled bf16/fp16 dots, the layouts, registers.
+    At the plans `linear` makes for Llama-3-8B's shapes at T = 1, 8, 64, 512 and groups 32, 128
+    and a channel, on an H100's 132 SMs (test_triton_compile.py's method)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
+           "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-4000:]
+    cases = int(done.stdout.rsplit("cases: ", 1)[1])
+    assert done.stdout.count(": ok") == cases > 0
