@@ -186,7 +186,7 @@ def _interpreted() -> bool:
     return type(_qmm_kernel).__name__ == "InterpretedFunction"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sms(device: torch.device) -> int:
     """The device's SM count (a host query, cached; 4 off a GPU, where the interpreter runs)."""
     if device.type != "cuda":

@@ -223,7 +223,7 @@ def test_every_launch_compiles_for_sm90_without_spilling(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
            "TRITON_DEFAULT_FP_FUSION": "1"}
     done = subprocess.run([sys.executable, "-c", COMPILE], cwd=Path(__file__).resolve().parents[2], env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-4000:]
     cases = int(done.stdout.rsplit("cases: ", 1)[1])
     assert done.stdout.count(": ok") == cases > 0
