@@ -73,9 +73,9 @@ def _adapter_spec(spec: str) -> tuple[str, str]:
 def serve(
     ctx: typer.Context,
     model: Annotated[Path | None, typer.Argument(
-        help="A Hugging Face model folder (config.json, safetensors, tokenizer.json), or the name of "
-             "a base in the store (`lorafleet pull SOURCE --base`). Default: the bundled demo fleet "
-             "(a tiny echo model and its skill adapters: upper, reverse, ...).",
+        help="A Hugging Face model folder (config.json, safetensors, tokenizer.json), a GGUF file (Q8_0, Q4_0 "
+             "or float), or the name of a base in the store (`lorafleet pull SOURCE --base`). Default: the bundled "
+             "demo fleet (a tiny echo model and its skill adapters: upper, reverse, ...).",
         show_default=False)] = None,
     socket: SocketOption = None,
     host: Annotated[str | None, typer.Option("--host", help="Also listen on TCP at this address (needs --port and --api-key).")] = None,
@@ -169,11 +169,17 @@ def serve(
 
 
 def model_folder(model: Path | None) -> tuple[Path | None, str | None]:
-    """MODEL as a folder: a path that exists, else a base of the store by that name (then its
-    name too, the default served name); a path that is neither is a clear error."""
+    """MODEL as a folder: a path that exists (a folder, or a GGUF file: then its name less .gguf
+    is the default served name), else a base of the store by that name (then its name too, the
+    default served name); a path that is none of these is a clear error."""
     if model is None:
         return None, None
     folder = model.expanduser()
+    if folder.is_file():
+        if folder.suffix.lower() != ".gguf":
+            raise fail(f"{model}: a file, but not a GGUF model (*.gguf); MODEL is a model folder, a .gguf file or "
+                       "the name of a stored base")
+        return folder.resolve(), folder.stem
     if folder.exists():
         return folder.resolve(), None
     from lorafleet.errors import StoreError

@@ -43,7 +43,9 @@ def size(n: int) -> str:
 
 
 def pull(
-    source: Annotated[str, typer.Argument(help="A Hugging Face repo id (org/name) or a local folder.", show_default=False)],
+    source: Annotated[str, typer.Argument(help="A Hugging Face repo id (org/name), a local folder, or a GGUF file "
+                                                 "(a base: Q8_0, Q4_0 or float; stored converted, byte for byte).",
+                                  show_default=False)],
     name: Annotated[str | None, typer.Option("--name", help="The name to store it under (default: the "
                                              "folder's or repo's last component).")] = None,
     base: Annotated[bool, typer.Option("--base", help="SOURCE is a base model, not an adapter.")] = False,

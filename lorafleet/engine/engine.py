@@ -53,7 +53,8 @@ class Engine:
         mc = self.model.cfg
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         self.model.cos, self.model.sin = self.model.cos[:self.max_model_len], self.model.sin[:self.max_model_len]
-        self.tokenizer = (Tokenizer.from_pretrained(self.model_path)
+        self.tokenizer = (Tokenizer.from_gguf(self.model_path) if self.model_path.suffix.lower() == ".gguf" else
+                          Tokenizer.from_pretrained(self.model_path)
                           if (self.model_path / "tokenizer.json").is_file() else None)
 
         page_elems = kv_page_elems(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim)

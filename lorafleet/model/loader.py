@@ -235,8 +235,16 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=Non
     (int8 | int4): a full-precision base quantized as it is read. A quantized folder is served in
     its own scheme (`quantize` None or the same)."""
     folder = Path(folder)
+    if folder.suffix.lower() == ".gguf" and folder.is_file():  # a llama.cpp file: Q8_0, Q4_0 or float (model/gguf.py)
+        from lorafleet.model import gguf
+
+        f, cfg, scheme = gguf.open_model(folder, quantize)
+        device = torch.device(device)
+        tensors = f.read(expected_shapes(cfg), resolve_dtype(dtype, cfg, device), device,
+                         quantized_names(cfg) if scheme else set(), scheme)
+        return _model(cfg, tensors, device, max_len)
     if not folder.is_dir():
-        raise ModelLoadError(f"{folder}: not a model folder")
+        raise ModelLoadError(f"{folder}: not a model folder (nor a .gguf file)")
     cfg = ModelConfig.from_folder(folder)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, cfg, device)
@@ -255,6 +263,10 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=Non
         tensors = random_weights(folder, wanted, dtype, device, quantized, scheme)
     else:
         tensors = _read(weight_files(folder), wanted, dtype, device, quantized, scheme, stored is not None)
+    return _model(cfg, tensors, device, max_len)
+
+
+def _model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, max_len: int | None) -> LlamaModel:
     weights = fuse(cfg, tensors)
     if device.type == "cpu":
         tensors.clear()  # `weights` holds the last reference: each old tensor is freed as it moves

@@ -92,6 +92,22 @@ class Tokenizer:
             backend, chat_template=template, special_tokens=special, eos_token_ids=eos_ids, source=source
         )
 
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer | None:
+        """The tokenizer a GGUF model file's metadata describes (`model.gguf.tokenizer_parts`: its
+        vocabulary, merges or scores, special tokens, BOS/EOS and chat template), None when the file
+        has none. Raises `UnsupportedModelError` for a tokenizer kind lorafleet does not read."""
+        from lorafleet.model.gguf import GGUFFile, tokenizer_parts
+
+        f = GGUFFile(path)
+        parts = tokenizer_parts(f)
+        if parts is None:
+            return None
+        backend, cfg = parts
+        special = {name: _token_str(cfg.get(name)) for name in _NAMED_TOKENS}
+        return cls(backend, chat_template=cfg.get("chat_template"), special_tokens=special,
+                   eos_token_ids=f.eos_token_ids, source=f"{path} (tokenizer.chat_template)")
+
     # -- properties ------------------------------------------------------------------------------
 
     @property

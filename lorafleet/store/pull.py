@@ -86,7 +86,13 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
 
     cfg = read_adapter_config(folder)
     base = choose_base(store, cfg, for_model, served)
-    model = ModelConfig.from_folder(store.base_folder(base))
+    folder_or_file = store.base_folder(base)
+    if folder_or_file.suffix.lower() == ".gguf" and folder_or_file.is_file():  # a daemon serving a GGUF file
+        from lorafleet.model.gguf import GGUFFile
+
+        model = GGUFFile(folder_or_file).model_config
+    else:
+        model = ModelConfig.from_folder(folder_or_file)
     shapes = BaseShapes.from_model_config(model)
     adapter = load_adapter(folder, shapes)  # AdapterError names what is wrong
     wanted = cfg.get("base_model_name_or_path")
@@ -125,6 +131,24 @@ def _quantized(folder: Path, files: list[str], scheme: str, out: Path) -> tuple[
     return out, kept + written
 
 
+def _gguf(path: Path, base: bool, quantize: str | None, revision: str | None, out: Path) -> Path:
+    """A GGUF base file as a model folder in `out` (`model.gguf.write_folder`: config, tokenizer,
+    its Q8_0/Q4_0 blocks as quantized safetensors, byte for byte)."""
+    from lorafleet.model.gguf import QUANT_TYPES, GGUFFile, write_folder
+
+    if not base:
+        raise StoreError(f"{path}: a GGUF file is a base model: pull it with --base (adapters are PEFT folders)")
+    if revision is not None:
+        raise StoreError("--revision is for Hub sources; SOURCE is a local file")
+    if quantize is not None:
+        types = {t.type.name for t in GGUFFile(path).tensors.values() if t.type in QUANT_TYPES}
+        if types:
+            raise StoreError(f"{path}: the GGUF file is quantized already ({', '.join(sorted(types))}); pull it "
+                             "without --quantize")
+    write_folder(path, out, quantize)
+    return out
+
+
 def _stored_scheme(folder: Path) -> str:
     from lorafleet.model.quant import stored_scheme
 
@@ -132,8 +156,11 @@ def _stored_scheme(folder: Path) -> str:
 
 
 def default_name(source: str) -> str:
-    """A folder's or repo's last component, with characters a name cannot hold replaced by '-'."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", source.rstrip("/").split("/")[-1])[:128]
+    """A folder's, file's (less .gguf) or repo's last component, with characters a name cannot
+    hold replaced by '-'."""
+    last = source.rstrip("/").split("/")[-1]
+    last = last[:-len(".gguf")] if last.lower().endswith(".gguf") else last
+    return re.sub(r"[^A-Za-z0-9._-]", "-", last)[:128]
 
 
 def pull(source: str, *, name: str | None = None, base: bool = False, quantize: str | None = None,
@@ -150,7 +177,11 @@ def pull(source: str, *, name: str | None = None, base: bool = False, quantize: 
 
     `quantize` (int8 | int4, a base only): the base is stored quantized (`model.loader.
     write_quantized`: its weights quantized once, tensor by tensor; the manifest records the
-    scheme as `quantization`)."""
+    scheme as `quantization`).
+
+    SOURCE may be a GGUF file (`*.gguf`, a base): stored converted (`model.gguf.write_folder`),
+    its Q8_0/Q4_0 blocks as the int8/int4 layout byte for byte, the manifest recording the
+    scheme, `format: gguf` and the file as `source`; `quantize` is refused for a quantized file."""
     store = store or Store()
     if quantize is not None:
         if not base:
@@ -197,13 +228,22 @@ def _pull(source: str, name: str | None, base: bool, quantize: str | None, revis
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lorafleet-pull-")))
         take: list[Path] = []
+        if path.is_file() and path.suffix.lower() == ".gguf":  # a llama.cpp file, converted to the store's layout
+            folder, origin["source"] = _gguf(path, base, quantize, revision, tmp / "gguf"), str(path.resolve())
+            record = {**_validate_model(folder), "format": "gguf"}
+            if (folder / "lorafleet-quantization.json").is_file():
+                record["quantization"] = _stored_scheme(folder)
+            files = sorted(f.name for f in folder.iterdir())
+            with store.lock():
+                return store.install(kind, name, {f: folder / f for f in files}, {**record, **origin})
         if path.is_dir():
             folder, origin["source"] = path, str(path.resolve())
             if revision is not None:
                 raise StoreError("--revision is for Hub sources; SOURCE is a local folder")
         else:
             if not hub.is_repo_id(source):
-                raise StoreNotFoundError(f"{source!r} is neither a folder nor a Hugging Face repo id (org/name)")
+                raise StoreNotFoundError(f"{source!r} is neither a folder nor a Hugging Face repo id (org/name), "
+                                         "nor a .gguf file")
             partials = stack.enter_context(store.partials())
             _, info = hub.download(source, revision=revision, kind="model" if base else "adapter",
                                    progress=progress, partials=partials, have=store.blob)

@@ -1,0 +1,509 @@
+"""GGUF bases (issue 51): a llama.cpp / Ollama model file read directly, memory-mapped with the
+`gguf` package, its Q8_0 and Q4_0 blocks mapped byte for byte to lorafleet's quantized layout
+(`model.quant`), never dequantized to disk.
+
+What a GGUF file gives, and what becomes of it:
+- **The architecture** (`general.architecture`): llama (Llama 2/3, Mistral: llama.cpp writes
+  them all as llama), qwen2, qwen3. Others are refused, naming them.
+- **The hyperparameters** (`<arch>.block_count`, `.embedding_length`, ...) as the Hugging Face
+  config.json `ModelConfig.from_dict` reads (`GGUFFile.config`): `pull` stores exactly that file.
+  A llama3 rope is a tensor in GGUF (`rope_freqs.weight`, the divisor of each frequency): its
+  parameters are recovered from it and checked to give the same frequencies, else refused.
+- **The tensors**, renamed to Hugging Face's (`TENSOR_NAMES`). llama.cpp's converter permutes
+  the rows of Q and K (and their biases) for the llama architecture, to its rope layout (the two
+  halves of each head interleaved): the permutation is undone on whole rows (codes and scales
+  move together, so quantized data stays exact). qwen2/qwen3 are written unpermuted.
+- **The types**: Q8_0 blocks (fp16 d, 32 int8) are int8 codes with groups of 32 and their fp16
+  scales; Q4_0 blocks (fp16 d, 16 bytes: byte i holds element i in its low nibble and i + 16 in
+  its high one, w = d * (q - 8)) are int4 codes as they are. F32, F16, BF16 tensors are read as
+  they are. One scheme per model (the scheme is the LM head's dtype in `LlamaModel`, so the
+  kernels have no per-tensor scheme): the weights lorafleet quantizes (`loader.quantized_names`:
+  the projections and the LM head, or the embedding where tied) must all be Q8_0, all Q4_0 or all
+  float (then full precision, or quantized at load with `quantize=`); a file that mixes them (as
+  `llama-quantize Q4_0` does without `--pure`, its output.weight in Q6_K) is refused, naming the
+  tensor, its type and the supported ones. An untied embedding (only looked up) may be Q8_0 or
+  Q4_0 in any model: it is dequantized to the compute dtype at load, exactly. Norms and biases
+  must be float. Every other type (K-quants, IQ, Q5_0...) is refused, naming it.
+- **The tokenizer** (`tokenizer.ggml.*`), built as a `tokenizers.Tokenizer`
+  (`tokenizer_parts`): "gpt2" (byte-level BPE: tokens and merges; its pre-tokenizer named by
+  `tokenizer.ggml.pre`) or "llama" (SentencePiece BPE: tokens and scores, the merges ranked by
+  the merged piece's score, byte fallback); control and user-defined tokens as added tokens, the
+  BOS/EOS the file asks for, the chat template `tokenizer.chat_template`. Others are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from lorafleet.errors import ModelLoadError, UnsupportedModelError
+from lorafleet.model import quant
+from lorafleet.model.config import ModelConfig
+
+T = gguf.GGMLQuantizationType
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED = {"llama"}  # the architectures whose Q and K rows llama.cpp's converter permutes
+FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}
+QUANT_TYPES = {T.Q8_0: "int8", T.Q4_0: "int4"}
+TYPE_OF_SCHEME = {v: k for k, v in QUANT_TYPES.items()}
+SUPPORTED = "F32, F16, BF16 (norms, biases, embedding), Q8_0, Q4_0"
+
+# GGUF tensor name -> Hugging Face name; "{i}" is the layer
+TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    **{f"blk.{{i}}.{g}.{kind}": f"model.layers.{{i}}.{block}.{hf}.{kind}"
+       for g, (block, hf) in {"attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"),
+                              "attn_v": ("self_attn", "v_proj"), "attn_output": ("self_attn", "o_proj"),
+                              "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
+                              "ffn_down": ("mlp", "down_proj")}.items()
+       for kind in ("weight", "bias")},
+}
+ROPE_FREQS = "rope_freqs.weight"
+
+# tokenizer.ggml.pre -> the pre-tokenizer of a byte-level BPE ("gpt2") vocabulary
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = ("gpt2", "gpt-2", "default", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen", "smollm")
+TOKENIZER_MODELS = ("gpt2", "llama")
+_CONTROL, _USER, _UNKNOWN, _BYTE = (int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED),
+                                    int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.BYTE))
+
+
+def is_gguf(path: str | Path) -> bool:
+    path = Path(path)
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+def _hf_name(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+        hf = TENSOR_NAMES.get(".".join(["blk", "{i}", *parts[2:]]))
+        return hf.replace("{i}", parts[1]) if hf else None
+    return TENSOR_NAMES.get(name)
+
+
+@dataclass
+class _Tensor:
+    name: str               # Hugging Face's
+    gguf_name: str
+    type: T
+    shape: tuple[int, ...]  # Hugging Face's order: [N, K] for a weight
+    data: np.ndarray        # memory-mapped
+
+
+class GGUFFile:
+    """A GGUF model file, memory-mapped: its config (Hugging Face style), its scheme and its
+    tensors by Hugging Face name. Raises `ModelLoadError` / `UnsupportedModelError` naming what
+    cannot be served."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except (ValueError, OSError, KeyError, IndexError) as e:  # an unknown type is a ValueError
+            raise ModelLoadError(f"{self.path}: unreadable GGUF file ({e})") from None
+        self.arch = self._str("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise UnsupportedModelError(f"{self.path}: GGUF architecture {self.arch!r} is not supported; lorafleet "
+                                        f"serves {', '.join(ARCHITECTURES)}")
+        self.tensors: dict[str, _Tensor] = {}
+        self.rope_freqs: np.ndarray | None = None
+        for t in self.reader.tensors:
+            if t.name == ROPE_FREQS:
+                self.rope_freqs = np.asarray(t.data, dtype=np.float32).reshape(-1)
+                continue
+            hf = _hf_name(t.name)
+            if hf is None:
+                raise UnsupportedModelError(f"{self.path}: tensor {t.name} is not one of a dense {self.arch} model "
+                                            "lorafleet serves (mixture of experts and other extras are not)")
+            self.tensors[hf] = _Tensor(hf, t.name, T(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
+                                       t.data)
+
+    # -- metadata --------------------------------------------------------------------------------
+
+    def field(self, key: str, default=None):
+        f = self.reader.get_field(key)
+        return default if f is None else f.contents()
+
+    def _str(self, key: str) -> str:
+        value = self.field(key)
+        if not isinstance(value, str):
+            raise ModelLoadError(f"{self.path}: GGUF metadata {key} missing")
+        return value
+
+    def _hp(self, key: str, default=None, kind=int):
+        value = self.field(f"{self.arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: GGUF metadata {self.arch}.{key} missing")
+        if isinstance(value, list):
+            raise UnsupportedModelError(f"{self.path}: {self.arch}.{key} varies by layer; lorafleet serves one value")
+        return float(str(np.float32(value))) if kind is float else kind(value)  # 1e-06, not 9.99999997e-07
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end generation: eos, and the end of turn and of message where named (llama.cpp's
+        end-of-generation tokens)."""
+        ids = [self.field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return list(dict.fromkeys(i for i in ids if i is not None))
+
+    @cached_property
+    def config(self) -> dict:
+        """The model's Hugging Face config.json, as `ModelConfig.from_dict` reads it."""
+        hidden, heads = self._hp("embedding_length"), self._hp("attention.head_count")
+        head_dim = self._hp("attention.key_length", hidden // heads)
+        if self._hp("attention.value_length", head_dim) != head_dim:
+            raise UnsupportedModelError(f"{self.path}: key and value head sizes differ; lorafleet serves equal ones")
+        if self._hp("rope.dimension_count", head_dim) != head_dim:
+            raise UnsupportedModelError(f"{self.path}: rope on {self._hp('rope.dimension_count')} of {head_dim} "
+                                        "dimensions (partial rope) is not supported")
+        embed = self.tensors.get("model.embed_tokens.weight")
+        vocab = self._hp("vocab_size", embed.shape[0] if embed else None)
+        theta = self._hp("rope.freq_base", 10000.0, float)
+        cfg = {
+            "architectures": [ARCHITECTURES[self.arch]], "model_type": self.arch, "hidden_act": "silu",
+            "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": self._hp("feed_forward_length"),
+            "num_hidden_layers": self._hp("block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": self._hp("attention.head_count_kv", heads), "head_dim": head_dim,
+            "rms_norm_eps": self._hp("attention.layer_norm_rms_epsilon", kind=float), "rope_theta": theta,
+            "rope_scaling": self._rope_scaling(theta, head_dim),
+            "max_position_embeddings": self._hp("context_length", 4096),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.eos_token_ids,
+            "torch_dtype": {gguf.LlamaFileType.MOSTLY_F16: "float16", gguf.LlamaFileType.ALL_F32: "float32"}.get(
+                self.field("general.file_type"), "bfloat16"),
+        }
+        if self.arch == "llama":
+            cfg["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        return cfg
+
+    def _rope_scaling(self, theta: float, head_dim: int) -> dict | None:
+        kind = self.field(f"{self.arch}.rope.scaling.type")
+        factor = self.field(f"{self.arch}.rope.scaling.factor")
+        if kind not in (None, "none") and self.rope_freqs is None:
+            if kind == "linear" and factor:
+                return {"rope_type": "linear", "factor": float(factor)}
+            raise UnsupportedModelError(f"{self.path}: rope scaling {kind!r} is not supported (none, linear, "
+                                        "llama3)")
+        if self.rope_freqs is None:
+            return None
+        return _llama3_rope(self.rope_freqs, theta, head_dim, str(self.path))
+
+    @cached_property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.config, source=str(self.path))
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def scheme(self, quantized: set[str]) -> str | None:
+        """The scheme of the weights in `quantized` (`loader.quantized_names`): int8 (all Q8_0), int4
+        (all Q4_0) or None (all float); a file that mixes them is refused, naming the tensor."""
+        present = [n for n in sorted(quantized) if n in self.tensors]
+        types = [self.tensors[n].type for n in present]
+        for name, t in zip(present, types):
+            if t not in QUANT_TYPES and t not in FLOAT_TYPES:
+                raise UnsupportedModelError(self._unsupported(name))
+        if not types:
+            return None
+        proj = [t for n, t in zip(present, types) if n.endswith("_proj.weight")] or types
+        main = max(set(proj), key=proj.count)  # the projections' type: the file's scheme
+        for name, t in zip(present, types):
+            if t != main:
+                want = main.name if main in QUANT_TYPES else "F32/F16/BF16"
+                raise UnsupportedModelError(
+                    f"{self.path}: {self.tensors[name].gguf_name} is {t.name} and the model's other quantized "
+                    f"weights are {want}; lorafleet serves one scheme per model (Q8_0 or Q4_0 throughout the "
+                    "projections and the output, or float): requantize with `llama-quantize --pure` (or "
+                    f"--output-tensor-type {main.name.lower()}); supported types: {SUPPORTED}")
+        return QUANT_TYPES.get(main)
+
+    def _unsupported(self, name: str) -> str:
+        t = self.tensors[name]
+        return (f"{self.path}: tensor {t.gguf_name} is of GGUF type {t.type.name}, which lorafleet does not serve; "
+                f"supported types: {SUPPORTED}")
+
+    def read(self, wanted: dict[str, tuple[int, ...]], dtype, device, quantized: set[str] = frozenset(),
+             scheme: str | None = None) -> dict[str, torch.Tensor]:
+        """The `wanted` tensors (Hugging Face names) as `loader._read` gives them: each checked against
+        its shape; the `quantized` ones as codes (under X.weight) and fp16 scales (X.weight_s), from
+        the file's blocks or, for a float file, quantized in `scheme` as read; the rest in `dtype`
+        (None: the file's float dtype)."""
+        missing = [n for n in wanted if n not in self.tensors]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"{self.path}: tensors missing from the GGUF file (as Hugging Face names): {shown}")
+        out: dict[str, torch.Tensor] = {}
+        for name, shape in wanted.items():
+            t = self.tensors[name]
+            if t.shape != tuple(shape):
+                raise ModelLoadError(f"{self.path}: tensor {t.gguf_name} has shape {list(t.shape)}, the file's "
+                                     f"metadata implies {list(shape)}")
+            if t.type in QUANT_TYPES:
+                if name not in quantized and name != "model.embed_tokens.weight":
+                    raise UnsupportedModelError(f"{self.path}: {t.gguf_name} is {t.type.name}; norms and biases must "
+                                                "be F32, F16 or BF16")
+                q, scales = self._blocks(t)
+                if name in quantized:
+                    if QUANT_TYPES[t.type] != scheme:
+                        raise ModelLoadError(f"{self.path}: {t.gguf_name} is {t.type.name} in a {scheme} model")
+                    out[name], out[name + "_s"] = q.to(device), scales.to(device)
+                else:  # an untied embedding: only looked up, dequantized (exactly, in fp32)
+                    out[name] = quant.dequantize(q, scales, dtype or torch.float32).to(device)
+            elif t.type in FLOAT_TYPES:
+                w = self._float(t)
+                if name in quantized:
+                    out[name], out[name + "_s"] = quant.quantize(w.to(device), scheme)
+                else:
+                    out[name] = w.to(device=device, dtype=dtype or w.dtype)
+            else:
+                raise UnsupportedModelError(self._unsupported(name))
+        return out
+
+    def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """llama.cpp's Q/K row permutation undone: within each head, its rows (2, D/2) interleaved
+        as (D/2, 2) by the converter, put back."""
+        if self.arch not in PERMUTED or not name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
+                                                          "k_proj.bias")):
+            return rows
+        cfg = self.model_config
+        heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+        n = rows.shape[0]
+        return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+    def _float(self, t: _Tensor) -> torch.Tensor:
+        if t.type == T.BF16:
+            bits = np.ascontiguousarray(t.data).view(np.int16).reshape(t.shape).copy()
+            w = torch.from_numpy(bits).view(torch.bfloat16)
+        else:
+            w = torch.from_numpy(np.asarray(t.data, dtype=FLOAT_TYPES[t.type]).reshape(t.shape).copy())
+        return self._unpermute(t.name, w).contiguous()
+
+    def _blocks(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Q8_0 or Q4_0 tensor's blocks as (codes, fp16 scales [N, K / 32]), rows unpermuted."""
+        n, k = t.shape
+        block, size = gguf.GGML_QUANT_SIZES[t.type]
+        b = np.asarray(t.data).reshape(n, k // block, size)
+        scales = torch.from_numpy(np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(n, k // block))
+        if t.type == T.Q8_0:
+            q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k))
+        else:  # Q4_0's 16 bytes a block are our int4 codes' layout already
+            q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).reshape(n, k // 2))
+        return self._unpermute(t.name, q).contiguous(), self._unpermute(t.name, scales).contiguous()
+
+
+def open_model(path: str | Path, quantize: str | None = None) -> tuple[GGUFFile, ModelConfig, str | None]:
+    """The file, its config and the scheme it is served in: the file's (`quantize` None or the same),
+    or, for a float file, `quantize`'s."""
+    from lorafleet.model.loader import quantized_names
+
+    f = GGUFFile(path)
+    cfg = f.model_config
+    scheme = f.scheme(quantized_names(cfg))
+    if scheme and quantize and quantize != scheme:
+        raise ModelLoadError(f"{path}: the GGUF file holds {TYPE_OF_SCHEME[scheme].name} ({scheme}); it cannot be "
+                             f"served in {quantize}")
+    return f, cfg, scheme or (quant.check_scheme(quantize) if quantize else None)
+
+
+def _llama3_rope(freqs: np.ndarray, theta: float, head_dim: int, source: str) -> dict | None:
+    """Rope scaling from llama.cpp's rope_freqs tensor (each frequency's divisor): linear when they
+    are all one factor, else llama3's parameters, recovered and checked to give the same divisors.
+    In the blend, s = orig / ((high - low) * wavelen) - low / (high - low): only a = orig / (high -
+    low) and b = low / (high - low) matter, so low = 1 is taken."""
+    factor = float(freqs.max())
+    if len(freqs) != head_dim // 2:
+        raise UnsupportedModelError(f"{source}: {ROPE_FREQS} has {len(freqs)} values, not {head_dim // 2}")
+    if np.allclose(freqs, 1.0):
+        return None
+    if np.allclose(freqs, factor):
+        return {"rope_type": "linear", "factor": factor}
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float64) / head_dim))
+    x = inv / (2 * math.pi)  # 1 / wavelen
+    mid = (freqs > 1 + 1e-6) & (freqs < factor * (1 - 1e-6))
+    s = (1 / freqs[mid] - 1 / factor) / (1 - 1 / factor)
+    low, high, orig = 1.0, 4.0, 0.0  # with fewer than two blended frequencies: Llama 3's low and high
+    if mid.sum() >= 2:
+        a, c = np.polyfit(x[mid], s, 1)  # s = a x - b, b = -c
+        if c < 0:
+            high, orig = 1.0 - 1.0 / c, -a / c
+    elif mid.sum() == 1:
+        orig = (3 * s[0] + 1) / x[mid][0]
+    else:  # every wavelength below orig / 4 is kept, every one above orig slowed: orig between
+        ones, slow = x[freqs <= 1 + 1e-6], x[freqs >= factor * (1 - 1e-6)]
+        lo, hi = 4 / ones.min() if len(ones) else 0.0, 1 / slow.max() if len(slow) else math.inf
+        orig = 8192.0 if lo < 8192 < hi else math.sqrt(lo * hi) if lo and math.isfinite(hi) else 0.0
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+               "original_max_position_embeddings": orig}
+    if high > low and orig > 0:
+        from lorafleet.model.llama import rope_inv_freq
+
+        cfg = ModelConfig(family="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
+                          num_heads=1, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=theta,
+                          rope_scaling=scaling)
+        got = rope_inv_freq(cfg).double().numpy()
+        if np.allclose(got, inv / freqs, rtol=1e-4, atol=0):
+            return scaling
+    raise UnsupportedModelError(f"{source}: {ROPE_FREQS} is not a rope scaling lorafleet reproduces (linear or llama3)")
+
+
+# -- the tokenizer -------------------------------------------------------------------------------
+
+def tokenizer_parts(f: GGUFFile):
+    """(tokenizers.Tokenizer, tokenizer_config dict) from the file's tokenizer.ggml.* metadata, or
+    None when it has none. The config names bos/eos/unk/pad, add_bos_token/add_eos_token and the
+    chat template, as a Hub model's tokenizer_config.json does."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+
+    kind = f.field("tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind not in TOKENIZER_MODELS:
+        raise UnsupportedModelError(f"{f.path}: GGUF tokenizer model {kind!r} is not supported; lorafleet reads "
+                                    f"{', '.join(TOKENIZER_MODELS)}")
+    tokens: list[str] = f.field("tokenizer.ggml.tokens") or []
+    types: list[int] = f.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    ids = {k: f.field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
+    name = {k: tokens[i] if i is not None and 0 <= i < len(tokens) else None for k, i in ids.items()}
+    if kind == "gpt2":
+        pre = f.field("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise UnsupportedModelError(f"{f.path}: GGUF pre-tokenizer {pre!r} is not supported; lorafleet reads "
+                                        f"{', '.join(PRE_TOKENIZERS)}")
+        merges = [tuple(m.split(" ", 1)) for m in f.field("tokenizer.ggml.merges") or []]
+        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        if pre in ("llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen"):
+            split = tokenizers.Regex(_LLAMA3_SPLIT if pre in ("llama-bpe", "llama3") else _QWEN2_SPLIT)
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, "isolated"), byte_level])
+        elif pre == "smollm":
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        else:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if pre in ("qwen2", "deepseek-r1-qwen"):
+            backend.normalizer = normalizers.NFC()
+        backend.decoder = decoders.ByteLevel()
+        add_bos = f.field("tokenizer.ggml.add_bos_token", False)
+        add_eos = f.field("tokenizer.ggml.add_eos_token", False)
+    else:
+        scores = f.field("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        merges = _merges_by_score(tokens, scores, vocab)
+        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=name["unknown"], fuse_unk=True,
+                                                  byte_fallback=True))
+        if f.field("tokenizer.ggml.add_space_prefix", True):  # before each piece of text, as llama.cpp does
+            backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                       normalizers.Replace(" ", "\u2581")])
+            strip = [decoders.Strip(" ", 1, 0)]
+        else:
+            backend.normalizer = normalizers.Replace(" ", "\u2581")
+            strip = []
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             *strip])
+        add_bos, add_eos = f.field("tokenizer.ggml.add_bos_token", True), f.field("tokenizer.ggml.add_eos_token", False)
+    added = [tokenizers.AddedToken(tokens[i], special=t != _USER, normalized=False)
+             for i, t in enumerate(types) if t in (_CONTROL, _USER, _UNKNOWN) and vocab.get(tokens[i]) == i]
+    backend.add_special_tokens([a for a in added if a.special])
+    backend.add_tokens([a for a in added if not a.special])
+    wrap = [t for t in (name["bos"] if add_bos else None, name["eos"] if add_eos else None) if t is not None]
+    if wrap:
+        def seq(x: str, type_id: int) -> str:
+            pieces = (name["bos"] if add_bos else None, x, name["eos"] if add_eos else None)
+            return " ".join(f"{p}:{type_id}" for p in pieces if p)
+        backend.post_processor = processors.TemplateProcessing(
+            single=seq("$A", 0), pair=seq("$A", 0) + " " + seq("$B", 1), special_tokens=[(t, vocab[t]) for t in wrap])
+    cfg = {"bos_token": name["bos"], "eos_token": name["eos"], "unk_token": name["unknown"],
+           "pad_token": name["padding"], "add_bos_token": bool(add_bos), "add_eos_token": bool(add_eos),
+           "model_max_length": f.field(f"{f.arch}.context_length"), "tokenizer_class": "PreTrainedTokenizerFast"}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    template = f.field("tokenizer.chat_template")
+    if isinstance(template, str):
+        cfg["chat_template"] = template
+    return backend, cfg
+
+
+def _merges_by_score(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """A SentencePiece vocabulary's BPE merges: every split of a piece into two pieces of the
+    vocabulary, ranked by the merged piece's score (higher first: SentencePiece merges the pair
+    whose result scores highest), ties by the pieces' lengths and ids."""
+    found = []
+    for i, tok in enumerate(tokens):
+        if vocab.get(tok) != i:
+            continue
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                found.append((-scores[i], -len(left), -len(right), vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(m[5], m[6]) for m in found]
+
+
+# -- the store's layout --------------------------------------------------------------------------
+
+def write_folder(path: str | Path, out: Path, quantize: str | None = None) -> tuple[list[str], str | None]:
+    """The GGUF model at `path` as a lorafleet model folder in `out`: config.json; tokenizer.json and
+    tokenizer_config.json (with the chat template) when the file has a tokenizer; the weights in
+    safetensors as `loader.write_quantized` writes them (X.qweight + X.scales, `quant.QUANT_FILE`)
+    for a quantized file (or a float one with `quantize`), else in the file's float dtypes; an
+    untied quantized embedding stored dequantized in float32 (exact). One tensor in memory at a
+    time. Returns (the files written, the scheme)."""
+    from safetensors.torch import save_file
+
+    from lorafleet.model.loader import SHARD_BYTES, expected_shapes, quantized_names
+
+    f, cfg, scheme = open_model(path, quantize)
+    wanted = expected_shapes(cfg)
+    quantized = quantized_names(cfg) if scheme else set()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(f.config, indent=2) + "\n")
+    files = ["config.json"]
+    parts = tokenizer_parts(f)
+    if parts is not None:
+        backend, tok_cfg = parts
+        backend.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+        files += ["tokenizer.json", "tokenizer_config.json"]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in wanted:
+        for key, t in f.read({name: wanted[name]}, None, "cpu", quantized & {name}, scheme).items():
+            key = key[:-len("weight_s")] + "scales" if key.endswith("weight_s") else \
+                key[:-len("weight")] + "qweight" if key in quantized else key
+            if size and size + quant.nbytes(t) > SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][key] = t.contiguous()
+            size += quant.nbytes(t)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, shard in zip(names, shards):
+        meta = {"format": "pt", **({"lorafleet_quantization": scheme} if scheme else {})}
+        save_file(shard, out / fname, metadata=meta)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(quant.nbytes(*s.values()) for s in shards)},
+                 "weight_map": {k: fn for fn, s in zip(names, shards) for k in s}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        names.append("model.safetensors.index.json")
+    files += names
+    if scheme:
+        (out / quant.QUANT_FILE).write_text(json.dumps({"scheme": scheme}) + "\n")
+        files.append(quant.QUANT_FILE)
+    return files, scheme
