@@ -2,6 +2,8 @@
 model and PEFT adapters, converted to GGUF, the workload's requests replayed over HTTP as for
 the daemon system. The base is f32, or with `--quantize` (`job.quantize`) the same model as Q8_0
 (int8) or Q4_0 (int4, every tensor: `llamacpp_build.quantize_command`); adapters stay f32.
+A server that a signal ends while it warms up on a quantized model (AMX tiles that fault on
+some hosts) is started again with `--no-repack`, and the run's `details.fallback` says so.
 
 The server and the GGUF files come from `llamacpp_build.py` (built and converted once, cached
 outside the repository; what cannot be had is the reason the system is skipped).
@@ -90,22 +92,24 @@ class LlamaCpp(System):
         if loras:
             cmd.append("--lora-init-without-apply")
         self.root = Path(tempfile.mkdtemp(prefix="lorafleet-bench-llamacpp-"))
-        self.log = open(self.root / "llama-server.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
         # no kept-alive connections for the few untimed calls: one the server closed after a 503
         # while loading would fail the next call on it
         self.http = httpx.Client(base_url=self.url, timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                if self.http.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start: {self._log_tail()}")
-            time.sleep(0.2)
+        fallback = None
+        if not self._start(cmd) and job.quantize and self.proc.returncode is not None and self.proc.returncode < 0:
+            # killed by a signal while it warmed up: on a host whose AMX tiles fault (ldtilecfg in
+            # ggml_backend_amx_mul_mat), a quantized model dies so; without the extra buffer types
+            # (AMX and the repacked layouts) it runs, slower than a sound llama.cpp would
+            fallback = (f"llama-server died by signal {-self.proc.returncode} on the {GGUF_TYPES[job.quantize]} model; "
+                        "run with --no-repack (no AMX, no repacked layouts: slower than it could be)")
+            cmd.append("--no-repack")
+            self.log.close()
+            if not self._start(cmd):
+                raise RuntimeError(f"llama-server did not start, with --no-repack either: {self._log_tail()}")
+        elif self.proc.poll() is not None or not self.started:
+            raise RuntimeError(f"llama-server did not start: {self._log_tail()}")
+        self.fallback = fallback
         ids = {Path(a["path"]).resolve(): a["id"] for a in self.http.get("/lora-adapters").raise_for_status().json()}
         missing = [p for p in loras if p.resolve() not in ids]
         if missing:
@@ -114,8 +118,29 @@ class LlamaCpp(System):
         self.warm_up_id = ids[self.warm_up_gguf.resolve()] if self.warm_up_gguf else None
         self.all_ids = sorted(ids.values())
         return {"server": str(self.binary), "command": cmd, "slots": slots, "ctx_per_slot": per_slot,
+                "fallback": self.fallback,
                 "model_gguf": str(self.model_gguf), "model_gguf_type": GGUF_TYPES[job.quantize],
                 "sdist": f"{SDIST_NAME}=={SDIST_VERSION}"}
+
+    def _start(self, cmd: list[str]) -> bool:
+        """llama-server started with `cmd`; whether it answered /health in time (False: it exited
+        first, or the time ran out; `self.proc` says which)."""
+        import httpx
+
+        self.log = open(self.root / "llama-server.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        self.started = False
+        while True:
+            try:
+                if self.http.get("/health").status_code == 200:
+                    self.started = True
+                    return True
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
 
     def warm_up(self, job: Job) -> dict:
         """A small completion on the base and one on the warm-up adapter (none of the workload's)."""

@@ -399,6 +399,8 @@ def _peer_table(suite: dict, model: str) -> Table:
         runs = [r for r in rep["results"] if r["model"] == model]
         notes += [f"{load['name']} {r['system']}: {r['status']}, {escape(r['reason'])}"
                   for r in runs if r["status"] != "ok"]
+        notes += [f"{load['name']} {r['system']}: {escape(r['details']['fallback'])}"
+                  for r in runs if r["status"] == "ok" and r.get("details", {}).get("fallback")]
         ok = {r["system"]: r for r in runs if r["status"] == "ok"}
         ours = ok["lorafleet-daemon"] if "lorafleet-daemon" in ok else None
         theirs = ok["llama.cpp"] if "llama.cpp" in ok else None
