@@ -98,19 +98,16 @@ def check_cpu_fit(shape: str, quantize: str | None) -> None:
 
 def weight_gib(spec: Shape, quantize: str | None) -> float:
     """The base's weights in GiB as lorafleet holds them on the CPU: fp32, or quantized in
-    `quantize` (`lorafleet.model.quant`'s layout: the projections and the LM head, the embedding
-    too where tied; an untied embedding and the norms stay fp32)."""
+    `quantize` (`lorafleet.model.quant`'s layout: the projections, the LM head and the embedding;
+    the norms stay fp32)."""
     if quantize is None:
         return 4 * spec.params() / 2 ** 30
     from lorafleet.model.quant import INT4_GROUP
 
     total = 4 * (2 * spec.num_layers + 1) * spec.hidden_size
-    for i, (n, k) in enumerate(spec.matrices()):
-        if i == 0 and not spec.tie_word_embeddings:  # an untied embedding: only its rows are read, kept fp32
-            total += 4 * n * k
-        else:
-            total += n * k if quantize == "int8" else n * k // 2 + 2 * n * (k // INT4_GROUP)
-            total += 2 * n if quantize == "int8" else 0
+    for n, k in spec.matrices():
+        total += n * k if quantize == "int8" else n * k // 2 + 2 * n * (k // INT4_GROUP)
+        total += 2 * n if quantize == "int8" else 0
     return total / 2 ** 30
 
 

@@ -18,12 +18,12 @@ What a GGUF file gives, and what becomes of it:
   its high one, w = d * (q - 8)) are int4 codes as they are. F32, F16, BF16 tensors are read as
   they are. One scheme per model (the scheme is the LM head's dtype in `LlamaModel`, so the
   kernels have no per-tensor scheme): the weights lorafleet quantizes (`loader.quantized_names`:
-  the projections and the LM head, or the embedding where tied) must all be Q8_0, all Q4_0 or all
+  the projections and the LM head, the embedding where tied) must all be Q8_0, all Q4_0 or all
   float (then full precision, or quantized at load with `quantize=`); a file that mixes them (as
   `llama-quantize Q4_0` does without `--pure`, its output.weight in Q6_K) is refused, naming the
   tensor, its type and the supported ones. An untied embedding (only looked up) may be Q8_0 or
-  Q4_0 in any model: it is dequantized to the compute dtype at load, exactly. Norms and biases
-  must be float. Every other type (K-quants, IQ, Q5_0...) is refused, naming it.
+  Q4_0 in any quantized model: its codes are kept (`Kernels.rows` dequantizes the rows a step
+  looks up); in a float model it is dequantized at load, exactly. Norms and biases must be float. Every other type (K-quants, IQ, Q5_0...) is refused, naming it.
 - **The tokenizer** (`tokenizer.ggml.*`), built as a `tokenizers.Tokenizer`
   (`tokenizer_parts`): "gpt2" (byte-level BPE: tokens and merges; its pre-tokenizer named by
   `tokenizer.ggml.pre`) or "llama" (SentencePiece BPE: tokens and scores, the merges ranked by
@@ -213,7 +213,9 @@ class GGUFFile:
     def scheme(self, quantized: set[str]) -> str | None:
         """The scheme of the weights in `quantized` (`loader.quantized_names`): int8 (all Q8_0), int4
         (all Q4_0) or None (all float); a file that mixes them is refused, naming the tensor."""
-        present = [n for n in sorted(quantized) if n in self.tensors]
+        embed = "model.embed_tokens.weight"  # untied, only looked up: its own type (`read`)
+        present = [n for n in sorted(quantized) if n in self.tensors
+                   and (n != embed or "lm_head.weight" not in self.tensors)]
         types = [self.tensors[n].type for n in present]
         for name, t in zip(present, types):
             if t not in QUANT_TYPES and t not in FLOAT_TYPES:
@@ -253,16 +255,17 @@ class GGUFFile:
             if t.shape != tuple(shape):
                 raise ModelLoadError(f"{self.path}: tensor {t.gguf_name} has shape {list(t.shape)}, the file's "
                                      f"metadata implies {list(shape)}")
+            untied_embed = name == "model.embed_tokens.weight" and "lm_head.weight" in wanted
             if t.type in QUANT_TYPES:
                 if name not in quantized and name != "model.embed_tokens.weight":
                     raise UnsupportedModelError(f"{self.path}: {t.gguf_name} is {t.type.name}; norms and biases must "
                                                 "be F32, F16 or BF16")
                 q, scales = self._blocks(t)
                 if name in quantized:
-                    if QUANT_TYPES[t.type] != scheme:
+                    if QUANT_TYPES[t.type] != scheme and not untied_embed:  # only looked up: any scheme
                         raise ModelLoadError(f"{self.path}: {t.gguf_name} is {t.type.name} in a {scheme} model")
                     out[name], out[name + "_s"] = q.to(device), scales.to(device)
-                else:  # an untied embedding: only looked up, dequantized (exactly, in fp32)
+                else:  # an embedding in a float model: dequantized (exactly, in fp32)
                     out[name] = quant.dequantize(q, scales, dtype or torch.float32).to(device)
             elif t.type in FLOAT_TYPES:
                 w = self._float(t)
@@ -462,12 +465,9 @@ def write_folder(path: str | Path, out: Path, quantize: str | None = None) -> tu
     """The GGUF model at `path` as a lorafleet model folder in `out`: config.json; tokenizer.json and
     tokenizer_config.json (with the chat template) when the file has a tokenizer; the weights in
     safetensors as `loader.write_quantized` writes them (X.qweight + X.scales, `quant.QUANT_FILE`)
-    for a quantized file (or a float one with `quantize`), else in the file's float dtypes; an
-    untied quantized embedding stored dequantized in float32 (exact). One tensor in memory at a
-    time. Returns (the files written, the scheme)."""
-    from safetensors.torch import save_file
-
-    from lorafleet.model.loader import SHARD_BYTES, expected_shapes, quantized_names
+    for a quantized file (or a float one with `quantize`), else in the file's float dtypes. One
+    tensor in memory at a time. Returns (the files written, the scheme)."""
+    from lorafleet.model.loader import expected_shapes, quantized_names, write_weights
 
     f, cfg, scheme = open_model(path, quantize)
     wanted = expected_shapes(cfg)
@@ -481,29 +481,6 @@ def write_folder(path: str | Path, out: Path, quantize: str | None = None) -> tu
         backend.save(str(out / "tokenizer.json"))
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
         files += ["tokenizer.json", "tokenizer_config.json"]
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in wanted:
-        for key, t in f.read({name: wanted[name]}, None, "cpu", quantized & {name}, scheme).items():
-            key = key[:-len("weight_s")] + "scales" if key.endswith("weight_s") else \
-                key[:-len("weight")] + "qweight" if key in quantized else key
-            if size and size + quant.nbytes(t) > SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][key] = t.contiguous()
-            size += quant.nbytes(t)
-    names = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for fname, shard in zip(names, shards):
-        meta = {"format": "pt", **({"lorafleet_quantization": scheme} if scheme else {})}
-        save_file(shard, out / fname, metadata=meta)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(quant.nbytes(*s.values()) for s in shards)},
-                 "weight_map": {k: fn for fn, s in zip(names, shards) for k in s}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        names.append("model.safetensors.index.json")
-    files += names
-    if scheme:
-        (out / quant.QUANT_FILE).write_text(json.dumps({"scheme": scheme}) + "\n")
-        files.append(quant.QUANT_FILE)
+    files += write_weights(out, (f.read({name: wanted[name]}, None, "cpu", quantized & {name}, scheme)
+                                 for name in wanted), quantized, scheme)
     return files, scheme

@@ -86,8 +86,8 @@ class LlamaModel(torch.nn.Module):
     packed with it) through `Kernels.rows`.
 
     A quantized model (`lorafleet.model.quant`) holds each projection's and the LM head's codes
-    under the same names and their scales beside them (`<name>_s`, and `embed_s` where the
-    embedding is quantized: tied to the head); `dtype` is then the compute dtype, which
+    under the same names and their scales beside them (`<name>_s`; the embedding's, `embed_s`,
+    read through `Kernels.rows`); `dtype` is then the compute dtype, which
     activations, norms, the KV cache and adapters keep.
     """
 

@@ -103,7 +103,7 @@ def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, dev
                         stem = name[:-len("weight")]
                         q, scales = f.get_tensor(stem + "qweight"), _scales(f, files, stem, path)
                         quant.check(q, scales, wanted[name], f"{path}: {stem}qweight")
-                        if quant.scheme_of(q) != scheme:
+                        if quant.scheme_of(q) != scheme and name != "model.embed_tokens.weight":  # rows: any
                             raise ModelLoadError(f"{path}: {stem}qweight holds {quant.scheme_of(q)} codes in an "
                                                  f"{scheme} model")
                         out[name], out[name + "_s"] = q.to(device), scales.to(device=device, dtype=torch.float16)
@@ -130,10 +130,10 @@ def _scales(f, files: dict[str, Path], stem: str, path: Path) -> torch.Tensor:
 
 
 def quantized_names(cfg: ModelConfig) -> set[str]:
-    """The checkpoint's weights a quantized base holds quantized: the projections, and the LM head
-    (the embedding, where it is the LM head)."""
-    names = {n for n in expected_shapes(cfg) if n.endswith("_proj.weight")}
-    return names | {"model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"}
+    """The checkpoint's weights a quantized base holds quantized: the projections, the LM head and
+    the embedding (one tensor where tied)."""
+    return {n for n in expected_shapes(cfg) if n.endswith("_proj.weight")} | \
+        {"model.embed_tokens.weight"} | (set() if cfg.tie_word_embeddings else {"lm_head.weight"})
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -282,8 +282,6 @@ def write_quantized(folder: Path, out: Path, scheme: str) -> list[str]:
     safetensors (`quantized_names`' as X.qweight + X.scales, the rest as they are, shards of at
     most SHARD_BYTES with their index) and `quant.QUANT_FILE`; one tensor in memory at a time.
     Returns the files written, by name. `folder` is checked first as `load_model` reads it."""
-    from safetensors.torch import save_file
-
     quant.check_scheme(scheme)
     if quant.stored_scheme(folder):
         raise ModelLoadError(f"{folder}: already quantized ({quant.stored_scheme(folder)}); quantize the "
@@ -295,10 +293,21 @@ def write_quantized(folder: Path, out: Path, scheme: str) -> list[str]:
         if not quant.quantizable(wanted[name][1], quant.INT4_GROUP):
             raise ModelLoadError(f"{folder}: {name} has {wanted[name][1]} input features; {scheme} needs a "
                                  f"multiple of {quant.QUANT_ALIGN}")
+    out.mkdir(parents=True, exist_ok=True)
+    return write_weights(out, (_read(files, {name: wanted[name]}, None, "cpu", quantized & {name}, scheme)
+                               for name in wanted), quantized, scheme)
+
+
+def write_weights(out: Path, tensors, quantized: set[str], scheme: str | None) -> list[str]:
+    """Weights into `out` in the layout `load_model` reads: `tensors` yields dicts as `_read` gives
+    them (a quantized X.weight's codes under X.weight, its scales under X.weight_s), written as
+    X.qweight and X.scales, in safetensors shards of at most SHARD_BYTES (with their index where
+    there are several), and `quant.QUANT_FILE` where `scheme` is set. Returns the files written."""
+    from safetensors.torch import save_file
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name in wanted:
-        t = _read(files, {name: wanted[name]}, None, "cpu", quantized & {name}, scheme)
+    for t in tensors:
         for key, tensor in t.items():
             key = key[:-len("weight_s")] + "scales" if key.endswith("weight_s") else \
                 key[:-len("weight")] + "qweight" if key in quantized else key
@@ -308,15 +317,16 @@ def write_quantized(folder: Path, out: Path, scheme: str) -> list[str]:
                 size = 0
             shards[-1][key] = tensor.contiguous()
             size += nbytes
-    out.mkdir(parents=True, exist_ok=True)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for fname, shard in zip(names, shards):
-        save_file(shard, out / fname, metadata={"format": "pt", "lorafleet_quantization": scheme})
+        save_file(shard, out / fname, metadata={"format": "pt", **({"lorafleet_quantization": scheme} if scheme else {})})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(quant.nbytes(*s.values()) for s in shards)},
                  "weight_map": {k: f for f, s in zip(names, shards) for k in s}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         names.append("model.safetensors.index.json")
-    (out / quant.QUANT_FILE).write_text(json.dumps({"scheme": scheme}) + "\n")
-    return names + [quant.QUANT_FILE]
+    if scheme:
+        (out / quant.QUANT_FILE).write_text(json.dumps({"scheme": scheme}) + "\n")
+        names.append(quant.QUANT_FILE)
+    return names

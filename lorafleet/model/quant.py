@@ -25,10 +25,12 @@ Decisions, each with its reason:
   i in its low nibble and element i + 16 in its high nibble (Q4_0's): one 16-byte load, masked
   and shifted, is 32 consecutive elements, which is how SIMD kernels unpack it.
 - **What is quantized**: the projections (qkv, o, gate_up, down) and the LM head, the bytes a
-  decode step reads; the embedding too where it is the LM head's storage (tied), its rows
-  dequantized as they are looked up. An untied embedding stays in the compute dtype (a step
-  reads only its rows). Norms, attention, the KV cache and adapters stay in the compute dtype,
-  and LoRA reads the full-precision activations (W_q dequantized . x + B . A . x).
+  decode step reads, and the embedding, its rows dequantized as they are looked up (a step reads
+  only its rows, but in full precision an untied embedding of a large vocabulary is a fifth of
+  an 8B model's int4 bytes). The embedding's codes may be of either scheme (a GGUF file's
+  embedding keeps its own type: only `rows` reads it). Norms, attention, the KV cache and
+  adapters stay in the compute dtype, and LoRA reads the full-precision activations
+  (W_q dequantized . x + B . A . x).
 """
 
 from __future__ import annotations
