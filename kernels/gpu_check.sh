@@ -13,6 +13,7 @@
 #           torch path (greedy tokens, CUDA graphs on)
 #   1b      `lorafleet bench gpu` on the 1b shape, batch 64
 #   8b      `lorafleet bench gpu` on Llama-3-8B's shapes, batches 64 and 256 (weights made on the device)
+#   8b-int4 the same base quantized in int4 at load, batch 64 (against 8b's bf16 figures)
 #   smol    `smol` base-only against transformers
 # Usage: bash kernels/gpu_check.sh [STAGE ...]   (no stage: all of them, as time allows)
 # Run it from the repository root where lorafleet is installed (`pip install -e .`) with a CUDA
@@ -25,7 +26,7 @@ export TRITON_INTERPRET=0 LORAFLEET_DEVICE=cuda PYTHONUNBUFFERED=1
 out="${OUT:-bench-results}"
 mkdir -p "$out"
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || stages=(micro tests quant 1b 8b smol)
+[ ${#stages[@]} -gt 0 ] || stages=(micro tests quant 1b 8b 8b-int4 smol)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' || true
 status=0
@@ -51,6 +52,7 @@ for s in "${stages[@]}"; do
             stage quant 300 python3 -m lorafleet.kernels.gpu_micro --quant --out "$out" --deadline 270 ;;
         1b) stage bench-1b 240 lorafleet bench gpu --model 1b --batch 64 --out "$out/gpu-1b.json" ;;
         8b) stage bench-8b 300 lorafleet bench gpu --model 8b --batch 64 --batch 256 --out "$out/gpu-8b.json" ;;
+        8b-int4) stage bench-8b-int4 300 lorafleet bench gpu --model 8b --quantize int4 --batch 64 --out "$out/gpu-8b-int4.json" ;;
         smol) stage base-only 120 lorafleet bench run --model smol --workload base-only \
                   --systems lorafleet,transformers --device cuda --out "$out/base-only.json" ;;
         *) echo "unknown stage $s (micro, tests, quant, 1b, 8b, smol)"; status=2 ;;

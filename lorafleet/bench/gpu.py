@@ -87,7 +87,7 @@ def _cases(base: Path, batch: int, many: int, big: bool) -> dict[str, tuple[dict
         "no adapter": ({}, [None] * batch, False),
         "1 adapter r16": ({"a": adapter(16, ALL7, 1)}, ["a"] * batch, False),
         "8 adapters r8-64": ({f"e{i}": files[i] for i in range(8)}, [f"e{i % 8}" for i in range(batch)], False),
-        f"{distinct} adapters r8-64": ({f"d{i}": files[i % FILES] for i in range(distinct)},
+        f"{distinct} distinct adapters r8-64": ({f"d{i}": files[i % FILES] for i in range(distinct)},
                                        [f"d{i % distinct}" for i in range(batch)], False),
         f"{many} registered r8-64": ({f"m{i}": files[i % FILES] for i in range(many)},
                                      [f"m{(i * 7) % many}" for i in range(batch)], True),
@@ -101,7 +101,9 @@ def _bound(engine, names: list, steps: int, copy: float) -> float:
     base's weights, its distinct adapters' pages, the KV of their contexts (32-token prompts, the
     median step halfway through `steps`)."""
     model, pool = engine.model, engine.pool
-    read = {t.data_ptr(): t for name, t in model.w.items() if name != "embed"}  # the LM head, tied or not
+    tied = model.w["embed"].data_ptr() == model.w["lm_head"].data_ptr()
+    read = {t.data_ptr(): t for name, t in model.w.items()
+            if tied or name not in ("embed", "embed_s")}  # the LM head, tied or not (scales too, quantized)
     weights = sum(t.numel() * t.element_size() for t in read.values())
     adapters = sum(engine.adapters.get(n).numel for n in set(filter(None, names))) * pool.tensor.element_size()
     cfg = model.cfg
@@ -110,7 +112,8 @@ def _bound(engine, names: list, steps: int, copy: float) -> float:
 
 
 def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int, many: int, root: Path | None = None,
-                   progress=None, dtype: str = "float32", copy: float | None = None) -> dict:
+                   progress=None, dtype: str = "float32", copy: float | None = None,
+                   quantize: str | None = None) -> dict:
     from lorafleet import Engine
 
     base = build_base(shape, root, on_device=True)
@@ -122,7 +125,7 @@ def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int,
         prompts = [torch.randint(3, 200, (32,), generator=g).tolist() for _ in range(batch)]
         cases, rows = _cases(base, batch, many, big), {}
         for label, (adapters, names, registered) in cases.items():
-            engine = Engine(base, device=device, dtype=dtype, max_num_seqs=batch)
+            engine = Engine(base, device=device, dtype=dtype, max_num_seqs=batch, quantize=quantize)
             try:
                 t0 = time.perf_counter()
                 for name, path in adapters.items():
@@ -135,7 +138,7 @@ def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int,
                 rows[label] = {"tokens_per_s": batch / step_s, "step_ms": step_s * 1e3, "load_s": load_s,
                                "host_share": statistics.median(s["host_s"] / s["time_s"] for s in steps) if steps else None,
                                "kernels": stats["kernels"], "decode_graphs": stats["decode_graphs"]}
-                if copy and label.endswith("adapters r8-64") and not label.startswith("8 "):
+                if copy and label.endswith("distinct adapters r8-64"):
                     rows[label]["bound_ms"] = _bound(engine, names, max_tokens, copy) * 1e3
                 if progress:
                     r = rows[label]
@@ -149,7 +152,7 @@ def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int,
                 if on_gpu:
                     torch.cuda.empty_cache()
         base_tps = rows["no adapter"]["tokens_per_s"]
-        distinct = next(k for k in rows if k.endswith("adapters r8-64") and not k.startswith("8 "))
+        distinct = next(k for k in rows if k.endswith("distinct adapters r8-64"))
         uniform = next(k for k in rows if k.startswith("uniform"))
         ratios = {
             "1 adapter r16 / no adapter": rows["1 adapter r16"]["tokens_per_s"] / base_tps,
@@ -163,15 +166,18 @@ def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int,
             ratios[f"{distinct} step: host share"] = rows[distinct]["host_share"]
         out[batch] = {"cases": rows, "ratios": ratios,
                       "recaptures": sum(c["decode_graphs"].get("recaptures", 0) for c in rows.values())}
-    return {"shape": shape, "mixed_targets": "q/v" if big else "all 7", "batches": out}
+    return {"shape": shape, "quantization": quantize, "mixed_targets": "q/v" if big else "all 7", "batches": out}
 
 
 def run_gpu_bench(shape: str = "1b", device: str = "cuda", batches: list[int] | None = None, max_tokens: int = 64,
-                  many: int = 1000, context: int = 1024, root: Path | None = None, progress=None) -> dict:
+                  many: int = 1000, context: int = 1024, root: Path | None = None, progress=None,
+                  quantize: str | None = None) -> dict:
+    """The kernels' and the engine's figures on `device`; `quantize` (int8 | int4): the engine's base
+    quantized at load (the kernel figures stay the LoRA op's and attention's)."""
     dev = torch.device(device)
     # bf16 on a GPU for the kernels and the engine alike
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     kernels = kernel_figures(shape, dev, dtype, context, progress)
     return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "kernels": kernels,
             "engine": engine_figures(shape, device, batches or [64], max_tokens, many, root, progress,
-                                     str(dtype).removeprefix("torch."), kernels[0]["copy_GB/s"] * 1e9)}
+                                     str(dtype).removeprefix("torch."), kernels[0]["copy_GB/s"] * 1e9, quantize)}

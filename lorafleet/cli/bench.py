@@ -327,6 +327,7 @@ def gpu(
         "--batch", min=1, help="Requests decoding together (repeat for several): 64.")] = None,
     many: Annotated[int, typer.Option("--many", min=9, help="Adapters registered in the many-adapters case.")] = 1000,
     device: Device = "auto", quick: Quick = False, out: Out = None, as_json: AsJson = False,
+    quantize: Quantize = None,
 ) -> None:
     """The GPU path's figures (kernels/gpu_check.sh runs this, after kernels/gpu_micro.py): the
     engine's LoRA op and decode attention against the device's copy bandwidth and a read of the
@@ -334,11 +335,14 @@ def gpu(
     registered, mixed ranks 8-256 against their uniform mean, the 64-adapter step against its
     bound, the host's share of a step, decode-graph captures and re-captures. The base's weights
     are made on the device (nothing downloaded). Runs on the CPU too (small shapes)."""
+    suites.check_quantize(quantize, [], cpu=False)
+
     def one(shape: str) -> dict:
         from lorafleet.bench.gpu import run_gpu_bench
         from lorafleet.model.loader import resolve_device
 
         batches = [min(b, 8) for b in batch or [64]] if quick else batch or [64]
         small = dict(max_tokens=4, many=min(many, 12), context=64) if quick else {"many": many}
-        return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=suites.say, **small)
+        return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=suites.say, quantize=quantize,
+                             **small)
     suites.suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json, on_device=True)

@@ -17,12 +17,24 @@ def test_the_gpu_bench_reports_kernels_engine_cases_and_ratios(tmp_path):
     assert all(k["error"] < 1e-5 for k in kernels)  # the C++ kernels against the references
     run = report["engine"]["batches"][4]
     cases = run["cases"]
-    assert set(cases) == {"no adapter", "1 adapter r16", "8 adapters r8-64", "4 adapters r8-64",
+    assert set(cases) == {"no adapter", "1 adapter r16", "8 adapters r8-64", "4 distinct adapters r8-64",
                           "10 registered r8-64", "mixed ranks 8-256", "uniform rank 30"}
     assert all(c["tokens_per_s"] > 0 and c["kernels"] == "cpu" and 0 < c["host_share"] < 1 for c in cases.values())
-    assert cases["4 adapters r8-64"]["bound_ms"] > 0
+    assert cases["4 distinct adapters r8-64"]["bound_ms"] > 0
     assert set(run["ratios"]) == {"1 adapter r16 / no adapter", "10 registered / 8 adapters",
-                                  "mixed ranks / uniform rank", "4 adapters r8-64 step / its bound",
-                                  "4 adapters r8-64 step: host share"}
+                                  "mixed ranks / uniform rank", "4 distinct adapters r8-64 step / its bound",
+                                  "4 distinct adapters r8-64 step: host share"}
     assert run["recaptures"] == 0
     assert gpu_table([report]).row_count == 4 + len(cases) + 5
+
+
+def test_the_gpu_bench_on_a_quantized_base_at_batch_8(tmp_path):
+    """`--quantize int4` reaches the engine (what gpu_check.sh's 8b-int4 stage compares with bf16),
+    and batch 8, --quick's, keeps its 8 distinct adapters apart from the 8-adapter case."""
+    report = run_gpu_bench("micro", "cpu", batches=[8], max_tokens=2, many=10, context=32, root=tmp_path,
+                           quantize="int4")
+    engine = report["engine"]
+    assert engine["quantization"] == "int4"
+    cases = engine["batches"][8]["cases"]
+    assert {"8 adapters r8-64", "8 distinct adapters r8-64"} <= set(cases)
+    assert cases["8 distinct adapters r8-64"]["bound_ms"] > 0
