@@ -59,6 +59,6 @@ def rows(q: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor, dtype: torch.
 
 
 def tune(name: str, value: int = -1) -> int:
-    """The micro-benchmark's knobs (`xchunk`: bytes of x a chunk of K, 0 never; `prefetch`: 0/1;
-    `vnni`: 0/1): sets one (value >= 0) and returns its previous value, or reads it (value -1)."""
+    """The micro-benchmark's knobs (`xchunk`: bytes of x a chunk of K, 0 never; `prefetch`: 0/1):
+    sets one (value >= 0) and returns its previous value, or reads it (value -1)."""
     return load().quant_tune(name, value)

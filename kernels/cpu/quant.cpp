@@ -22,11 +22,9 @@ constexpr int NV = QB / VW;     // vectors per run: 2 with AVX-512, 4 with AVX2
 // defaults are the designs kept
 static std::atomic<int64_t> XCHUNK_BYTES{16 * 1024};  // x rows past twice this go by chunks of K (0: never)
 static std::atomic<int64_t> PREFETCH{1};              // the next block's codes prefetched as a block runs
-static std::atomic<int64_t> VNNI{1};                  // int8 dot products where the CPU has them (T >= VNNI_FROM)
 
 int64_t quant_tune(const std::string& name, int64_t value) {
-  std::atomic<int64_t>* knob = name == "xchunk" ? &XCHUNK_BYTES : name == "prefetch" ? &PREFETCH
-                             : name == "vnni" ? &VNNI : nullptr;
+  std::atomic<int64_t>* knob = name == "xchunk" ? &XCHUNK_BYTES : name == "prefetch" ? &PREFETCH : nullptr;
   TORCH_CHECK(knob, "quant_tune: no knob ", name);
   return value < 0 ? knob->load() : knob->exchange(value);
 }
