@@ -116,7 +116,7 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     """The C++ kernels where they serve (built: `cpu_module`; fp32 and bf16), with the reference
     for prefill attention; the torch reference, saying why, where they do not."""
     from lorafleet.kernels import (build, cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu,
-                                   panels_cpu, pointwise_cpu, quant_cpu)
+                                   panels_cpu, pointwise_cpu)
 
     if dtype not in (torch.float32, torch.bfloat16):
         return torch_kernels(f"the C++ CPU kernels take float32 and bfloat16, not {str(dtype).removeprefix('torch.')}")
@@ -126,13 +126,10 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     def lora(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None):
         lora_cpu.lora(x, out, w, seg, entry, slots)
 
-    def rows(w, ids, scales=None, dtype=torch.float32):
-        return panels_cpu.rows(w, ids) if scales is None else quant_cpu.rows(w, ids, scales, dtype)
-
     return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
                    decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
                    decode_forward=decode_layers_cpu.decode_forward, decode_batch=decode_layers_cpu.decode_batch,
-                   pack=panels_cpu.pack, rows=rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
+                   pack=panels_cpu.pack, rows=panels_cpu.rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
 
 
 def triton_kernels() -> Kernels:

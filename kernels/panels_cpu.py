@@ -49,8 +49,14 @@ from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 FUNCTIONS = ["panel_width", "rows"]
 
 
-def rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """`w[ids]` for w [N, K] or packed by `pack` (an embedding that is also the LM head): [T, K]."""
+def rows(w: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor | None = None,
+         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`w[ids]` for w [N, K] or packed by `pack` (an embedding that is also the LM head): [T, K];
+    a quantized embedding (codes w and `scales`) dequantized in `dtype` (`quant_cpu.rows`)."""
+    if scales is not None:
+        from lorafleet.kernels import quant_cpu
+
+        return quant_cpu.rows(w, ids, scales, dtype)
     return load().rows(w, ids)
 
 
