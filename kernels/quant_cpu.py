@@ -23,12 +23,26 @@ How (`cpu/quant.cpp`, namespace `qt`), on `linear_cpu`'s plan:
 - x rows too wide for L1 beside the code stream go by chunks of K (`lin::run`'s reason);
 - bf16 x is widened to fp32 once per call; accumulation is fp32, the result rounded once to x's
   dtype.
+2-8 rows of fp32 x, 2-16 of bf16 x (its `max_rows()`), where the build and the CPU have
+AMX-BF16 (and Linux grants the tile state, `arch_prctl(ARCH_REQ_XCOMP_PERM)`): C^T = W x^T on the
+tiles, so each weight is dequantized once per call whatever the row count (the FMA tiles
+dequantize once per tile of x rows and spend T FMAs a weight). Two blocks of 16 weight rows a
+task; each row's runs are dequantized, a few runs at a time, with their scale (int8 per channel
+without it: bf16 holds its codes exactly, the scale is applied to the sums) into bf16
+(VCVTNE2PS2BF16, d * code rounded once), in a double buffer the A tiles load from (natural
+[N, K] order, no repacking); with fp32 x also the remainder w - bf16(w) in bf16, a second A tile
+(hi + lo: 16 bits, which hold an fp16 scale times an int4 code exactly). x^T in VNNI pairs is
+the B tile, prepared once per call: bf16 x as it is; fp32 x as bf16(x) and beside it
+bf16(x - bf16(x)) (16 bits of its 24: relative 2^-17), hence at most 8 fp32 rows. C (16 x
+columns, fp32) accumulates over all of K (TDPBF16PS). Each thread of `at::parallel_for` loads
+its tile configuration and releases the tiles after its range. The tolerances below hold on it.
 Past `max_rows()` (prefill): blocks of weight rows dequantized into a buffer of about 1 MB in
 x's dtype (`reference.dequantize`'s values bit for bit) and torch's GEMM on each (the bias in it,
 `addmm`): the extra memory is bounded, whatever the weight.
 
 Semantics: `reference.linear(x, q, bias, scales)` (dequantize, then F.linear), the sums in
-another order: within 1e-5 relative (of the output's scale) in fp32, bf16's rounding in bf16.
+another order: within 1e-5 relative (of the output's scale) in fp32, bf16's rounding in bf16
+(on the AMX tiles too: bf16 x and bf16 weights are exact in them).
 `rows`: `reference.rows` bit for bit. Built with the other CPU kernels, as one extension
 (`cpu_module`); LORAFLEET_KERNELS=torch chooses the reference.
 """
@@ -59,6 +73,8 @@ def rows(q: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor, dtype: torch.
 
 
 def tune(name: str, value: int = -1) -> int:
-    """The micro-benchmark's knobs (`xchunk`: bytes of x a chunk of K, 0 never; `prefetch`: 0/1):
+    """The micro-benchmark's knobs (`xchunk`: bytes of x a chunk of K, 0 never; `prefetch`: 0/1;
+    `max_rows`: rows up to which the kernel runs, 0 the default; in a build with AMX-BF16 also
+    `amx`: 0/1, `xsplit`: x's hi + lo columns 0/1, `segruns`: runs of a row dequantized at a time):
     sets one (value >= 0) and returns its previous value, or reads it (value -1)."""
     return load().quant_tune(name, value)

@@ -34,6 +34,8 @@ VARIANTS = {  # name -> knobs (quant_cpu.tune)
     "default": {},
     "no-prefetch": {"prefetch": 0},
     "no-xchunk": {"xchunk": 0},
+    "fma": {"amx": 0},  # the FMA tiles where the AMX tiles would run (AMX builds only)
+    "no-xsplit": {"xsplit": 0},
 }
 
 

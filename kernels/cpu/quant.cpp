@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace qt {
@@ -22,9 +24,22 @@ constexpr int NV = QB / VW;     // vectors per run: 2 with AVX-512, 4 with AVX2
 // defaults are the designs kept
 static std::atomic<int64_t> XCHUNK_BYTES{16 * 1024};  // x rows past twice this go by chunks of K (0: never)
 static std::atomic<int64_t> PREFETCH{1};              // the next block's codes prefetched as a block runs
+static std::atomic<int64_t> MAX_ROWS{0};              // rows up to which the kernel runs (0: the measured default)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define QT_AMX 1
+static std::atomic<int64_t> AMX{1};     // 2..max_rows x rows by AMX-BF16 tiles (0: the FMA tiles)
+static std::atomic<int64_t> XSPLIT{1};  // x as bf16 hi + lo (columns beside each other) where they fit
+static std::atomic<int64_t> SEGRUNS{4}; // runs of a row dequantized together
+#endif
 
 int64_t quant_tune(const std::string& name, int64_t value) {
-  std::atomic<int64_t>* knob = name == "xchunk" ? &XCHUNK_BYTES : name == "prefetch" ? &PREFETCH : nullptr;
+  std::atomic<int64_t>* knob = name == "xchunk" ? &XCHUNK_BYTES : name == "prefetch" ? &PREFETCH
+                               : name == "max_rows" ? &MAX_ROWS : nullptr;
+#ifdef QT_AMX
+  if (name == "amx") knob = &AMX;
+  if (name == "xsplit") knob = &XSPLIT;
+  if (name == "segruns") knob = &SEGRUNS;
+#endif
   TORCH_CHECK(knob, "quant_tune: no knob ", name);
   return value < 0 ? knob->load() : knob->exchange(value);
 }
@@ -76,6 +91,7 @@ struct Args {
   int64_t K, N;
   const float* bias;                        // [N] in fp32, or null
   float* y; int64_t ldy;                    // [T, N] fp32
+  bool xbf16;                               // x came as bf16 (exact in bf16)
 };
 // the span of K a pass covers (`lin::Span`'s idea): all of it, or a chunk, `part` then holding
 // each output's sum over the chunks before
@@ -195,6 +211,140 @@ static void run(const Args& a) {
   });
 }
 
+
+#ifdef QT_AMX
+}  // namespace qt
+#include <sys/syscall.h>
+#include <unistd.h>
+namespace qt {
+
+// the permission the kernel needs to use AMX's tile data (asked once per process)
+static bool amx_ok() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+struct alignas(64) TileCfg { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+static inline uint32_t bf16_bits(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+static inline float bf16_float(uint32_t h) { const uint32_t u = h << 16; float f; std::memcpy(&f, &u, 4); return f; }
+
+// one run of 32 codes as 32 bf16 weights (d * code, int4 d * (code - 8), rounded once from fp32) at hi;
+// with LO also the remainder w - bf16(w) rounded to bf16 at lo (hi + lo: 16 bits of w, which holds
+// an fp16 scale's 11 times an int4 code's 4 exactly)
+template <bool I4, bool LO> static inline void deq_bf16(const uint8_t* p, float d, uint16_t* hi, uint16_t* lo) {
+  vw w[2];
+  deq<I4>(p, d, w);
+  if constexpr (LO) {
+    const vw h0 = wround(w[0], c10::BFloat16{}), h1 = wround(w[1], c10::BFloat16{});
+    _mm512_store_si512(hi, (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+    _mm512_store_si512(lo, (__m512i)_mm512_cvtne2ps_pbh(w[1] - h1, w[0] - h0));
+  } else {
+    _mm512_store_si512(hi, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+  }
+}
+
+template <bool I4, bool CH, bool LO>
+static void amx_run(const Args& a) {
+  constexpr int64_t RB = I4 ? QB / 2 : QB;
+  const int64_t T = a.T, K = a.K, N = a.N, P = K / 2;
+  const bool split = !a.xbf16 && XSPLIT.load() != 0 && 2 * T <= 16;
+  const int64_t C = split ? 2 * T : T;  // B's columns: x rows (and their low halves)
+  // x^T in VNNI pairs: xb[p * C + c] holds x[c][2p] low, x[c][2p + 1] high (column T + t: x[t] - bf16(x[t]))
+  std::unique_ptr<uint32_t[]> xb(new uint32_t[P * C + 16]);
+  at::parallel_for(0, P, 1024, [&](int64_t p0, int64_t p1) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xr = a.x + t * a.ldx;
+      for (int64_t p = p0; p < p1; ++p) {
+        const float x0 = xr[2 * p], x1 = xr[2 * p + 1];
+        const uint32_t h0 = bf16_bits(x0), h1 = bf16_bits(x1);
+        xb[p * C + t] = h0 | (h1 << 16);
+        if (split) xb[p * C + T + t] = bf16_bits(x0 - bf16_float(h0)) | (bf16_bits(x1 - bf16_float(h1)) << 16);
+      }
+    }
+  });
+  const int64_t SEG = std::max<int64_t>(1, SEGRUNS.load()), runs = K / QB, bpg = a.G / QB;
+  const int64_t blocks = (N + 31) / 32;  // 2 tiles of 16 weight rows
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    TileCfg cfg{};
+    cfg.palette = 1;
+    for (int i = 0; i < 2; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = uint16_t(4 * C); }  // C: 16 x C fp32
+    for (int i : {2, 3, 5, 6}) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }              // A: 16 rows x 32 bf16 (5, 6: lo)
+    cfg.rows[4] = 16; cfg.colsb[4] = uint16_t(4 * C);                                 // B: 16 pairs x C
+    _tile_loadconfig(&cfg);
+    std::unique_ptr<uint16_t[], void (*)(void*)> buf(
+        static_cast<uint16_t*>(std::aligned_alloc(64, 2 * 4 * SEG * 16 * QB * 2)), std::free);
+    int64_t flip = 0;
+    alignas(64) float out[2][16][16];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 32;
+      const uint8_t* q[32];
+      const at::Half* s[32];
+      const uint8_t* pf[32];
+      for (int j = 0; j < 32; ++j) {
+        const int64_t n = std::min<int64_t>(n0 + j, N - 1);
+        q[j] = a.q + n * a.ldq;
+        s[j] = a.s + n * a.ls;
+        pf[j] = a.q + std::min<int64_t>(n0 + 32 + j, N - 1) * a.ldq;
+      }
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t r0 = 0; r0 < runs; r0 += SEG) {
+        const int64_t nr = std::min(SEG, runs - r0);
+        uint16_t* const bb = buf.get() + (flip ^= 1) * 4 * SEG * 16 * QB;  // [hi0, hi1, lo0, lo1][SEG][16][32]
+        constexpr int64_t LOFF = 2 * 16 * QB;  // lo's offset, times SEG
+        const int64_t g0 = r0 / bpg, in0 = r0 % bpg;
+        for (int j = 0; j < 32; ++j) {
+          for (int64_t l = r0 * RB; l < (r0 + nr) * RB; l += 64) __builtin_prefetch(pf[j] + l, 0, 3);
+          uint16_t* o = bb + (j / 16) * SEG * 16 * QB + (j % 16) * QB;
+          const uint8_t* qj = q[j] + r0 * RB;
+          uint16_t* ol = o + LOFF * SEG;
+          if (CH) {
+            for (int64_t r = 0; r < nr; ++r) deq_bf16<I4, LO>(qj + r * RB, 1.f, o + r * 16 * QB, ol + r * 16 * QB);
+          } else if (bpg == 1) {
+            const at::Half* sj = s[j] + r0;
+            for (int64_t r = 0; r < nr; ++r)
+              deq_bf16<I4, LO>(qj + r * RB, half_f(sj + r), o + r * 16 * QB, ol + r * 16 * QB);
+          } else {
+            int64_t gi = g0, in = in0;
+            for (int64_t r = 0; r < nr; ++r) {
+              deq_bf16<I4, LO>(qj + r * RB, half_f(s[j] + gi), o + r * 16 * QB, ol + r * 16 * QB);
+              if (++in == bpg) { in = 0; ++gi; }
+            }
+          }
+        }
+        for (int64_t r = r0; r < r0 + nr; ++r) {
+          _tile_loadd(4, xb.get() + r * 16 * C, 4 * C);
+          _tile_loadd(2, bb + (r - r0) * 16 * QB, 64);
+          _tile_loadd(3, bb + SEG * 16 * QB + (r - r0) * 16 * QB, 64);
+          _tile_dpbf16ps(0, 2, 4);
+          _tile_dpbf16ps(1, 3, 4);
+          if constexpr (LO) {
+            _tile_loadd(5, bb + LOFF * SEG + (r - r0) * 16 * QB, 64);
+            _tile_loadd(6, bb + LOFF * SEG + SEG * 16 * QB + (r - r0) * 16 * QB, 64);
+            _tile_dpbf16ps(0, 5, 4);
+            _tile_dpbf16ps(1, 6, 4);
+          }
+        }
+      }
+      _tile_stored(0, out[0], 64);
+      _tile_stored(1, out[1], 64);
+      for (int j = 0; j < 32 && n0 + j < N; ++j) {
+        const float sc = CH ? half_f(s[j]) : 1.f, bv = a.bias ? a.bias[n0 + j] : 0.f;
+        for (int64_t t = 0; t < T; ++t) {
+          float v = out[j / 16][j % 16][t];
+          if (split) v += out[j / 16][j % 16][T + t];
+          a.y[t * a.ldy + n0 + j] = v * sc + bv;
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // tile shapes: one x row streams 4 weight rows side by side; 2-4 rows 4 weight rows (AVX-512; 2 on
 // AVX2, whose 16 registers hold fewer accumulators); 5 and more rows 2 weight rows (1 on AVX2)
 template <bool I4, bool CH>
@@ -203,6 +353,15 @@ static void dispatch(const Args& a) {
   constexpr int N1 = 4, N4 = 4, N8 = 2;
 #else
   constexpr int N1 = 2, N4 = 1, N8 = 1;
+#endif
+#ifdef QT_AMX
+  // fp32 x up to 8 rows (x's hi and lo columns fit the tile; the weights' lo where bf16 does not
+  // hold them, i.e. but int8 per channel); bf16 x up to 16 (exact in the tile, the reference's
+  // weights bf16 too)
+  if (a.T >= 2 && AMX.load() != 0 && amx_ok()) {
+    if (!a.xbf16 && a.T <= 8) return CH ? amx_run<I4, CH, false>(a) : amx_run<I4, CH, true>(a);
+    if (a.xbf16 && a.T <= 16) return amx_run<I4, CH, false>(a);
+  }
 #endif
   switch (a.T) {
     case 1: run<I4, CH, N1, 1>(a); break;
@@ -276,7 +435,13 @@ static torch::Tensor gemm_blocks(const torch::Tensor& x, const torch::Tensor& q,
 }
 
 // rows up to which the kernel runs; torch's GEMM on dequantized blocks beyond: `lin`'s
-int64_t quant_max_rows(bool bf16) { return lin::max_rows(bf16); }
+int64_t quant_max_rows(bool bf16) {
+  if (const int64_t m = MAX_ROWS.load()) return m;
+#ifdef QT_AMX
+  if (bf16 && AMX.load() != 0 && amx_ok()) return 16;
+#endif
+  return lin::max_rows(bf16);
+}
 
 // F.linear(x, dequantize(q, scales), bias) for x [T, K] fp32 or bf16 (the result in x's dtype)
 torch::Tensor linear(torch::Tensor x, const torch::Tensor& q, const c10::optional<torch::Tensor>& bias,
@@ -296,7 +461,7 @@ torch::Tensor linear(torch::Tensor x, const torch::Tensor& q, const c10::optiona
   if (T == 0 || N == 0) return bf16 ? y.to(at::kBFloat16) : y;
   Args a{xf.data_ptr<float>(), xf.stride(0), T, static_cast<const uint8_t*>(q.data_ptr()), q.size(1),
          scales.data_ptr<at::Half>(), scales.size(1), K / scales.size(1), K, N,
-         bias ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), N};
+         bias ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, bf16};
   const bool i4 = q.scalar_type() == at::kByte, ch = a.G == K;
   if (i4) ch ? dispatch<true, true>(a) : dispatch<true, false>(a);
   else ch ? dispatch<false, true>(a) : dispatch<false, false>(a);

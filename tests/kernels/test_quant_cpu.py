@@ -8,8 +8,10 @@ native build and the build without AVX-512 (`isa`).
 
 Tolerances, per output element, of the sum of the terms' magnitudes S = |x| @ |dequantize(q)|^T:
 fp32 1e-5 S (the same fp32 products summed in another order); bf16 2^-7 S (the reference rounds
-each weight to bf16 before its GEMM, the kernel keeps it in fp32: up to 2^-9 S apart, plus each
-side's rounding of the result to bf16)."""
+each weight to bf16 before its GEMM, the kernel keeps it in fp32 or rounds it the same way: up to
+2^-9 S apart, plus each side's rounding of the result to bf16). Where the build has AMX-BF16 (2-8 fp32 rows, 2-16
+bf16 rows on its tiles) the same bounds hold: fp32 weights and x go as bf16 hi + lo (x: 16 bits
+of its 24, about 2^-17 S), bf16 x and the reference's bf16 weights are exact in the tiles."""
 
 from __future__ import annotations
 
