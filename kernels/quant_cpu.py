@@ -26,16 +26,26 @@ How (`cpu/quant.cpp`, namespace `qt`), on `linear_cpu`'s plan:
 2-8 rows of fp32 x, 2-16 of bf16 x (its `max_rows()`), where the build and the CPU have
 AMX-BF16 (and Linux grants the tile state, `arch_prctl(ARCH_REQ_XCOMP_PERM)`): C^T = W x^T on the
 tiles, so each weight is dequantized once per call whatever the row count (the FMA tiles
-dequantize once per tile of x rows and spend T FMAs a weight). Two blocks of 16 weight rows a
-task; each row's runs are dequantized, a few runs at a time, with their scale (int8 per channel
-without it: bf16 holds its codes exactly, the scale is applied to the sums) into bf16
-(VCVTNE2PS2BF16, d * code rounded once), in a double buffer the A tiles load from (natural
-[N, K] order, no repacking); with fp32 x also the remainder w - bf16(w) in bf16, a second A tile
-(hi + lo: 16 bits, which hold an fp16 scale times an int4 code exactly). x^T in VNNI pairs is
-the B tile, prepared once per call: bf16 x as it is; fp32 x as bf16(x) and beside it
-bf16(x - bf16(x)) (16 bits of its 24: relative 2^-17), hence at most 8 fp32 rows. C (16 x
-columns, fp32) accumulates over all of K (TDPBF16PS). Each thread of `at::parallel_for` loads
-its tile configuration and releases the tiles after its range. The tolerances below hold on it.
+dequantize once per tile of x rows and spend T FMAs a weight). x^T in VNNI pairs is the B tile,
+prepared once per call: bf16 x as it is; fp32 x as bf16(x) and beside it bf16(x - bf16(x)) (16
+bits of its 24: relative 2^-17), hence at most 8 fp32 rows. Two designs, by scheme:
+- fp32 x in groups G < K (int4, GGUF's Q8_0), from 5 rows (below, the FMA tiles are faster):
+  the A tile is 16 weight rows x one run of their codes in bf16 without the scale (code - 8,
+  code: small integers, exact in bf16: no weight is rounded). int4 unpacks in 3 instructions a
+  run: the 16 bytes loaded into each 128-bit lane, each lane's words shifted by 0/4/8/12 bits,
+  one `VPERMW` on a 16-entry table of bf16 values; the run's elements come out in another order
+  along K, which the B tile's pairs follow. C sums a group's runs (up to 8 a chunk), is stored
+  and multiplied by the group's scales (fp32, one per row, broadcast over the columns) into 16
+  zmm accumulators that live across all of K; bias and output are written once. A block's
+  chunks go through a pipeline (tile ops of chunk c, the codes of c + 1, C of c - 1 stored, that
+  of c - 2 scaled), so no load comes right after the store it reads.
+- int8 per channel with fp32 x, and every scheme with bf16 x: each row's runs are dequantized, a
+  few runs at a time, with their scale (int8 per channel without it: bf16 holds its codes
+  exactly, the scale is applied to the sums) into bf16 (VCVTNE2PS2BF16, d * code rounded once,
+  `reference.dequantize`'s bf16 weights), in a double buffer the A tiles load from, two blocks of
+  16 rows a task, C (fp32) over all of K.
+Each thread of `at::parallel_for` loads its tile configuration and releases the tiles after its
+range. The tolerances below hold on both.
 Past `max_rows()` (prefill): blocks of weight rows dequantized into a buffer of about 1 MB in
 x's dtype (`reference.dequantize`'s values bit for bit) and torch's GEMM on each (the bias in it,
 `addmm`): the extra memory is bounded, whatever the weight.
@@ -75,6 +85,7 @@ def rows(q: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor, dtype: torch.
 def tune(name: str, value: int = -1) -> int:
     """The micro-benchmark's knobs (`xchunk`: bytes of x a chunk of K, 0 never; `prefetch`: 0/1;
     `max_rows`: rows up to which the kernel runs, 0 the default; in a build with AMX-BF16 also
-    `amx`: 0/1, `xsplit`: x's hi + lo columns 0/1, `segruns`: runs of a row dequantized at a time):
+    `amx`: 0/1, `xsplit`: x's hi + lo columns 0/1, `segruns`: runs of a row dequantized at a time,
+    `groups`: fp32 rows from which groups < K go on the tiles without their scale, 0 never):
     sets one (value >= 0) and returns its previous value, or reads it (value -1)."""
     return load().quant_tune(name, value)

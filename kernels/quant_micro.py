@@ -36,6 +36,7 @@ VARIANTS = {  # name -> knobs (quant_cpu.tune)
     "no-xchunk": {"xchunk": 0},
     "fma": {"amx": 0},  # the FMA tiles where the AMX tiles would run (AMX builds only)
     "no-xsplit": {"xsplit": 0},
+    "no-groups": {"groups": 0},  # fp32 x in groups < K on the FMA tiles, not the AMX tiles (AMX builds only)
 }
 
 

@@ -10,8 +10,10 @@ Tolerances, per output element, of the sum of the terms' magnitudes S = |x| @ |d
 fp32 1e-5 S (the same fp32 products summed in another order); bf16 2^-7 S (the reference rounds
 each weight to bf16 before its GEMM, the kernel keeps it in fp32 or rounds it the same way: up to
 2^-9 S apart, plus each side's rounding of the result to bf16). Where the build has AMX-BF16 (2-8 fp32 rows, 2-16
-bf16 rows on its tiles) the same bounds hold: fp32 weights and x go as bf16 hi + lo (x: 16 bits
-of its 24, about 2^-17 S), bf16 x and the reference's bf16 weights are exact in the tiles."""
+bf16 rows on its tiles) the same bounds hold: fp32 x goes as bf16 hi + lo (16 bits of its 24, about
+2^-17 S), the weights exact (int8 per channel's codes; groups < K: the codes without their scale,
+the scale in fp32 on each group's sums), bf16 x and the reference's bf16 weights are exact in the
+tiles. The groups' tile path runs from `quant_cpu.tune("groups")` rows; it is also tested from 2."""
 
 from __future__ import annotations
 
@@ -43,6 +45,24 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scales: torc
         bound += bias.float().abs()
     err = (y.float() - ref.float()).abs()
     assert (err <= TOL[x.dtype] * bound + 1e-6).all(), float((err / (bound + 1e-6)).max())
+
+
+@pytest.mark.parametrize("scheme,group", [("int8", 32), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("shape", [(37, 384), (67, 2048)])
+def test_groups_on_the_amx_tiles_from_two_rows(scheme, group, shape):
+    n, k = shape
+    q, scales = quantized(n, k, scheme, group)
+    g = torch.Generator().manual_seed(2)
+    x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
+    try:
+        old = quant_cpu.tune("groups", 2)
+    except RuntimeError:
+        pytest.skip("a build without AMX-BF16")
+    try:
+        for t in range(2, 9):
+            assert_close(quant_cpu.linear(x[:t], q, bias, scales), x[:t], q, scales, bias)
+    finally:
+        quant_cpu.tune("groups", old)
 
 
 @pytest.mark.parametrize("scheme,group", LAYOUTS)
