@@ -192,19 +192,27 @@ def test_the_forward_in_one_call_equals_the_python_forward_bit_for_bit(family_di
     """`decode_forward` (embedding, layers, final norm, LM head in one call) gives the Python
     forward's logits and KV pages bit for bit, for every row and for a subset of the rows, with
     adapters of two ranks and the base in the batch; the engine's model takes it."""
-    import dataclasses
-
     model_dir, adapters = family_dirs[family]
     names = ["r4", None, "r16", "r4", None]
     engine = start(model_dir, adapters, dtype, names)
+    assert compare_decode_forward(engine, len(names), subset=[1, 3, 4]) == [len(names), 3]
+
+
+def compare_decode_forward(engine, batch: int, subset: list[int] | None = None, steps: int = 40) -> list[int]:
+    """Step `engine` until a decode-only step of `batch` rows, and there run the model's forward
+    both ways, the Python loop and `decode_forward` in one call, on copies of the KV pages, for
+    every row (and for the rows `subset` too): asserts the same logits and KV pages bit for bit.
+    Returns the row counts compared."""
+    import dataclasses
+
     model = engine.model
     assert model.kernels.decode_forward is decode_layers_cpu.decode_forward
     python_ops = dataclasses.replace(model.kernels, decode_forward=None)
     fast_ops, real, compared = model.kernels, model.forward, []
 
     def spy(input_ids, positions, attn, kv_cache, logits_rows, lora=None):
-        if attn.num_decode == len(input_ids) == len(names) and not compared:
-            for rows in (logits_rows, logits_rows[[1, 3, 4]]):
+        if attn.num_decode == len(input_ids) == batch and not compared:
+            for rows in (logits_rows, *([logits_rows[subset]] if subset else [])):
                 got = {}
                 for way, ops in (("python", python_ops), ("call", fast_ops)):
                     kv = kv_cache.clone()
@@ -220,8 +228,8 @@ def test_the_forward_in_one_call_equals_the_python_forward_bit_for_bit(family_di
         return real(input_ids, positions, attn, kv_cache, logits_rows, lora)
 
     model.forward = spy
-    for _ in range(40):
+    for _ in range(steps):
         engine.step()
         if compared:
             break
-    assert compared == [len(names), 3]
+    return compared

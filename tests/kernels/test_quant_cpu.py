@@ -24,6 +24,7 @@ from lorafleet import Engine, SamplingParams
 from lorafleet.kernels import quant_cpu, reference
 from lorafleet.model import quant
 from tests.fixtures import build_model
+from tests.kernels.test_decode_layers_cpu import compare_decode_forward
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(quant_cpu.load() is None, reason="the kernel does not build here")
@@ -79,13 +80,12 @@ def test_linear_equals_the_reference_at_every_row_count(scheme, group, dtype, is
             assert_close(quant_cpu.linear(x[:t], q, b, scales), x[:t], q, scales, b)
 
 
-@pytest.mark.parametrize("scheme,group", LAYOUTS)
-@pytest.mark.parametrize("shape", [(1, 32), (5, 64), (129, 4096), (33, 8192)])
+@pytest.mark.parametrize("scheme,group,shape", [(s, g, shape) for s, g in LAYOUTS
+                                                 for shape in [(1, 32), (5, 64), (129, 4096), (33, 8192)]
+                                                 if not g or shape[1] % g == 0])  # groups that divide K
 def test_linear_on_narrow_and_wide_k(scheme, group, shape, isa):
     """One run of K, and K wide enough that the x rows go by chunks of K (x of more than 32 KB)."""
     n, k = shape
-    if group and k % group:
-        pytest.skip("the group does not divide K")
     q, scales = quantized(n, k, scheme, group, seed=n)
     g = torch.Generator().manual_seed(2)
     for t in (1, 3, 8, 11):
@@ -141,39 +141,11 @@ def start(model_dir, scheme: str, dtype: str, rows: int) -> Engine:
 def test_decode_forward_equals_the_python_forward_bit_for_bit(model_dirs, family, scheme, dtype, isa):
     """A quantized model's decode step in one C++ call (quantized projections, LM head, and the
     embedding's rows, tied to the head or not) gives the Python forward's logits and KV pages bit for bit."""
-    import dataclasses
-
-    from lorafleet.kernels import decode_layers_cpu
-
     engine = start(model_dirs[family], scheme, dtype, 5)
     model = engine.model
     assert model.quantization == scheme and model.layers[0].qkv_s is not None
     assert "embed_s" in model.w  # the embedding is quantized too (qwen2's is the head), its rows dequantized
-    assert model.kernels.decode_forward is decode_layers_cpu.decode_forward
-    python_ops = dataclasses.replace(model.kernels, decode_forward=None)
-    fast_ops, real, compared = model.kernels, model.forward, []
-
-    def spy(input_ids, positions, attn, kv_cache, logits_rows, lora=None):
-        if attn.num_decode == len(input_ids) == 5 and not compared:
-            got = {}
-            for way, ops in (("python", python_ops), ("call", fast_ops)):
-                kv = kv_cache.clone()
-                model.kernels = ops
-                try:
-                    got[way] = (real(input_ids, positions, attn, kv, logits_rows, lora), kv)
-                finally:
-                    model.kernels = fast_ops
-            (a, kv_a), (b, kv_b) = got["python"], got["call"]
-            assert a.dtype == torch.float32 and torch.equal(a, b) and torch.equal(kv_a, kv_b)
-            compared.append(True)
-        return real(input_ids, positions, attn, kv_cache, logits_rows, lora)
-
-    model.forward = spy
-    for _ in range(20):
-        engine.step()
-        if compared:
-            break
-    assert compared
+    assert compare_decode_forward(engine, 5, steps=20) == [5]
 
 
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
