@@ -101,7 +101,7 @@ def server_binary(say: Callable[[str], None] = _quiet) -> Path:
     own = os.environ.get(SERVER_ENV)
     if own:
         return _own_binary(SERVER_ENV, own)
-    return _built("llama-server", say)
+    return _built("llama-server", say, also=("llama-quantize",))
 
 
 def quantize_binary(say: Callable[[str], None] = _quiet) -> Path:
@@ -114,6 +114,9 @@ def quantize_binary(say: Callable[[str], None] = _quiet) -> Path:
     server = os.environ.get(SERVER_ENV)
     if server and os.access(Path(server).with_name("llama-quantize"), os.X_OK):
         return Path(server).with_name("llama-quantize")
+    beside = cache_root() / f"{TOOLS['llama-server']}-{build_key('llama-server')}" / "llama-quantize"
+    if beside.is_file():  # built with llama-server, in its tree (a cache from before has none)
+        return beside
     return _built("llama-quantize", say)
 
 
@@ -131,9 +134,10 @@ def _own_binary(env: str, value: str) -> Path:
     return path
 
 
-def _built(target: str, say: Callable[[str], None]) -> Path:
+def _built(target: str, say: Callable[[str], None], also: tuple[str, ...] = ()) -> Path:
     """`target` (TOOLS' llama-server or llama-quantize) from the cache, built into it first if
-    need be: `<TOOLS[target]>-<build_key>/<target>`."""
+    need be: `<TOOLS[target]>-<build_key>/<target>`; the tools `also` names are built in the same
+    tree and kept beside it (llama-quantize with llama-server: the shared ggml compiles once)."""
     inputs = build_inputs()
     key = build_key(target, inputs)
     root = cache_root()
@@ -159,11 +163,12 @@ def _built(target: str, say: Callable[[str], None]) -> Path:
             src = _extract(_download_sdist(tmp / "sdist", log), tmp / "src")
             _step([cmake, "-S", str(src), "-B", str(tmp / "build"), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
                    *CMAKE_FLAGS], log, "configuring llama.cpp")
-            _step([cmake, "--build", str(tmp / "build"), "--target", target, "-j", str(os.cpu_count() or 1)],
-                  log, f"building {target}")
+            _step([cmake, "--build", str(tmp / "build"), "--target", target, *also, "-j", str(os.cpu_count() or 1)],
+                  log, f"building {' and '.join((target, *also))}")
             done = tmp / "done"
             done.mkdir()
-            shutil.copy2(tmp / "build" / "bin" / target, done / target)
+            for tool in (target, *also):
+                shutil.copy2(tmp / "build" / "bin" / tool, done / tool)
             seconds = time.perf_counter() - started
             (done / "build.json").write_text(json.dumps({**inputs, "target": target, "build_seconds": seconds,
                                                          "built": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))

@@ -331,3 +331,30 @@ def test_llama_cpp_with_quantize_serves_both_on_the_same_quantized_base(scheme, 
     assert rows["lorafleet-daemon"]["details"]["quantization"] == scheme
     assert "--quantize" in rows["lorafleet-daemon"]["details"]["command"]
     assert {"int8": "int8 against Q8_0", "int4": "int4 against Q4_0"}[scheme] in result.stdout
+
+
+def test_llama_server_is_built_with_llama_quantize_beside_it(tmp_path, monkeypatch):
+    """One cmake build makes both tools (the shared ggml compiles once); the quantize tool is then
+    found beside the cached server, with no build of its own. The build's steps are faked here:
+    the real build runs in the heavy tier (test_llamacpp.py)."""
+    steps = []
+
+    def step(cmd, log, what):
+        steps.append([str(c) for c in cmd])
+        if "--build" in cmd:
+            for tool in cmd[cmd.index("--target") + 1:cmd.index("-j")]:
+                (Path(cmd[cmd.index("--build") + 1]) / "bin").mkdir(parents=True, exist_ok=True)
+                (Path(cmd[cmd.index("--build") + 1]) / "bin" / tool).write_text("#!/bin/sh\n")
+
+    monkeypatch.setattr(llamacpp_build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(llamacpp_build, "_step", step)
+    monkeypatch.setattr(llamacpp_build, "_download_sdist", lambda into, log: into)
+    monkeypatch.setattr(llamacpp_build, "_extract", lambda tarball, dest: dest)
+    monkeypatch.setattr(llamacpp_build, "_tool", lambda name: f"/usr/bin/{name}")
+    monkeypatch.delenv(llamacpp_build.SERVER_ENV, raising=False)
+    monkeypatch.delenv(llamacpp_build.QUANTIZE_ENV, raising=False)
+    server = llamacpp_build.server_binary()
+    builds = [s for s in steps if "--build" in s]
+    assert len(builds) == 1 and builds[0][builds[0].index("--target") + 1:][:2] == ["llama-server", "llama-quantize"]
+    assert llamacpp_build.quantize_binary() == server.with_name("llama-quantize")
+    assert len([s for s in steps if "--build" in s]) == 1  # nothing more built
