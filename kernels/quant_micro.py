@@ -22,7 +22,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
 
@@ -72,6 +71,7 @@ def nbytes(ws) -> int:
 
 def pass_time(ws, rows: int, dtype: torch.dtype, passes: int) -> float:
     """The best of `passes` passes over every matrix, each on `rows` random rows of its width."""
+    from lorafleet.bench.lora_decode import best_seconds
     from lorafleet.kernels import linear_cpu, quant_cpu
 
     xs = {k: torch.randn(rows, k).to(dtype) for k in {w.shape[1] * (2 if w.dtype == torch.uint8 else 1) for w, _ in ws}}
@@ -85,12 +85,7 @@ def pass_time(ws, rows: int, dtype: torch.dtype, passes: int) -> float:
                 quant_cpu.linear(xs[k], w, None, s)
 
     one()  # warm: first touch, the build
-    best = float("inf")
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        one()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_seconds(one, passes)
 
 
 def host() -> str:
