@@ -94,10 +94,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer | None:
-        """The tokenizer a GGUF model file's metadata describes (`model.gguf.tokenizer_parts`: its
+        """The tokenizer a GGUF model file's metadata describes (`model.gguf_tokenizer.tokenizer_parts`: its
         vocabulary, merges or scores, special tokens, BOS/EOS and chat template), None when the file
         has none. Raises `UnsupportedModelError` for a tokenizer kind lorafleet does not read."""
-        from lorafleet.model.gguf import GGUFFile, tokenizer_parts
+        from lorafleet.model.gguf import GGUFFile
+        from lorafleet.model.gguf_tokenizer import tokenizer_parts
 
         f = GGUFFile(path)
         parts = tokenizer_parts(f)

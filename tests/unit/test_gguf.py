@@ -233,7 +233,7 @@ def tokenizer_folder(folder: Path, pre: str) -> Path:
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from tokenizers import Tokenizer as Raw
 
-    from lorafleet.model.gguf import _LLAMA3_SPLIT, _QWEN2_SPLIT
+    from lorafleet.model.gguf_tokenizer import _LLAMA3_SPLIT, _QWEN2_SPLIT
     from tests.fixtures import CHAT_TEMPLATE
 
     raw = Raw(models.BPE(ignore_merges=pre == "llama-bpe"))
