@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from lorafleet.kernels import gpu_micro
+from lorafleet.kernels import gpu_micro, gpu_micro_quant
 
 
 def test_the_microbenchmark_writes_every_case_with_its_ceiling_and_parity(tmp_path):
@@ -33,12 +33,12 @@ def test_the_case_bytes_are_the_adapters_rows_and_the_activations():
 def test_the_quantized_microbenchmark_writes_every_projection_and_form(tmp_path):
     """`--quant` on the CPU: every projection at T = 1, 8, 64, the full weight, int8 and int4 with
     their bytes, copy fraction and parity; torchao skipped with its reason (not measured off a GPU)."""
-    report = gpu_micro.run_quant(["toy"], tmp_path, device="cpu")
+    report = gpu_micro_quant.run_quant(["toy"], tmp_path, device="cpu")
     saved = json.loads((tmp_path / "gpu_micro_quant.json").read_text())
     assert saved["shapes"] == report["shapes"] and saved["copy_GB/s"] > 0
     assert any("torchao" in line for line in saved["skipped"])
     rows = saved["shapes"]["toy"]
-    want = [(p, t, f) for p in ("qkv", "o", "gate_up", "down") for t in gpu_micro.QUANT_ROWS
+    want = [(p, t, f) for p in ("qkv", "o", "gate_up", "down") for t in gpu_micro_quant.QUANT_ROWS
             for f in ("float32 F.linear", "int8", "int4")]
     assert [(r["case"], r["rows"], r["form"]) for r in rows] == want
     for r in rows:
@@ -48,9 +48,9 @@ def test_the_quantized_microbenchmark_writes_every_projection_and_form(tmp_path)
 
 
 def test_the_quantized_cases_are_llama_3_8b_projections_and_their_bytes():
-    assert gpu_micro.projections(gpu_micro.SHAPES["8b"]) == {
+    assert gpu_micro_quant.projections(gpu_micro.SHAPES["8b"]) == {
         "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    case = gpu_micro.make_quant_case("o", 64, 96, 3, gpu_micro.torch.float32, gpu_micro.torch.device("cpu"))
+    case = gpu_micro_quant.make_quant_case("o", 64, 96, 3, gpu_micro.torch.float32, gpu_micro.torch.device("cpu"))
     io = (3 * 96 + 3 * 64) * 4                                    # x read, y written
     assert case.moved["full"] == 64 * 96 * 4 + io
     assert case.moved["int8"] == 64 * 96 + 64 * 2 + io            # codes, a scale per channel
