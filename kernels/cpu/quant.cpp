@@ -145,11 +145,7 @@ static void block(const Args& a, const Span& c, int64_t t0, int64_t n0, int64_t 
   for (int t = 0; t < TB; ++t)
     for (int j = 0; j < nn; ++j) {
       float v = out[j][t];
-      if (c.part) {  // a chunk of K: the sum so far, kept until the last chunk
-        float& p = c.part[(t0 + t) * a.N + n0 + j];
-        if (c.k0 > 0) v += p;
-        if (c.k0 + c.len < a.K) { p = v; continue; }
-      }
+      if (c.part && !chunk_sum(v, c.part[(t0 + t) * a.N + n0 + j], c.k0, c.len, a.K)) continue;
       if (CH) v *= half_f(s[j]);
       a.y[(t0 + t) * a.ldy + n0 + j] = v + (a.bias ? a.bias[n0 + j] : 0.f);
     }

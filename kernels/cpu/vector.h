@@ -105,3 +105,15 @@ static inline bool amd_cpu() {
   }();
   return amd;
 }
+
+// A chunk of K's sum for one output (the matmuls that go by chunks of K): `v`, this chunk's sum,
+// plus the chunks before it (kept in `part`); true at the last chunk (v is then the whole sum),
+// false before it (v kept in `part` until then)
+static inline bool chunk_sum(float& v, float& part, int64_t k0, int64_t len, int64_t K) {
+  if (k0 > 0) v += part;
+  if (k0 + len < K) {
+    part = v;
+    return false;
+  }
+  return true;
+}
