@@ -69,16 +69,6 @@ def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
     return total
 
 
-def model_weight_bytes(weights: dict[str, torch.Tensor]) -> int:
-    """Bytes of every distinct weight tensor the model holds, the embedding included: its memory."""
-    seen, total = set(), 0
-    for t in weights.values():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
 def fp32_weight_bytes(cfg) -> int:
     """The same model's weights in float32 (a `ModelConfig`'s checkpoint shapes, a tied
     embedding once): what the quantized base's memory is set against."""
@@ -175,7 +165,7 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
     decode_step_time(engine, prompts[:2], [None] * 2, 2)  # warm-up: first allocations, kernel builds
     nbytes = step_weight_bytes(engine.model.w)
-    held, fp32 = model_weight_bytes(engine.model.w), fp32_weight_bytes(engine.model.cfg)
+    held, fp32 = engine.model.weight_bytes, fp32_weight_bytes(engine.model.cfg)
     times, matmuls, hosts = {b: [] for b in batches}, {b: [] for b in batches}, {b: [] for b in batches}
     cached, bandwidths = {b: [] for b in batches}, []
     others = []  # cores other work kept busy in each round (None where /proc cannot say)

@@ -43,7 +43,7 @@ def stats(engine) -> dict:
         "device": str(engine.device),
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "quantization": engine.model.quantization,  # None, int8 or int4 (the base's projections and LM head)
-        "weight_bytes": engine.model.weight_bytes(),
+        "weight_bytes": engine.model.weight_bytes,
         "max_model_len": engine.max_model_len,
         "pool": {**pool, "page_map": engine.pool.page_runs()},
         "adapters": engine.adapters.stats(),

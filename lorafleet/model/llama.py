@@ -111,14 +111,10 @@ class LlamaModel(torch.nn.Module):
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
         self.flat_layers = [t for lw in self.layers for t in lw]  # as `Kernels.decode_forward` passes them
-
-    def weight_bytes(self) -> int:
-        """The bytes the base's weights take (each storage once: a tied LM head is the embedding)."""
-        seen: dict[int, int] = {}
-        for t in self.w.values():
-            if t is not None:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(seen.values())
+        # the bytes of every distinct weight tensor (a tied LM head is the embedding), scales
+        # included: the base's memory, counted once here (the weights never change)
+        distinct = {t.data_ptr(): t for t in weights.values()}
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in distinct.values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
