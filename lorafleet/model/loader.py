@@ -101,7 +101,7 @@ def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, dev
                 for name in names:
                     if stored and name in quantized:
                         stem = name[:-len("weight")]
-                        q, scales = f.get_tensor(stem + "qweight"), _scales(f, files, stem, path)
+                        q, scales = f.get_tensor(stem + "qweight"), _scales(f, stem, path)
                         quant.check(q, scales, wanted[name], f"{path}: {stem}qweight")
                         if quant.scheme_of(q) != scheme and name != "model.embed_tokens.weight":  # rows: any
                             raise ModelLoadError(f"{path}: {stem}qweight holds {quant.scheme_of(q)} codes in an "
@@ -121,12 +121,20 @@ def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, dev
     return out
 
 
-def _scales(f, files: dict[str, Path], stem: str, path: Path) -> torch.Tensor:
+def _scales(f, stem: str, path: Path) -> torch.Tensor:
     """X.scales, which the writer keeps in X.qweight's file."""
     try:
         return f.get_tensor(stem + "scales")
     except (SafetensorError, KeyError):
         raise ModelLoadError(f"{path}: {stem}qweight has no {stem}scales beside it") from None
+
+
+def _check_widths(folder: Path, wanted: dict[str, tuple[int, ...]], quantized: set[str], scheme: str) -> None:
+    """Every weight to quantize has a width its groups divide, said before any is read."""
+    for name in quantized:
+        if not quant.quantizable(wanted[name][1], quant.INT4_GROUP):
+            raise ModelLoadError(f"{folder}: {name} has {wanted[name][1]} input features; {scheme} needs a "
+                                 f"multiple of {quant.QUANT_ALIGN}")
 
 
 def quantized_names(cfg: ModelConfig) -> set[str]:
@@ -255,10 +263,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=Non
     scheme = stored or (quant.check_scheme(quantize) if quantize else None)
     wanted = expected_shapes(cfg)
     quantized = quantized_names(cfg) if scheme else set()
-    for name in quantized:
-        if not quant.quantizable(wanted[name][1], quant.INT4_GROUP):
-            raise ModelLoadError(f"{folder}: {name} has {wanted[name][1]} input features; {scheme} needs a "
-                                 f"multiple of {quant.QUANT_ALIGN}")
+    _check_widths(folder, wanted, quantized, scheme)
     if (folder / RANDOM_WEIGHTS).is_file() and not any(folder.glob("*.safetensors")):
         tensors = random_weights(folder, wanted, dtype, device, quantized, scheme)
     else:
@@ -289,10 +294,7 @@ def write_quantized(folder: Path, out: Path, scheme: str) -> list[str]:
     cfg = ModelConfig.from_folder(folder)
     wanted, files = expected_shapes(cfg), weight_files(folder)
     quantized = quantized_names(cfg)
-    for name in quantized:
-        if not quant.quantizable(wanted[name][1], quant.INT4_GROUP):
-            raise ModelLoadError(f"{folder}: {name} has {wanted[name][1]} input features; {scheme} needs a "
-                                 f"multiple of {quant.QUANT_ALIGN}")
+    _check_widths(folder, wanted, quantized, scheme)
     out.mkdir(parents=True, exist_ok=True)
     return write_weights(out, (_read(files, {name: wanted[name]}, None, "cpu", quantized & {name}, scheme)
                                for name in wanted), quantized, scheme)
