@@ -3,7 +3,11 @@ reading adapter weights straight from the pool's pages through each adapter's ro
 
 Semantics (identical to `reference.lora`, whose contract it keeps): for every segment s, row i in
 [seg[s, 0], seg[s, 1]) and module slot m whose rank r > 0 in the row table at seg[s, 2]:
-    out[i, col_m : col_m + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
+    out[i, col_m : col_m + n_out] += scale(s) * (x[i] @ A_m(s)^T) @ Bt_m(s)
+the segments of a mix summed in fp32 and added once. A mix's module is one task list over its
+members' rank rows side by side (their row pointers copied into one list on the host, each
+shrink result times its member's scale), so it costs what one adapter of their total rank does;
+a lone segment at scale 1 reads its pointer lists in the pool, as before mixes existed.
 with A_m's row k ([in]) and Bt_m's row k ([n_out]) each one contiguous run of the pool that its
 row pointer gives, so an adapter's pages may lie anywhere in the pool: no contiguous run, no
 per-step gather.
@@ -48,6 +52,6 @@ FUNCTIONS = ["lora"]
 
 def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> None:
     """x: [T, in]; out: [T, N] (updated in place); w: the pool, flat; one dtype, float32 or
-    bfloat16 (fp32 sums, each output rounded once); seg [S, 3] int64; entry, slots: the group's
+    bfloat16 (fp32 sums, each output rounded once); seg [S, 5] int64 (`reference.py`'s contract); entry, slots: the group's
     fields in the row tables (the contract in `reference.py`)."""
     load().lora(x, out, w, seg, entry, slots)

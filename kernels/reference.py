@@ -9,6 +9,7 @@ p % block.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -220,8 +221,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
 #   w       the pool as one flat tensor [pages * E] (fp32, bf16 or fp16), also read as int64 (its
 #           bytes, `as_int64(w)`): the adapters' row tables live in their own pages
 #   x       [T, in] the group's input; out [T, N] the group's fused projection output (in place)
-#   seg     [S, 3] int64 (start, end, table): rows [start, end) of the flat batch (end >= start,
-#           may be empty) use the adapter whose row table starts at int64 index `table` of w
+#   seg     [S, SEG_FIELDS] int64 (start, end, table, scale, mix): rows [start, end) of the flat
+#           batch (end >= start, may be empty) use the adapter whose row table starts at int64
+#           index `table` of w, its delta multiplied by `scale` (the bits of an fp32: `scale_bits`;
+#           1.0 for a request on one adapter). A *mix* (a request on several adapters) is a run of
+#           consecutive segments over the same rows: `mix` is n >= 1 on the first of a run of n
+#           (1: a segment alone) and -j on its j-th follower (j = 1 .. n-1). The deltas of a
+#           mix's segments are summed in fp32 and join `out` once (one rounding), as one adapter
+#           whose rank rows are the members' side by side, each member's scaled: the "cat"
+#           combination of PEFT's `add_weighted_adapter`, without building it.
 #   entry   the int64 offset, inside a row table, of the group's first module slot in this layer;
 #           `slots` module slots (the group's own) follow, TABLE_FIELDS apart
 # A row table (built when the adapter's pages are assigned: `memory/layout.py`) holds per (layer,
@@ -233,6 +241,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
 # arithmetic.
 TABLE_FIELDS = 5
 ROW_ALIGN = 16
+SEG_FIELDS = 5  # (start, end, table, scale, mix): see the contract above
+
+
+def scale_bits(scale: float) -> int:
+    """A segment's `scale` field: the bit pattern of `scale` as an fp32 (what every kernel reads)."""
+    return struct.unpack("<I", struct.pack("<f", scale))[0]
+
+
+def seg_scale(bits: int) -> float:
+    """The fp32 a segment's `scale` field holds."""
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
 def as_int64(w: torch.Tensor) -> torch.Tensor:
@@ -246,22 +265,30 @@ def lora_entry(layer: int, group: int, groups: int, slots: int) -> int:
 
 
 def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> None:
-    """Semantics: for every segment s, row i in [seg[s, 0], seg[s, 1]) and module slot m < slots
-    whose field r > 0 in the table at seg[s, 2]:
-        out[i, col : col + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
+    """Semantics: for every mix (a run of segments, `mix` n >= 1 then its n-1 followers), row i in
+    [start, end) and module slot m < slots:
+        out[i, col : col + n_out] += sum over the mix's segments s whose field r > 0 in the table
+                                     at seg[s, 2] of scale(s) * (x[i] @ A_m(s)^T) @ Bt_m(s)
     accumulated in fp32 and rounded once to out's dtype. Rows in no segment are untouched: a
     request without an adapter pays nothing."""
     wi = as_int64(w)
     fin = x.shape[1]
-    for start, end, table in seg.tolist():
-        if end <= start:
+    rows = seg.tolist()
+    for s, (start, end, _, _, n) in enumerate(rows):
+        if n < 1 or end <= start:  # a follower (its lead sums it), or an empty run
             continue
         xs = x[start:end].float()
         for m in range(slots):
-            r, n_out, col, a_rows, b_rows = wi[table + entry + m * TABLE_FIELDS:][:TABLE_FIELDS].tolist()
-            if r == 0:
-                continue
-            a = w[wi[a_rows:a_rows + r, None] + torch.arange(fin, device=w.device)].float()       # [r, in]
-            bt = w[wi[b_rows:b_rows + r, None] + torch.arange(n_out, device=w.device)].float()    # [r, n_out]
-            o = out[start:end, col:col + n_out]
-            o.copy_((o.float() + (xs @ a.t()) @ bt).to(out.dtype))
+            delta = None
+            for _, _, table, bits, _ in rows[s:s + n]:
+                r, n_out, c, a_rows, b_rows = wi[table + entry + m * TABLE_FIELDS:][:TABLE_FIELDS].tolist()
+                if r == 0:
+                    continue
+                col = c  # the same for every member that has the module (one base)
+                a = w[wi[a_rows:a_rows + r, None] + torch.arange(fin, device=w.device)].float()       # [r, in]
+                bt = w[wi[b_rows:b_rows + r, None] + torch.arange(n_out, device=w.device)].float()    # [r, n_out]
+                d = ((xs @ a.t()) * seg_scale(bits)) @ bt
+                delta = d if delta is None else delta + d
+            if delta is not None:
+                o = out[start:end, col:col + delta.shape[1]]
+                o.copy_((o.float() + delta).to(out.dtype))

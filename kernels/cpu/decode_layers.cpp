@@ -8,7 +8,7 @@ using OptT = c10::optional<torch::Tensor>;
 
 // One decode step through every layer. x [T, H]: the embedded tokens, the residual stream
 // (updated in place); w: FIELDS tensors per layer (None where the family has none); kv: the pool
-// [pages, L, 2, block, KVH, D]; lora: empty, or (pool [n], seg [S, 3]): the row tables' fields
+// [pages, L, 2, block, KVH, D]; lora: empty, or (pool [n], seg [S, 5]): the row tables' fields
 // are [L, 4 groups, 3 slots, 5] (`reference.lora_entry`). Returns the last layer's MLP output
 // (not yet in x).
 // (`layers` touches no Python object: its callers release the GIL around it, so that other

@@ -4,18 +4,24 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <memory>
 #include <vector>
 
 namespace lo {
 
-// one (segment, module) of a call: rows [row0, row0 + n) against A [r, in] and Bt [r, n_out]
-// of one adapter, whose rows start at the pool offsets a[0 .. r) and b[0 .. r); its shrink
-// results at t + t_off ([n, r], fp32); for a one-row segment, its expand's partial sums at
-// p + p_off ([ceil(r / KE), n_out], fp32)
+// one (mix, module) of a call: rows [row0, row0 + n) against A [r, in] and Bt [r, n_out], whose
+// rows start at the pool offsets a[0 .. r) and b[0 .. r); its shrink results at t + t_off
+// ([n, r], fp32), rank row k's times sc[k] (null: 1); for a one-row segment, its expand's
+// partial sums at p + p_off ([ceil(r / KE), n_out], fp32). A mix of several adapters is one item
+// whose rank rows are its members' side by side (their pointers copied into one list), each
+// member's scaled in the shrink: the expand then sums every member's delta in fp32 before the
+// output is touched, so it is rounded once, and a mix costs what an adapter of its total rank does.
 struct Item {
   int64_t row0, n, r, n_out, col, t_off, p_off;
   const int64_t *a, *b;
+  const float* sc;
 };
 
 // Tile shapes, so that every accumulator of a tile stays in a register (cpu_vector's `vw`):
@@ -34,6 +40,14 @@ constexpr int64_t PF = 8;   // Bt rows prefetched ahead: a task's rows are n_out
                             // hardware prefetcher does not follow
 constexpr int64_t KE = 16;  // rank rows per task of a one-row segment's expand: whole Bt rows
 constexpr int64_t RW = 256; // output columns per task of its sum
+
+// a segment's scale: the fp32 whose bits its int64 field holds (kernels/reference.py)
+static inline float seg_scale(int64_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits);
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // t[b * ldt + j] = a[j] . x[b] over K, for NJ rank rows and NB x rows (fp32 sums)
 template <class S, int NJ, int NB>
@@ -89,10 +103,13 @@ static void shrink(const Item& it, int64_t k0, const S* wp, const S* xp, int64_t
 #endif
   if (tile) {
     shrink_rows<S, KR>(a, xp, ldx, it.row0, it.n, in, tk, it.r);
-    return;
+  } else {
+    for (int64_t j = 0; j < nk; ++j)  // one rank row at a time: a tail, or the above
+      shrink_rows<S, 1>(&a[j], xp, ldx, it.row0, it.n, in, tk + j, it.r);
   }
-  for (int64_t j = 0; j < nk; ++j)  // one rank row at a time: a tail, or the above
-    shrink_rows<S, 1>(&a[j], xp, ldx, it.row0, it.n, in, tk + j, it.r);
+  if (it.sc)  // a mix: each member's rank rows times its scale
+    for (int64_t b = 0; b < it.n; ++b)
+      for (int64_t j = 0; j < nk; ++j) tk[b * it.r + j] *= it.sc[k0 + j];
 }
 
 // out[rows, col + c0 ...] += t[rows] @ Bt[:, c0 : c0 + w] for NB rows, w <= CW columns: each
@@ -204,15 +221,39 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
   // (item, first rank row / column): the shrink's tasks; the expand's, first those of segments
   // of several rows (columns), then those of one row (rank rows); the one-row sums (columns)
   std::vector<std::pair<int64_t, int64_t>> shrinks, expands, row_expands, sums;
+  std::vector<int64_t> cat;  // the row pointers of mixes' items, a's then b's per item
+  std::vector<float> cat_sc;  // their rank rows' scales
+  std::vector<std::array<int64_t, 3>> mixed;  // (item, offset in cat, offset in cat_sc)
   int64_t t_size = 0, p_size = 0;
   for (int64_t s = 0; s < S_; ++s) {
-    const int64_t n = sp[3 * s + 1] - sp[3 * s];
-    for (int64_t m = 0; m < M && n > 0; ++m) {  // an empty segment's table is never read
-      const int64_t* f = wi + sp[3 * s + 2] + entry + m * 5;  // (r, n_out, col, a_rows, b_rows)
-      const int64_t r = f[0], n_out = f[1];
+    const int64_t* g = sp + 5 * s;  // (start, end, table, scale, mix)
+    const int64_t n = g[1] - g[0], members = g[4];
+    if (members < 1 || n <= 0) continue;  // a follower (in its lead's item), or empty: never read
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t r = 0, n_out = 0, col = 0, count = 0;
+      const int64_t* one = nullptr;
+      bool unit = true;
+      for (int64_t j = 0; j < members; ++j) {
+        const int64_t* f = wi + g[5 * j + 2] + entry + m * 5;  // (r, n_out, col, a_rows, b_rows)
+        if (f[0] == 0) continue;
+        r += f[0], n_out = f[1], col = f[2], one = f, ++count;
+        unit = unit && seg_scale(g[5 * j + 3]) == 1.f;
+      }
       if (r == 0) continue;
       const int64_t i = items.size();
-      items.push_back({sp[3 * s], n, r, n_out, f[2], t_size, p_size, wi + f[3], wi + f[4]});
+      items.push_back({g[0], n, r, n_out, col, t_size, p_size, nullptr, nullptr, nullptr});
+      if (count == 1 && unit) {  // one adapter as is: its pointer lists in the pool
+        items[i].a = wi + one[3], items[i].b = wi + one[4];
+      } else {
+        mixed.push_back({i, (int64_t)cat.size(), (int64_t)cat_sc.size()});
+        for (int pass = 0; pass < 2; ++pass)
+          for (int64_t j = 0; j < members; ++j) {
+            const int64_t* f = wi + g[5 * j + 2] + entry + m * 5;
+            const int64_t* rows = wi + f[3 + pass];
+            cat.insert(cat.end(), rows, rows + f[0]);
+            if (pass == 0) cat_sc.insert(cat_sc.end(), f[0], seg_scale(g[5 * j + 3]));
+          }
+      }
       t_size += n * r;
       for (int64_t k = 0; k < r; k += KR) shrinks.emplace_back(i, k);
       if (n == 1) {
@@ -224,6 +265,8 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
       }
     }
   }
+  for (const auto& [i, at, at_sc] : mixed)  // cat no longer grows: point into it
+    items[i].a = cat.data() + at, items[i].b = cat.data() + at + items[i].r, items[i].sc = cat_sc.data() + at_sc;
   if (items.empty()) return;
   const int64_t n_cols = expands.size();
   expands.insert(expands.end(), row_expands.begin(), row_expands.end());
@@ -251,7 +294,7 @@ void lora(torch::Tensor x, torch::Tensor out, torch::Tensor w, torch::Tensor seg
   TORCH_CHECK(x.scalar_type() == out.scalar_type() && w.scalar_type() == x.scalar_type(),
               "lora: x, out and the pool differ in dtype");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(), "lora: layout");
-  TORCH_CHECK(seg.is_contiguous() && seg.dim() == 2 && seg.size(1) == 3, "lora: seg must be [S, 3], contiguous");
+  TORCH_CHECK(seg.is_contiguous() && seg.dim() == 2 && seg.size(1) == 5, "lora: seg must be [S, 5], contiguous");
   if (x.scalar_type() == at::kFloat) lora_t<float>(x, out, w, seg, entry, slots);
   else {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora: float32 or bfloat16 only");

@@ -71,7 +71,7 @@ def lora_op_time(engine, adapter_names: list[str], repeats: int = 20) -> float:
     from lorafleet.engine.scheduler import Chunk
     from lorafleet.lora.batch import GROUPS
 
-    chunks = [Chunk(Request(f"op{i}", [1], SamplingParams(), n, lora=engine.adapters.get(n)), 1)
+    chunks = [Chunk(Request(f"op{i}", [1], SamplingParams(), n, loras=(engine.adapters.get(n),), scales=(1.0,)), 1)
               for i, n in enumerate(adapter_names)]
     chunks = engine.runner.order(chunks)
     feats = engine.model.cfg.linear_features()

@@ -30,6 +30,7 @@ from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, Re
                               RequestNotFoundError)
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
 from lorafleet.lora.adapter import BaseShapes
+from lorafleet.lora.mix import Mix
 from lorafleet.memory.arbiter import Arbiter
 from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.memory.layout import page_problem
@@ -106,11 +107,13 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None,
+                    adapter: str | Mix | None = None, request_id: str | None = None,
                     deadline_s: float | None = None) -> str:
-        """Queue one request; returns its id. Raises InvalidRequestError on bad input,
-        AdapterNotFoundError for an unregistered adapter. A request for an adapter that is not
-        on the device starts its load at once. `deadline_s`: abort it (finish_reason
+        """Queue one request; returns its id. `adapter`: an adapter's name, or a `Mix` of several
+        with their scales (`Mix.of({"sql": 1.0, "formal": 0.5})`), or None for the base. Raises
+        InvalidRequestError on bad input (a mix whose adapters the pool cannot hold together
+        too), AdapterNotFoundError for an unregistered adapter. A request for adapters that are
+        not on the device starts their loads at once. `deadline_s`: abort it (finish_reason
         "deadline") if it has not finished that many seconds after arrival."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -127,23 +130,43 @@ class Engine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         if deadline_s is not None and not (isinstance(deadline_s, (int, float)) and deadline_s > 0):
             raise InvalidRequestError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
-        req = Request(rid, ids, params, adapter)
+        mix = adapter if isinstance(adapter, Mix) else None
+        if mix is None and adapter is not None and not isinstance(adapter, str):
+            raise InvalidRequestError(f"adapter must be a name or a Mix, got {type(adapter).__name__}")
+        req = Request(rid, ids, params, None if mix else adapter, mix=mix)
+        if mix is not None:
+            self._check_mix_fits(mix, len(ids))
         if deadline_s is not None:
             req.deadline = req.arrival_time + deadline_s
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder(context_ids=ids)
-        if adapter is not None:  # last: nothing after it can fail, so the reference is never leaked
-            req.lora = self.adapters.acquire(adapter)  # AdapterNotFoundError; released at the end
-            req.adapter_cold = not req.lora.ready
+        if req.names:  # last: nothing after it can fail, so no reference is ever leaked
+            req.loras = self.adapters.acquire_all(req.names)  # AdapterNotFoundError; released at the end
+            req.scales = mix.scales if mix is not None else (1.0,)
+            req.adapter_cold = not all(e.ready for e in req.loras)
         self.requests[rid] = req
         self.scheduler.add(req)
-        if req.lora is not None and not req.lora.ready:  # its load starts now, sparing what others wait for
-            self.prefetcher.want(req.lora, self.scheduler.waiting_loras, self.scheduler.watermark_pages)
+        for entry in req.loras:
+            if not entry.ready:  # its load starts now, sparing what others wait for
+                self.prefetcher.want(entry, self.scheduler.waiting_loras, self.scheduler.watermark_pages)
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, rid, req))
         return rid
+
+    def _check_mix_fits(self, mix: Mix, prompt_len: int) -> None:
+        """A mix whose adapters and prompt the pool cannot hold at once is refused now, with the
+        sizes (it would wait forever); sizes from the files' headers (known at registration)."""
+        pages = {name: self.adapters.pages_needed(self.adapters.get(name)) for name in mix.names}
+        kv = self.kv.blocks_needed(prompt_len + 1)
+        if sum(pages.values()) + kv > self.pool.num_pages:
+            mib = self.pool.page_bytes / 2**20
+            sizes = ", ".join(f"{n} {p * mib:.1f} MiB" for n, p in pages.items())
+            raise InvalidRequestError(
+                f"the adapters of mix {mix.label!r} need {sum(pages.values())} pages together ({sizes}) and its "
+                f"prompt {kv}; the pool holds {self.pool.num_pages} pages ({self.pool.num_pages * mib:.1f} MiB): "
+                "mix fewer adapters or raise pool_bytes")
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -215,7 +238,7 @@ class Engine:
         if prompt_tokens:  # what recomputing a cached block would cost (the eviction order)
             self.arbiter.order.observe_prefill(self.runner.last_model_s, sum(c.num_tokens for c in chunks))
         self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, generated,
-                                  distinct_adapters=len({c.request.adapter for c in chunks}),
+                                  distinct_adapters=len({n for c in chunks for n in c.request.names or (None,)}),
                                   adapters_loaded=loaded, model_s=self.runner.last_model_s)
 
     def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
@@ -233,10 +256,13 @@ class Engine:
         return self._finish(req, "error")
 
     def _fail_adapter_requests(self, failed: dict) -> list[RequestOutput]:
-        """A load failed: only the waiting requests for that adapter end, with its message."""
-        return [self._fail(req, f"adapter {req.adapter!r} could not be loaded: {failed[req.lora]}",
-                           AdapterError.code)
-                for req in [r for r in self.scheduler.waiting if r.lora in failed]]
+        """A load failed: only the waiting requests that use that adapter end, with its message."""
+        out = []
+        for req in self.scheduler.waiting:
+            bad = next((e for e in req.loras if e in failed), None)
+            if bad is not None:
+                out.append(self._fail(req, f"adapter {bad.name!r} could not be loaded: {failed[bad]}", AdapterError.code))
+        return out
 
     def _expire_deadlines(self) -> list[RequestOutput]:
         """Requests past their deadline end (a heap: the step looks at the earliest only)."""
@@ -255,11 +281,11 @@ class Engine:
         req.finish_time = time.monotonic()
         if req.status is not Status.FINISHED:
             self.scheduler.finish(req)
-        if req.lora is not None:
+        for entry in req.loras:
             if reason != "abort":
-                self.adapters.record_wait(req.lora, req.adapter_wait)
-            self.adapters.release(req.lora)
-            req.lora = None
+                self.adapters.record_wait(entry, req.adapter_wait)
+            self.adapters.release(entry)
+        req.loras = ()
         self.requests.pop(req.request_id, None)
         if reason != "abort":  # aborts are counted apart (num_requests_aborted), as they always were
             self.counters.record_finished(req)
@@ -338,8 +364,9 @@ class Engine:
 
     # -- conveniences ------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 adapters: Sequence[str | None] | None = None) -> list[RequestOutput]:
-        """Run `prompts` to completion, continuously batched together; outputs in prompt order."""
+                 adapters: Sequence[str | Mix | None] | None = None) -> list[RequestOutput]:
+        """Run `prompts` to completion, continuously batched together; outputs in prompt order.
+        `adapters`: per prompt, an adapter's name, a `Mix` or None."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         n = len(prompts)

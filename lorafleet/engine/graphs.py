@@ -9,16 +9,18 @@ capture. A batch without any adapter replays the graph captured without LoRA: it
 for it.
 
 The LoRA launch grids are sized to the step, from three buckets that the graph's key holds: the
-batch bucket, a segment bucket (`segment_buckets`: powers of 4 up to the batch bucket; segments
-of at most `SEGMENT_ROWS` rows, longer runs of one adapter split) and a rank bucket
-(`RANK_BUCKETS`: the step's largest rank rounded up to 16, 64 or 256). So 64 one-row rank-16
+batch bucket, a segment bucket (`segment_buckets`: powers of 4 up to the batch bucket, then
+`MIX_SEGMENTS` times it for steps of mixes, whose rows hold a segment per adapter; segments of
+at most `SEGMENT_ROWS` rows, longer runs of one adapter split) and a rank bucket (`RANK_BUCKETS`:
+the step's largest rank, a mix's the sum of its adapters', rounded up to 16, 64 or 256). So 64 one-row rank-16
 segments launch 64 segments' programs at a rank bound of 16, and one adapter over 64 rows four
 segments' at its own bound, where one grid of 64 segments at rank 256 served both (and mostly
 found no work). The keys depend on those buckets alone, never on which adapters are loaded or
 where their pages are (the kernels read that through the row tables the per-step segments
 point to): at most `max_captures()` graphs for a `max_num_seqs`, each captured once, on its
 first use, and no adapter switch re-captures. A step beyond a bound (a longer context than the
-block-table width, a rank above 256) runs eagerly instead (`eager_fallbacks`), never wrongly.
+block-table width, a rank above 256, more segments than the top bucket) runs eagerly instead
+(`eager_fallbacks`), never wrongly.
 
 Padding rows write their K/V into the pool's `scratch_page` and attend to it alone; their
 logits are dropped.
@@ -34,12 +36,13 @@ import time
 
 import torch
 
-from lorafleet.kernels.reference import AttentionMetadata
+from lorafleet.kernels.reference import SEG_FIELDS, AttentionMetadata
 from lorafleet.lora.batch import LoraBatch, group_widths
 
 SEGMENT_ROWS = 16              # rows of one LoRA segment in a captured step (the kernels' row block)
 RANK_BUCKETS = (16, 64, 256)   # rank bounds a captured step's LoRA grid is sized to
 MAX_RANK = RANK_BUCKETS[-1]    # the largest adapter rank a captured step serves
+MIX_SEGMENTS = 4               # segments per row of a captured step's top segment bucket (mixes of up to 4 on average)
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -53,12 +56,12 @@ def buckets(max_num_seqs: int) -> list[int]:
 
 def segment_buckets(batch: int) -> list[int]:
     """LoRA segment counts a captured step of `batch` rows is sized to: powers of 4 below it, then
-    `batch` (a step has at most one segment a row)."""
+    `batch` (one segment a row: every request on one adapter), then MIX_SEGMENTS times it."""
     out, s = [], 1
     while s < batch:
         out.append(s)
         s *= 4
-    return out + [batch]
+    return out + [batch, MIX_SEGMENTS * batch]
 
 
 def max_captures(max_num_seqs: int) -> int:
@@ -85,8 +88,9 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
         self.logits_rows = torch.arange(n, device=dev)
         # the step's LoRA segments: written on the host (pinned on CUDA), one copy per step
-        self.seg = torch.zeros(n, 3, dtype=torch.long, device=dev)
-        self.seg_host = torch.zeros(n, 3, dtype=torch.long, pin_memory=dev.type == "cuda")
+        segs = segment_buckets(n)[-1]
+        self.seg = torch.zeros(segs, SEG_FIELDS, dtype=torch.long, device=dev)
+        self.seg_host = torch.zeros(segs, SEG_FIELDS, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._graphs: dict[tuple[int, int, int], tuple[object, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = self.replays = self.recaptures = self.eager_fallbacks = 0
@@ -102,8 +106,10 @@ class DecodeGraphs:
         steps with prefill rows always run eagerly)."""
         if meta.prefills:
             return False
-        ok = (meta.num_decode <= self.buckets[-1] and meta.decode_block_tables.shape[1] <= self.max_blocks
-              and (lora is None or lora.max_rank <= MAX_RANK))
+        n = meta.num_decode
+        ok = (n <= self.buckets[-1] and meta.decode_block_tables.shape[1] <= self.max_blocks
+              and (lora is None or (lora.max_rank <= MAX_RANK
+                                    and len(lora.split(SEGMENT_ROWS)) <= segment_buckets(self.bucket(n))[-1])))
         if not ok:
             self.eager_fallbacks += 1
         return ok

@@ -12,6 +12,12 @@ differ by more than U, the largest charge of one request. With requests of equal
 generated tokens over any such window differ by at most max_tokens * (1 + max_num_seqs):
 one request's worth of admissions plus what is still in flight. A flooding adapter therefore
 gets its fair share, not more, whatever its request rate.
+
+A mix (a request on k adapters) is one request: it waits in a queue of its own (its label, so
+the same mix queues FCFS), is admitted once, and its charge is split evenly: each of its adapters
+is charged (and refunded) 1/k of it. Its queue's counter is the mean of its adapters' counters.
+So a mix costs its adapters together what one request costs one adapter, and an adapter used
+through mixes is served no more than its share.
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ W_OUTPUT = 2.0  # a generated token costs a step of its own; prompt tokens are b
 
 
 def key(req: Request) -> str:
-    return req.adapter or ""
+    """The queue a request waits in: its adapter's name, its mix's label, "" for the base."""
+    return req.label or ""
+
+
+def accounts(req: Request) -> list[tuple[str, float]]:
+    """The counters a request's charge goes to, with their shares."""
+    names = req.names or ("",)
+    return [(name, 1.0 / len(names)) for name in names]
 
 
 def charge(req: Request) -> float:
@@ -56,25 +69,32 @@ class VTC(FCFS):
         self.counters: dict[str, float] = {}
 
     def on_arrival(self, req: Request, active: set[str]) -> None:
-        k = key(req)
-        if k in active:
-            return
         floor = min((self.counters.get(a, 0.0) for a in active), default=None)
-        current = self.counters.get(k, 0.0)
-        self.counters[k] = current if floor is None else max(current, floor)
+        for name, _ in accounts(req):
+            if name in active:
+                continue
+            current = self.counters.get(name, 0.0)
+            self.counters[name] = current if floor is None else max(current, floor)
+
+    def _counter(self, req: Request) -> float:
+        return sum(share * self.counters.get(name, 0.0) for name, share in accounts(req))
 
     def pick(self, heads: dict[str, Request]) -> str:
-        return min(heads, key=lambda k: (self.counters.get(k, 0.0), heads[k].arrival_time))
+        return min(heads, key=lambda k: (self._counter(heads[k]), heads[k].arrival_time))
+
+    def _charge(self, req: Request, amount: float) -> None:
+        for name, share in accounts(req):
+            self.counters[name] = self.counters.get(name, 0.0) + share * amount
 
     def on_admit(self, req: Request) -> None:
         if req.num_preemptions:  # re-admission after preemption was paid for already
             return
-        self.counters[key(req)] = self.counters.get(key(req), 0.0) + charge(req)
+        self._charge(req, charge(req))
 
     def on_finish(self, req: Request) -> None:
         if req.first_scheduled_time is not None:  # it was admitted: refund what it left unused
             unused = req.params.max_tokens - len(req.output_token_ids)
-            self.counters[key(req)] = self.counters.get(key(req), 0.0) - W_OUTPUT * max(0, unused)
+            self._charge(req, -W_OUTPUT * max(0, unused))
 
     def snapshot(self) -> dict:
         return {"policy": self.name, "counters": dict(self.counters)}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafleet.errors import InvalidRequestError
+from lorafleet.lora.mix import Mix
 
 # Below this a temperature is greedy (as in vLLM): dividing logits by a smaller one overflows the
 # softmax (1e-300 gives inf/NaN probabilities), and no sampled distribution differs from argmax.
@@ -85,7 +86,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    adapter: str | None = None
+    adapter: str | None = None   # the one adapter it names (the API's `model`), or None
+    mix: Mix | None = None       # or the adapters it mixes, with their scales (the API's `adapters`)
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -97,7 +99,8 @@ class Request:
     generator: torch.Generator | None = None
     text: str = ""
     detokenizer: object = None
-    lora: object = None  # memory.residency.AdapterEntry acquired at arrival, released at the end
+    loras: tuple = ()    # the memory.residency.AdapterEntry of each adapter it uses, acquired at arrival, released at the end
+    scales: tuple[float, ...] = ()  # each one's scale (1.0 for `adapter`)
     emitted: int = 0  # characters of text already streamed out (see engine/output.py)
     first_scheduled_time: float | None = None
     adapter_blocked_since: float | None = None  # skipped only because its adapter was not ready
@@ -108,6 +111,16 @@ class Request:
     error_code: str | None = None                # the LorafleetError code of `error`
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the adapters it uses (none for the base)."""
+        return self.mix.names if self.mix is not None else (self.adapter,) if self.adapter is not None else ()
+
+    @property
+    def label(self) -> str | None:
+        """Its adapter's name, its mix's label (`a+b*0.5`), or None for the base."""
+        return self.mix.label if self.mix is not None else self.adapter
 
     @property
     def num_tokens(self) -> int:

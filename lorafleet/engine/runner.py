@@ -32,28 +32,28 @@ class ModelRunner:
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:
-        """Decode rows first, then prefill chunks; within each, grouped by adapter so that each
-        adapter's rows form one segment for the LoRA op (by entry: a name replaced while
-        requests still use its old weights has two)."""
+        """Decode rows first, then prefill chunks; within each, grouped by adapter (or mix) so
+        that each adapter's rows form one segment for the LoRA op (by entry: a name replaced
+        while requests still use its old weights has two), and each mix's one run of segments."""
         def key(c: Chunk):
-            lora = c.request.lora
-            return (lora.name, lora.uid) if lora is not None else ("", 0)
+            return _key(c.request)
         return (sorted((c for c in chunks if c.num_tokens == 1), key=key)
                 + sorted((c for c in chunks if c.num_tokens > 1), key=key))
 
     def lora_batch(self, chunks: list[Chunk]) -> LoraBatch | None:
-        """Segments of consecutive rows sharing an adapter; None when no row has one (then the
-        model runs without any LoRA work)."""
-        if all(c.request.lora is None for c in chunks):
+        """Segments of consecutive rows sharing an adapter (a mix: one per adapter, each with its
+        scale); None when no row has one (then the model runs without any LoRA work)."""
+        if all(not c.request.loras for c in chunks):
             return None
         batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_widths)
         row, start, current = 0, 0, None
         for c in chunks + [None]:
-            lora = c.request.lora if c is not None else None
-            if c is None or lora is not current:
-                if current is not None and row > start:
-                    batch.add_rows(start, row, current.row_table, current.max_rank)
-                start, current = row, lora
+            req = c.request if c is not None else None
+            if req is None or current is None or _key(req) != _key(current):
+                if current is not None and current.loras and row > start:
+                    batch.add_rows(start, row, [(e.row_table, s) for e, s in zip(current.loras, current.scales)],
+                                   sum(e.max_rank for e in current.loras))
+                start, current = row, req
             if c is not None:
                 row += c.num_tokens
         return batch.finish()
@@ -144,3 +144,8 @@ class ModelRunner:
             end.synchronize()
             return start.elapsed_time(end) / 1e3
         return self._model_s
+
+
+def _key(req) -> tuple:
+    """What decides a request's LoRA rows: its adapters' entries and their scales."""
+    return tuple((e.name, e.uid, s) for e, s in zip(req.loras, req.scales))

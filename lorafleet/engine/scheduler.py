@@ -21,7 +21,8 @@ prefill), and a preempted sequence simply recomputes its prompt and output as on
 - A running sequence that needs a KV page first takes it from idle adapters and cached KV
   blocks (the arbiter's one eviction order, `memory/arbiter.py`); only then is the newest
   running sequence preempted (pages freed, work recomputed).
-- Admission pins a request's adapter; preemption and finishing unpin it.
+- Admission pins a request's adapters (all of a mix's, which are ready together or it waits);
+  preemption and finishing unpin them.
 - Admission first takes what the prefix cache holds of the request's leading blocks
   (`KVCacheManager.adopt_prefix`) and computes only the rest.
 """
@@ -104,18 +105,18 @@ class Scheduler:
     def _enter_waiting(self, req: Request) -> None:
         req.status = Status.WAITING
         self.num_waiting += 1
-        if req.lora is not None:
-            self.waiting_loras[req.lora] = self.waiting_loras.get(req.lora, 0) + 1
+        for e in req.loras:
+            self.waiting_loras[e] = self.waiting_loras.get(e, 0) + 1
 
     def _leave_waiting(self, req: Request) -> None:
         self.num_waiting -= 1
         self.preempted.pop(req, None)
-        if req.lora is not None:
-            left = self.waiting_loras[req.lora] - 1
+        for e in req.loras:
+            left = self.waiting_loras[e] - 1
             if left:
-                self.waiting_loras[req.lora] = left
+                self.waiting_loras[e] = left
             else:
-                del self.waiting_loras[req.lora]
+                del self.waiting_loras[e]
 
     @property
     def waiting(self) -> list[Request]:
@@ -140,17 +141,17 @@ class Scheduler:
         return q[0]
 
     def _ready(self, req: Request) -> bool:
-        return req.lora is None or req.lora.ready
+        return all(e.ready for e in req.loras)
 
-    def _room(self, pages: int, protect=None) -> bool:
-        """Free pages for KV, evicting idle adapters (never `protect`; those of waiting requests
-        last) if that is enough."""
+    def _room(self, pages: int, protect=()) -> bool:
+        """Free pages for KV, evicting idle adapters (never those in `protect`; those of waiting
+        requests last) if that is enough."""
         if self.kv.pool.can_allocate(pages):
             return True
-        keep = {protect} if protect is not None else set()
-        return self.arbiter is not None and self.arbiter.make_room(pages, keep, for_kv=True, wanted=self.waiting_loras)
+        return (self.arbiter is not None
+                and self.arbiter.make_room(pages, set(protect), for_kv=True, wanted=self.waiting_loras))
 
-    def _could_hold(self, pages: int, protect=None) -> bool:
+    def _could_hold(self, pages: int, protect=()) -> bool:
         """Whether `pages` could be had for KV without preempting: free, or evictable."""
         if self.kv.pool.can_allocate(pages):
             return True
@@ -204,8 +205,8 @@ class Scheduler:
             # and grow into whatever room is left; with others, the expected growth of all of them
             # must fit in what could be freed, but nothing is evicted for it before it is needed
             expected = promised + self._expected_pages(req) if self.running else need  # >= need
-            if not (self._could_hold(reserve + expected, req.lora)
-                    and self._room(need + reserve, protect=req.lora)):
+            if not (self._could_hold(reserve + expected, req.loras)
+                    and self._room(need + reserve, protect=req.loras)):
                 self.kv.unadopt(req, cached)
                 req.num_computed = 0
                 break  # admitted when pages come back
@@ -236,12 +237,13 @@ class Scheduler:
             req.adapter_wait += now - req.adapter_blocked_since
             req.adapter_blocked_since = None
         if req.adapter_cold and not req.num_preemptions:  # what a cold adapter cost it (the eviction order)
-            self.arbiter.order.observe_miss(req.adapter_wait, len(req.lora.pages) * self.kv.pool.page_bytes)
+            self.arbiter.order.observe_miss(req.adapter_wait,
+                                            sum(len(e.pages) for e in req.loras) * self.kv.pool.page_bytes)
         self.policy.on_admit(req)
         req.status = Status.RUNNING
         self.running[req] = None
-        if req.lora is not None:
-            self.residency.pin(req.lora)
+        for e in req.loras:
+            self.residency.pin(e)
 
     def _make_room(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Idle adapters first, then the newest running sequences, until `req` can hold
@@ -277,8 +279,8 @@ class Scheduler:
     def _stop(self, req: Request) -> None:
         del self.running[req]
         self.kv.free(req.request_id)
-        if req.lora is not None:
-            self.residency.unpin(req.lora)
+        for e in req.loras:
+            self.residency.unpin(e)
 
     def finish(self, req: Request) -> None:
         """Take `req` out of the queues and free its pages (finished or aborted)."""

@@ -11,12 +11,12 @@ from lorafleet.engine.stats import summary
 
 
 def lora_queues(scheduler) -> dict[str, dict[str, int]]:
-    """Requests per adapter name, running and waiting."""
+    """Requests per adapter name, running and waiting (a mix counts for each of its adapters)."""
     out: dict[str, dict[str, int]] = {"running": {}, "waiting": {}}
     for where, reqs in (("running", scheduler.running), ("waiting", scheduler.waiting)):
         for r in reqs:
-            if r.adapter is not None:
-                out[where][r.adapter] = out[where].get(r.adapter, 0) + 1
+            for name in r.names:
+                out[where][name] = out[where].get(name, 0) + 1
     return out
 
 
@@ -71,12 +71,13 @@ def check_integrity(engine) -> None:
     users: dict = {}
     pins: dict = {}
     for r in engine.requests.values():
-        if r.adapter is not None:
-            assert r.lora is not None and r.lora.name == r.adapter, f"{r.request_id}: adapter not held"
-            users[r.lora] = users.get(r.lora, 0) + 1
+        assert tuple(e.name for e in r.loras) == r.names, f"{r.request_id}: adapters not held"
+        assert len(r.scales) == len(r.loras), f"{r.request_id}: a scale per adapter"
+        for e in r.loras:
+            users[e] = users.get(e, 0) + 1
     for r in engine.scheduler.running:
-        if r.lora is not None:
-            pins[r.lora] = pins.get(r.lora, 0) + 1
+        for e in r.loras:
+            pins[e] = pins.get(e, 0) + 1
     for entry in itertools.chain(engine.adapters.entries.values(), engine.adapters.retired):
         assert entry.users == users.pop(entry, 0), f"adapter {entry.name!r}: users count is off"
         assert entry.pins == pins.pop(entry, 0), f"adapter {entry.name!r}: pin count is off"

@@ -8,8 +8,13 @@ Projection groups share an input:
 One path for every segment, decode or prefill: the op reads each adapter's weights from the
 pool's pages through the adapter's row table, which lives in its own pages (`kernels/reference.py`
 states the contract, `memory/layout.py` builds it). So a step's metadata is small: per segment
-its first row, its end and where its adapter's row table starts, `seg` [S, 3], built once on the
-host and copied once (by `to_device`, or into a captured step's buffer by `engine/graphs.py`).
+its first row, its end, where its adapter's row table starts, its scale and its place in a mix,
+`seg` [S, SEG_FIELDS], built once on the host and copied once (by `to_device`, or into a captured
+step's buffer by `engine/graphs.py`).
+
+A request on several adapters (a mix) is one segment per adapter over the same rows, each with
+its scale; the op sums their deltas in fp32 and adds them once. Its rank bound (`max_rank`) is
+the sum of its members' ranks: the op treats it as one adapter of their rank rows side by side.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lorafleet.kernels.reference import lora_entry
+from lorafleet.kernels.reference import SEG_FIELDS, lora_entry, scale_bits
 
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -42,10 +47,11 @@ class LoraBatch:
         self.kernels = kernels
         self.weights = pool_tensor.view(-1)
         self.widths = widths
-        self.host = np.zeros((0, 3), dtype=np.int64)  # [S, 3] (start, end, row table)
+        self.host = np.zeros((0, SEG_FIELDS), dtype=np.int64)  # [S, 5] (start, end, row table, scale, mix)
         self.seg: torch.Tensor | None = None           # the same on the pool's device, once copied
         self.max_rows = self.max_rank = 0
-        self._rows: list[tuple[int, int, int]] = []
+        self._rows: list[tuple[int, int, int, int, int]] = []
+        self._split: dict[int, np.ndarray] = {}
 
     @classmethod
     def fixed(cls, kernels, pool_tensor: torch.Tensor, widths: dict[str, int], seg: torch.Tensor, max_rows: int,
@@ -55,30 +61,42 @@ class LoraBatch:
         batch.seg, batch.max_rows, batch.max_rank = seg, max_rows, max_rank
         return batch
 
-    def add_rows(self, start: int, end: int, table: int, max_rank: int) -> None:
-        """Rows [start, end) use the adapter whose row table starts at int64 index `table` of the
-        pool and whose largest rank is `max_rank`."""
-        self._rows.append((start, end, table))
+    def add_rows(self, start: int, end: int, tables: list[tuple[int, float]], max_rank: int) -> None:
+        """Rows [start, end) use the adapters whose row tables start at these int64 indices of the
+        pool, each delta times its scale ((table, 1.0): one adapter; several: a mix, summed);
+        `max_rank`: the sum of their largest ranks."""
+        n = len(tables)
+        for j, (table, scale) in enumerate(tables):
+            self._rows.append((start, end, table, scale_bits(scale), n if j == 0 else -j))
         self.max_rank = max(self.max_rank, max_rank)
 
     def finish(self) -> LoraBatch:
         """The step's segments, on the host."""
-        self.host = np.array(self._rows, dtype=np.int64).reshape(-1, 3)
+        self.host = np.array(self._rows, dtype=np.int64).reshape(-1, SEG_FIELDS)
         self.max_rows = int((self.host[:, 1] - self.host[:, 0]).max(initial=0))
         return self
 
     def split(self, rows: int) -> np.ndarray:
-        """The segments cut into runs of at most `rows` rows: [S', 3] (a captured step's grid
-        has one row block of `rows` per segment)."""
-        lo, hi = self.host[:, 0], self.host[:, 1]
-        parts = -(-(hi - lo) // rows)
-        out = np.repeat(self.host, parts, axis=0)
-        out[:, 0] = np.concatenate([np.arange(a, b, rows) for a, b in zip(lo, hi)]) if len(lo) else []
-        out[:, 1] = np.minimum(out[:, 0] + rows, out[:, 1])
-        return out
+        """The segments cut into runs of at most `rows` rows: [S', SEG_FIELDS] (a captured step's
+        grid has one row block of `rows` per segment). A mix is cut as one: each run of its rows
+        is a mix again (its lead, then its followers), so the runs of a mix stay together."""
+        if rows not in self._split:
+            self._split[rows] = self._cut(rows)
+        return self._split[rows]
+
+    def _cut(self, rows: int) -> np.ndarray:
+        out = []
+        for first in np.flatnonzero(self.host[:, 4] >= 1):
+            members = self.host[first:first + self.host[first, 4]]
+            start, end = int(members[0, 0]), int(members[0, 1])
+            for a in range(start, end, rows):
+                run = members.copy()
+                run[:, 0], run[:, 1] = a, min(a + rows, end)
+                out.append(run)
+        return np.concatenate(out) if out else np.zeros((0, SEG_FIELDS), dtype=np.int64)
 
     def to_device(self) -> LoraBatch:
-        """`seg` for the kernels: one copy of [S, 3] to the pool's device (none on the CPU)."""
+        """`seg` for the kernels: one copy of [S, SEG_FIELDS] to the pool's device (none on the CPU)."""
         self.seg = torch.from_numpy(self.host).to(self.weights.device, non_blocking=True)
         return self
 

@@ -34,9 +34,9 @@ class Arbiter:
         """`adapters`: the `AdapterResidency` (its idle adapters are candidates)."""
         self.pool, self.kv, self.adapters, self.order = pool, kv, adapters, order
 
-    def reclaimable(self, protect=None) -> int:
+    def reclaimable(self, protect=()) -> int:
         """Pages KV could have without preempting anyone: free ones, cached KV blocks and idle
-        adapters' (but `protect`'s)."""
+        adapters' (but those in `protect`)."""
         return self.pool.num_free + self.pool.num_cached + self.adapters.idle_pages_but(protect)
 
     def make_room(self, pages: int, protect: Container = frozenset(), for_kv: bool = False,

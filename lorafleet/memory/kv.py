@@ -30,6 +30,7 @@ cache's state.
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
 from collections import OrderedDict
 
@@ -54,6 +55,24 @@ def kv_salt(targets: set[tuple[int, str]], digest: str, num_layers: int) -> byte
     if all(layer == last and module not in KV_PROJECTIONS for layer, module in targets):
         return BASE_SALT
     return b"lorafleet-kv:" + digest.encode()
+
+
+def request_salt(loras, scales) -> bytes:
+    """The salt of the KV a request computes: the base's without adapters; its adapter's salt on
+    one adapter at scale 1 (a mix of one at scale 1 is that adapter); for a mix, a hash of each
+    member's salt and scale (the fp32 its kernels read), in the order of the salts, the members
+    that leave K and V as the base computes them left out. So a mix never shares the blocks of
+    one of its adapters alone, nor of another scale, and shares the base's when none of its
+    adapters changes K or V."""
+    parts = sorted((e.kv_salt, s) for e, s in zip(loras, scales) if e.kv_salt != BASE_SALT)
+    if not parts:
+        return BASE_SALT
+    if len(parts) == 1 and parts[0][1] == 1.0:
+        return parts[0][0]
+    h = hashlib.sha256(b"lorafleet-kv:mix")
+    for salt, scale in parts:
+        h.update(salt + struct.pack("<f", scale))
+    return b"lorafleet-kv:" + h.hexdigest().encode()
 
 
 def kv_page_elems(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -142,7 +161,7 @@ class KVCacheManager:
         bs = self.block_size
         if len(chain) < blocks:
             tokens = np.asarray(req.token_at(len(chain) * bs, blocks * bs), dtype=np.int64)
-            prev = chain[-1] if chain else (req.lora.kv_salt if req.lora is not None else BASE_SALT)
+            prev = chain[-1] if chain else request_salt(req.loras, req.scales)
             for i in range(blocks - len(chain)):
                 prev = hashlib.sha256(prev + tokens[i * bs:(i + 1) * bs].tobytes()).digest()
                 chain.append(prev)

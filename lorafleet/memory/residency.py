@@ -240,6 +240,19 @@ class AdapterResidency:
             entry.error = None  # a new request retries a load that failed before
         return entry
 
+    def acquire_all(self, names) -> tuple[AdapterEntry, ...]:
+        """`acquire` each of `names` (a mix), all or none: AdapterNotFoundError for the first
+        unknown one, with those before it released."""
+        held: list[AdapterEntry] = []
+        try:
+            for name in names:
+                held.append(self.acquire(name))
+        except BaseException:
+            for entry in held:
+                self.release(entry)
+            raise
+        return tuple(held)
+
     def record_wait(self, entry: AdapterEntry, seconds: float) -> None:
         """A finished request on `entry` waited `seconds` for it beyond queueing (exposed load)."""
         entry.recent_waits.append(seconds)
@@ -345,12 +358,9 @@ class AdapterResidency:
         return [e for e in self._idle_lru if e not in protect
                 and (for_kv or e.ready_step <= young or not (e.users or e.served))]
 
-    def idle_pages_but(self, protect: AdapterEntry | None = None) -> int:
-        """Pages of the idle adapters, `protect`'s left out."""
-        pages = self.idle_pages
-        if protect is not None and protect in self._idle_lru:
-            pages -= len(protect.pages)
-        return pages
+    def idle_pages_but(self, protect=()) -> int:
+        """Pages of the idle adapters, those of the entries in `protect` left out."""
+        return self.idle_pages - sum(len(e.pages) for e in protect if e in self._idle_lru)
 
     def evict(self, entry: AdapterEntry) -> None:
         """Free an idle adapter's pages (the arbiter's decision: `memory/arbiter.py`)."""

@@ -283,17 +283,21 @@ def test_a_refused_adapter_changes_nothing_and_serving_goes_on(llama_dir, adapte
 def test_one_lora_batch_holds_decode_and_prefill_segments_with_their_row_tables(llama_dir, adapter_bank):
     from lorafleet.engine.request import Request
     from lorafleet.engine.scheduler import Chunk
+    from lorafleet.kernels.reference import scale_bits
     engine = Engine(llama_dir, pool_bytes=4 << 20)
     engine.load_adapter("a", adapter_bank[8])
     engine.load_adapter("b", adapter_bank[2])
     def request(rid, n, adapter):
-        return Request(rid, [5] * n, GREEDY, adapter, lora=engine.adapters.get(adapter) if adapter else None)
+        return Request(rid, [5] * n, GREEDY, adapter, loras=(engine.adapters.get(adapter),) if adapter else (),
+                       scales=(1.0,) if adapter else ())
     decode = [Chunk(request(f"d{i}", 3, n), 1) for i, n in enumerate(["a", "b", None])]
     prefill = [Chunk(request("p", 20, "a"), 20)]
     batch = engine.runner.lora_batch(engine.runner.order(decode + prefill))
     a, b = engine.adapters.get("a"), engine.adapters.get("b")
     # row 0 has no adapter: no segment; each segment points to its adapter's row table
-    assert batch.host.tolist() == [[1, 2, a.row_table], [2, 3, b.row_table], [3, 23, a.row_table]]
+    one = scale_bits(1.0)
+    assert batch.host.tolist() == [[1, 2, a.row_table, one, 1], [2, 3, b.row_table, one, 1],
+                                   [3, 23, a.row_table, one, 1]]
     assert (batch.max_rows, batch.max_rank) == (20, 8)
     pool = engine.pool.tensor.view(-1).view(torch.int64)
     for entry in (a, b):  # the table lies in the adapter's own pages

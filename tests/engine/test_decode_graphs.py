@@ -17,10 +17,11 @@ def test_buckets_cover_every_batch_size():
     assert buckets(1) == [1]
     assert buckets(6) == [1, 2, 4, 6]
     assert buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert segment_buckets(1) == [1] and segment_buckets(8) == [1, 4, 8] and segment_buckets(64) == [1, 4, 16, 64]
+    assert segment_buckets(1) == [1, 4] and segment_buckets(8) == [1, 4, 8, 32]
+    assert segment_buckets(64) == [1, 4, 16, 64, 256]
     # per batch bucket: one graph without LoRA, one per (segment bucket, rank bucket)
-    assert max_captures(8) == (1 + 1 * 3) + (1 + 2 * 3) + (1 + 2 * 3) + (1 + 3 * 3)
-    assert max_captures(256) == 9 + 3 * sum(len(segment_buckets(b)) for b in buckets(256)) == 96
+    assert max_captures(8) == (1 + 2 * 3) + (1 + 3 * 3) + (1 + 3 * 3) + (1 + 4 * 3)
+    assert max_captures(256) == 9 + 3 * sum(len(segment_buckets(b)) for b in buckets(256)) == 123
 
 
 def test_lora_grids_are_sized_to_the_steps_segments_and_ranks(llama_dir, tmp_path):

@@ -36,7 +36,8 @@ def mixed_requests(adapters):
 def test_mixed_batch_logits_match_peft_per_adapter(fleet):
     base, adapters, engine = fleet
     order, prompts = mixed_requests(adapters)
-    reqs = [Request(f"r{i}", p, SamplingParams(), a, lora=engine.adapters.get(a) if a else None)
+    reqs = [Request(f"r{i}", p, SamplingParams(), a,
+                        loras=(engine.adapters.get(a),) if a else (), scales=(1.0,) if a else ())
             for i, (p, a) in enumerate(zip(prompts, order))]
     chunks = engine.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
     for c in chunks:

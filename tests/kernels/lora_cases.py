@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lorafleet.kernels.reference import lora_entry
+from lorafleet.kernels.reference import SEG_FIELDS, lora_entry, scale_bits
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
 from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
 from lorafleet.memory.layout import Layout, pieces
@@ -25,7 +25,7 @@ class LoraCase:
     base: torch.Tensor      # [T, N] the output before the op
     expected: torch.Tensor  # [T, N] base + every segment's delta, from the dense matrices
     w: torch.Tensor         # the flat pool
-    seg: torch.Tensor       # [S, 3]
+    seg: torch.Tensor       # [S, SEG_FIELDS]
     entry: int
     slots: int
     covered: torch.Tensor   # [T] bool: rows in some segment
@@ -46,10 +46,13 @@ def _base(fan_in: int, outs: list[int], layers: int) -> BaseShapes:
 def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], rows: list[int],
               page_elems: int = 512, dtype: torch.dtype = torch.float32, gaps: bool = True,
               pad_cols: int = 0, device: str = "cpu", layers: int = 2, layer: int = 1,
-              scale: float = 0.5) -> LoraCase:
+              scale: float = 0.5, mixes: list[list[tuple[int, float]]] | None = None) -> LoraCase:
     """Segment s has rows[s] rows (0: empty) and its own adapter with module ranks ranks[s] (0:
     module not targeted) in layer `layer` of `layers`. Pool elements no adapter uses are NaN, so
-    a stray read shows. With `pad_cols`, x and the output are row-strided views into wider tensors."""
+    a stray read shows. With `pad_cols`, x and the output are row-strided views into wider tensors.
+    With `mixes`, adapter i has ranks[i] and the rows are mixes instead: mix s has rows[s] rows
+    and the adapters (index, scale) of mixes[s] (the request's scales, besides each adapter's own
+    `scale`), one segment each."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     group = GROUP_OF_SLOTS[len(outs)]
@@ -57,8 +60,8 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
     cols = np.concatenate([[0], np.cumsum(outs)[:-1]]).tolist()
     itemsize = torch.empty(0, dtype=dtype).element_size()
     layouts, buffers, dense, segs, row = [], [], [], [], 0
-    for seg_ranks, n in zip(ranks, rows):
-        if gaps:
+    for seg_ranks, n in zip(ranks, rows if mixes is None else [0] * len(ranks)):
+        if gaps and mixes is None:
             row += rng.randint(0, 2)  # rows in no segment: must stay untouched
         weights, mods = {}, []
         for j, r in enumerate(seg_ranks):
@@ -73,9 +76,16 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
         layout.fill(buf, adapter)
         layouts.append(layout)
         buffers.append(buf.to(dtype))
-        dense.append((row, row + n, mods))
-        segs.append((row, row + n))
+        dense.append(mods)
+        segs.append([(row, row + n, len(layouts) - 1, 1.0)])
         row += n
+    if mixes is not None:
+        segs = []
+        for mix, n in zip(mixes, rows):
+            if gaps:
+                row += rng.randint(0, 2)
+            segs.append([(row, row + n, i, s) for i, s in mix])
+            row += n
     total = row + 2
     # the pool: each adapter's logical pages spread over shuffled pool pages
     need = [-(-lay.paged_numel(itemsize) // page_elems) for lay in layouts]
@@ -99,11 +109,14 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
     expected = out0.to(dtype).double()
     covered = torch.zeros(total, dtype=torch.bool)
     xd = x.to(dtype).double()
-    for start, end, mods in dense:
-        covered[start:end] = True
-        for col, a, bt in mods:
-            expected[start:end, col:col + bt.shape[1]] += (xd[start:end] @ a.t()) @ bt
-    seg = torch.tensor([(s, e, t) for (s, e), t in zip(segs, tables)], dtype=torch.long).reshape(-1, 3)
+    for mix in segs:
+        for start, end, i, s in mix:
+            covered[start:end] = True
+            for col, a, bt in dense[i]:
+                expected[start:end, col:col + bt.shape[1]] += s * (xd[start:end] @ a.t()) @ bt
+    seg = torch.tensor([(start, end, tables[i], scale_bits(s), len(mix) if j == 0 else -j)
+                        for mix in segs for j, (start, end, i, s) in enumerate(mix)],
+                       dtype=torch.long).reshape(-1, SEG_FIELDS)
 
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)

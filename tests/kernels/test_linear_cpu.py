@@ -170,7 +170,8 @@ def test_bf16_mixed_adapters_match_the_torch_path(llama_dir, tmp_path, monkeypat
         engine = Engine(llama_dir, pool_bytes=8 << 20, dtype="bfloat16")
         for name, path in adapters.items():
             engine.load_adapter(name, path)
-        reqs = [Request(f"q{i}", PROMPTS[0][:9], SamplingParams(), a, lora=engine.adapters.get(a) if a else None)
+        reqs = [Request(f"q{i}", PROMPTS[0][:9], SamplingParams(), a,
+                            loras=(engine.adapters.get(a),) if a else (), scales=(1.0,) if a else ())
                 for i, a in enumerate(names)]
         chunks = [Chunk(r, len(r.prompt_token_ids)) for r in reqs]  # kept in this order: rows line up
         for c in chunks:

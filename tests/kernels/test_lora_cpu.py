@@ -48,7 +48,7 @@ def test_no_segments_and_empty_segments_change_nothing():
     assert torch.equal(got, case.base)
     lora_cpu.lora(case.x, got, case.w, case.seg[:0], case.entry, case.slots)
     assert torch.equal(got, case.base)
-    padding = torch.zeros(4, 3, dtype=torch.long)  # a captured step's unused segments: (0, 0, 0)
+    padding = torch.zeros(4, 5, dtype=torch.long)  # a captured step's unused segments: all zero
     lora_cpu.lora(case.x, got, case.w, padding, case.entry, case.slots)
     assert torch.equal(got, case.base)
 
@@ -88,3 +88,51 @@ def test_each_layer_and_group_reads_its_own_fields_of_the_row_tables(op):
         got = case.base.clone()
         OPS[op](*case.args(got))
         assert (got - case.expected).abs().max().item() < 1e-4
+
+
+def _random_mixes(rng: random.Random, adapters: int, n_mix: int) -> tuple[list[list[tuple[int, float]]], list[int]]:
+    """Mixes of 1-4 distinct adapters with scales in [-4, 4] (0 and 1 among them), and their rows."""
+    mixes = [[(i, rng.choice([1.0, 0.0, 0.5, -1.5, 4.0, -4.0, 0.3]))
+              for i in rng.sample(range(adapters), rng.randint(1, min(4, adapters)))] for _ in range(n_mix)]
+    return mixes, [rng.choice([0, 1, 1, 2, 5, 9]) for _ in range(n_mix)]
+
+
+@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.heavy) if o == "cpu-avx2" else o for o in OPS])
+@pytest.mark.parametrize("seed", range(6))
+def test_mixes_sum_their_adapters_deltas_times_their_scales(op, seed):
+    # mixes of several adapters of mixed ranks (some lacking modules), beside lone segments
+    rng = random.Random(seed)
+    ranks = [[rng.choice([0, 1, 3, 8, 24, 64]) for _ in range(3)] for _ in range(6)]
+    mixes, rows = _random_mixes(rng, len(ranks), rng.randint(1, 8))
+    case = lora_case(seed, rng.choice([16, 40, 64]), [rng.choice([8, 24, 96]) for _ in range(3)], ranks, rows,
+                     page_elems=rng.choice([512, 1040]), mixes=mixes)
+    got = case.base.clone()
+    OPS[op](*case.args(got))
+    assert (got - case.expected).abs().max().item() < 1e-4
+    assert torch.equal(got[~case.covered], case.base[~case.covered])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_mixes_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
+    rng = random.Random(seed)
+    ranks = [[rng.choice([0, 1, 8, 24, 64]) for _ in range(3)] for _ in range(5)]
+    mixes, rows = _random_mixes(rng, len(ranks), rng.randint(1, 6))
+    case = lora_case(seed, 40, [24, 8, 96], ranks, rows, dtype=torch.bfloat16, mixes=mixes)
+    got, ref = case.base.clone(), case.base.clone()
+    lora_cpu.lora(*case.args(got))
+    reference.lora(*case.args(ref))
+    g, r = got.double(), ref.double()
+    assert ((g - r).abs() <= r.abs() * 2 ** -7 + 1e-6).all()  # one bf16 step at most: the sum order
+    assert torch.equal(got[~case.covered], case.base[~case.covered])
+
+
+def test_a_mix_of_one_adapter_at_scale_one_is_that_adapter_bit_for_bit(isa):
+    # and a zero-scale partner changes nothing: each delta joins the output once, in fp32
+    ranks = [[8, 24, 3], [64, 0, 8]]
+    alone = lora_case(7, 40, [24, 8, 96], ranks, [1, 6], dtype=torch.bfloat16, mixes=[[(0, 1.0)], [(0, 1.0)]])
+    paired = lora_case(7, 40, [24, 8, 96], ranks, [1, 6], dtype=torch.bfloat16,
+                       mixes=[[(0, 1.0), (1, 0.0)], [(1, 0.0), (0, 1.0)]])
+    a, b = alone.base.clone(), paired.base.clone()
+    lora_cpu.lora(*alone.args(a))
+    lora_cpu.lora(*paired.args(b))
+    assert torch.equal(a, b) and not torch.equal(a, alone.base)

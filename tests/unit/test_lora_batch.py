@@ -1,12 +1,12 @@
 """LoraBatch hands each projection group's LoRA op its fields in the row tables, and a step's
-segments as one small [S, 3] array."""
+segments as one small [S, SEG_FIELDS] array: (start, end, row table, scale, mix)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from lorafleet.kernels.reference import TABLE_FIELDS, lora_entry
+from lorafleet.kernels.reference import SEG_FIELDS, TABLE_FIELDS, lora_entry, scale_bits, seg_scale
 from lorafleet.lora.batch import GROUPS, MODULE_SLOTS, LoraBatch
 
 
@@ -22,10 +22,11 @@ def test_each_group_gets_its_own_fields_and_bounds():
     kernels = Recorder()
     widths = {"qkv": 48, "o": 32, "gate_up": 64, "down": 32}
     batch = LoraBatch(kernels, torch.zeros(4, 8), widths)
-    batch.add_rows(0, 2, 40, 8)
-    batch.add_rows(2, 3, 100, 24)
+    batch.add_rows(0, 2, [(40, 1.0)], 8)
+    batch.add_rows(2, 3, [(100, 1.0)], 24)
     batch.finish().to_device()
-    assert batch.seg.tolist() == [[0, 2, 40], [2, 3, 100]]
+    one = scale_bits(1.0)
+    assert batch.seg.tolist() == [[0, 2, 40, one, 1], [2, 3, 100, one, 1]]
     assert (batch.max_rows, batch.max_rank) == (2, 24)
     x = torch.zeros(3, 8)
     layers = 2
@@ -44,7 +45,32 @@ def test_each_group_gets_its_own_fields_and_bounds():
 def test_split_cuts_segments_into_runs_of_at_most_the_row_block():
     batch = LoraBatch(Recorder(), torch.zeros(4, 8), {})
     for start, end, table in ((0, 1, 7), (1, 35, 9), (35, 35, 3), (40, 56, 11)):
-        batch.add_rows(start, end, table, 16)
+        batch.add_rows(start, end, [(table, 1.0)], 16)
     split = batch.finish().split(16)
-    assert split.tolist() == [[0, 1, 7], [1, 17, 9], [17, 33, 9], [33, 35, 9], [40, 56, 11]]
-    assert np.array_equal(LoraBatch(Recorder(), torch.zeros(4, 8), {}).finish().split(16), np.zeros((0, 3)))
+    one = scale_bits(1.0)
+    assert split.tolist() == [[0, 1, 7, one, 1], [1, 17, 9, one, 1], [17, 33, 9, one, 1], [33, 35, 9, one, 1],
+                              [40, 56, 11, one, 1]]
+    assert np.array_equal(LoraBatch(Recorder(), torch.zeros(4, 8), {}).finish().split(16),
+                          np.zeros((0, SEG_FIELDS)))
+
+
+def test_a_mix_is_a_run_of_segments_over_the_same_rows_each_with_its_scale():
+    batch = LoraBatch(Recorder(), torch.zeros(4, 8), {})
+    batch.add_rows(0, 1, [(7, 1.0)], 16)
+    batch.add_rows(1, 3, [(9, 0.5), (11, -2.0), (13, 0.0)], 40)  # the rank bound: the sum of its members'
+    batch.finish()
+    h = batch.host
+    assert h[:, :3].tolist() == [[0, 1, 7], [1, 3, 9], [1, 3, 11], [1, 3, 13]]
+    assert [seg_scale(b) for b in h[:, 3]] == [1.0, 0.5, -2.0, 0.0]
+    assert h[:, 4].tolist() == [1, 3, -1, -2]  # a lead says how many, its followers which they are
+    assert (batch.max_rows, batch.max_rank) == (2, 40)
+
+
+def test_split_keeps_each_run_of_a_mix_together():
+    batch = LoraBatch(Recorder(), torch.zeros(4, 8), {})
+    batch.add_rows(0, 20, [(9, 0.5), (11, 1.0)], 16)
+    batch.add_rows(20, 21, [(7, 1.0)], 16)
+    split = batch.finish().split(16)
+    assert split[:, [0, 1, 2, 4]].tolist() == [[0, 16, 9, 2], [0, 16, 11, -1], [16, 20, 9, 2], [16, 20, 11, -1],
+                                                [20, 21, 7, 1]]
+    assert [seg_scale(b) for b in split[:, 3]] == [0.5, 1.0, 0.5, 1.0, 1.0]

@@ -58,7 +58,7 @@ def test_a_preempted_request_whose_adapter_was_just_evicted_waits():
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=1000, residency=residency, arbiter=residency)
     params = SamplingParams(max_tokens=4)
     reqs = [Request(f"p{i}", list(range(1, n + 1)), params, adapter,   # 3, 3 and 1 pages of KV
-                    lora=residency.entries[adapter] if adapter else None)
+                    loras=(residency.entries[adapter],) if adapter else (), scales=(1.0,) if adapter else ())
             for i, (adapter, n) in enumerate([(None, 40), ("b", 40), ("c", 16)])]
     for r in reqs:  # as after preemption: at the front of their queues, oldest first
         sched.add(r)
