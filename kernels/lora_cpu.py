@@ -52,6 +52,6 @@ FUNCTIONS = ["lora"]
 
 def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> None:
     """x: [T, in]; out: [T, N] (updated in place); w: the pool, flat; one dtype, float32 or
-    bfloat16 (fp32 sums, each output rounded once); seg [S, 5] int64 (`reference.py`'s contract); entry, slots: the group's
-    fields in the row tables (the contract in `reference.py`)."""
+    bfloat16 (fp32 sums, each output rounded once); seg [S, 5] int64 (`reference.py`'s contract);
+    entry, slots: the group's fields in the row tables."""
     load().lora(x, out, w, seg, entry, slots)

@@ -153,6 +153,8 @@ class Engine:
                 self.prefetcher.want(entry, self.scheduler.waiting_loras, self.scheduler.watermark_pages)
         if req.deadline is not None:
             heapq.heappush(self._deadlines, (req.deadline, rid, req))
+        if mix is not None:
+            self.counters.record_mix(len(mix.members))
         return rid
 
     def _check_mix_fits(self, mix: Mix, prompt_len: int) -> None:
@@ -261,7 +263,8 @@ class Engine:
         for req in self.scheduler.waiting:
             bad = next((e for e in req.loras if e in failed), None)
             if bad is not None:
-                out.append(self._fail(req, f"adapter {bad.name!r} could not be loaded: {failed[bad]}", AdapterError.code))
+                out.append(self._fail(req, f"adapter {bad.name!r} could not be loaded: {failed[bad]}",
+                                      AdapterError.code))
         return out
 
     def _expire_deadlines(self) -> list[RequestOutput]:

@@ -50,6 +50,17 @@ class EngineStats:
     adapter_waits: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     steps: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
     num_adapter_loads: int = 0
+    mix_sizes: dict[int, int] = field(default_factory=dict)  # adapters in a mix -> requests that named one
+
+    def record_mix(self, adapters: int) -> None:
+        """A request named a mix of `adapters` adapters (counted when it is accepted)."""
+        self.mix_sizes[adapters] = self.mix_sizes.get(adapters, 0) + 1
+
+    def mixes(self) -> dict:
+        """`requests`: accepted requests that named a mix; `adapters`: the adapters they named in
+        all (adapters / requests: the mean mix); `by_size`: requests per mix size."""
+        return {"requests": sum(self.mix_sizes.values()), "adapters": sum(k * n for k, n in self.mix_sizes.items()),
+                "by_size": {str(k): n for k, n in sorted(self.mix_sizes.items())}}
 
     def record_step(self, seconds: float, num_seqs: int, prompt_tokens: int, generated: int,
                     distinct_adapters: int = 0, adapters_loaded: int = 0, model_s: float = 0.0) -> None:

@@ -55,6 +55,9 @@ def stats(engine) -> dict:
         "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
         "num_running": len(engine.scheduler.running),
         "num_waiting": engine.scheduler.num_waiting,
+        # requests on several adapters: counted at arrival, and those running or waiting now
+        "mixes": {**engine.counters.mixes(), "running": sum(r.mix is not None for r in engine.scheduler.running),
+                  "waiting": sum(r.mix is not None for r in engine.scheduler.waiting)},
         "kernels": engine.model.kernels.name,
         "decode_graphs": engine.runner.graphs.stats() if engine.runner.graphs else {"enabled": False},
         **engine.counters.snapshot(),

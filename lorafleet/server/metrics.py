@@ -35,6 +35,11 @@ docs/plugin-metric-protocol.md, "LoRA Adapter Serving" and "LoRA Adapter Residen
   These three carry `model_name` (the base's served name: the residency scorer takes a request
   naming it to need no adapter), as the other vLLM gauges here do.
 - `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:num_preemptions_total`.
+- A request on a mix (several adapters, the `adapters` field) counts in `running_lora_adapters`
+  / `waiting_lora_adapters` for each of its adapters (each is in use, as far as a picker
+  knows), and its adapters are pinned while it runs. lorafleet's own series count mixes:
+  `lorafleet_mix_requests_total{adapters}` (requests by mix size), `lorafleet_mix_adapters_total`,
+  `lorafleet_mix_requests_running` and `..._waiting`.
 - `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`: prompt tokens looked up in
   the prefix cache at admission, and found there.
 
@@ -71,7 +76,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _MAPPED = {"num_running", "num_waiting", "kv_cache_usage", "num_prompt_tokens",
            "num_generated_tokens", "num_preemptions", "pool", "adapters", "lora", "num_adapters",
            "max_num_seqs", "max_model_len", "prefix_cache", "eviction", "switches", "lora_capacity",
-           "adapter_details"}
+           "adapter_details", "mixes"}
 
 
 def lora_queues(engine) -> dict:
@@ -182,6 +187,18 @@ def render(snapshot: dict, server: dict, model_name: str) -> bytes:
     for kind in ("kv_blocks", "adapters"):
         evictions.add_metric([model_name, kind], snapshot["eviction"][f"evicted_{kind}"])
     fams.append(evictions)
+
+    mixes = snapshot["mixes"]
+    by_size = CounterMetricFamily("lorafleet_mix_requests", "Requests that named a mix of several adapters "
+                                  "(the adapters field), by the number of adapters in the mix.",
+                                  labels=[*label, "adapters"])
+    for k, n in mixes["by_size"].items():
+        by_size.add_metric([model_name, k], n)
+    fams.append(by_size)
+    counter("lorafleet_mix_adapters", "Adapters named by mixes, in all (over lorafleet_mix_requests_total: the "
+            "mean mix).", mixes["adapters"])
+    gauge("lorafleet_mix_requests_running", "Requests on a mix in the running batch.", mixes["running"])
+    gauge("lorafleet_mix_requests_waiting", "Requests on a mix waiting to be scheduled.", mixes["waiting"])
 
     pool = snapshot["pool"]
     pages = GaugeMetricFamily("lorafleet_pool_pages", "Pages of the unified pool by owner.", labels=["owner"])
