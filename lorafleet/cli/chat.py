@@ -1,6 +1,10 @@
-"""`lorafleet chat`: talk to the base or one adapter. One-shot when a prompt is given or stdin is
-piped; otherwise a REPL that keeps the conversation (and line-editing history), with slash
-commands that never reach the model.
+"""`lorafleet chat`: talk to the base, one adapter, or a mix of several. One-shot when a prompt is
+given or stdin is piped; otherwise a REPL that keeps the conversation (and line-editing history),
+with slash commands that never reach the model.
+
+`--adapter NAME` sends `model: NAME`, as any OpenAI client does; several `--adapter` options, or
+one with a scale (`--adapter NAME:SCALE`), send a mix: the body's `adapters` field, each adapter
+with its scale (`lora/mix.py` checks it here first, so a bad mix never leaves the process).
 
 Answers stream token by token only onto a terminal (or with `--stream`); anywhere else each
 answer is written whole, with its newline, in one write once complete: several `chat` processes
@@ -18,10 +22,12 @@ import typer
 from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, print_json,
                                   styled, user_errors)
 from lorafleet.errors import DaemonUnreachableError, LorafleetError
+from lorafleet.lora.mix import Mix
 
 REPL_HELP = "/help lists the commands, Ctrl-D or /exit quits, Ctrl-C stops an answer."
 COMMANDS = (  # (usage, what it does): what /help prints
     ("/adapter NAME", "talk to adapter NAME from now on (the conversation carries over)"),
+    ("/adapter A B:0.5", "talk to a mix: A at scale 1 and B at 0.5 (NAME:SCALE, scales in [-4, 4])"),
     ("/adapter", "say which adapter answers"),
     ("/adapter -, /base", "talk to the base model"),
     ("/clear", "forget the conversation (the --system message stays)"),
@@ -34,8 +40,10 @@ COMMANDS = (  # (usage, what it does): what /help prints
 def chat(
     prompt: Annotated[str | None, typer.Argument(
         help="The message. Without it, stdin is read when piped, else a REPL starts.", show_default=False)] = None,
-    adapter: Annotated[str | None, typer.Option(
-        "--adapter", "-a", help="The adapter to talk to. Default: the base model.")] = None,
+    adapter: Annotated[list[str] | None, typer.Option(
+        "--adapter", "-a", help="The adapter to talk to, NAME or NAME:SCALE; repeat it to mix several, each "
+                                "delta times its scale (a finite number in [-4, 4], default 1; at most 16 "
+                                "adapters). Default: the base model.", show_default=False)] = None,
     system: Annotated[str | None, typer.Option("--system", "-s", help="A system message first.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens per answer.")] = 256,
     temperature: Annotated[float | None, typer.Option(
@@ -59,6 +67,7 @@ def chat(
     if prompt is None and not sys.stdin.isatty():
         prompt = strip_line_end(sys.stdin.read())
     with user_errors(), client(socket, url, api_key) as c:
+        adapter = target(adapter)
         c.wait_started(START_WAIT_S, lambda e: err_console.print(f"waiting: {e}", highlight=False, soft_wrap=True))
         if prompt is not None:
             messages = start + [{"role": "user", "content": prompt}]
@@ -72,6 +81,22 @@ def chat(
 START_WAIT_S = 600.0  # a daemon still starting (a first start builds the kernels) is waited for, this long
 
 
+def target(options: list[str] | None) -> str | Mix | None:
+    """What `--adapter` options name: None (the base), one adapter's name (one option without a
+    scale), or a mix (InvalidRequestError naming the option at fault)."""
+    if not options:
+        return None
+    mix = Mix.parse_option(options)
+    return options[0] if len(options) == 1 and mix.members == ((options[0], 1.0),) else mix
+
+
+def _call(adapter: str | Mix | None, params: dict) -> tuple[str | None, dict]:
+    """The client call's model and parameters for `adapter`: a mix goes in the `adapters` field."""
+    if isinstance(adapter, Mix):
+        return None, {**params, "adapters": adapter.to_json()}
+    return adapter, params
+
+
 def strip_line_end(text: str) -> str:
     """A piped prompt without the line ending that ends it (`echo hi |` sends "hi\\n"): only that
     one, other whitespace is the user's."""
@@ -81,12 +106,13 @@ def strip_line_end(text: str) -> str:
     return text
 
 
-def answer(c, messages: list[dict], adapter: str | None, params: dict, stream: bool) -> str:
+def answer(c, messages: list[dict], adapter: str | Mix | None, params: dict, stream: bool) -> str:
     """Print the answer and its newline, streamed or whole; return it."""
     if stream:
         return _stream_answer(c, messages, adapter, params)
+    model, params = _call(adapter, params)
     try:
-        text = c.chat(messages, adapter, **params)["choices"][0]["message"]["content"] or ""
+        text = c.chat(messages, model, **params)["choices"][0]["message"]["content"] or ""
     except KeyboardInterrupt:  # the connection closes: the daemon aborts the request
         err_console.print(styled("(stopped)", "dim"))
         return ""
@@ -95,11 +121,12 @@ def answer(c, messages: list[dict], adapter: str | None, params: dict, stream: b
     return text
 
 
-def _stream_answer(c, messages: list[dict], adapter: str | None, params: dict) -> str:
+def _stream_answer(c, messages: list[dict], adapter: str | Mix | None, params: dict) -> str:
     """Print the answer as it streams; returns it. Ctrl-C stops it (closing the stream aborts
     the request in the daemon) and keeps what came so far."""
     parts = []
-    chunks = c.chat_stream(messages, adapter, **params)
+    model, params = _call(adapter, params)
+    chunks = c.chat_stream(messages, model, **params)
     try:
         for chunk in chunks:
             for choice in chunk["choices"]:
@@ -116,7 +143,7 @@ def _stream_answer(c, messages: list[dict], adapter: str | None, params: dict) -
     return "".join(parts)
 
 
-def _repl(c, start: list[dict], adapter: str | None, params: dict, stream: bool) -> None:
+def _repl(c, start: list[dict], adapter: str | Mix | None, params: dict, stream: bool) -> None:
     history = _load_history()
     err_console.print(f"chatting with {_who(adapter)} on {c.where}. {REPL_HELP}", highlight=False)
     try:
@@ -125,7 +152,9 @@ def _repl(c, start: list[dict], adapter: str | None, params: dict, stream: bool)
         history()
 
 
-def _who(adapter: str | None) -> str:
+def _who(adapter: str | Mix | None) -> str:
+    if isinstance(adapter, Mix):
+        return "the mix " + ", ".join(f"{n} x{s:g}" for n, s in adapter.members)
     return adapter or "the base model"
 
 
@@ -158,7 +187,7 @@ def _say(message: str) -> None:
     err_console.print(styled(message, "dim"), soft_wrap=True)
 
 
-def converse(c, start: list[dict], adapter: str | None, params: dict, stream: bool = True) -> None:
+def converse(c, start: list[dict], adapter: str | Mix | None, params: dict, stream: bool = True) -> None:
     """The REPL's loop: each line typed is a message, or a slash command (`COMMANDS`), which never
     reaches the model. A refused message (an unknown adapter, a bad parameter) says why and the
     loop goes on, without it in the conversation; a daemon that went away ends the loop."""
@@ -191,11 +220,14 @@ def converse(c, start: list[dict], adapter: str | None, params: dict, stream: bo
                 adapter = None
                 _say(f"(talking to {_who(adapter)})")
             elif name == "/adapter":
-                if arg and " " not in arg:
-                    adapter = None if arg == "-" else arg
+                if arg == "-":
+                    adapter = None
                 elif arg:
-                    _say(f"(an adapter's name has no spaces: {arg!r}; nothing changed)")
-                    continue
+                    try:
+                        adapter = target(arg.split())
+                    except LorafleetError as e:
+                        _say(f"({e}; nothing changed)")
+                        continue
                 _say(f"(talking to {_who(adapter)})")
             else:
                 _say(f"(unknown command {name}; /help lists them, //TEXT sends /TEXT)")

@@ -12,7 +12,9 @@ with the daemon's own routes in-process (`deploy/inprocess.py`):
 - `Router`: the OpenAI-compatible HTTP front (`/v1/completions`, `/v1/chat/completions`,
   `/v1/models`, `/health`), on the Serve proxy. It reads `model` from the body and calls a
   replica through a handle with that adapter as the multiplexed model id (none for the base:
-  any replica), streaming the replica's bytes back as they come.
+  any replica), streaming the replica's bytes back as they come. A mix (the `adapters` field)
+  goes by its first adapter (by name): its requests meet on the replicas that hold it, and
+  the replica registers the others as it serves the request.
 - `Replica`: one Engine. `get_adapter` (Serve's `@serve.multiplexed`) registers the adapter
   with the engine the first time this replica sees it (from the paths given at deploy time, or
   the store), which is what Serve's router learns residency from; lorafleet's own tiers and pool
@@ -35,7 +37,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from lorafleet.errors import AdapterNotFoundError
+from lorafleet.errors import AdapterNotFoundError, InvalidRequestError
+from lorafleet.lora.mix import FIELD as MIX_FIELD
+from lorafleet.lora.mix import Mix
 from lorafleet.server.errors import error_body
 
 log = logging.getLogger("lorafleet.deploy")
@@ -76,19 +80,24 @@ def replica_class(max_adapters_per_replica: int):
             request needs them): from the folders given at deploy time, else the store. Serve
             calls this once per adapter until it falls out of the replica's multiplexing LRU;
             the engine keeps the registration (it costs no pool memory)."""
+            if not await self.register(name):
+                raise AdapterNotFoundError(f"model {name!r} does not exist: it is neither the base "
+                                           f"({self.base_name!r}), an adapter given at deploy time, nor in the store")
+            return name
+
+        async def register(self, name: str) -> bool:
+            """Whether this replica's engine knows `name` now (registered from the folders given
+            at deploy time, or the store, when it did not)."""
             path, resolver = self.adapters.get(name), self.server.worker.resolver
 
-            def register(engine) -> bool:
+            def known(engine) -> bool:
                 if engine.adapter_path(name) is None:
                     if path is not None:
                         engine.register_adapter(name, path)
                     elif resolver is not None:
                         resolver.resolve(engine, name)
                 return engine.adapter_path(name) is not None
-            if not await self.server.run(register):
-                raise AdapterNotFoundError(f"model {name!r} does not exist: it is neither the base "
-                                           f"({self.base_name!r}), an adapter given at deploy time, nor in the store")
-            return name
+            return await self.server.run(known)
 
         async def handle(self, method: str, path: str, body: bytes):
             """The daemon's route for `path` on this replica: yields {"status", "headers"}, then
@@ -102,6 +111,8 @@ def replica_class(max_adapters_per_replica: int):
                     yield {"status": e.http_status, "headers": [("content-type", "application/json")]}
                     yield json.dumps(error_body(e)).encode()
                     return
+            for name in mix_names(body)[1:]:  # a mix's others (an unknown one: the app's 404 names it)
+                await self.register(name)
             async for item in self.server.request(method, path, body):
                 yield item
 
@@ -117,6 +128,16 @@ def replica_class(max_adapters_per_replica: int):
                 server.close()
 
     return Replica
+
+
+def mix_names(body: bytes) -> tuple[str, ...]:
+    """The adapters of the mix the body's `adapters` field names, in the mix's order; none when
+    it names none or names it wrongly (the replica answers that with its 400)."""
+    try:
+        value = json.loads(body).get(MIX_FIELD) if body else None
+        return Mix.from_json(value).names if value is not None else ()
+    except (ValueError, AttributeError, InvalidRequestError):
+        return ()
 
 
 router_app = FastAPI(title="lorafleet on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -137,7 +158,10 @@ class Router:
         except (ValueError, AttributeError):
             model = None  # the replica answers the malformed body with its 400
         handle = self.replicas.options(stream=True)
-        if isinstance(model, str) and model and model != self.base_name:
+        mix = mix_names(body)
+        if mix:
+            handle = handle.options(multiplexed_model_id=mix[0])
+        elif isinstance(model, str) and model and model != self.base_name:
             handle = handle.options(multiplexed_model_id=model)
         gen = handle.handle.remote(request.method, path, body)
         head = await gen.__anext__()

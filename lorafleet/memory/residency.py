@@ -139,7 +139,9 @@ class AdapterResidency:
         try:
             return self.entries[name]
         except KeyError:
-            raise AdapterNotFoundError(f"adapter {name!r} is not registered") from None
+            e = AdapterNotFoundError(f"adapter {name!r} is not registered")
+            e.adapter = name  # which one, for a front end to name (a mix names several)
+            raise e from None
 
     def inspect(self, name: str, path: str | Path) -> int:
         """Check the adapter's config against the base and its size against the pool, from the

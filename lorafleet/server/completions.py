@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lorafleet.errors import AdapterError, AdapterNotFoundError, LorafleetError, RequestFailedError
+from lorafleet.lora.mix import Mix
 from lorafleet.server import responses
 from lorafleet.server.errors import error_body
 from lorafleet.server.protocol import (DECODE_ON_WORKER, Generation, bad, decode_body, parse_chat, parse_completion,
@@ -81,13 +82,19 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
         for rid, prompt in zip(run.ids, gen.prompts):
             run.unfinished.add(rid)  # before the await: if we are cancelled there, close() aborts it
             await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink))
-    except AdapterNotFoundError:
+    except AdapterNotFoundError as missing:
         run.close()
         store = ", nor in the store" if st.worker.resolver is not None else ""
-        e = AdapterNotFoundError(f"model {gen.model!r} does not exist: it is neither the base "
-                                 f"({st.base_name!r}) nor a loaded adapter{store} (GET /v1/models lists them)"
-                                 f"{pull_hint(st, gen.model)}")
-        e.code, e.param = "model_not_found", "model"
+        if isinstance(gen.adapter, Mix):
+            name = getattr(missing, "adapter", None) or gen.adapter.label
+            e = AdapterNotFoundError(f"adapters: adapter {name!r} is not a loaded adapter{store} "
+                                     f"(GET /v1/models lists them){pull_hint(st, name)}")
+            e.code, e.param = "model_not_found", "adapters"
+        else:
+            e = AdapterNotFoundError(f"model {gen.model!r} does not exist: it is neither the base "
+                                     f"({st.base_name!r}) nor a loaded adapter{store} (GET /v1/models lists them)"
+                                     f"{pull_hint(st, gen.model)}")
+            e.code, e.param = "model_not_found", "model"
         raise e from None
     except BaseException:
         run.close()

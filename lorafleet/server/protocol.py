@@ -32,6 +32,8 @@ import numpy as np
 
 from lorafleet.engine.request import SamplingParams
 from lorafleet.errors import InvalidRequestError
+from lorafleet.lora.mix import FIELD as MIX_FIELD
+from lorafleet.lora.mix import Mix
 
 MAX_LOGPROBS = 20
 MAX_DEPTH = 32          # JSON nesting a request body may have (OpenAI's bodies need 5)
@@ -56,7 +58,7 @@ def bad(param: str | None, message: str) -> InvalidRequestError:
 class Generation:
     kind: str                             # "completion" or "chat"
     model: str                            # as the client named it; echoed in responses
-    adapter: str | None
+    adapter: str | Mix | None             # the adapter `model` names, the mix `adapters` names, or None
     prompts: list[str | list[int]]        # chat: [] until `tokenize`
     params: SamplingParams
     stream: bool = False
@@ -176,8 +178,16 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("repetition_penalty", "repetition_penalty is not supported (must be 1)")
 
 
-def _model(body: dict, base_name: str) -> tuple[str, str | None]:
+def _model(body: dict, base_name: str) -> tuple[str, str | Mix | None]:
+    """(the model as echoed, what the request runs on): `model` naming an adapter, or the base
+    (or nothing) with `adapters` naming a mix, or the base alone."""
     model = body.get("model")
+    mix = body.get(MIX_FIELD)
+    if mix is not None:
+        if model is not None and model != base_name:
+            raise bad(MIX_FIELD, f"model names {model!r} and adapters names a mix: with adapters, model names the "
+                                 f"base ({base_name!r}) or is left out")
+        return base_name, Mix.from_json(mix)  # a 400 naming the entry at fault (lora/mix.py)
     if model is None or model == base_name:
         return base_name, None
     if not isinstance(model, str) or not model:

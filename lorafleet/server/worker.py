@@ -92,12 +92,16 @@ class EngineWorker:
         self._commands.put((fn, future))
         return future
 
-    def submit(self, prompt, params, adapter: str | None, request_id: str, sink: Sink) -> Future:
-        """Add a request whose outputs go to `sink`; the future holds its id, or the engine's
-        refusal (InvalidRequestError, AdapterNotFoundError...)."""
+    def submit(self, prompt, params, adapter, request_id: str, sink: Sink) -> Future:
+        """Add a request whose outputs go to `sink`; `adapter`: a name, a `lora.mix.Mix` or None.
+        The future holds its id, or the engine's refusal (InvalidRequestError,
+        AdapterNotFoundError...)."""
+        names = getattr(adapter, "names", None) or ([adapter] if adapter is not None else [])
+
         def add(engine):
-            if adapter is not None and self.resolver is not None:
-                self.resolver.resolve(engine, adapter)
+            if self.resolver is not None:
+                for name in names:
+                    self.resolver.resolve(engine, name)
             rid = engine.add_request(prompt, params, adapter=adapter, request_id=request_id)
             self._sinks[rid] = sink
             return rid

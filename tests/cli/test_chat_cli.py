@@ -22,6 +22,7 @@ class FakeClient:
     def __init__(self, answers: dict | None = None):
         self.answers = answers or {}
         self.calls = []  # (how, adapter, messages)
+        self.mixes = []  # the `adapters` field of each call (None: not sent)
 
     def __enter__(self):
         return self
@@ -45,10 +46,12 @@ class FakeClient:
 
     def chat(self, messages, adapter=None, **params):
         self.calls.append(("whole", adapter, [dict(m) for m in messages]))
+        self.mixes.append(params.get("adapters"))
         return {"choices": [{"message": {"content": self._answer(adapter)}}]}
 
     def chat_stream(self, messages, adapter=None, **params):
         self.calls.append(("stream", adapter, [dict(m) for m in messages]))
+        self.mixes.append(params.get("adapters"))
         text = self._answer(adapter)
         return ({"choices": [{"delta": {"content": text[i:i + 2]}}]} for i in range(0, len(text), 2))
 
@@ -79,7 +82,7 @@ def fake(monkeypatch):
 def one_shot(monkeypatch, tty: bool, stream: bool | None) -> Stdout:
     out = Stdout(tty)
     monkeypatch.setattr("sys.stdout", out)
-    chat_cli.chat("hi", adapter="upper", system=None, max_tokens=8, temperature=0.0, seed=None, stream=stream,
+    chat_cli.chat("hi", adapter=["upper"], system=None, max_tokens=8, temperature=0.0, seed=None, stream=stream,
                   as_json=False, socket=None, url=None, api_key=None)
     return out
 
@@ -206,3 +209,31 @@ def test_a_piped_prompt_gets_the_same_answer_as_an_argument_from_a_real_daemon(s
     piped = runner.invoke(app, args, env=env, input="hello\n")
     assert given.exit_code == piped.exit_code == 0, given.output + piped.output
     assert piped.stdout == given.stdout and given.stdout.endswith("\n")
+
+
+def test_several_adapters_or_a_scale_send_a_mix_in_the_adapters_field(fake):
+    out = runner.invoke(app, ["chat", "-a", "upper", "--adapter", "kebab:0.5", "hi"])
+    assert out.exit_code == 0, out.output
+    assert fake.calls[-1][1] is None  # model: the base
+    assert fake.mixes[-1] == [{"name": "kebab", "scale": 0.5}, {"name": "upper", "scale": 1.0}]
+    runner.invoke(app, ["chat", "-a", "upper:-1.5", "hi"])
+    assert fake.mixes[-1] == [{"name": "upper", "scale": -1.5}]
+    runner.invoke(app, ["chat", "-a", "upper", "hi"])  # one adapter without a scale: model, as before
+    assert fake.calls[-1][1] == "upper" and fake.mixes[-1] is None
+
+
+@pytest.mark.parametrize("options, problem", [(["a:9"], r"scale must be a finite number in \[-4, 4\]"),
+                                              (["a", "a:0.5"], "appears twice")])
+def test_a_bad_mix_is_refused_before_anything_is_sent(fake, options, problem):
+    import re
+    out = runner.invoke(app, ["chat", *[f"--adapter={o}" for o in options], "hi"])
+    assert out.exit_code != 0 and re.search(problem, out.output.replace("\n", " ")), out.output
+    assert fake.calls == []
+
+
+def test_the_repl_switches_to_a_mix_and_back(fake, monkeypatch):
+    fake.answers["mixed"] = "x"
+    sent = converse(monkeypatch, ["/adapter upper kebab:0.5", "hello", "/adapter upper", "again", "/adapter a:7",
+                                  "third"], fake)
+    assert fake.mixes[:2] == [[{"name": "kebab", "scale": 0.5}, {"name": "upper", "scale": 1.0}], None]
+    assert [adapter for adapter, _ in sent] == [None, "upper", "upper"]  # the bad mix changed nothing
