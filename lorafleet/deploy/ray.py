@@ -102,16 +102,19 @@ def replica_class(max_adapters_per_replica: int):
         async def handle(self, method: str, path: str, body: bytes):
             """The daemon's route for `path` on this replica: yields {"status", "headers"}, then
             the body's chunks."""
-            model = serve.get_multiplexed_model_id()
+            model, mix = serve.get_multiplexed_model_id(), mix_names(body)
             if model:
                 try:
                     await self.get_adapter(model)
                 except AdapterNotFoundError as e:  # the daemon's answer to an unknown model
-                    e.code, e.param = "model_not_found", "model"
+                    if mix:
+                        e = AdapterNotFoundError(f"adapters: adapter {model!r} is neither an adapter given at "
+                                                 "deploy time nor in the store")
+                    e.code, e.param = "model_not_found", "adapters" if mix else "model"
                     yield {"status": e.http_status, "headers": [("content-type", "application/json")]}
                     yield json.dumps(error_body(e)).encode()
                     return
-            for name in mix_names(body)[1:]:  # a mix's others (an unknown one: the app's 404 names it)
+            for name in mix[1:]:  # a mix's others (an unknown one: the app's 404 names it)
                 await self.register(name)
             async for item in self.server.request(method, path, body):
                 yield item

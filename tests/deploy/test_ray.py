@@ -151,6 +151,22 @@ def test_an_unknown_adapter_is_a_404_naming_it(deployed):
     assert status == 404 and "no-such-adapter" in text
 
 
+def test_a_mix_is_routed_by_its_first_adapter_and_answers_as_upper_alone_with_others_at_zero(deployed):
+    texts = held_out_texts(4)
+    with httpx.Client(base_url=deployed, timeout=120) as c:
+        for text, other in zip(texts, ["reverse", "kebab", "title", "double"]):
+            body = body_of("upper", text)
+            alone = c.post("/v1/chat/completions", json=body)
+            # the mix goes by its first adapter by name: `other` for three, "upper" for "title"
+            mix = c.post("/v1/chat/completions", json={**{k: v for k, v in body.items() if k != "model"},
+                                                        "adapters": [{"name": "upper"}, {"name": other, "scale": 0}]})
+            assert alone.status_code == mix.status_code == 200, mix.text
+            assert mix.json()["choices"][0]["message"] == alone.json()["choices"][0]["message"]
+        ghost = c.post("/v1/chat/completions", json={"messages": body["messages"], "max_tokens": 4,
+                                                      "adapters": [{"name": "upper"}, {"name": "ghost"}]})
+    assert ghost.status_code == 404 and ghost.json()["error"]["param"] == "adapters" and "ghost" in ghost.text
+
+
 def test_a_killed_replica_is_restarted_and_never_answers_wrong(deployed, fleet, reference):
     victim = next(iter(replica_stats()))
     actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
