@@ -223,8 +223,9 @@ class TopApp(App):
             table.move_cursor(row=table.get_row_index(selected), animate=False)
         self.query_one(PoolMap).highlight = self.selected_adapter()
         hidden = len(model.COLUMNS) - len(self.columns)
+        mixes = model.mix_summary(self.stats["engine"])
         self.query_one("#table-box").border_subtitle = (
-            f"{len(self.rows)} known · sorted by {self._sort_label()}"
+            f"{len(self.rows)} known · sorted by {self._sort_label()}" + (f" · {mixes}" if mixes else "")
             + (f" · filter '{self.filter_text}'" if self.filter_text else "")
             + (f" · {hidden} more: Enter" if hidden else ""))
 

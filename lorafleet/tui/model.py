@@ -178,6 +178,17 @@ def sort_rows(rows: list[dict], key: str, reverse: bool) -> list[dict]:
     return sorted(measured, key=value, reverse=reverse) + [r for r in by_name if r[key] is None]
 
 
+def mix_summary(engine: dict) -> str:
+    """The mixes (requests on several adapters) in a few words: running and waiting now, and
+    the requests so far with their mean size; "" before the first. Their adapters' rows count
+    them too (a mix runs on each of them)."""
+    m = engine["mixes"]
+    if not m["requests"]:
+        return ""
+    return (f"mixes: {m['running']} running, {m['waiting']} waiting, {m['requests']} so far "
+            f"({m['adapters'] / m['requests']:.1f} adapters each)")
+
+
 def filter_rows(rows: list[dict], text: str) -> list[dict]:
     """Rows whose name contains `text` (case-insensitive); all of them for no text."""
     text = text.strip().lower()
@@ -240,6 +251,7 @@ def check_snapshot(stats: dict) -> None:
     History().add(stats)
     eng = stats["engine"]
     adapter_rows(eng)
+    mix_summary(eng)
     list(eng["pool"]["page_map"])
     for key in ("loaded_per_step", "regression", "window_steps"):
         eng["switches"][key]

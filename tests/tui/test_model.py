@@ -74,3 +74,10 @@ def test_rates_are_counter_differences_over_the_daemons_clock_and_restart_afresh
     assert len(h.series["tokens_per_s"]) == 1 and len(h.series["queue"]) == 3
     h.add(restarted)  # the same snapshot again: the clock did not move
     assert len(h.series["tokens_per_s"]) == 1
+
+
+def test_mixes_are_summed_up_once_a_request_named_one(stream):
+    eng = copy.deepcopy(stream[-1]["engine"])
+    assert model.mix_summary(eng) == ""
+    eng["mixes"] = {"requests": 4, "adapters": 10, "by_size": {"2": 2, "3": 2}, "running": 1, "waiting": 2}
+    assert model.mix_summary(eng) == "mixes: 1 running, 2 waiting, 4 so far (2.5 adapters each)"
