@@ -5,13 +5,16 @@ free of torch.
 """
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "Mix", "__version__"]
 
 
 def __getattr__(name):
     if name == "Engine":
         from lorafleet.engine.engine import Engine
         return Engine
+    if name == "Mix":  # torch-free
+        from lorafleet.lora.mix import Mix
+        return Mix
     if name in ("SamplingParams", "RequestOutput"):
         from lorafleet.engine import request
         return getattr(request, name)
