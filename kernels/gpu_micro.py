@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from lorafleet.kernels import reference
-from lorafleet.kernels.reference import lora_entry
+from lorafleet.kernels.reference import lora_entry, scale_bits
 from lorafleet.lora.adapter import BaseShapes
 from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS, group_widths
 from lorafleet.memory.kv import kv_page_elems
@@ -88,7 +88,8 @@ ALL7 = tuple(m for modules in GROUPS.values() for m in modules)
 @dataclass
 class Case:
     """One layer's LoRA work for a set of adapters over a flat batch: per group (x, out) and the
-    segments [S, 3]; `moved` the bytes the op must read and write."""
+    segments [S, SEG_FIELDS] (each a segment alone: scale 1, mix 1); `moved` the bytes the op must
+    read and write."""
 
     name: str
     groups: tuple[str, ...]
@@ -135,7 +136,7 @@ def make_case(name: str, shape: ModelShape, ranks: list[int], targets: tuple[str
     segs = []
     for s, n in enumerate(rows):  # a captured step splits each segment into runs of SEGMENT_ROWS
         for lo in range(int(starts[s]), int(starts[s + 1]), SEGMENT_ROWS):
-            segs.append((lo, min(lo + SEGMENT_ROWS, int(starts[s + 1])), pool.tables[s]))
+            segs.append((lo, min(lo + SEGMENT_ROWS, int(starts[s + 1])), pool.tables[s], scale_bits(1.0), 1))
     T = int(starts[-1])
     g = torch.Generator(device="cpu").manual_seed(1)
     xs, outs, moved = {}, {}, 0

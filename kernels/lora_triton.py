@@ -1,9 +1,12 @@
 """The GPU LoRA kernels: many adapters of mixed ranks in one op per projection group, each rank
 row read as contiguous vectors straight from the pool's pages through its adapter's row table.
 
-Semantics (identical to `reference.lora`): for every segment s, row i in [seg[s, 0], seg[s, 1])
-and module slot m < slots whose rank r > 0 in the row table at seg[s, 2]:
-    out[i, col : col + n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s)
+Semantics (identical to `reference.lora`): `seg` [S, SEG_FIELDS] holds (start, end, table,
+scale, mix) per segment; a mix (a request on several adapters) is a run of segments over the same
+rows, `mix` n >= 1 on its first (its lead; a plain segment is a mix of one), -j on its j-th
+follower. For every mix, row i in [start, end) and module slot m < slots:
+    out[i, col : col + n_out] += sum over the mix's segments s whose rank r > 0 in the row table
+                                 at seg[s, 2] of scale(s) * (x[i] @ A_m(s)^T) @ Bt_m(s)
 accumulated in fp32 and rounded once to out's dtype. Rows in no segment are untouched: a request
 without an adapter pays nothing. A program finds its segment's table (one int64 load), the
 slot's fields (r, n_out, col, rows: one 32-byte load) and the pointers of the rank rows it reads
@@ -16,17 +19,28 @@ host sync), so the op can be captured in a CUDA graph; `engine/graphs.py` sizes 
 the step (segment and rank buckets). Loops run to each slot's true rank: a rank-8 adapter beside
 a rank-256 one reads 8 rows, and programs past a segment's end or a slot's rank return at once.
 
+A mix is one adapter whose rank rows are its members' side by side, each member's scaled (the
+scale multiplies the fp32 shrink, as the reference does), so `max_rank` bounds the largest sum of
+a mix's ranks for one slot. Its lead's programs do its work, summing its deltas in fp32 into one
+tile that joins out once; a follower's programs return at once, and no program waits on another.
+
 Two designs behind the one contract, chosen by `Config.design` (`CONFIG`, the engine's):
   "split"  shrink: grid (S * slots, row blocks, rank blocks * splits); each program reduces
-           `k_split` of the `in` columns for up to BLOCK_R rank rows into its own partial
-           t[split, row, slot, k] (fp32); expand: grid (S * slots, row blocks, column blocks),
-           each program sums the partials of its rows (a fixed order: the same bits every run),
-           times Bt's rows over its columns, into out. Two launches, no zeroing, no atomics.
+           `k_split` of the `in` columns for up to BLOCK_R rank rows of its mix (rank row k:
+           the member whose rows hold k, its pointers and scale found by a loop over the
+           members) into its own partial t[split, row, slot, k] (fp32, scaled), and lists for
+           the expand, per lead and slot, the mix's rank, n_out, col and Bt row pointers
+           (`MIX_HEAD`); expand: grid (S * slots, row blocks, column blocks), each program
+           sums the partials of its rows (a fixed order: the same bits every run), times the
+           listed Bt rows over its columns, into out: no loop over the members (any other loop
+           beside its rank loop made ptxas spill registers). Two launches, no zeroing, no
+           atomics.
   "fused"  one launch, grid (S * slots, row blocks, column blocks): each program computes its
-           rows' shrink over all of `in`, FUSED_RANK_BLOCK rank rows at a time, and multiplies it
-           into its columns of Bt at once; every column block recomputes the shrink (A re-read
-           from L2), in exchange for half the launches and no scratch. For row blocks of 16 (a
-           decode step's segments); longer segments take the split kernels.
+           rows' shrink over all of `in`, FUSED_RANK_BLOCK rank rows of one member at a time
+           (one loop over the blocks of the members in turn), scales it and multiplies it into
+           its columns of that member's Bt at once; every column block recomputes the shrink (A
+           re-read from L2), in exchange for half the launches and no scratch. For row blocks
+           of 16 (a decode step's segments); longer segments take the split kernels.
 `kernels/gpu_micro.py` times both, each configuration of the candidates in `CANDIDATES`,
 against the device's copy bandwidth and a vectorized read of the same bytes; `CONFIG` is what
 it measured fastest (until a GPU run says otherwise: "split", the form of the previous kernels).
@@ -47,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.reference import ROW_ALIGN, TABLE_FIELDS, as_int64
+from lorafleet.kernels.reference import ROW_ALIGN, SEG_FIELDS, TABLE_FIELDS, as_int64
 
 
 @dataclass(frozen=True)
@@ -71,9 +85,13 @@ CANDIDATES = (CONFIG, Config(k_split=512), Config(k_split=1024), Config(block_n=
 PREFILL_BLOCK_N = 64   # output columns per expand program at row blocks over 16 (more spill registers)
 PREFILL_RANK_BLOCK = 32  # rank rows per expand iteration at row blocks over 16 (more spill registers)
 FUSED_RANK_BLOCK = 16  # rank rows per iteration of the fused kernel (more spill registers)
+MIX_HEAD = 4  # "split": a mix's list (per lead and slot) is its rank, n_out, col, a pad, then its Bt rows
 
 
 _ALIGN = tl.constexpr(ROW_ALIGN)
+_SEG = tl.constexpr(SEG_FIELDS)
+_FIELDS = tl.constexpr(TABLE_FIELDS)
+_HEAD = tl.constexpr(MIX_HEAD)
 
 
 def _block(n: int, lo: int, hi: int) -> int:
@@ -81,16 +99,28 @@ def _block(n: int, lo: int, hi: int) -> int:
 
 
 @triton.jit
-def _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M: tl.constexpr):
-    """This program's segment's rows [row0, end) (axis 1 picks the row block), its slot m (axis 0
-    is s * M + m), where its row table's index is, and the offset in it of the slot's fields
-    (r, n_out, col, a_rows, b_rows)."""
+def _slot(seg_ptr, ENTRY, M, BLOCK_M: tl.constexpr):
+    """This program's segment s and slot m (axis 0 is s * M + m), its rows [row0, end) (axis 1
+    picks the row block) and the offset in a row table of the slot's fields (r, n_out, col,
+    a_rows, b_rows)."""
     pid = tl.program_id(0)
     s = pid // M
     m = pid % M
-    row0 = tl.load(seg_ptr + 3 * s) + tl.program_id(1) * BLOCK_M
-    end = tl.load(seg_ptr + 3 * s + 1)
-    return m, row0, end, seg_ptr + 3 * s + 2, ENTRY + m * 5
+    row0 = tl.load(seg_ptr + _SEG * s) + tl.program_id(1) * BLOCK_M
+    end = tl.load(seg_ptr + _SEG * s + 1)
+    return s, m, row0, end, ENTRY + m * _FIELDS
+
+
+@triton.jit
+def _fields(seg_ptr, wi_ptr, p, f):
+    """The address of segment p's slot fields: offset f in the row table at seg[p, 2]."""
+    return wi_ptr + tl.load(seg_ptr + _SEG * p + 2) + f
+
+
+@triton.jit
+def _scale(seg_ptr, p):
+    """Segment p's scale: the fp32 whose bits its int64 field holds."""
+    return tl.load(seg_ptr + _SEG * p + 3).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -113,33 +143,61 @@ def _shrink_tile(x_ptr, w_ptr, aptr, rows, rmask, kmask, c_lo, c_hi, IN, stride_
 
 
 @triton.jit
-def _row_ptrs(wi_ptr, at, ks, kmask):
-    """Element offsets of rank rows `ks` from the pointer list at int64 index `at`."""
-    return tl.multiple_of(tl.load(wi_ptr + at + ks, mask=kmask, other=0), _ALIGN)
+def _row_ptrs(list_ptr, at, kmask):
+    """Element offsets of rank rows whose pointers are at indices `at` (a vector) of list_ptr."""
+    return tl.multiple_of(tl.load(list_ptr + at, mask=kmask, other=0), _ALIGN)
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, w_ptr, wi_ptr, t_ptr, seg_ptr, ENTRY, M, IN, stride_x, T, RMAX, RANK_BLOCKS,
+def _shrink_kernel(x_ptr, w_ptr, wi_ptr, t_ptr, mix_ptr, seg_ptr, ENTRY, M, IN, stride_x, T, RMAX, RANK_BLOCKS,
                    UPCAST: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_R: tl.constexpr):
-    m, row0, end, table, f = _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M)
-    if row0 >= end:
+    s, m, row0, end, f = _slot(seg_ptr, ENTRY, M, BLOCK_M)
+    n = tl.load(seg_ptr + _SEG * s + 4)
+    if (row0 >= end) | (n < 1):  # a follower's rank rows are its lead's programs'
         return
-    fields = wi_ptr + tl.load(table) + f
-    r = tl.minimum(tl.load(fields), RMAX)  # a max_rank below the true rank: wrong, never out of bounds
     pid = tl.program_id(2)
     k0 = (pid % RANK_BLOCKS) * BLOCK_R
     split = pid // RANK_BLOCKS
+    # the mix as one adapter, its members' rank rows side by side, shrunk by its lead's programs:
+    # each block of t starts aligned (a follower's programs storing at its offset in the mix made
+    # the stores scalar: far more registers). Rank row k's A and Bt pointers and scale are those
+    # of the member whose rows hold k.
+    ks = k0 + tl.arange(0, BLOCK_R)
+    a_at = tl.zeros([BLOCK_R], tl.int64)
+    b_at = tl.zeros([BLOCK_R], tl.int64)
+    scale = tl.zeros([BLOCK_R], tl.float32)
+    off = tl.zeros([], tl.int64)
+    n_out = tl.zeros([], tl.int64)
+    col = tl.zeros([], tl.int64)
+    for p in range(s, s + n):
+        fields = _fields(seg_ptr, wi_ptr, p, f)
+        rank = tl.load(fields)
+        mine = (ks >= off) & (ks < off + rank)
+        a_at = tl.where(mine, tl.load(fields + 3, mask=rank > 0, other=0) - off + ks, a_at)
+        b_at = tl.where(mine, tl.load(fields + 4, mask=rank > 0, other=0) - off + ks, b_at)
+        scale = tl.where(mine, _scale(seg_ptr, p), scale)
+        off += rank
+        n_out = tl.maximum(n_out, tl.load(fields + 1, mask=rank > 0, other=0))  # a member without the
+        col = tl.maximum(col, tl.load(fields + 2, mask=rank > 0, other=0))      # slot has zeros there
+    r = tl.minimum(off, RMAX)  # a max_rank below the true rank: wrong, never out of bounds
+    head = mix_ptr + (s * M + m) * (_HEAD + RMAX)
+    first = tl.program_id(1) == 0
+    if first & (pid == 0):  # the expand's: the mix's rank, n_out, col
+        tl.store(head, r)
+        tl.store(head + 1, n_out)
+        tl.store(head + 2, col)
     if k0 >= r:
         return
-    ks = k0 + tl.arange(0, BLOCK_R)
     kmask = ks < r
-    aptr = _row_ptrs(wi_ptr, tl.load(fields + 3), ks, kmask)  # A's rows
+    if first & (split == 0):  # the expand's: the mix's Bt row pointers
+        tl.store(head + _HEAD + ks, tl.load(wi_ptr + b_at, mask=kmask), mask=kmask)
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < end
     c_lo = split * K_SPLIT
-    acc = _shrink_tile(x_ptr, w_ptr, aptr, rows, rmask, kmask, c_lo, tl.minimum(c_lo + K_SPLIT, IN), IN, stride_x,
-                       UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+    acc = _shrink_tile(x_ptr, w_ptr, _row_ptrs(wi_ptr, a_at, kmask), rows, rmask, kmask, c_lo,
+                       tl.minimum(c_lo + K_SPLIT, IN), IN, stride_x, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+    acc *= scale[None, :]  # the scale on the shrink, as the reference: r products per row, not n_out
     tptr = t_ptr + ((split * T + rows[:, None].to(tl.int64)) * M + m) * RMAX + ks[None, :]
     tl.store(tptr, acc, mask=rmask[:, None] & kmask[None, :])
 
@@ -153,41 +211,42 @@ def _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out):
 
 
 @triton.jit
-def _out_tile(seg_ptr, wi_ptr, ENTRY, M, RMAX, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """An expand (or fused) program's slot m, its fields' address, its rank, whether it has work
-    (rows of its segment, rank > 0, columns below n_out: an empty segment's table is not read),
-    and its output tile: the column offset, its rows and columns, their masks, and `bmask`, the
-    columns of Bt it reads: up to n_out rounded up to ROW_ALIGN (the padding is inside the row's
-    aligned stride, in its page), a mask constant over each aligned vector, so the compiler
-    issues 16-byte loads; the columns past n_out are never stored."""
-    m, row0, end, table, f = _slot(seg_ptr, wi_ptr, ENTRY, M, BLOCK_M)
-    fields = wi_ptr + tl.load(table, mask=row0 < end, other=0) + f
-    r = tl.minimum(tl.load(fields, mask=row0 < end, other=0), RMAX)
-    n_out = tl.load(fields + 1, mask=r > 0, other=0)
+def _out_tile(row0, end, n_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """An expand (or fused) program's output tile: whether it has columns (below n_out), its
+    rows and columns, their masks, and `bmask`, the columns of Bt it reads: up to n_out rounded
+    up to ROW_ALIGN (the padding is inside the row's aligned stride, in its page), a mask
+    constant over each aligned vector, so the compiler issues 16-byte loads; the columns past
+    n_out are never stored."""
     n0 = tl.program_id(2) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
     ns = n0 + tl.arange(0, BLOCK_N)
     bmask = ns < (n_out + _ALIGN - 1) // _ALIGN * _ALIGN
-    live = (row0 < end) & (n0 < n_out)
-    return m, fields, r, live, tl.load(fields + 2, mask=live, other=0), rows, rows < end, ns, ns < n_out, bmask
+    return n0 < n_out, rows, rows < end, ns, ns < n_out, bmask
 
 
 @triton.jit
-def _times_bt(acc, t, w_ptr, wi_ptr, b_rows, ks, kmask, ns, bmask):
-    """acc + t @ Bt[ks, ns] (fp32), Bt's rows through their pointers."""
-    bptr = _row_ptrs(wi_ptr, b_rows, ks, kmask)
+def _times_bt(acc, t, w_ptr, list_ptr, b_at, kmask, ns, bmask):
+    """acc + t @ Bt[ks, ns] (fp32), Bt's rows through their pointers at indices b_at of list_ptr."""
+    bptr = _row_ptrs(list_ptr, b_at, kmask)
     bt = tl.load(w_ptr + bptr[:, None] + ns[None, :], mask=kmask[:, None] & bmask[None, :], other=0.0)
     return acc + tl.dot(t, bt.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
-def _expand_kernel(t_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
+def _expand_kernel(t_ptr, mix_ptr, w_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    m, fields, r, live, col, rows, rmask, ns, nmask, bmask = _out_tile(seg_ptr, wi_ptr, ENTRY, M, RMAX, BLOCK_M,
-                                                                       BLOCK_N)
+    # a mix as one adapter: the shrink listed its rank, n_out, col and its members' Bt rows side
+    # by side for its lead. No loop over the members here: any loop besides the rank loop made
+    # ptxas spill registers
+    s, m, row0, end, _ = _slot(seg_ptr, ENTRY, M, BLOCK_M)
+    lead = (row0 < end) & (tl.load(seg_ptr + _SEG * s + 4) >= 1)  # a follower's work is its lead's
+    head = mix_ptr + (s * M + m) * (_HEAD + RMAX)
+    r = tl.load(head, mask=lead, other=0)
+    live, rows, rmask, ns, nmask, bmask = _out_tile(row0, end, tl.load(head + 1, mask=lead, other=0), BLOCK_M,
+                                                    BLOCK_N)
     if not live:
         return
-    b_rows = tl.load(fields + 4)
+    col = tl.load(head + 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, r, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -197,27 +256,71 @@ def _expand_kernel(t_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, str
         tt = tl.load(tptr, mask=tmask, other=0.0)
         for split in range(1, SPLITS):  # the shrink's partials, in a fixed order
             tt += tl.load(tptr + split * T * M * RMAX, mask=tmask, other=0.0)
-        acc = _times_bt(acc, tt, w_ptr, wi_ptr, b_rows, ks, kmask, ns, bmask)
+        acc = _times_bt(acc, tt, w_ptr, head + _HEAD, ks, kmask, ns, bmask)
     _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out)
+
+
+@triton.jit
+def _member(seg_ptr, wi_ptr, p, f, off, RMAX, live):
+    """Segment p's fields for the slot at f (none read unless `live`): its rank, its rank rows
+    within max_rank (RMAX - off: the rows of the mix's members before it come first), the int64
+    indices of its A's and Bt's row pointers and its scale."""
+    fields = wi_ptr + tl.load(seg_ptr + _SEG * p + 2, mask=live, other=0) + f
+    rank = tl.load(fields, mask=live, other=0)
+    r = tl.minimum(rank, RMAX - off)
+    a_rows = tl.load(fields + 3, mask=live & (r > 0), other=0)
+    b_rows = tl.load(fields + 4, mask=live & (r > 0), other=0)
+    scale = tl.load(seg_ptr + _SEG * p + 3, mask=live, other=0).to(tl.int32).to(tl.float32, bitcast=True)
+    return rank, r, a_rows, b_rows, scale
 
 
 @triton.jit
 def _fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x, stride_out, RMAX,
                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_N: tl.constexpr):
-    m, fields, r, live, col, rows, rmask, ns, nmask, bmask = _out_tile(seg_ptr, wi_ptr, ENTRY, M, RMAX, BLOCK_M,
-                                                                       BLOCK_N)
+    s, _, row0, end, f = _slot(seg_ptr, ENTRY, M, BLOCK_M)
+    n = tl.load(seg_ptr + _SEG * s + 4, mask=row0 < end, other=0)  # a follower's work is its lead's
+    # the mix's n_out and col (from its members with the slot: one without it has zeros there)
+    # and its steps: the blocks of BLOCK_R rank rows of each member, one at least each
+    steps = tl.zeros([], tl.int64)
+    off = tl.zeros([], tl.int64)
+    n_out = tl.zeros([], tl.int64)
+    col = tl.zeros([], tl.int64)
+    for p in range(s, s + n):
+        fields = _fields(seg_ptr, wi_ptr, p, f)
+        rank = tl.load(fields)
+        steps += tl.maximum(tl.cdiv(tl.minimum(rank, RMAX - off), BLOCK_R), 1)
+        off += rank
+        n_out = tl.maximum(n_out, tl.load(fields + 1, mask=rank > 0, other=0))
+        col = tl.maximum(col, tl.load(fields + 2, mask=rank > 0, other=0))
+    live, rows, rmask, ns, nmask, bmask = _out_tile(row0, end, n_out, BLOCK_M, BLOCK_N)
     if not live:
         return
-    a_rows = tl.load(fields + 3)
-    b_rows = tl.load(fields + 4)
+    # one loop over the mix's blocks, member after member, its state advanced at each step: a
+    # loop over the members around a rank loop spilled registers (ptxas)
+    p = s + tl.zeros([], tl.int64)
+    k0 = tl.zeros([], tl.int64)
+    off = tl.zeros([], tl.int64)
+    rank, r, a_rows, b_rows, scale = _member(seg_ptr, wi_ptr, p, f, off, RMAX, True)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, r, BLOCK_R):
-        ks = k0 + tl.arange(0, BLOCK_R)
-        kmask = ks < r
-        t = _shrink_tile(x_ptr, w_ptr, _row_ptrs(wi_ptr, a_rows, ks, kmask), rows, rmask, kmask, 0, IN, IN, stride_x,
-                         UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
-        acc = _times_bt(acc, t, w_ptr, wi_ptr, b_rows, ks, kmask, ns, bmask)
+    for _ in range(steps):
+        if r > 0:  # a member without the slot (or past max_rank) takes a step of no work
+            ks = k0 + tl.arange(0, BLOCK_R)
+            kmask = ks < r
+            t = _shrink_tile(x_ptr, w_ptr, _row_ptrs(wi_ptr, a_rows + ks, kmask), rows, rmask, kmask, 0, IN, IN,
+                             stride_x, UPCAST, BLOCK_M, BLOCK_K, BLOCK_R)
+            acc = _times_bt(acc, t * scale, w_ptr, wi_ptr, b_rows + ks, kmask, ns, bmask)
+        k0 += BLOCK_R
+        nxt = k0 >= r  # on to the next member's first block
+        off = tl.where(nxt, off + rank, off)
+        p = tl.where(nxt, p + 1, p)
+        k0 = tl.where(nxt, 0, k0)
+        rank2, r2, a2, b2, scale2 = _member(seg_ptr, wi_ptr, p, f, off, RMAX, nxt & (p < s + n))
+        rank = tl.where(nxt, rank2, rank)
+        r = tl.where(nxt, r2, r)
+        a_rows = tl.where(nxt, a2, a_rows)
+        b_rows = tl.where(nxt, b2, b_rows)
+        scale = tl.where(nxt, scale2, scale)
     _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out)
 
 
@@ -233,33 +336,40 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def _max_rank(w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> int:
-    """The largest rank the segments' tables hold for these slots (a host sync)."""
+    """The largest sum of ranks one mix's tables hold for one of these slots (a host sync)."""
     wi = as_int64(w)
-    live = seg[seg[:, 1] > seg[:, 0]]
+    live = torch.nonzero(seg[:, 1] > seg[:, 0]).flatten()
     if not len(live):
         return 0
-    idx = live[:, 2:3] + entry + TABLE_FIELDS * torch.arange(slots, device=seg.device)
-    return int(wi[idx].max())
+    ranks = wi[seg[live, 2:3] + entry + TABLE_FIELDS * torch.arange(slots, device=seg.device)]  # [L, slots]
+    lead = live + seg[live, 4].clamp(max=0)  # a follower's mix is -j: its lead is j segments up
+    sums = torch.zeros(seg.shape[0], slots, dtype=ranks.dtype, device=seg.device).index_add_(0, lead, ranks)
+    return int(sums.max())
 
 
 def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int,
          max_rows: int | None = None, max_rank: int | None = None, max_n_out: int | None = None,
          config: Config | None = None) -> None:
-    """out[i, col:col+n_out] += (x[i] @ A_m(s)^T) @ Bt_m(s) for every segment row and module slot
-    (see the module docstring). x: [T, in], out: [T, N] (row-strided views allowed, unit column
-    stride), w: the flat pool [pages * page_elems], all one dtype (fp32, bf16, fp16); seg [S, 3]
-    int64 on x's device; entry, slots: the group's fields in the row tables.
+    """out[i, col:col+n_out] += the sum over a mix's segments s of scale(s) * (x[i] @ A_m(s)^T) @
+    Bt_m(s), for every row of every mix (a plain segment: a mix of one) and module slot (see the
+    module docstring). x: [T, in], out: [T, N] (row-strided views allowed, unit column stride),
+    w: the flat pool [pages * page_elems], all one dtype (fp32, bf16, fp16); seg [S, SEG_FIELDS]
+    int64 (start, end, table, scale, mix) on x's device; entry, slots: the group's fields in the
+    row tables.
 
-    max_rows (the longest segment), max_rank (the largest r) and max_n_out (the widest slot's
-    output: N when None) are read from the data when None (a host sync); passed explicitly (any
-    upper bounds), the launch depends only on them and the op is CUDA-graph capturable. Bounds
-    below the data's give wrong results (rows past max_rows and ranks past max_rank are skipped),
-    never out-of-bounds accesses."""
+    max_rows (the longest segment), max_rank (the largest sum of a mix's ranks for one slot: its
+    members' rank rows side by side) and max_n_out (the widest slot's output: N when None) are
+    read from the data when None (a host sync); passed explicitly (any upper bounds), the launch
+    depends only on them and the op is CUDA-graph capturable. Bounds below the data's give wrong
+    results (rows past max_rows and a mix's rank rows past max_rank are skipped), never
+    out-of-bounds accesses."""
     cfg = config or CONFIG
     if not (x.dtype == out.dtype == w.dtype):
         raise TypeError(f"lora: x, out and w must share a dtype (got {x.dtype}, {out.dtype}, {w.dtype})")
     if x.stride(1) != 1 or out.stride(1) != 1 or not w.is_contiguous():
         raise ValueError("lora: x and out need unit column stride, w must be contiguous")
+    if seg.dim() != 2 or seg.shape[1] != SEG_FIELDS or seg.dtype != torch.int64:
+        raise ValueError(f"lora: seg must be [S, {SEG_FIELDS}] int64 (got {tuple(seg.shape)} {seg.dtype})")
     S = seg.shape[0]
     T, IN = x.shape
     if S == 0 or slots == 0 or T == 0:
@@ -291,10 +401,11 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     k_split = max(block_k, cfg.k_split)
     splits = triton.cdiv(IN, k_split)
     t = torch.empty(splits, T, slots, rmax, dtype=torch.float32, device=x.device)
+    mixes = torch.empty(S, slots, MIX_HEAD + rmax, dtype=torch.int64, device=x.device)  # the shrink's lists
     _shrink_kernel[(S * slots, row_blocks, rank_blocks * splits)](
-        x, w, wi, t, seg, entry, slots, IN, x.stride(0), T, rmax, rank_blocks,
+        x, w, wi, t, mixes, seg, entry, slots, IN, x.stride(0), T, rmax, rank_blocks,
         UPCAST=upcast, K_SPLIT=k_split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=cfg.warps)
     _expand_kernel[(S * slots, row_blocks, col_blocks)](
-        t, w, wi, out, seg, entry, slots, splits, out.stride(0), T, rmax,
+        t, mixes, w, out, seg, entry, slots, splits, out.stride(0), T, rmax,
         BLOCK_M=block_m, BLOCK_K=block_r if block_m == 16 else min(block_r, PREFILL_RANK_BLOCK), BLOCK_N=block_n,
         num_warps=cfg.warps)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from lorafleet.kernels import gpu_micro, gpu_micro_quant
+from lorafleet.kernels.reference import scale_bits
 
 
 def test_the_microbenchmark_writes_every_case_with_its_ceiling_and_parity(tmp_path):
@@ -27,7 +28,7 @@ def test_the_case_bytes_are_the_adapters_rows_and_the_activations():
     rows = 16 * (h + h) + 16 * (h + kv)                           # q and v, A and Bt
     activations = 3 * h + 2 * 3 * (h + 2 * kv)                    # x read, out read and written
     assert case.moved == 4 * (rows + activations)
-    assert case.seg.tolist() == [[0, 3, pool.tables[0]]]
+    assert case.seg.tolist() == [[0, 3, pool.tables[0], scale_bits(1.0), 1]]
 
 
 def test_the_quantized_microbenchmark_writes_every_projection_and_form(tmp_path):

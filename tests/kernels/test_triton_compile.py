@@ -33,8 +33,8 @@ from triton.compiler import ASTSource
 from lorafleet.kernels import attention_triton as A, lora_triton as L
 
 
-INDEX = ("seg_ptr", "wi_ptr", "tables_ptr", "pages_ptr", "offsets_ptr", "lens_ptr", "q_start_ptr", "q_len_ptr",
-         "start_pos_ptr")
+INDEX = ("seg_ptr", "wi_ptr", "mix_ptr", "tables_ptr", "pages_ptr", "offsets_ptr", "lens_ptr", "q_start_ptr",
+         "q_len_ptr", "start_pos_ptr")
 
 # what a launch specializes: 16-byte aligned tensors and ints that are multiples of 16 (as the
 # engine's are), unit strides (constants)

@@ -50,7 +50,7 @@ def check_lora(case, design="split", **bounds):
         # fp32 sums in another order (the interpreter's matmuls on this CPU): within 1e-5 of the
         # sum of the terms' magnitudes, which a rank-256 row exceeds by far its absolute 1e-5
         mag = case.base.abs()
-        reference.lora(case.x.abs(), mag, _abs_weights(case), case.seg, case.entry, case.slots)
+        reference.lora(case.x.abs(), mag, _abs_weights(case), _abs_scales(case.seg), case.entry, case.slots)
         assert ((got - ref).abs() <= 1e-5 * mag).all(), (got - ref).abs().max().item()
     else:
         torch.testing.assert_close(got.float(), ref.float(), **TOL[case.x.dtype])
@@ -58,11 +58,18 @@ def check_lora(case, design="split", **bounds):
     return got
 
 
+def _abs_scales(seg):
+    """The segments with each scale's magnitude (its fp32 sign bit cleared)."""
+    seg = seg.clone()
+    seg[:, 3] &= 0x7FFFFFFF
+    return seg
+
+
 def _abs_weights(case):
     """The pool with every weight's magnitude (its row tables kept: they are int64 words, not weights)."""
     w = case.w.clone()
     wi = reference.as_int64(case.w)
-    for _, end, table in case.seg.tolist():
+    for _, end, table, _, _ in case.seg.tolist():
         for m in range(case.slots):
             r, n_out, _, a_rows, b_rows = wi[table + case.entry + 5 * m:][:5].tolist()
             for ptrs, n in ((wi[a_rows:a_rows + r], case.x.shape[1]), (wi[b_rows:b_rows + r], n_out)):
@@ -143,7 +150,8 @@ def test_lora_without_adapters_changes_nothing(design):
     got = case.base.clone()
     lora_triton.lora(case.x, got, case.w, case.seg[:0], case.entry, case.slots, config=config)
     lora_triton.lora(case.x, got, case.w, case.seg[:0], case.entry, case.slots, 8, 16, config=config)
-    padding = torch.zeros(4, 3, dtype=torch.long, device=DEVICE)  # a captured step's unused segments
+    # a captured step's unused segments: all-zero rows (end <= start, mix 0)
+    padding = torch.zeros(4, reference.SEG_FIELDS, dtype=torch.long, device=DEVICE)
     lora_triton.lora(case.x, got, case.w, padding, case.entry, case.slots, 16, 16, config=config)
     assert torch.equal(got, case.base)
     # segments whose adapters lack every module of the group, and empty segments
@@ -160,6 +168,126 @@ def test_lora_static_bounds_larger_than_needed_give_the_same_result(design):
     first = check_lora(case, design)
     second = check_lora(case, design, max_rows=40, max_rank=200, max_n_out=64)
     torch.testing.assert_close(second, first, atol=1e-6, rtol=1e-6)
+
+
+# -- mixes: one request on several adapters, each delta scaled, summed and added once ----------
+
+def check_mix(case, design, dtype, **bounds):
+    """check_lora, and the result against the dense matrices' (summed in float64, in x's dtype)."""
+    got = check_lora(case, design, **bounds)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got.float(), case.expected.float(), **tol)
+    return got
+
+
+def stored(t32, dtype):
+    """fp32 values as the kernels' last store rounds them to `dtype`: to nearest even, but the
+    interpreter's fp32 -> bf16 cast truncates (it drops the low 16 bits)."""
+    if dtype == torch.bfloat16 and os.environ["TRITON_INTERPRET"] not in ("", "0"):
+        return (t32.contiguous().view(torch.int32) & -(1 << 16)).view(torch.float32).to(dtype)
+    return t32.to(dtype)
+
+
+def rounded_once(case):
+    """The reference's fp32 sum (out + the mix's summed deltas: it adds them to an fp32 out as
+    is), stored as the kernels store it."""
+    out = case.base.float()
+    reference.lora(case.x, out, case.w, case.seg, case.entry, case.slots)
+    return stored(out, case.base.dtype)
+
+
+def rounded_per_member(case):
+    """Each of a mix's segments applied as a segment alone, one after another: each member's
+    delta rounded into out on its own (what summing once must not do)."""
+    out = case.base.clone()
+    for row in case.seg.tolist():
+        out32 = out.float()
+        one = torch.tensor([row[:4] + [1]], dtype=torch.long, device=DEVICE)
+        reference.lora(case.x, out32, case.w, one, case.entry, case.slots)
+        out = stored(out32, out.dtype)
+    return out
+
+
+# adapters (ranks per slot of the qkv group) and mixes of them ((adapter, scale) each)
+MIX_RANKS = [[8, 3, 16], [24, 24, 24], [1, 0, 5], [64, 8, 0], [3, 3, 3]]
+MIXES = [[(0, 1.0)],                             # a plain segment
+         [(1, 0.5), (2, -1.25)],                 # two adapters, a negative scale
+         [(3, 1.0)],
+         [(0, 0.0), (4, 2.0), (1, -0.75)],       # three, one of them at scale 0
+         [(4, 1.0), (3, 1.0)],                   # empty (0 rows)
+         [(2, 0.3)],                             # a segment alone with a scale
+         [(3, 0.3), (4, 1.0), (0, 1.5)],         # ranks 64 + 3 + 8 in slot 0: past one rank block of 64
+         [(1, 1.0), (1, 1.0)]]                   # the same adapter twice
+MIX_ROWS = [1, 3, 2, 1, 0, 5, 4, 1]
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_mixes_of_adapters_of_different_ranks_and_scales(design, dtype):
+    case = lora_case(41, 48, [32, 16, 24], MIX_RANKS, MIX_ROWS, dtype=dtype, mixes=MIXES)
+    assert case.seg[:, 4].tolist() == [1, 2, -1, 1, 3, -1, -2, 2, -1, 1, 3, -1, -2, 2, -1]
+    # the host's bound: the largest sum of one mix's ranks in one slot (64 + 3 + 8)
+    assert lora_triton._max_rank(case.w, case.seg, case.entry, case.slots) == 75
+    check_mix(case, design, dtype)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_mix_members_without_some_modules(design, dtype):
+    # a member lacking a slot has zeros for its fields there: n_out and col come from the others
+    ranks = [[8, 0, 0], [0, 5, 0], [0, 0, 0], [3, 0, 7]]
+    mixes = [[(0, 1.0), (1, 0.5)],                # slot 2 in no member: its columns untouched
+             [(2, 1.0), (3, -1.0)],               # a lead with no module of the group
+             [(1, 1.0), (2, 2.0), (0, -0.5)],     # slot 1 only from the first, slot 0 only from the last
+             [(2, 1.0), (2, 0.5)]]                # no member with any module: nothing changes
+    case = lora_case(42, 40, [32, 16, 24], ranks, [2, 3, 1, 2], dtype=dtype, mixes=mixes)
+    got = check_mix(case, design, dtype)
+    start, end = case.seg[0, :2].tolist()
+    assert torch.equal(got[start:end, 48:], case.base[start:end, 48:])
+    start, end = case.seg[-1, :2].tolist()
+    assert torch.equal(got[start:end], case.base[start:end])
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_lora_mix_in_bf16_is_rounded_once(design):
+    # the mix's deltas summed in fp32 and rounded into out once: the reference's bits (up to how
+    # the store rounds: check_lora compares bf16 within a tolerance because the interpreter's
+    # store truncates), which rounding each member's delta into out in turn does not give
+    case = lora_case(43, 48, [32, 16, 24], MIX_RANKS, MIX_ROWS, dtype=torch.bfloat16, mixes=MIXES)
+    got = case.base.clone()
+    lora_triton.lora(*case.args(got), config=DESIGNS[design])
+    once = rounded_once(case)
+    assert torch.equal(got, once)
+    assert (rounded_per_member(case) != once).sum() > 50
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_prefill_length_mixes(design, dtype):
+    # 40 rows: row blocks over 16 (the split kernels for either design, their prefill blocks);
+    # in = k_split + 40: two shrink programs write partials of each rank block of a mix
+    fan_in = lora_triton.CONFIG.k_split + 40
+    ranks = [[40, 3, 16], [8, 0, 24], [5, 17, 0]]
+    mixes = [[(0, 0.5), (1, -1.0)], [(2, 1.0)], [(1, 2.0), (2, 1.0), (0, 0.25)]]
+    case = lora_case(44, fan_in, [32, 16, 24], ranks, [40, 3, 21], dtype=dtype, mixes=mixes, E=2048)
+    check_mix(case, design, dtype)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_mixes_under_static_bounds_larger_than_needed(design, dtype):
+    case = lora_case(45, 48, [32, 16, 24], MIX_RANKS, MIX_ROWS, dtype=dtype, mixes=MIXES)
+    first = check_mix(case, design, dtype)
+    second = check_mix(case, design, dtype, max_rows=16, max_rank=256, max_n_out=64)
+    third = check_mix(case, design, dtype, max_rows=40, max_rank=96, max_n_out=32)
+    torch.testing.assert_close(second, first, **TOL[dtype])
+    torch.testing.assert_close(third, first, **TOL[dtype])
+
+
+def test_lora_takes_segments_of_seg_fields_only():
+    case = lora_case(1, 32, [32, 16], [[4, 4]], [3])
+    with pytest.raises(ValueError, match=f"\\[S, {reference.SEG_FIELDS}\\]"):
+        lora_triton.lora(case.x, case.base.clone(), case.w, case.seg[:, :3], case.entry, case.slots)
 
 
 # -- paged attention --------------------------------------------------------------------------
