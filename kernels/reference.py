@@ -233,13 +233,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
 #   entry   the int64 offset, inside a row table, of the group's first module slot in this layer;
 #           `slots` module slots (the group's own) follow, TABLE_FIELDS apart
 # A row table (built when the adapter's pages are assigned: `memory/layout.py`) holds per (layer,
-# group, slot) the fields (r, n_out, col, a_rows, b_rows): r == 0 when the adapter lacks that
-# module; a_rows and b_rows are the int64 indices of r row pointers each, pool element offsets:
-# A's row k ([in]) starts at a_rows' pointer k, Bt = (scale * B)^T's row k ([n_out]) at b_rows'.
+# group, slot) the fields (r, n_out, col, a_rows, b_rows, g_row, c_row): r == 0 when the adapter
+# lacks that module; a_rows and b_rows are the int64 indices of r row pointers each, pool element
+# offsets: A's row k ([in]) starts at a_rows' pointer k, Bt = (scale * B)^T's row k ([n_out]) at
+# b_rows'. g_row and c_row, -1 for a plain module, are the pool element offsets of two rows of
+# n_out, the module's *epilogue* (DoRA's magnitude over the row norms and the base bias it keeps;
+# PEFT's lora_bias): on a lone segment (mix 1) the module's output becomes
+#     out[i, col : col + n_out] = g * (out[i, ...] + delta) + c
+# in fp32, rounded once. In a mix of several it is never read (the engine mixes no such adapter,
+# nor gives one a scale other than 1).
 # Every row lies inside one page and starts at a multiple of ROW_ALIGN elements, so a kernel reads
 # whole rows as contiguous vectors, wherever the adapter's pages are, with no per-element page
 # arithmetic.
-TABLE_FIELDS = 5
+TABLE_FIELDS = 7
 ROW_ALIGN = 16
 SEG_FIELDS = 5  # (start, end, table, scale, mix): see the contract above
 
@@ -269,8 +275,9 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     [start, end) and module slot m < slots:
         out[i, col : col + n_out] += sum over the mix's segments s whose field r > 0 in the table
                                      at seg[s, 2] of scale(s) * (x[i] @ A_m(s)^T) @ Bt_m(s)
-    accumulated in fp32 and rounded once to out's dtype. Rows in no segment are untouched: a
-    request without an adapter pays nothing."""
+    accumulated in fp32 and rounded once to out's dtype; a lone segment's slot with an epilogue
+    (g_row >= 0) gives g * (out + delta) + c instead. Rows in no segment are untouched: a request
+    without an adapter pays nothing."""
     wi = as_int64(w)
     fin = x.shape[1]
     rows = seg.tolist()
@@ -279,16 +286,23 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
             continue
         xs = x[start:end].float()
         for m in range(slots):
-            delta = None
+            delta = post = None
             for _, _, table, bits, _ in rows[s:s + n]:
-                r, n_out, c, a_rows, b_rows = wi[table + entry + m * TABLE_FIELDS:][:TABLE_FIELDS].tolist()
+                fields = wi[table + entry + m * TABLE_FIELDS:][:TABLE_FIELDS].tolist()
+                r, n_out, c, a_rows, b_rows, g_row, c_row = fields
                 if r == 0:
                     continue
                 col = c  # the same for every member that has the module (one base)
+                if n == 1 and g_row >= 0:
+                    post = (g_row, c_row, n_out)
                 a = w[wi[a_rows:a_rows + r, None] + torch.arange(fin, device=w.device)].float()       # [r, in]
                 bt = w[wi[b_rows:b_rows + r, None] + torch.arange(n_out, device=w.device)].float()    # [r, n_out]
                 d = ((xs @ a.t()) * seg_scale(bits)) @ bt
                 delta = d if delta is None else delta + d
             if delta is not None:
                 o = out[start:end, col:col + delta.shape[1]]
-                o.copy_((o.float() + delta).to(out.dtype))
+                y = o.float() + delta
+                if post is not None:  # the epilogue of a lone segment
+                    g_row, c_row, n_out = post
+                    y = w[g_row:g_row + n_out].float() * y + w[c_row:c_row + n_out].float()
+                o.copy_(y.to(out.dtype))

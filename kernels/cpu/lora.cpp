@@ -22,7 +22,22 @@ struct Item {
   int64_t row0, n, r, n_out, col, t_off, p_off;
   const int64_t *a, *b;
   const float* sc;
+  const void *g, *c;  // a lone segment's epilogue rows ([n_out] each, the pool's dtype), or null
 };
+
+constexpr int64_t FIELDS = 7;  // a row table's fields per slot (kernels/reference.py's TABLE_FIELDS)
+
+// an output element's last step: y + delta, or the epilogue g * (y + delta) + c (fp32, rounded once)
+template <class S>
+static inline vw finish(const Item& it, int64_t at, vw y) {
+  if (!it.g) return y;
+  return wload(static_cast<const S*>(it.g) + at) * y + wload(static_cast<const S*>(it.c) + at);
+}
+template <class S>
+static inline float finish1(const Item& it, int64_t at, float y) {
+  if (!it.g) return y;
+  return float(static_cast<const S*>(it.g)[at]) * y + float(static_cast<const S*>(it.c)[at]);
+}
 
 // Tile shapes, so that every accumulator of a tile stays in a register (cpu_vector's `vw`):
 #if defined(__AVX512F__)    // 32 registers of 16 lanes
@@ -134,11 +149,11 @@ static inline void expand_tile(const Item& it, int64_t b0, int64_t c0, int64_t w
   for (int b = 0; b < NB; ++b) {
     S* y = op + (it.row0 + b0 + b) * ldo + it.col + c0;
     if (w == CW) {
-      for (int q = 0; q < Q; ++q) wstore(y + VW * q, wload(y + VW * q) + acc[b][q]);
+      for (int q = 0; q < Q; ++q) wstore(y + VW * q, finish<S>(it, c0 + VW * q, wload(y + VW * q) + acc[b][q]));
     } else {
       float sum[CW];
       for (int q = 0; q < Q; ++q) wstore(sum + VW * q, acc[b][q]);
-      for (int64_t c = 0; c < w; ++c) y[c] = S(float(y[c]) + sum[c]);
+      for (int64_t c = 0; c < w; ++c) y[c] = S(finish1<S>(it, c0 + c, float(y[c]) + sum[c]));
     }
   }
 }
@@ -197,12 +212,12 @@ static void sum_parts(const Item& it, int64_t c0, const float* p, S* op, int64_t
   for (; c + VW <= w; c += VW) {
     vw acc = wload(part + c);
     for (int64_t b = 1; b < parts; ++b) acc += wload(part + b * it.n_out + c);
-    wstore(y + c, wload(y + c) + acc);
+    wstore(y + c, finish<S>(it, c0 + c, wload(y + c) + acc));
   }
   for (; c < w; ++c) {
     float acc = part[c];
     for (int64_t b = 1; b < parts; ++b) acc += part[b * it.n_out + c];
-    y[c] = S(float(y[c]) + acc);
+    y[c] = S(finish1<S>(it, c0 + c, float(y[c]) + acc));
   }
 }
 
@@ -234,21 +249,23 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
       const int64_t* one = nullptr;
       bool unit = true;
       for (int64_t j = 0; j < members; ++j) {
-        const int64_t* f = wi + g[5 * j + 2] + entry + m * 5;  // (r, n_out, col, a_rows, b_rows)
+        const int64_t* f = wi + g[5 * j + 2] + entry + m * FIELDS;  // (r, n_out, col, a_rows, b_rows, g, c)
         if (f[0] == 0) continue;
         r += f[0], n_out = f[1], col = f[2], one = f, ++count;
         unit = unit && seg_scale(g[5 * j + 3]) == 1.f;
       }
       if (r == 0) continue;
       const int64_t i = items.size();
-      items.push_back({g[0], n, r, n_out, col, t_size, p_size, nullptr, nullptr, nullptr});
+      items.push_back({g[0], n, r, n_out, col, t_size, p_size, nullptr, nullptr, nullptr, nullptr, nullptr});
+      if (members == 1 && one[5] >= 0)  // a lone segment's epilogue (DoRA, lora_bias)
+        items[i].g = wp + one[5], items[i].c = wp + one[6];
       if (count == 1 && unit) {  // one adapter as is: its pointer lists in the pool
         items[i].a = wi + one[3], items[i].b = wi + one[4];
       } else {
         mixed.push_back({i, (int64_t)cat.size(), (int64_t)cat_sc.size()});
         for (int pass = 0; pass < 2; ++pass)
           for (int64_t j = 0; j < members; ++j) {
-            const int64_t* f = wi + g[5 * j + 2] + entry + m * 5;
+            const int64_t* f = wi + g[5 * j + 2] + entry + m * FIELDS;
             const int64_t* rows = wi + f[3 + pass];
             cat.insert(cat.end(), rows, rows + f[0]);
             if (pass == 0) cat_sc.insert(cat_sc.end(), f[0], seg_scale(g[5 * j + 3]));

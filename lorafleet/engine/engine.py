@@ -70,7 +70,7 @@ class Engine:
         self.kv = KVCacheManager(self.pool, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                  prefix_cache=cfg.prefix_cache)
         self.adapters = AdapterResidency(self.pool, BaseShapes.from_model_config(mc), cfg.host_cache_bytes,
-                                         cfg.min_resident_steps)
+                                         cfg.min_resident_steps, base_rows=self.model.base_rows)
         self.arbiter = Arbiter(self.pool, self.kv, self.adapters,
                                EvictionOrder(cfg.eviction, cfg.block_size, self.pool.page_bytes))
         self.prefetcher = Prefetcher(self.adapters, self.arbiter, cfg.prefetch_workers)
@@ -142,6 +142,9 @@ class Engine:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder(context_ids=ids)
+        if mix is not None:
+            for name in mix.names:
+                self._check_mixable(self.adapters.get(name), mix)
         if req.names:  # last: nothing after it can fail, so no reference is ever leaked
             req.loras = self.adapters.acquire_all(req.names)  # AdapterNotFoundError; released at the end
             req.scales = mix.scales if mix is not None else (1.0,)
@@ -156,6 +159,17 @@ class Engine:
         if mix is not None:
             self.counters.record_mix(len(mix.members))
         return rid
+
+    @staticmethod
+    def _check_mixable(entry, mix: Mix) -> None:
+        """DoRA and lora_bias adapters serve alone: DoRA's magnitude rescales its module's whole
+        output, which has no meaning beside another adapter's delta (nor at another scale), and
+        both are read only on a lone segment (`kernels/reference.py`). Known once the adapter
+        was loaded: a mix that names one not loaded yet fails when its load lands."""
+        if entry.posts and (len(mix.members) > 1 or mix.scales[0] != 1.0):
+            kind = "DoRA" if "dora" in entry.posts.values() else "lora_bias"
+            raise InvalidRequestError(f"adapters: adapter {entry.name!r} uses {kind}, which serves alone (as "
+                                      "`model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
 
     def _check_mix_fits(self, mix: Mix, prompt_len: int) -> None:
         """A mix whose adapters and prompt the pool cannot hold at once is refused now, with the
@@ -214,6 +228,8 @@ class Engine:
         t0 = time.perf_counter()
         tick = self.prefetcher.tick(self.scheduler.wanted_adapters(), self.scheduler.watermark_pages)
         outputs = self._fail_adapter_requests(tick.failed) if tick.failed else []
+        if tick.loaded:
+            outputs += self._fail_unmixable()
         outputs += self._expire_deadlines()
         self.adapters.step += 1
         plan = self.scheduler.schedule()                                            # 1
@@ -265,6 +281,19 @@ class Engine:
             if bad is not None:
                 out.append(self._fail(req, f"adapter {bad.name!r} could not be loaded: {failed[bad]}",
                                       AdapterError.code))
+        return out
+
+    def _fail_unmixable(self) -> list[RequestOutput]:
+        """Waiting mixes that name an adapter now known to serve alone (`_check_mixable`) end."""
+        out = []
+        for req in self.scheduler.waiting:
+            if req.mix is None:
+                continue
+            try:
+                for entry in req.loras:
+                    self._check_mixable(entry, req.mix)
+            except InvalidRequestError as e:
+                out.append(self._fail(req, str(e), InvalidRequestError.code))
         return out
 
     def _expire_deadlines(self) -> list[RequestOutput]:

@@ -20,6 +20,13 @@ PEFT semantics mirrored here (peft 0.21, `tuners/tuners_utils.py::check_target_m
 * `rank_pattern` / `alpha_pattern`: the first key, in file order, for which
   `re.match(rf"(.*\\.)?({key})$", full_name)` succeeds gives that module's r / lora_alpha.
 * scale = lora_alpha / r, or lora_alpha / sqrt(r) with `use_rslora`.
+* `lora_bias`: lora_B has a bias b_B ([out]), so the delta is scale * (B A x + b_B): it is served
+  as the module's epilogue (`memory/layout.py`), c = scale * b_B, g = 1.
+* `use_dora` (DoRA, Liu et al. 2024; PEFT's `DoraLinearLayer`): each module has a magnitude m
+  ([out], `lora_magnitude_vector`) and its output is bias + g * (W x + scale * B A x) with
+  g = m / ||W + scale * B A|| (the norm of each output row, fp32, the base's weight as served):
+  the epilogue g * (out + delta) + c with c = (1 - g) * bias. g needs the base's weights, so it
+  is computed where the adapter is loaded (`memory/host_cache.py`), once; here m is kept.
 * `fan_in_fan_out`: PEFT stores lora_A / lora_B as `nn.Linear` weights ([r, in] and [out, r])
   whatever this flag says; the flag describes the *base* layer (GPT-2 style Conv1D). For a Llama
   base (nn.Linear) PEFT resets it to False, so it changes nothing here either.
@@ -56,7 +63,8 @@ _MAX_HEADER_BYTES = 1 << 20
 _KEY_RE = re.compile(
     r"base_model\.model\.model\.layers\.(?P<layer>0|[1-9]\d{0,8})\."
     rf"(?P<module>{'|'.join(re.escape(f'{b}.{m}') for m, b in MODULE_BLOCK.items())})"
-    r"\.lora_(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.weight")
+    r"\.(?:lora_(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.(?P<kind>weight|bias)"
+    r"|lora_magnitude_vector(?:\.(?P<mname>[^.]+))?(?:\.weight)?)")
 _EXPECTED_KEY = ("'base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight' / lora_B, "
                  f"<proj> one of {', '.join(MODULES)}")
 _ST_DTYPES = {  # safetensors dtype -> bytes per element (floating types only are accepted)
@@ -73,8 +81,9 @@ def _tensor(key: str) -> str:
     m = _KEY_RE.fullmatch(key)
     if m is None:
         return f"a tensor whose name is not a LoRA weight of a supported module (expected {_EXPECTED_KEY})"
-    if m.group("name") is not None:
-        key = f"{key[:m.start('name')]}<adapter name>{key[m.end('name'):]}"
+    for group in ("name", "mname"):
+        if m.group(group) is not None:
+            key = f"{key[:m.start(group)]}<adapter name>{key[m.end(group):]}"
     return f"tensor {key!r}"
 
 
@@ -88,6 +97,13 @@ class LoraWeights:
     a: torch.Tensor  # [r, in_features]  (lora_A)
     b: torch.Tensor  # [out_features, r] (lora_B)
     scale: float
+    magnitude: torch.Tensor | None = None  # [out_features]: DoRA's m (use_dora)
+    bias: torch.Tensor | None = None       # [out_features]: lora_B's bias (lora_bias)
+
+    @property
+    def post(self) -> str | None:
+        """The module's epilogue: "dora", "bias" or None (plain LoRA)."""
+        return "dora" if self.magnitude is not None else "bias" if self.bias is not None else None
 
     @property
     def rank(self) -> int:
@@ -103,7 +119,13 @@ class LoraAdapter:
 
     @property
     def num_params(self) -> int:
-        return sum(w.a.numel() + w.b.numel() for w in self.weights.values())
+        return sum(w.a.numel() + w.b.numel() + sum(t.numel() for t in (w.magnitude, w.bias) if t is not None)
+                   for w in self.weights.values())
+
+    @property
+    def posts(self) -> dict[tuple[int, str], str]:
+        """(layer, module) -> its epilogue ("dora" or "bias"), for the modules that have one."""
+        return {k: w.post for k, w in self.weights.items() if w.post is not None}
 
     @property
     def ranks(self) -> dict[str, int]:
@@ -129,12 +151,28 @@ def header_ranks(path: str | Path, base: BaseShapes) -> dict[tuple[int, str], in
     ranks: dict[tuple[int, str], int] = {}
     for key, info in header.items():
         m = _KEY_RE.fullmatch(key)
-        if m is None or m.group("ab") != "A" or len(info["shape"]) != 2:
+        if m is None or m.group("ab") != "A" or m.group("kind") != "weight" or len(info["shape"]) != 2:
             continue
         layer, proj = int(m.group("layer")), m.group("module").split(".")[1]
         if proj in base.features and layer < base.num_layers:
             ranks[(layer, proj)] = int(info["shape"][0])
     return ranks
+
+
+def header_posts(path: str | Path, base: BaseShapes) -> dict[tuple[int, str], str]:
+    """(layer, module) -> "dora" (a lora_magnitude_vector) or "bias" (a lora_B bias), from the
+    safetensors header alone: the modules whose layout holds an epilogue. As `header_ranks`,
+    keys that are not LoRA tensors of the base are skipped (loading refuses them)."""
+    header = _check_safetensors_header(_weights_file(Path(path)))
+    posts: dict[tuple[int, str], str] = {}
+    for key in header:
+        m = _KEY_RE.fullmatch(key)
+        if m is None or m.group("kind") == "weight":
+            continue
+        layer, proj = int(m.group("layer")), m.group("module").split(".")[1]
+        if proj in base.features and layer < base.num_layers:
+            posts[(layer, proj)] = "bias" if m.group("kind") == "bias" else "dora"
+    return posts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,10 +275,8 @@ def _digest(cfg: dict, tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _key_slot(key: str, base: BaseShapes, path: Path) -> tuple[int, str, str, str | None]:
-    """Tensor key -> (layer, module, "A"|"B", adapter name or None); refuses anything else."""
-    if "lora_magnitude_vector" in key:
-        raise AdapterError(f"{path}: holds a DoRA magnitude vector (a lora_magnitude_vector tensor); "
-                           "DoRA is not supported")
+    """Tensor key -> (layer, module, "A" | "B" | "bias" | "m", adapter name or None); refuses
+    anything else."""
     m = _KEY_RE.fullmatch(key)
     if m is None:
         raise AdapterError(f"{path}: holds {_tensor(key)}")
@@ -250,7 +286,10 @@ def _key_slot(key: str, base: BaseShapes, path: Path) -> tuple[int, str, str, st
     if layer >= base.num_layers:
         raise AdapterError(f"{path}: {_tensor(key)} is for layer {layer}, but the base model has "
                            f"{base.num_layers} layers")
-    return layer, proj, m.group("ab"), m.group("name")
+    part = "m" if m.group("ab") is None else "bias" if m.group("kind") == "bias" else m.group("ab")
+    if part == "bias" and m.group("ab") == "A":
+        raise AdapterError(f"{path}: holds {_tensor(key)}: lora_A has no bias (PEFT's lora_bias puts it on lora_B)")
+    return layer, proj, part, m.group("name") or m.group("mname")
 
 
 def _scale(cfg: dict, full: str, r: int, match: Matcher) -> float:
@@ -294,7 +333,13 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         t = tensors[key]
         if t.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             raise AdapterError(f"{st_path}: {shown} is not floating point ({_FLOAT_FORM})")
-        if t.dim() != 2:
+        if ab in ("m", "bias"):
+            field = "use_dora" if ab == "m" else "lora_bias"
+            if not cfg.get(field, False):
+                raise AdapterError(f"{st_path}: {shown} is present but {CONFIG_NAME}'s {field} is not true")
+            if t.dim() != 1:
+                raise AdapterError(f"{st_path}: {shown} is not a vector (expected [out_features])")
+        elif t.dim() != 2:
             raise AdapterError(f"{st_path}: {shown} is not a 2-D matrix (expected [r, in_features] "
                                "for lora_A, [out_features, r] for lora_B)")
         if not bool(torch.isfinite(t).all()):
@@ -325,6 +370,17 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         if b.shape[1] != rank:
             raise AdapterError(f"{st_path}: rank mismatch: {_tensor(a_key)} and {_tensor(b_key)} "
                                f"differ in rank (expected [r, {fin}] and [{fout}, r] with the same r)")
+        post = {}
+        for part, field in (("m", "use_dora"), ("bias", "lora_bias")):
+            if cfg.get(field, False) and part not in slot:
+                what = "lora_magnitude_vector" if part == "m" else "lora_B bias"
+                raise AdapterError(f"{st_path}: no {what} for {full!r}, which {CONFIG_NAME}'s {field} asks for")
+            if part in slot:
+                key, t = slot[part]
+                if t.shape[0] != fout:
+                    raise AdapterError(f"{st_path}: {_tensor(key)}: its length does not match the base "
+                                       f"{proj}'s out_features (expected shape [{fout}])")
+                post[part] = t
         r_key = _pattern_key(rank_pattern, full, match)
         r = rank_pattern[r_key] if r_key is not None else cfg["r"]
         if rank != r:
@@ -334,9 +390,11 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         scale = _scale(cfg, full, r, match)
         a_out = a.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         b_out = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-        for key, t in ((a_key, a_out), (b_key, b_out)):
+        post = {part: t.to(dtype=dtype, copy=True) for part, t in post.items()}
+        for key, t in ((a_key, a_out), (b_key, b_out), *((slot[p][0], t) for p, t in post.items())):
             if not bool(torch.isfinite(t).all()):
                 raise AdapterError(f"{st_path}: {_tensor(key)} overflows {dtype}")
-        weights[(layer, proj)] = LoraWeights(a=a_out, b=b_out, scale=float(scale))
+        weights[(layer, proj)] = LoraWeights(a=a_out, b=b_out, scale=float(scale), magnitude=post.get("m"),
+                                             bias=post.get("bias"))
 
     return LoraAdapter(path=folder, digest=digest, config=cfg, weights=weights)

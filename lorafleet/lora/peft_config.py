@@ -45,14 +45,16 @@ CONFIG_BUDGET_S = 2.0      # every pattern against every module name of the base
 # init_lora_weights values whose adapters expect a base model rewritten at init time.
 _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq", "mica")
 # Config fields naming LoRA variants / features whose forward pass is not plain `scale * B @ A @ x`
-# or which need more than the LoRA tensors; refused when set to anything truthy.
+# (or DoRA's, or lora_bias's, which are served: `adapter.py`) or which need more than the LoRA
+# tensors; refused when set to anything truthy.
+_SERVED_VARIANTS = ("use_dora", "lora_bias")
 _UNSUPPORTED_FIELDS = (
-    "use_dora", "lora_bias", "use_qalora", "layer_replication", "target_parameters",
+    "use_qalora", "layer_replication", "target_parameters",
     "trainable_token_indices", "alora_invocation_tokens", "use_bdlora", "arrow_config",
     "kasa_config", "monteclora_config",
 )
 # LoraConfig's fields (peft 0.21): the only JSON keys a message may quote.
-_PEFT_FIELDS = frozenset(_UNSUPPORTED_FIELDS) | {
+_PEFT_FIELDS = frozenset(_UNSUPPORTED_FIELDS) | frozenset(_SERVED_VARIANTS) | {
     "alpha_pattern", "auto_mapping", "base_model_name_or_path", "bias", "corda_config",
     "ensure_weight_tying", "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode",
     "init_lora_weights", "layers_pattern", "layers_to_transform", "loftq_config", "lora_alpha",
@@ -173,8 +175,12 @@ def _validate_config(cfg: dict, source: Path) -> None:
 
     for field in _UNSUPPORTED_FIELDS:
         if cfg.get(field):
-            what = "DoRA is" if field == "use_dora" else "this LoRA variant is"
-            raise bad(field, f"must be absent, false or empty ({what} not supported)")
+            raise bad(field, "must be absent, false or empty (this LoRA variant is not supported)")
+    for field in _SERVED_VARIANTS:
+        if not isinstance(cfg.get(field, False), bool):
+            raise bad(field, "must be true or false")
+    if cfg.get("use_dora") and cfg.get("lora_bias"):
+        raise bad("lora_bias", "DoRA with lora_bias is not supported (either alone is)")
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MUTATING_INITS):
         raise bad("init_lora_weights", f"{'/'.join(_BASE_MUTATING_INITS)} adapters need a base model "

@@ -14,8 +14,9 @@ from typing import Callable, Hashable
 
 import torch
 
+from lorafleet.errors import AdapterError
 from lorafleet.lora.adapter import BaseShapes, load_adapter
-from lorafleet.memory.layout import LAYOUT_FILE, Layout, read_saved
+from lorafleet.memory.layout import LAYOUT_FILE, Layout, finish_dora, read_saved
 
 
 @dataclass(eq=False)
@@ -32,22 +33,35 @@ class HostAdapter:
 
 
 def build_host_adapter(path: Path, base: BaseShapes, page_elems: int, dtype: torch.dtype, pin: bool,
-                       trusted_digest: str | None = None) -> HostAdapter:
+                       trusted_digest: str | None = None, base_rows=None) -> HostAdapter:
     """Disk -> host: parse and validate (AdapterError on any problem), lay out for pages of
     `page_elems`, done. With
     `trusted_digest` (a stored adapter, validated, hashed and laid out when it was pulled) the
     saved layout is memory-mapped instead (`memory.layout.read_saved`): on the CPU at float32
     the host copy is that mapping (the page cache's pages, no copy at all). Either way the
-    buffer is laid out at float32 and rounded to `dtype` once, so both give the same bits."""
+    buffer is laid out at float32 and rounded to `dtype` once, so both give the same bits.
+    A DoRA adapter's epilogue is computed here, against the base's weights (`base_rows`, the
+    engine's: `memory.layout.finish_dora`), once per load."""
     saved = read_saved(Path(path) / LAYOUT_FILE, trusted_digest, base, page_elems) if trusted_digest else None
     if saved is not None:
         layout, buffer, ranks = saved
+        if "dora" in layout.posts.values():
+            buffer = _dora(layout, buffer.clone(), base_rows, path)  # the mapping is read only
         return HostAdapter(trusted_digest, layout, _host_copy(buffer, dtype, pin), ranks, layout.numel)
     adapter = load_adapter(path, base)  # float32: laid out at float32, as stored adapters are
     layout = Layout.of(adapter, base, page_elems)
     buffer = torch.zeros(layout.numel, dtype=torch.float32)  # the gaps between rows: zeros, as saved
     layout.fill(buffer, adapter)
+    if "dora" in layout.posts.values():
+        buffer = _dora(layout, buffer, base_rows, path)
     return HostAdapter(adapter.digest, layout, _host_copy(buffer, dtype, pin), adapter.ranks, adapter.num_params)
+
+
+def _dora(layout: Layout, buffer: torch.Tensor, base_rows, path) -> torch.Tensor:
+    if base_rows is None:
+        raise AdapterError(f"{path}: a DoRA adapter needs its base's weights to load (none given here)")
+    finish_dora(layout, buffer, base_rows)
+    return buffer
 
 
 def _host_copy(buffer: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -2,7 +2,8 @@
 table the kernels read it through.
 
 Per layer and projection group (see `lora/batch.py`): the A matrices of the group's targeted
-modules, then each module's Bt = (scale * B)^T, [r, out]. Offsets are logical (from the buffer's
+modules, then each module's Bt = (scale * B)^T, [r, out], and, for a module with an epilogue
+(DoRA, lora_bias: `lora/adapter.py`), its two rows g and c of [out] after its Bt. Offsets are logical (from the buffer's
 start): in the pool the buffer is cut into pages of `page_elems` that may lie anywhere. Every
 rank row (a row of A over `in`, a row of Bt over `out`) starts at a multiple of `ROW_ALIGN`
 elements and never crosses a page: a row that would is moved to the next page's start. So once
@@ -41,7 +42,7 @@ from lorafleet.lora.adapter import BaseShapes, LoraAdapter
 from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
 
 LAYOUT_FILE = "lorafleet-layout.safetensors"
-LAYOUT_VERSION = "2"  # bump when the buffer's arrangement or this file's form changes
+LAYOUT_VERSION = "3"  # bump when the buffer's arrangement or this file's form changes
 
 
 def _align(n: int) -> int:
@@ -110,15 +111,19 @@ class Module:
     n_out: int
     a_rows: np.ndarray  # [r] int64: A's rows, [fan_in] each
     b_rows: np.ndarray  # [r] int64: Bt's rows, [n_out] each
+    post: str | None = None               # its epilogue: "dora", "bias" or None
+    post_rows: np.ndarray | None = None   # [2] int64: the epilogue's rows g and c, [n_out] each
 
     @property
     def r(self) -> int:
         return len(self.a_rows)
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, Module) and (self.layer, self.group, self.slot, self.col, self.fan_in, self.n_out)
-                == (other.layer, other.group, other.slot, other.col, other.fan_in, other.n_out)
-                and np.array_equal(self.a_rows, other.a_rows) and np.array_equal(self.b_rows, other.b_rows))
+        return (isinstance(other, Module) and (self.layer, self.group, self.slot, self.col, self.fan_in, self.n_out,
+                                               self.post)
+                == (other.layer, other.group, other.slot, other.col, other.fan_in, other.n_out, other.post)
+                and np.array_equal(self.a_rows, other.a_rows) and np.array_equal(self.b_rows, other.b_rows)
+                and np.array_equal(self.post_rows, other.post_rows))
 
 
 @dataclass
@@ -132,9 +137,11 @@ class Layout:
     num_layers: int
 
     @classmethod
-    def plan(cls, ranks: dict[tuple[int, str], int], base: BaseShapes, page_elems: int) -> Layout:
+    def plan(cls, ranks: dict[tuple[int, str], int], base: BaseShapes, page_elems: int,
+             posts: dict[tuple[int, str], str] | None = None) -> Layout:
         """The layout of an adapter whose (layer, module) pairs have these ranks (0 or absent:
-        not targeted), for pages of `page_elems` elements."""
+        not targeted) and these epilogues ("dora" or "bias"), for pages of `page_elems`."""
+        posts = posts or {}
         modules, off = [], 0
         for layer in range(base.num_layers):
             for group, names in GROUPS.items():
@@ -147,16 +154,23 @@ class Layout:
                 for (j, m, r), a in zip(present, a_rows):
                     fan_in, n_out = base.features[m]
                     b, off = place_rows(off, n_out, r, page_elems)
-                    modules.append(Module(layer, GROUP_INDEX[group], j, cols[j], fan_in, n_out, a, b))
+                    post, post_rows = posts.get((layer, m)), None
+                    if post is not None:
+                        post_rows, off = place_rows(off, n_out, 2, page_elems)
+                    modules.append(Module(layer, GROUP_INDEX[group], j, cols[j], fan_in, n_out, a, b, post, post_rows))
         return cls(modules, off, page_elems, base.num_layers)
 
     @classmethod
     def of(cls, adapter: LoraAdapter, base: BaseShapes, page_elems: int) -> Layout:
-        return cls.plan({key: w.rank for key, w in adapter.weights.items()}, base, page_elems)
+        return cls.plan({key: w.rank for key, w in adapter.weights.items()}, base, page_elems, adapter.posts)
 
     @property
     def ranks(self) -> dict[tuple[int, str], int]:
         return {(m.layer, GROUPS[_GROUP_NAMES[m.group]][m.slot]): m.r for m in self.modules}
+
+    @property
+    def posts(self) -> dict[tuple[int, str], str]:
+        return {(m.layer, GROUPS[_GROUP_NAMES[m.group]][m.slot]): m.post for m in self.modules if m.post}
 
     def fill(self, buf: torch.Tensor, adapter: LoraAdapter) -> None:
         """Write the adapter's tensors into `buf` (flat, zeroed) at their rows, B scaled and
@@ -167,6 +181,13 @@ class Layout:
                 buf[o:o + (k1 - k0) * m.fan_in].copy_(w.a[k0:k1].reshape(-1))
             for k0, k1, o in _runs(m.b_rows, m.n_out):
                 torch.mul(w.b[:, k0:k1].t(), w.scale, out=buf[o:o + (k1 - k0) * m.n_out].view(k1 - k0, m.n_out))
+            if m.post == "bias":    # g = 1, c = scale * b_B
+                g, c = (int(o) for o in m.post_rows)
+                buf[g:g + m.n_out].fill_(1.0)
+                torch.mul(w.bias, w.scale, out=buf[c:c + m.n_out])
+            elif m.post == "dora":  # m itself: g = m / ||W + scale B A|| once the base is known (`finish_dora`)
+                g = int(m.post_rows[0])
+                buf[g:g + m.n_out].copy_(w.magnitude)
 
     def targets(self) -> set[tuple[int, str]]:
         """The (layer, module) pairs the adapter has weights for."""
@@ -210,13 +231,38 @@ class Layout:
         words = np.zeros((end - start) // per, dtype=np.int64)
         for m, (a_at, b_at) in zip(self.modules, lists):
             f = lora_entry(m.layer, m.group, len(GROUPS), MODULE_SLOTS) + m.slot * TABLE_FIELDS
-            words[f:f + TABLE_FIELDS] = (m.r, m.n_out, m.col, pool(a_at) // per, pool(b_at) // per)
+            g_row, c_row = pool(m.post_rows).tolist() if m.post else (-1, -1)
+            words[f:f + TABLE_FIELDS] = (m.r, m.n_out, m.col, pool(a_at) // per, pool(b_at) // per, g_row, c_row)
             words[(a_at - start) // per:][:m.r] = pool(m.a_rows)
             words[(b_at - start) // per:][:m.r] = pool(m.b_rows)
         return start, words, int(pool(start)) // per
 
 
 _GROUP_NAMES = list(GROUPS)
+DORA_ROWS = 1024  # base weight rows read at a time for DoRA's norms (bounded memory for any base)
+
+
+def finish_dora(layout: Layout, buf: torch.Tensor, base_rows) -> None:
+    """DoRA's epilogue from its magnitude m (in the g row, as `fill` leaves it) and the base:
+    g = m / ||W + Bt^T A|| per output row (Bt already scale * B^T: the delta's own weight), in
+    fp32, and c = (1 - g) * bias, the base bias the epilogue keeps (zero without one).
+    `base_rows(layer, module, start, end)` -> (W rows [end - start, in] fp32, bias rows or None):
+    the base's weights as the engine serves them (dequantized, unpacked). `buf` is float32."""
+    for m in layout.modules:
+        if m.post != "dora":
+            continue
+        module = GROUPS[_GROUP_NAMES[m.group]][m.slot]
+        a = torch.stack([buf[o:o + m.fan_in] for o in m.a_rows.tolist()])      # [r, in]
+        bt = torch.stack([buf[o:o + m.n_out] for o in m.b_rows.tolist()])     # [r, out]
+        g_at, c_at = (int(o) for o in m.post_rows)
+        for lo in range(0, m.n_out, DORA_ROWS):
+            hi = min(m.n_out, lo + DORA_ROWS)
+            w, bias = base_rows(m.layer, module, lo, hi)
+            norm = (w.float() + bt[:, lo:hi].t() @ a).norm(dim=1)
+            g = buf[g_at + lo:g_at + hi] / norm
+            buf[g_at + lo:g_at + hi] = g
+            if bias is not None:
+                buf[c_at + lo:c_at + hi] = (1 - g) * bias.float()
 
 
 def _runs(rows: np.ndarray, length: int):
@@ -233,8 +279,10 @@ def save(path: Path, adapter: LoraAdapter, base: BaseShapes, page_elems: int) ->
     buf = torch.zeros(layout.numel, dtype=torch.float32)
     layout.fill(buf, adapter)
     module_ranks = sorted([layer, module, r] for (layer, module), r in layout.ranks.items())
+    posts = sorted([layer, module, kind] for (layer, module), kind in layout.posts.items())
     meta = {"format": "lorafleet-layout", "version": LAYOUT_VERSION, "digest": adapter.digest,
             "page_elems": str(page_elems), "module_ranks": json.dumps(module_ranks, separators=(",", ":")),
+            "posts": json.dumps(posts, separators=(",", ":")),
             "ranks": json.dumps(adapter.ranks, sort_keys=True)}
     header = json.dumps({"__metadata__": meta, "layout": {"dtype": "F32", "shape": [layout.numel],
                                                           "data_offsets": [0, 4 * layout.numel]}},
@@ -269,6 +317,7 @@ def read_saved(path: Path, digest: str, base: BaseShapes,
         warnings.simplefilter("ignore", UserWarning)
         buf = torch.from_numpy(mapped[8 + n + start: 8 + n + end]).view(torch.float32)
     ranks = {(layer, module): r for layer, module, r in json.loads(meta["module_ranks"])}
-    layout = Layout.plan(ranks, base, page_elems)
+    posts = {(layer, module): kind for layer, module, kind in json.loads(meta["posts"])}
+    layout = Layout.plan(ranks, base, page_elems, posts)
     assert layout.numel == buf.numel(), f"{path}: the saved layout disagrees with its plan"
     return layout, buf, json.loads(meta["ranks"])

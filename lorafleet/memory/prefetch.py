@@ -293,7 +293,7 @@ def _load(residency: AdapterResidency, name: str, path, pages: list[int] | None,
     if trusted_digest is None:  # sizes from the header before any tensor is read (it may have changed since)
         residency.inspect(name, path)
     host = host_cache.build_host_adapter(path, residency.base, pool.page_elems, pool.tensor.dtype,
-                                         residency.pin_host, trusted_digest)
+                                         residency.pin_host, trusted_digest, residency.base_rows)
     if pages is not None:
         if host.layout.paged_numel(pool.tensor.element_size()) > len(pages) * pool.page_elems:
             raise AdapterError(f"{path}: the weights are larger than the file's header says")

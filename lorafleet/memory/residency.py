@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Container
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
-from lorafleet.lora.adapter import BaseShapes, header_ranks, read_adapter_config, weights_numel
+from lorafleet.lora.adapter import BaseShapes, header_posts, header_ranks, read_adapter_config, weights_numel
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import kv_salt
 from lorafleet.memory.layout import Layout
@@ -81,6 +81,7 @@ class AdapterEntry:
     ready: bool = False                  # pages hold the weights
     row_table: int | None = None         # the pool's int64 index of its row table, while ready
     max_rank: int = 0                    # its largest rank, once loaded
+    posts: dict | None = None            # (layer, module) -> "dora" | "bias", its epilogues, once loaded
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy
@@ -117,9 +118,13 @@ class AdapterEntry:
 
 
 class AdapterResidency:
-    def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int, min_resident_steps: int = 4):
+    def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int, min_resident_steps: int = 4,
+                 base_rows=None):
+        """`base_rows(layer, module, start, end)`: the base's weight rows (and bias) as served, for
+        DoRA's norms (`memory.layout.finish_dora`); read by the load workers, never written."""
         self.pool = pool
         self.base = base
+        self.base_rows = base_rows
         self.host = HostCache(host_cache_bytes)
         self.entries: dict[str, AdapterEntry] = {}   # name -> its current entry
         self.retired: set[AdapterEntry] = set()      # replaced or unloaded, still in use or in flight
@@ -153,7 +158,9 @@ class AdapterResidency:
         path = Path(path)
         read_adapter_config(path, self.base)
         self.check_fits(name, weights_numel(path))  # before planning: the header's ranks are bounded by the pool
-        numel = Layout.plan(header_ranks(path, self.base), self.base, self.pool.page_elems).paged_numel(self.itemsize)
+        layout = Layout.plan(header_ranks(path, self.base), self.base, self.pool.page_elems,
+                             header_posts(path, self.base))
+        numel = layout.paged_numel(self.itemsize)
         self.check_fits(name, numel)
         return numel
 
@@ -335,6 +342,7 @@ class AdapterResidency:
         entry.ranks, entry.num_params = host.ranks, host.num_params
         entry.row_table = host.layout.table_index(entry.pages, self.itemsize)
         entry.max_rank = max(host.ranks.values(), default=0)
+        entry.posts = host.layout.posts
         entry.kv_salt = kv_salt(host.layout.targets(), host.digest, self.base.num_layers)
         entry.ready = True
         entry.ready_step = self.step

@@ -44,15 +44,18 @@ def _base(fan_in: int, outs: list[int], layers: int) -> BaseShapes:
 
 
 def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], rows: list[int],
-              page_elems: int = 512, dtype: torch.dtype = torch.float32, gaps: bool = True,
+              page_elems: int = 1024, dtype: torch.dtype = torch.float32, gaps: bool = True,
               pad_cols: int = 0, device: str = "cpu", layers: int = 2, layer: int = 1,
-              scale: float = 0.5, mixes: list[list[tuple[int, float]]] | None = None) -> LoraCase:
+              scale: float = 0.5, mixes: list[list[tuple[int, float]]] | None = None,
+              posts: list[str | None] | None = None) -> LoraCase:
     """Segment s has rows[s] rows (0: empty) and its own adapter with module ranks ranks[s] (0:
     module not targeted) in layer `layer` of `layers`. Pool elements no adapter uses are NaN, so
     a stray read shows. With `pad_cols`, x and the output are row-strided views into wider tensors.
     With `mixes`, adapter i has ranks[i] and the rows are mixes instead: mix s has rows[s] rows
     and the adapters (index, scale) of mixes[s] (the request's scales, besides each adapter's own
-    `scale`), one segment each."""
+    `scale`), one segment each. `posts[i]`: adapter i's modules get an epilogue, "bias" (a
+    lora_B bias: + scale * bias) or "dora" (the raw magnitude m as g, c = 0: m * (out + delta)),
+    read on lone segments only."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     group = GROUP_OF_SLOTS[len(outs)]
@@ -64,12 +67,18 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
         if gaps and mixes is None:
             row += rng.randint(0, 2)  # rows in no segment: must stay untouched
         weights, mods = {}, []
+        post = posts[len(layouts)] if posts is not None else None
         for j, r in enumerate(seg_ranks):
             a = torch.randn(r, fan_in, generator=g) / fan_in ** 0.5
             b = torch.randn(outs[j], r, generator=g)
+            vec = (torch.rand(outs[j], generator=g) + 0.5).to(dtype).float()
             if r:
-                weights[(layer, GROUPS[group][j])] = LoraWeights(a.to(dtype).float(), b.to(dtype).float(), scale)
-                mods.append((cols[j], a.to(dtype).double(), (scale * b.to(dtype).double()).t()))
+                weights[(layer, GROUPS[group][j])] = LoraWeights(
+                    a.to(dtype).float(), b.to(dtype).float(), scale, magnitude=vec if post == "dora" else None,
+                    bias=vec if post == "bias" else None)
+                gc = ((vec.double(), 0.0) if post == "dora" else (1.0, (scale * vec).to(dtype).double())
+                      if post == "bias" else None)
+                mods.append((cols[j], a.to(dtype).double(), (scale * b.to(dtype).double()).t(), gc))
         adapter = LoraAdapter(Path("."), f"case{len(layouts)}", {}, weights)
         layout = Layout.of(adapter, base, page_elems)
         buf = torch.zeros(layout.numel)
@@ -112,8 +121,11 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
     for mix in segs:
         for start, end, i, s in mix:
             covered[start:end] = True
-            for col, a, bt in dense[i]:
-                expected[start:end, col:col + bt.shape[1]] += s * (xd[start:end] @ a.t()) @ bt
+            for col, a, bt, gc in dense[i]:
+                o = expected[start:end, col:col + bt.shape[1]]
+                o += s * (xd[start:end] @ a.t()) @ bt
+                if gc is not None and len(mix) == 1:  # an epilogue: on lone segments only
+                    o.copy_(gc[0] * o + gc[1])
     seg = torch.tensor([(start, end, tables[i], scale_bits(s), len(mix) if j == 0 else -j)
                         for mix in segs for j, (start, end, i, s) in enumerate(mix)],
                        dtype=torch.long).reshape(-1, SEG_FIELDS)

@@ -26,7 +26,7 @@ def test_random_heterogeneous_segments_on_scattered_pages(op, seed):
     n_seg = rng.randint(1, 12)
     ranks = [[rng.choice([0, 1, 3, 8, 24, 64]) for _ in range(3)] for _ in range(n_seg)]
     rows = [rng.choice([0, 1, 1, 2, 4, 5, 9]) for _ in range(n_seg)]  # decode, prefill and empty segments
-    case = lora_case(seed, rng.choice([16, 40, 64]), outs, ranks, rows, page_elems=rng.choice([256, 512, 1040]))
+    case = lora_case(seed, rng.choice([16, 40, 64]), outs, ranks, rows, page_elems=rng.choice([384, 512, 1040]))
     got = case.base.clone()
     OPS[op](*case.args(got))
     assert (got - case.expected).abs().max().item() < 1e-4
@@ -68,7 +68,7 @@ def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
     n_seg = rng.randint(1, 8)
     ranks = [[rng.choice([0, 1, 8, 24, 64]) for _ in range(3)] for _ in range(n_seg)]
     rows = [rng.choice([0, 1, 2, 5, 9]) for _ in range(n_seg)]
-    case = lora_case(seed, 40, [24, 8, 96], ranks, rows, page_elems=rng.choice([512, 1040]), dtype=torch.bfloat16)
+    case = lora_case(seed, 40, [24, 8, 96], ranks, rows, page_elems=rng.choice([688, 1040]), dtype=torch.bfloat16)
     got, ref = case.base.clone(), case.base.clone()
     lora_cpu.lora(*case.args(got))
     reference.lora(*case.args(ref))
@@ -136,3 +136,28 @@ def test_a_mix_of_one_adapter_at_scale_one_is_that_adapter_bit_for_bit(isa):
     lora_cpu.lora(*alone.args(a))
     lora_cpu.lora(*paired.args(b))
     assert torch.equal(a, b) and not torch.equal(a, alone.base)
+
+
+@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.heavy) if o == "cpu-avx2" else o for o in OPS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_epilogues_of_dora_and_lora_bias_beside_plain_adapters(op, dtype):
+    # decode and prefill segments (the one-row and the column expands), widths off the column block
+    ranks = [[8, 0, 3], [4, 16, 0], [5, 5, 5], [24, 1, 0]]
+    case = lora_case(11, 40, [24, 8, 136], ranks, [1, 6, 1, 9], dtype=dtype, posts=["dora", "bias", None, "dora"])
+    got, ref = case.base.clone(), case.base.clone()
+    OPS[op](*case.args(got))
+    reference.lora(*case.args(ref))
+    if dtype == torch.float32:
+        assert (got - case.expected).abs().max().item() < 1e-4
+    g, r = got.double(), ref.double()
+    assert ((g - r).abs() <= r.abs() * 2 ** -7 + 1e-6).all()
+    assert torch.equal(got[~case.covered], case.base[~case.covered])
+
+
+def test_an_epilogue_is_read_on_lone_segments_only():
+    # the same adapters in a mix: plain sums (the engine never mixes adapters with an epilogue)
+    ranks = [[8, 0, 3], [4, 16, 0]]
+    case = lora_case(12, 40, [24, 8, 40], ranks, [3], posts=["dora", "bias"], mixes=[[(0, 1.0), (1, 1.0)]])
+    got = case.base.clone()
+    lora_cpu.lora(*case.args(got))
+    assert (got - case.expected).abs().max().item() < 1e-4

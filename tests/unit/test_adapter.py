@@ -294,7 +294,7 @@ def test_pattern_key_mirrors_peft(base):
 
 CONFIG_REFUSALS = [
     ({"peft_type": "LOHA"}, "peft_type"),
-    ({"use_dora": True}, "use_dora"),
+    ({"use_dora": True, "lora_bias": True}, "DoRA with lora_bias is not supported"),
     ({"bias": "all"}, "bias"),
     ({"bias": "lora_only"}, "bias"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
@@ -322,7 +322,7 @@ CONFIG_REFUSALS = [
     ({"layer_replication": [[0, 2], [0, 2]]}, "layer_replication"),
     ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
     ({"use_qalora": True}, "use_qalora"),
-    ({"lora_bias": True}, "lora_bias"),
+    ({"lora_bias": 1}, "lora_bias: must be true or false"),
     ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
     ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
     ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights"),
@@ -616,10 +616,37 @@ def test_overflow_at_requested_dtype(good, base):
     assert load_adapter(good, base, dtype=torch.bfloat16).weights[(0, "q_proj")].b[0, 0] > 9e5
 
 
-def test_dora_magnitude_tensor(good, base):
-    key = KQ0 + ".lora_magnitude_vector"
-    edit_tensors(good, lambda t: t.__setitem__(key, torch.ones(32)))
-    refused(good, base, "lora_magnitude_vector", "DoRA")
+@pytest.mark.parametrize("field,what", [("use_dora", "lora_magnitude_vector"), ("lora_bias", "lora_B bias")])
+def test_a_config_switch_without_its_tensors(good, base, field, what):
+    edit_config(good, **{field: True})
+    read_adapter_config(good, base)  # the config alone is valid
+    refused(good, base, f"no {what} for 'model.layers.0.self_attn.q_proj', which adapter_config.json's {field} asks")
+
+
+def test_lora_a_has_no_bias(good, base):
+    edit_config(good, lora_bias=True)
+    edit_tensors(good, lambda t: t.__setitem__(KQ0 + ".lora_A.bias", torch.ones(3)))
+    refused(good, base, "lora_A has no bias")
+
+
+@pytest.mark.parametrize("suffix,field", [(".lora_magnitude_vector", "use_dora"), (".lora_B.bias", "lora_bias")])
+def test_a_dora_or_bias_tensor_without_its_config_switch(good, base, suffix, field):
+    edit_tensors(good, lambda t: t.__setitem__(KQ0 + suffix, torch.ones(32)))
+    refused(good, base, suffix.lstrip("."), f"{field} is not true")
+
+
+@pytest.mark.parametrize("suffix,field,shape", [(".lora_magnitude_vector", "use_dora", (31,)),
+                                                (".lora_magnitude_vector", "use_dora", (32, 1)),
+                                                (".lora_B.bias", "lora_bias", (33,))])
+def test_a_dora_or_bias_vector_of_the_wrong_shape(good, base, suffix, field, shape):
+    def put(t):
+        for k in [k for k in t if k.endswith(".lora_A.weight")]:
+            stem = k.removesuffix(".lora_A.weight")
+            t[stem + suffix] = torch.ones(t[stem + ".lora_B.weight"].shape[0])
+        t[KQ0 + suffix] = torch.ones(shape)
+    edit_config(good, **{field: True})
+    edit_tensors(good, put)
+    refused(good, base, suffix.lstrip("."), "expected")
 
 
 @pytest.mark.parametrize("key,shape", [
@@ -627,7 +654,6 @@ def test_dora_magnitude_tensor(good, base):
     ("base_model.model.model.embed_tokens.lora_embedding_A", (3, 64)),
     ("base_model.model.model.layers.0.self_attn.rotary_emb.lora_A.weight", (3, 32)),
     ("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", (3, 32)),
-    ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", (32,)),
     ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", (32, 32)),
     ("model.layers.0.self_attn.q_proj.lora_A.weight", (3, 32)),
 ])

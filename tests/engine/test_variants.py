@@ -1,0 +1,101 @@
+"""LoRA variants PEFT trains beside plain LoRA: DoRA (`use_dora`), `lora_bias` and rsLoRA, alone and
+in one batch with plain adapters of other ranks and base requests: greedy tokens and logits as
+PEFT computes them (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorafleet import Engine, Mix, SamplingParams
+from lorafleet.engine.request import Request
+from lorafleet.engine.scheduler import Chunk
+from lorafleet.errors import InvalidRequestError
+from tests.engine.test_parity import hf_greedy, prompts_of_lengths
+from tests.fixtures import ALL7, build_adapter, build_model, load_hf, load_peft
+
+VARIANTS = {
+    "dora-r8": dict(r=8, lora_alpha=16, use_dora=True, target_modules=ALL7),
+    "dora-attn-r4": dict(r=4, lora_alpha=4, use_dora=True, target_modules=["q_proj", "k_proj", "v_proj"]),
+    "dora-rslora-r16": dict(r=16, lora_alpha=8, use_dora=True, use_rslora=True, target_modules=["o_proj", "down_proj"]),
+    "bias-r6": dict(r=6, lora_alpha=12, lora_bias=True, target_modules=["q_proj", "v_proj", "up_proj"]),
+    "plain-r24": dict(r=24, lora_alpha=16, target_modules=ALL7),
+    "plain-r3": dict(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"]),
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: q, k and v have a bias DoRA keeps
+def fleet(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"variants-{request.param}")
+    base = build_model(root / "base", request.param)
+    adapters = {name: build_adapter(base, root / name, seed=i, **kw) for i, (name, kw) in enumerate(VARIANTS.items())}
+    engine = Engine(base, pool_bytes=8 << 20, debug_checks=True)
+    for name, path in adapters.items():
+        engine.register_adapter(name, path)
+    return base, adapters, engine
+
+
+def test_every_variant_in_one_batch_gives_peft_greedy_tokens(fleet):
+    base, adapters, engine = fleet
+    order = [*VARIANTS, None]
+    prompts = prompts_of_lengths([5 + 2 * i for i in range(len(order))], seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params, adapters=order)
+    plain = load_hf(base)
+    for name, prompt, out in zip(order, prompts, outs):
+        ref_model = load_peft(base, adapters[name]) if name else plain
+        assert out.token_ids == hf_greedy(ref_model, prompt, 24), f"adapter {name}"
+
+
+def test_every_variant_in_one_prefill_gives_peft_logits(fleet):
+    base, adapters, engine = fleet
+    for name in VARIANTS:
+        engine.load_adapter(name, adapters[name])
+    order = [*VARIANTS, None]
+    prompts = prompts_of_lengths([4 + 3 * i for i in range(len(order))], seed=12)
+    reqs = [Request(f"v{i}", p, SamplingParams(), a, loras=(engine.adapters.get(a),) if a else (),
+                    scales=(1.0,) if a else ()) for i, (p, a) in enumerate(zip(prompts, order))]
+    chunks = engine.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
+    for c in chunks:
+        engine.kv.grow(c.request.request_id, c.num_tokens)
+    try:
+        logits = engine.runner.execute(chunks, engine.runner.lora_batch(chunks), all_logits=True).cpu()
+    finally:
+        for r in reqs:
+            engine.kv.free(r.request_id)
+    row, plain = 0, load_hf(base)
+    for c in chunks:
+        ours = logits[row:row + c.num_tokens]
+        row += c.num_tokens
+        name = c.request.adapter
+        with torch.no_grad():
+            ref = (load_peft(base, adapters[name]) if name else plain)(torch.tensor([c.request.prompt_token_ids])).logits[0]
+        assert (ours - ref).abs().max().item() <= 1e-4, f"adapter {name}"
+        if name and name.startswith("dora"):
+            assert (ours - plain(torch.tensor([c.request.prompt_token_ids])).logits[0]).abs().max() > 1e-3
+
+
+def test_dora_and_lora_bias_adapters_serve_alone_not_in_a_mix(fleet):
+    _, _, engine = fleet
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1), adapters=["dora-r8"])  # loaded: its kind is known
+    with pytest.raises(InvalidRequestError, match="'dora-r8' uses DoRA, which serves alone"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=1), adapter=Mix.of({"dora-r8": 1.0, "plain-r3": 1.0}))
+    with pytest.raises(InvalidRequestError, match="cannot be mixed or scaled"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=1), adapter=Mix.of({"dora-r8": 0.5}))
+    alone = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0),
+                            adapters=[Mix.of({"dora-r8": 1.0})])[0]
+    assert alone.finish_reason == "length"
+    assert engine.adapters.get("dora-r8").users == 0
+
+
+def test_a_mix_naming_an_adapter_not_loaded_yet_fails_when_it_lands(tmp_path):
+    base = build_model(tmp_path / "base", "llama")
+    engine = Engine(base, pool_bytes=8 << 20, debug_checks=True)
+    engine.register_adapter("bias", build_adapter(base, tmp_path / "bias", **VARIANTS["bias-r6"]))
+    engine.register_adapter("plain", build_adapter(base, tmp_path / "plain", seed=1, **VARIANTS["plain-r3"]))
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), adapter=Mix.of({"bias": 1.0, "plain": 0.5}))
+    ends = []
+    while engine.has_unfinished():
+        ends += [o for o in engine.step() if o.request_id == rid and o.finished]
+    assert ends[0].finish_reason == "error" and "'bias' uses lora_bias" in ends[0].error
+    assert all(e["users"] == 0 for e in engine.list_adapters())
