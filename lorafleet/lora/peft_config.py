@@ -188,7 +188,7 @@ def _validate_config(cfg: dict, source: Path) -> None:
                   "path_initial_model_for_weight_conversion)")
 
     if cfg.get("bias", "none") != "none":
-        raise bad("bias", "must be \"none\" (trained biases are not served)")
+        raise bad("bias", "must be \"none\" (trained base biases are not supported; lora_bias is)")
     if cfg.get("modules_to_save"):
         raise bad("modules_to_save", "must be absent or empty (fully trained modules are not "
                   "supported, only LoRA deltas)")

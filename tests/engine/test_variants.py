@@ -99,3 +99,18 @@ def test_a_mix_naming_an_adapter_not_loaded_yet_fails_when_it_lands(tmp_path):
         ends += [o for o in engine.step() if o.request_id == rid and o.finished]
     assert ends[0].finish_reason == "error" and "'bias' uses lora_bias" in ends[0].error
     assert all(e["users"] == 0 for e in engine.list_adapters())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_dora_on_a_quantized_base_takes_its_norms_from_the_dequantized_weights(tmp_path, scheme):
+    from tests.engine.test_quantized import dequantized_
+
+    base = build_model(tmp_path / "base", "qwen2")
+    dora = build_adapter(base, tmp_path / "dora", **VARIANTS["dora-r8"])
+    engine = Engine(base, pool_bytes=8 << 20, quantize=scheme)
+    prompt = prompts_of_lengths([9], seed=13)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.register_adapter("dora", dora)
+    out = engine.generate([prompt], params, adapters=["dora"])[0]
+    # PEFT computes DoRA's norms from the base it wraps: here the dequantized one, as lorafleet serves
+    assert out.token_ids == hf_greedy(dequantized_(load_peft(base, dora), scheme), prompt, 16)
