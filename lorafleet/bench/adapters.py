@@ -4,6 +4,7 @@ model build each. Same seed, same files; built once and cached next to their bas
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lorafleet.bench.workloads import ALL_MODULES, Workload, adapter_name
+from lorafleet.bench.workloads import ALL_MODULES, Workload, adapter_name, adapter_ranks
 from lorafleet.model.config import MODULE_BLOCK
 from lorafleet.model.config import ModelConfig
 
@@ -54,8 +55,13 @@ def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, 
 
 def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MODULES,
                    seed: int = 0) -> list[tuple[str, Path]]:
-    """n adapters, rank i-th = ranks[i % len(ranks)], cached under base_dir/../adapters-<key>."""
-    key = f"{'-'.join(map(str, ranks))}_{'-'.join(m[0] + m.split('_')[0][-1] for m in targets)}_{seed}"
+    """n adapters, rank i-th = ranks[i % len(ranks)], cached under base_dir/../adapters-<key>
+    (more than 8 ranks, one per adapter as `mix_single` has, go into the key as a digest: a
+    folder name has 255 bytes)."""
+    spelled = '-'.join(map(str, ranks))
+    if len(ranks) > 8:
+        spelled = f"{len(ranks)}r{hashlib.sha256(spelled.encode()).hexdigest()[:12]}"
+    key = f"{spelled}_{'-'.join(m[0] + m.split('_')[0][-1] for m in targets)}_{seed}"
     root = Path(base_dir).parent / f"{Path(base_dir).name}-adapters-{key}"
     root.mkdir(parents=True, exist_ok=True)
     out = []
@@ -72,6 +78,9 @@ def workload_adapters(base_dir: Path, workload: Workload) -> list[tuple[str, Pat
     """The adapters a workload's requests name, built (or reused) next to the base."""
     if workload.num_adapters == 0:
         return []
+    if workload.mix_single:  # one per distinct mix, of its summed rank
+        ranks = adapter_ranks(workload)
+        return build_adapters(base_dir, len(ranks), ranks, workload.targets, workload.seed)
     return build_adapters(base_dir, workload.num_adapters, workload.ranks, workload.targets, workload.seed)
 
 

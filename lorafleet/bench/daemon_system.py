@@ -3,7 +3,8 @@ socket, the workload's requests replayed at their arrival times as concurrent st
 `/v1/completions` calls (aiohttp over the socket; a workload's closed loop honoured:
 `http_replay.py`), TTFT and TPOT taken from the stream's token timestamps. Same pool sizing as
 the in-process system, so the difference between the two is the cost of the HTTP/SSE front end
-and the engine thread hand-off.
+and the engine thread hand-off. A request on one adapter names it as `model`; one that mixes
+adapters names them, with their scales, in `adapters` (the base's name left out), as a client does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class LorafleetDaemon(System):
     baseline = False
     closed_loop = True
     quantizable = True
+    mixes = True  # the request body's `adapters`
     proc = None  # the daemon, once prepare started it
 
     def prepare(self, job: Job) -> dict:
@@ -107,6 +109,8 @@ async def _one(req, http, sent_at: float) -> dict:
             "stream": True, "stream_options": {"include_usage": True}}
     if req.adapter is not None:
         body["model"] = req.adapter
+    elif req.mix:
+        body["adapters"] = [{"name": n, "scale": s} for n, s in req.mix]
     first = last = None
     tokens = 0
     async for chunk in http_replay.events(http, "/v1/completions", body):

@@ -77,7 +77,7 @@ def figures(req: BenchRequest, sent_at: float, first: float | None, last: float 
     between its first and last token."""
     return {"ttft_s": first - sent_at if first is not None else None,
             "tpot_s": (last - first) / (tokens - 1) if tokens > 1 and first is not None else None,
-            "queue_s": None, "adapter_wait_s": None, "tokens": tokens, "adapter": req.adapter, **extra}
+            "queue_s": None, "adapter_wait_s": None, "tokens": tokens, "adapter": req.label, **extra}
 
 
 def stop_server(proc: subprocess.Popen, timeout: float) -> None:

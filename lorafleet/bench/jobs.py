@@ -118,6 +118,8 @@ class System:
     baseline = True      # serves at most `job.max_requests` requests
     closed_loop = False  # replays a workload's `concurrency` (its closed loop); the others skip it
     quantizable = False  # serves a quantized base (`job.quantize`); the others skip such a job
+    mixes = False        # serves requests that mix adapters (`BenchRequest.mix`); the others skip such a job
+    no_mixes = "serves one adapter per request, not a mix of several"  # the reason they give
 
     def __init__(self, device: str = "auto", dtype: str = "auto", threads: int | None = None):
         self.device_name = device
@@ -177,6 +179,8 @@ class System:
         if job.quantize and not self.quantizable:
             return Result(self.name, status="skipped",
                           reason=f"serves full-precision bases only, not one quantized in {job.quantize}")
+        if not self.mixes and any(r.mix for r in job.requests):
+            return Result(self.name, status="skipped", reason=self.no_mixes)
         reason = self.skip_reason(job)
         if reason:
             return Result(self.name, status="skipped", reason=reason)

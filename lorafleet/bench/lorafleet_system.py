@@ -10,9 +10,10 @@ requests ask, the clock running).
 Measured by the bench for every request (the same way as for the baselines): TTFT and TPOT from
 the time each step returns its tokens. Per step, the engine's own record (`step_records()`:
 time, host-side time, sequences, tokens, adapters loaded), with the bench's count of distinct
-adapters among the rows that produced tokens (the base not counted: the LoRA segments of a
-decode step) and pool pages in use. Per request, the engine's queue time and exposed
-adapter-load time (`RequestOutput.metrics`).
+adapters among the rows that produced tokens (the base not counted; a mix's adapters each
+counted: the adapters a decode step's LoRA op reads) and pool pages in use. Per request, the
+engine's queue time and exposed adapter-load time (`RequestOutput.metrics`). A request that
+mixes adapters is added with its `Mix`, as the daemon adds one.
 
 On the CPU the pool is sized to hold the whole workload (KV at full length and every adapter),
 so no request is preempted; on a GPU it takes the engine's default. A workload with a
@@ -37,6 +38,7 @@ class LorafleetInProcess(System):
     subject = True
     baseline = False
     quantizable = True
+    mixes = True
     engine_options: dict = {}  # what the variants below change
 
     def __init__(self, *args, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, **kwargs):
@@ -77,8 +79,10 @@ class LorafleetInProcess(System):
 
     def warm_up(self, job: Job) -> dict:
         """The CPU kernels loaded, one adapter loaded (not one of the workload's, which may have
-        to start on disk) and two small requests, one on it, one on the base."""
+        to start on disk) and two small requests, one on it (on a mix of it at scale 0.5 when the
+        workload mixes: the scaled path), one on the base."""
         from lorafleet import SamplingParams
+        from lorafleet.lora.mix import Mix
 
         t0, engine, kernels = time.perf_counter(), self.engine, {}
         if self.device.type == "cpu":
@@ -90,8 +94,9 @@ class LorafleetInProcess(System):
         if job.warm_up_adapter:
             engine.load_adapter(WARM_UP_ADAPTER, job.warm_up_adapter)
             adapter = WARM_UP_ADAPTER
+        on = Mix.of({adapter: 0.5}) if adapter and any(r.mix for r in job.requests) else adapter
         engine.generate([WARM_UP_PROMPT] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                        adapters=[adapter, None])
+                        adapters=[on, None])
         if adapter:
             engine.unload_adapter(adapter)  # its pages back before the clock
         self.warm_preemptions = engine.counters.num_preemptions
@@ -128,11 +133,13 @@ class Replay:
         self.first: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
-        self.adapter: dict[str, str | None] = {}
+        self.adapter: dict[str, str | None] = {}  # its label: the adapter, the mix (`a+b*0.5`) or None
+        self.names: dict[str, tuple[str, ...]] = {}  # the adapters it uses
         self.engine_metrics: dict[str, dict] = {}
 
     def run(self, requests) -> float:
         from lorafleet import SamplingParams
+        from lorafleet.lora.mix import Mix
 
         engine, start = self.engine, time.perf_counter()
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))
@@ -141,8 +148,9 @@ class Replay:
             while pending and pending[0].arrival_s <= now:
                 r = pending.popleft()
                 params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-                rid = engine.add_request(r.prompt, params, adapter=r.adapter)
-                self.arrival[rid], self.adapter[rid], self.tokens[rid] = r.arrival_s, r.adapter, 0
+                rid = engine.add_request(r.prompt, params, adapter=Mix.of(r.mix) if r.mix else r.adapter)
+                self.arrival[rid], self.adapter[rid], self.tokens[rid] = r.arrival_s, r.label, 0
+                self.names[rid] = r.names
             if not engine.has_unfinished():
                 time.sleep(max(0.0, pending[0].arrival_s - (time.perf_counter() - start)))
                 continue
@@ -164,12 +172,12 @@ class Replay:
                 self.last[rid] = now
                 self.tokens[rid] = self.tokens.get(rid, 0) + len(out.new_token_ids)
                 self.generated += len(out.new_token_ids)
-                adapters.add(out.adapter)
+                adapters.update(self.names[rid])
             if out.finished:
                 self.engine_metrics[rid] = out.metrics
         if engine.counters.num_steps == ran:  # nothing ran: no record
             return
-        self.steps.append({"distinct_adapters": len(adapters - {None}), "kv_pages": engine.pool.num_kv,
+        self.steps.append({"distinct_adapters": len(adapters), "kv_pages": engine.pool.num_kv,
                            "used_pages": engine.pool.num_pages - engine.pool.num_free})
 
     def _merge_engine_records(self) -> None:

@@ -19,6 +19,9 @@ A run's document:
 Every timed figure is the median of a run's replays (`jobs.System.run`); `details.repeats`
 holds each replay's, `details.other_cores` the cores other processes kept busy meanwhile,
 `details.warm_up` what ran before the clock.
+
+A suite that ran the `mix` workload adds `mix` (`mix_figures`): issue 52's two ratios, taken
+from runs of one invocation on one machine, against its targets.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ SUBJECTS = ("lorafleet", "lorafleet-daemon")
 NOISY_SPREAD = 1.5     # replays of one run this far apart (fastest over slowest): the machine, not the system
 CONTENDED_CORES = 0.15  # cores other processes kept busy while a figure was timed (a little more already slows tiny markedly)
 SWEEP_JUMP = 2.0       # neighbouring sweep points this far apart: worth a second look
+# issue 52: lorafleet on mixes of 2 adapters against itself on the same requests on single adapters of the same
+# bytes (`mix-single`), and against PEFT serving the mixes as merged adapters built per mix (merges timed)
+MIX_TARGETS = {"mix-single": 0.8, "peft": 5.0}
+MIX_BASELINES = ("peft-groups", "peft-mixed")
 
 
 def default_out_path() -> Path:
@@ -129,6 +136,45 @@ def memory(rows: list[dict]) -> list[dict]:
                     # what lorafleet needed, not what the bench allocated (the CPU pool has a floor)
                     "merged_over_lorafleet": d["memory_bytes"] / (d["base_bytes"] + pool.get("peak_used_pages", 0) * page)})
     return out
+
+
+def mix_figures(reports: list[dict]) -> list[dict]:
+    """Per model and lorafleet system (`system`) that ran the `mix` workload: its tokens/s on it,
+    over its own on `mix-single` (`over_single`: the price of mixing, the LoRA bytes per step
+    being the same) and over each PEFT system's on the same mixes (`baselines`: merged adapters
+    built per mix, their merges timed), each against `MIX_TARGETS`; `notes`: the runs among them
+    that did not complete. None where a figure is missing."""
+    rows = {(rep["workload"]["name"], r["model"], r["system"]): r for rep in reports for r in rep["results"]}
+    out = []
+    for model, subject in dict.fromkeys((m, s) for (w, m, s) in rows if w == "mix" and s in SUBJECTS):
+        ours, single = rows[("mix", model, subject)], rows.get(("mix-single", model, subject))
+        tps, single_tps = ours["tokens_per_s"], (single or {}).get("tokens_per_s")
+        over = tps / single_tps if tps and single_tps else None
+        notes = [f"{w} {subject}: {r['status']}, {r['reason']}" for w, r in
+                 (("mix", ours), ("mix-single", single)) if r is not None and r["status"] != "ok"]
+        baselines = []
+        for system in MIX_BASELINES:
+            row = rows.get(("mix", model, system))
+            if row is None:
+                continue
+            if row["status"] != "ok":
+                notes.append(f"mix {system}: {row['status']}, {row['reason']}")
+            theirs, d = row["tokens_per_s"], row["details"]
+            ratio = tps / theirs if tps and theirs else None
+            baselines.append({"system": system, "tokens_per_s": theirs, "merges": d.get("merges"),
+                              "merge_s": d.get("merge_s"), "capped": d.get("capped"),
+                              "ttft_p99_s": _ttft_p99(row), "ratio": ratio, "target": MIX_TARGETS["peft"],
+                              "met": ratio >= MIX_TARGETS["peft"] if ratio else None})
+        out.append({"model": model, "system": subject, "tokens_per_s": tps, "single_tokens_per_s": single_tps,
+                    "ttft_p99_s": _ttft_p99(ours), "single_ttft_p99_s": _ttft_p99(single),
+                    "over_single": over, "over_single_target": MIX_TARGETS["mix-single"],
+                    "over_single_met": over >= MIX_TARGETS["mix-single"] if over else None,
+                    "baselines": baselines, "notes": notes})
+    return out
+
+
+def _ttft_p99(row: dict | None) -> float | None:
+    return row["latency"]["ttft_s"]["p99"] if row and row["latency"] else None
 
 
 def noise_warnings(report: dict) -> list[str]:

@@ -1,7 +1,8 @@
 """`run_bench`: build (or reuse) each model shape and the workload's adapters, run every system
 on the workload's requests, each in a fresh process (`lorafleet.bench.worker`), optionally sweep
 the number of adapters, then write the JSON report and the plots. `run_suite`: several workloads
-(by default every standard one) in turn, one combined report, its duration stated."""
+(by default every standard one) in turn, one combined report, its duration stated (with `mix` and
+`mix-single` among them, issue 52's figures: `report.mix_figures`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from lorafleet.bench.fixtures import ON_DEVICE_ONLY, build_base, check_cpu_fit, 
 from lorafleet.bench.jobs import MAX_REPEATS, MAX_TIMED_S, MIN_REPEATS, MIN_TIMED_S, Job
 from lorafleet.bench.machine import default_threads, load_average
 from lorafleet.engine.regression import switch_regressions
-from lorafleet.bench.report import CONTENDED_CORES, make_report, noise_warnings, write_json
+from lorafleet.bench.report import CONTENDED_CORES, make_report, mix_figures, noise_warnings, write_json
 from lorafleet.bench.systems import SYSTEM_NAMES, get_system
 from lorafleet.bench.workloads import Workload, get_workload, make_requests
 from lorafleet.errors import ConfigError
@@ -35,7 +36,7 @@ SUITE_WORKLOADS = ("uniform-8", "uniform-1000", "uniform-1000-tiered", "zipf-100
                    "base-only")
 SUITE_SWEEP = ("uniform-1000", (1, 8, 64, 256, 1000))  # adapters, on that workload's requests
 # lorafleet against itself on another workload: (workload, versus), issue 5's scaling figures
-SUITE_ACROSS = (("uniform-1000", "uniform-8"), ("uniform-1000-tiered", "uniform-1000"))
+SUITE_ACROSS = (("uniform-1000", "uniform-8"), ("uniform-1000-tiered", "uniform-1000"), ("mix", "mix-single"))
 SUITE_MAX_BASELINE_REQUESTS = 64       # PEFT over hundreds of adapters would take hours
 SWEEP_SYSTEMS = ("lorafleet",)
 
@@ -110,10 +111,12 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
 
 def run_suite(shapes: list[str], out: Path, *, workloads: tuple[str | Workload, ...] = SUITE_WORKLOADS,
               systems: tuple[str, ...] = SYSTEM_NAMES, sweeps: dict[str, tuple[int, ...]] | None = None,
-              name: str = "full", console: Console | None = None, **kwargs) -> dict:
+              name: str = "full", console: Console | None = None,
+              only: dict[str, tuple[str, ...]] | None = None, **kwargs) -> dict:
     """Several workloads in turn (by default the full suite: every workload, every system, the
     adapter sweep); each workload's report next to `out` (`STEM-WORKLOAD.json`), all of them in
-    `out`, with lorafleet's tokens/s across the workload pairs of `SUITE_ACROSS` that ran."""
+    `out`, with lorafleet's tokens/s across the workload pairs of `SUITE_ACROSS` that ran.
+    `only`: workload -> the systems it runs, where not all of `systems`."""
     started, out = time.perf_counter(), Path(out)
     console = console or Console(stderr=True)
     sweeps = dict([SUITE_SWEEP]) if sweeps is None else sweeps
@@ -122,10 +125,13 @@ def run_suite(shapes: list[str], out: Path, *, workloads: tuple[str | Workload, 
         label = load if isinstance(load, str) else load.name
         console.rule(f"workload {label} ({i + 1}/{len(workloads)})")
         path = out.with_name(f"{out.stem}-{label}.json")
-        reports.append(run_bench(shapes, load, list(systems), path, sweep=sweeps.get(label, ()), console=console,
-                                 **kwargs))
+        reports.append(run_bench(shapes, load, list((only or {}).get(label, systems)), path,
+                                 sweep=sweeps.get(label, ()), console=console, **kwargs))
     suite = {"suite": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
              "duration_s": time.perf_counter() - started, "reports": reports, "across": _across(reports)}
+    mix = mix_figures(reports)
+    if mix:
+        suite["mix"] = mix
     write_json(suite, out)
     return suite
 

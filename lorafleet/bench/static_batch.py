@@ -12,11 +12,19 @@ until its longest member is done, so every row computes that many tokens; only t
 request asked for count as `generated_tokens` (all of them are in `details["computed_tokens"]`).
 A stopping criterion timestamps every generated token, which gives each request's TTFT (first
 token time minus its arrival) and TPOT. Adapters are loaded into PEFT before the clock starts.
+
+Mixes: PEFT serves a request that mixes adapters on a merged adapter built for its mix, as a
+user of PEFT would: `add_weighted_adapter(..., combination_type="cat")` (the same delta as
+lorafleet's mix: the adapters' rank rows stacked, each B times its scale), once per distinct mix,
+when a batch first needs it, the clock running, so the throughput pays the merges. Each replay
+starts without them (dropped before the clock): every replay meets its mixes for the first time,
+as the lorafleet systems meet their prompts. `transformers` ignores mixes as it ignores adapters.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from pathlib import Path
 
@@ -26,7 +34,7 @@ from lorafleet.bench.workloads import BenchRequest
 
 class StaticBatchSystem(System):
     needs = ("transformers",)
-    grouped = False  # a batch holds requests of one adapter only
+    grouped = False  # a batch holds requests of one adapter (or one mix) only
 
     def __init__(self, *args, batch_size: int = 16, **kwargs):
         super().__init__(*args, **kwargs)
@@ -45,12 +53,13 @@ class StaticBatchSystem(System):
         raise NotImplementedError
 
     def warm_up(self, job: Job) -> dict:
-        """One small request on the first adapter the requests use, one on the base."""
+        """One small request on the first adapter (or mix) the requests use, one on the base."""
         t0 = time.perf_counter()
-        first = next((r.adapter for r in self.served(job) if r.adapter is not None), None)
-        for adapter in dict.fromkeys([first, None]):
-            self.generate([BenchRequest(WARM_UP_PROMPT, 2, adapter)])
-        return {"requests": len({first, None}), "seconds": time.perf_counter() - t0}
+        first = next((r for r in self.served(job) if r.label is not None), None)
+        warm = [BenchRequest(WARM_UP_PROMPT, 2, first.adapter, mix=first.mix)] if first else []
+        for r in [*warm, BenchRequest(WARM_UP_PROMPT, 2)]:
+            self.generate([r])
+        return {"requests": len(warm) + 1, "seconds": time.perf_counter() - t0}
 
     def replay(self, job: Job) -> Replayed:
         requests = self.served(job)
@@ -73,7 +82,7 @@ class StaticBatchSystem(System):
                 metrics.append({"arrival_s": r.arrival_s, "ttft_s": times[0] - r.arrival_s,
                                 "tpot_s": (times[n - 1] - times[0]) / (n - 1) if n > 1 else None,
                                 "queue_s": began - r.arrival_s, "adapter_wait_s": 0.0,
-                                "tokens": n, "adapter": r.adapter})
+                                "tokens": n, "adapter": r.label})
         sync(self.device)
         seconds = time.perf_counter() - start
         return Replayed(seconds, sum(r.max_tokens for r in requests), metrics,
@@ -82,7 +91,7 @@ class StaticBatchSystem(System):
     def _pick(self, waiting: list[BenchRequest]) -> list[BenchRequest]:
         """The next batch, oldest first; removed from `waiting`."""
         if self.grouped:
-            chosen = [r for r in waiting if r.adapter == waiting[0].adapter][:self.batch_size]
+            chosen = [r for r in waiting if r.label == waiting[0].label][:self.batch_size]
         else:
             chosen = waiting[:self.batch_size]
         ids = {id(r) for r in chosen}
@@ -135,13 +144,14 @@ class TransformersGenerate(StaticBatchSystem):
     """`model.generate` on the base model; the requests' adapters are ignored."""
 
     name = "transformers"
+    mixes = True  # ignored, as adapters are
 
     def prepare(self, job: Job) -> dict:
         import transformers
 
         requests = self.served(job)
         self.model = self._load_base(Path(job.model_dir))
-        ignored = sum(r.adapter is not None for r in requests)
+        ignored = sum(r.label is not None for r in requests)
         return {"transformers": transformers.__version__,
                 **({"adapters": f"ignored for {ignored} requests: the base model only"} if ignored else {})}
 
@@ -151,24 +161,53 @@ class TransformersGenerate(StaticBatchSystem):
 
 class _Peft(StaticBatchSystem):
     needs = ("transformers", "peft")
+    mixes = True  # on a merged adapter per mix, built in the replay
 
     def skip_reason(self, job: Job) -> str | None:
-        if not any(r.adapter for r in job.requests):
+        if not any(r.label for r in job.requests):
             return "the workload has no adapters"
         return super().skip_reason(job)
 
     def prepare(self, job: Job) -> dict:
         import peft
 
-        names = list(dict.fromkeys(r.adapter for r in self.served(job) if r.adapter is not None))
+        names = list(dict.fromkeys(n for r in self.served(job) for n in r.names))
         t0 = time.perf_counter()
         model = peft.PeftModel.from_pretrained(self._load_base(Path(job.model_dir)), job.adapters[names[0]],
                                                adapter_name=names[0])
         for name in names[1:]:
             model.load_adapter(job.adapters[name], adapter_name=name)
         self.model = model.eval()
+        self.merged: dict[str, str] = {}  # mix label -> its merged adapter's name in PEFT
+        self.merge_s = 0.0
         return {"peft": peft.__version__, "adapters_loaded": len(names),
                 "adapter_load_s": time.perf_counter() - t0}
+
+    def adapter_for(self, r: BenchRequest) -> str | None:
+        """The PEFT adapter that serves `r`: its own, or its mix's merged one (built now, timed,
+        the first time a batch needs it); None for the base."""
+        if not r.mix:
+            return r.adapter
+        name = self.merged.get(r.label)
+        if name is None:
+            t0 = time.perf_counter()
+            name = f"mix-{len(self.merged)}"  # a label's '.' cannot name a PEFT adapter (a module key)
+            self.model.add_weighted_adapter([n for n, _ in r.mix], [s for _, s in r.mix], name,
+                                            combination_type="cat")
+            self.merge_s += time.perf_counter() - t0
+            self.merged[r.label] = name
+        return name
+
+    def replay(self, job: Job) -> Replayed:
+        with warnings.catch_warnings():  # PEFT names the adapter it makes active instead: each batch sets its own
+            warnings.simplefilter("ignore", UserWarning)
+            for name in self.merged.values():  # before the clock: this replay builds its own
+                self.model.delete_adapter(name)
+        self.merged, self.merge_s = {}, 0.0
+        replayed = super().replay(job)
+        if self.merged:
+            replayed.details.update(merges=len(self.merged), merge_s=self.merge_s)
+        return replayed
 
 
 class PeftGroups(_Peft):
@@ -178,7 +217,7 @@ class PeftGroups(_Peft):
     grouped = True
 
     def generate(self, batch: list[BenchRequest]) -> list[float]:
-        adapter = batch[0].adapter
+        adapter = self.adapter_for(batch[0])
         if adapter is None:
             with self.model.disable_adapter():
                 return self._generate(self.model, batch)
@@ -192,4 +231,4 @@ class PeftMixed(_Peft):
     name = "peft-mixed"
 
     def generate(self, batch: list[BenchRequest]) -> list[float]:
-        return self._generate(self.model, batch, adapter_names=[r.adapter or "__base__" for r in batch])
+        return self._generate(self.model, batch, adapter_names=[self.adapter_for(r) or "__base__" for r in batch])

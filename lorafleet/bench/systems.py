@@ -21,7 +21,8 @@ from lorafleet.bench.static_batch import PeftGroups, PeftMixed, TransformersGene
 
 class MergedAccounting(System):
     """Memory only: serving every adapter as a merged model takes one full copy of the base
-    per adapter, next to the base itself. No generation, no process of its own."""
+    per adapter (per mix, for requests that mix adapters), next to the base itself. No
+    generation, no process of its own."""
 
     name = "merged"
     isolated = False
@@ -31,7 +32,7 @@ class MergedAccounting(System):
             return Result(self.name, status="skipped",
                           reason=f"serves full-precision bases only, not one quantized in {job.quantize}")
         base = weight_bytes(Path(job.model_dir))
-        used = sorted({r.adapter for r in job.requests if r.adapter is not None})
+        used = sorted({r.label for r in job.requests if r.label is not None})
         return Result(self.name, reason="memory accounting only",
                       details={"base_bytes": base, "num_adapters": len(used),
                                "memory_bytes": base * (1 + len(used))})

@@ -59,8 +59,12 @@ def throughput_table(report: dict) -> Table:
     arrival = load["arrival"] + (f" {load['rate']:g}/s" if load["arrival"] == "poisson" else "")
     if load["concurrency"] is not None:
         arrival = f"a closed loop of {load['concurrency']} in flight"
-    title = (f"workload {load['name']}: {load['num_requests']} requests, {load['num_adapters']} adapters, "
-             f"{arrival}")
+    adapters = f"{load['num_adapters']} adapters"
+    if load.get("mix_size"):  # reports written before mixes have no such field
+        adapters = (f"each mix of {load['mix_size']} of {load['num_adapters']} adapters served by one adapter of "
+                    "their summed rank" if load["mix_single"] else
+                    f"each a mix of {load['mix_size']} of {load['num_adapters']} adapters")
+    title = f"workload {load['name']}: {load['num_requests']} requests, {adapters}, {arrival}"
     table = _table(title, ["model", "system", "tokens", "seconds", "tokens/s", "req/s", "peak RSS"], "\n".join(notes))
     for row in report["results"]:
         if row["status"] != "ok":
@@ -366,6 +370,40 @@ def store_load_table(results: list[dict]) -> Table:
         table.add_row(r["shape"], f"rank {r['rank']} on {','.join(t.replace('_proj', '') for t in r['targets'])}\n"
                       f"{r['bytes'] / 2**20:.1f} MiB", f"{r['store_cpu_ms']:.2f} ms", f"{r['folder_cpu_ms']:.2f} ms",
                       f"{r['speedup']:.1f}x less", f"<= {r['target_ms']:.0f} ms", _verdict(r["target_met"]))
+    return table
+
+
+def mix_tables(figures: list[dict]) -> list[Table]:
+    """`bench mix`, one table per model and lorafleet system (`report.mix_figures`): it on the
+    mixes and on the same requests on single adapters, and each PEFT system on the mixes merged;
+    the ratios against issue 52's targets; the runs that did not complete explained under it."""
+    return [_mix_table(f) for f in figures]
+
+
+def _mix_table(f: dict) -> Table:
+    notes = [escape(n) for n in f["notes"]]
+    notes += [f"mix {b['system']}: {escape(b['capped'])}" for b in f["baselines"] if b["capped"]]
+    title = (f"{f['model']}: {f['system']} on mixes, against single adapters of the same bytes and PEFT's "
+             "merged mixes")
+    table = _table(title,
+                   ["system", "workload", "tok/s", "TTFT p99\nms", "merges", "ratio", "target", ""],
+                   f"ratio: {f['system']}'s tokens/s on mix over this row's; mix-single: the same requests, each mix "
+                   "served by one adapter of the summed rank (the same LoRA bytes a step); merges: the merged "
+                   "adapters PEFT built in the replay (add_weighted_adapter, cat) and their time, in its tokens/s"
+                   + "".join(f"\n{n}" for n in notes), left=2)
+
+    def tps(v: float | None) -> str:
+        return f"{v:.1f}" if v else "-"
+
+    def verdict(ratio: float | None, target: float, met: bool | None) -> list[str]:
+        return [f"{ratio:.2f}x" if ratio else "", f">= {target:g}x", _verdict(met)]
+    table.add_row(f["system"], "mix", tps(f["tokens_per_s"]), _ms(f["ttft_p99_s"]), "", "", "", "")
+    table.add_row(f["system"], "mix-single", tps(f["single_tokens_per_s"]), _ms(f["single_ttft_p99_s"]), "",
+                  *verdict(f["over_single"], f["over_single_target"], f["over_single_met"]))
+    for b in f["baselines"]:
+        merges = f"{b['merges']} in {b['merge_s']:.2f} s" if b["merges"] else ""
+        table.add_row(b["system"], "mix", tps(b["tokens_per_s"]), _ms(b["ttft_p99_s"]), merges,
+                      *verdict(b["ratio"], b["target"], b["met"]))
     return table
 
 

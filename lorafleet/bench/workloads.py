@@ -6,6 +6,12 @@ A workload and its seed fix the requests exactly (private `random.Random`s, neve
 RNG), so every system under test gets the same token ids, lengths, adapters and arrival times.
 Each aspect draws from a stream of its own, so that adding adapters or arrivals to a workload
 never changes its prompts.
+
+Mixes (issue 52): a request may mix several adapters, each with a scale (`BenchRequest.mix`,
+what `lorafleet.lora.mix.Mix.of` takes). A mix workload's companion (`mix_single`) draws the
+same mixes and serves each distinct one by an adapter of its own whose rank is the sum of the
+mix's ranks: the same requests reading the same LoRA bytes per step, one adapter each, so their
+throughputs' ratio is the price of mixing alone.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import random
 from dataclasses import dataclass
 
 from lorafleet.errors import ConfigError
+from lorafleet.lora.mix import MAX_ADAPTERS, MAX_SCALE
 from lorafleet.lora.peft_config import MODULES
 
 ARRIVALS = ("all-at-once", "poisson")
@@ -51,6 +58,11 @@ class Workload:
     Shared prefixes: with `tenants` > 0, each tenant has a system prompt of `system_len` tokens,
     and a request's prompt is its tenant's system prompt followed by a question of `prompt_len`
     tokens; adapter i belongs to tenant i % tenants (a base request to a random tenant).
+    Mixes: with `mix_size` >= 2, each request mixes that many distinct adapters of the
+    `num_adapters`, drawn uniformly, each at a scale drawn uniformly from `mix_scales` (no base
+    requests, no other popularity: a mix is a draw without replacement). `mix_single`: the same
+    draw, but each distinct mix is served by one adapter of its own, of the summed rank of its
+    adapters (`adapter_ranks`): adapter k stands for the k-th distinct mix in request order.
     """
 
     name: str
@@ -72,6 +84,9 @@ class Workload:
     tenants: int = 0
     system_len: int = 0
     concurrency: int | None = None
+    mix_size: int = 0
+    mix_scales: tuple[float, ...] = (1.0,)
+    mix_single: bool = False
     description: str = ""
 
     def __post_init__(self):
@@ -112,6 +127,17 @@ class Workload:
             bad(f"pool_fraction must be in (0, 1] with registered residency, got {self.pool_fraction!r}")
         if self.concurrency is not None and not (self.concurrency >= 1 and self.arrival == "all-at-once"):
             bad(f"concurrency must be >= 1 with all-at-once arrivals, got {self.concurrency!r} with {self.arrival}")
+        if self.mix_size:
+            if not 2 <= self.mix_size <= min(self.num_adapters, MAX_ADAPTERS):
+                bad(f"mix_size must be 0, or 2 to min(num_adapters, {MAX_ADAPTERS}) = "
+                    f"{min(self.num_adapters, MAX_ADAPTERS)}, got {self.mix_size}")
+            if self.popularity != "uniform" or self.base_fraction or self.tenants:
+                bad("mixes are drawn uniformly, every request on one: popularity must be uniform, base_fraction "
+                    "and tenants 0")
+            if not self.mix_scales or any(not -MAX_SCALE <= s <= MAX_SCALE for s in self.mix_scales):
+                bad(f"mix_scales must be numbers in [-{MAX_SCALE:g}, {MAX_SCALE:g}], got {self.mix_scales!r}")
+        elif self.mix_single:
+            bad("mix_single stands in for mixes: it needs a mix_size")
 
     def with_adapters(self, n: int) -> Workload:
         """The same requests over n adapters (the adapter sweep)."""
@@ -124,12 +150,32 @@ class Workload:
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request of a workload: `arrival_s` after the start of the run."""
+    """One request of a workload: `arrival_s` after the start of the run. On one adapter
+    (`adapter`), the base (neither), or a mix: `mix`, (name, scale) pairs sorted by name as
+    `Mix` keeps them (lists, as read back from JSON, become tuples)."""
 
     prompt: list[int]
     max_tokens: int
     adapter: str | None = None
     arrival_s: float = 0.0
+    mix: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self):
+        if self.mix and self.adapter is not None:
+            raise ConfigError(f"a request names an adapter ({self.adapter!r}) or a mix, not both")
+        object.__setattr__(self, "mix", tuple((str(n), float(s)) for n, s in self.mix))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The adapters it uses: its mix's, its adapter, or none."""
+        return tuple(n for n, _ in self.mix) if self.mix else (self.adapter,) if self.adapter is not None else ()
+
+    @property
+    def label(self) -> str | None:
+        """What serves it, as the engine names it: the adapter, the mix (`a+b*0.5`), or None."""
+        if not self.mix:
+            return self.adapter
+        return "+".join(n if s == 1.0 else f"{n}*{s:g}" for n, s in self.mix)
 
 
 # issue 18's comparison with llama.cpp: 64 x 64+64 tokens, a closed loop of 8 in flight (`bench llama-cpp`
@@ -138,6 +184,10 @@ _PEER = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), ranks=(6
 # S-LoRA's scaling setting (ranks 8 and 16 on q/k/v/o, uniform popularity): 1000 against 8
 # adapters differs in nothing else
 _SLORA = dict(num_requests=256, prompt_len=(64, 64), output_len=(64, 64), ranks=(8, 16), targets=ATTENTION_MODULES)
+# issue 52's mixes: 64 requests x 64+64 tokens at once, each a mix of 2 of 8 adapters (ranks 16-64 on all seven
+# projections, two of each), each adapter at scale 1 or 0.5; mix-single differs only in serving each mix by one adapter
+_MIX = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64),
+            mix_size=2, mix_scales=(1.0, 0.5))
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("uniform-8", num_adapters=8, **_SLORA,
              description="256 requests x 64+64 tokens at once over 8 adapters (ranks 8/16 on q/k/v/o)"),
@@ -168,6 +218,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              description="peer-base's requests, every one on the same rank-64 adapter"),
     Workload("peer-round-robin", num_adapters=8, popularity="round-robin", **_PEER,
              description="peer-base's requests over 8 rank-64 adapters in turn"),
+    Workload("mix", **_MIX, description="64 requests x 64+64 tokens at once, each a mix of 2 of 8 adapters "
+                                        "(ranks 16-64 on all 7 projections) at scales 1 or 0.5"),
+    Workload("mix-single", **_MIX, mix_single=True,
+             description="mix's requests, each mix served by one adapter of the summed rank (the same LoRA bytes)"),
     Workload("quick", 8, (8, 32), (8, 32), num_adapters=4, ranks=(8, 16), base_fraction=0.25,
              description="a smoke run: 8 requests, 4 adapters and some base requests"),
 )}
@@ -196,12 +250,41 @@ def make_requests(workload: Workload, vocab_size: int) -> list[BenchRequest]:
     # lengths first, so that they do not depend on the vocabulary: every shape gets the same
     lengths = [(rng.randint(*workload.prompt_len), rng.randint(*workload.output_len)) for _ in range(n)]
     prompts = [[rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(p)] for p, _ in lengths]
+    arrivals = _draw_arrivals(workload, random.Random(f"{workload.seed}/arrivals"))
+    if workload.mix_size:
+        mixes = _draw_mixes(workload)
+        if workload.mix_single:
+            ids = {m: k for k, m in enumerate(dict.fromkeys(mixes))}
+            return [BenchRequest(prompt, out, adapter_name(ids[m]), arrival)
+                    for prompt, (_, out), m, arrival in zip(prompts, lengths, mixes, arrivals)]
+        return [BenchRequest(prompt, out, None, arrival, tuple((adapter_name(i), s) for i, s in m))
+                for prompt, (_, out), m, arrival in zip(prompts, lengths, mixes, arrivals)]
     adapters = _draw_adapters(workload, random.Random(f"{workload.seed}/adapters"))
     if workload.tenants:
         prompts = _with_system_prompts(workload, prompts, adapters, vocab_size)
-    arrivals = _draw_arrivals(workload, random.Random(f"{workload.seed}/arrivals"))
     return [BenchRequest(prompt, out, adapter, arrival)
             for prompt, (_, out), adapter, arrival in zip(prompts, lengths, adapters, arrivals)]
+
+
+def adapter_ranks(workload: Workload) -> tuple[int, ...]:
+    """The rank of each adapter the requests may name, the i-th `adapter_name(i)`'s: ranks[i %
+    len(ranks)] of `num_adapters`; for `mix_single`, one per distinct mix, in request order, the
+    sum of its adapters' ranks."""
+    own = tuple(workload.ranks[i % len(workload.ranks)] for i in range(workload.num_adapters))
+    if not workload.mix_single:
+        return own
+    return tuple(sum(own[i] for i, _ in m) for m in dict.fromkeys(_draw_mixes(workload)))
+
+
+def _draw_mixes(workload: Workload) -> list[tuple[tuple[int, float], ...]]:
+    """Per request, its mix as (adapter index, scale) pairs sorted by name (`Mix`'s order:
+    `adapter_name` pads, so by index); `mix_single` draws the same."""
+    rng = random.Random(f"{workload.seed}/mixes")
+    out = []
+    for _ in range(workload.num_requests):
+        picks = sorted(rng.sample(range(workload.num_adapters), workload.mix_size))
+        out.append(tuple((i, rng.choice(workload.mix_scales)) for i in picks))
+    return out
 
 
 def _with_system_prompts(workload: Workload, questions: list[list[int]], adapters: list[str | None],

@@ -1,4 +1,4 @@
-"""`lorafleet bench run|quick|full|llama-cpp|lora-decode|decode-bound|switch|overhead|store-load|stats-cost|gpu`: one
+"""`lorafleet bench run|quick|full|mix|llama-cpp|lora-decode|decode-bound|switch|overhead|store-load|stats-cost|gpu`: one
 subcommand per benchmark, each with only the options it uses. The bench code (and with it torch)
 is imported only when a subcommand runs."""
 
@@ -14,6 +14,7 @@ from lorafleet.cli.common import err_console, fail, json_errors, styled, user_er
 
 ALL_SYSTEMS = "lorafleet,transformers,peft-groups,peft-mixed,merged"
 PEER_WORKLOADS = ("peer-base", "peer-one-adapter", "peer-round-robin")  # bench llama-cpp's
+MIX_SYSTEMS = "lorafleet,peft-groups,peft-mixed"  # bench mix's: lorafleet and PEFT's two ways to serve merged mixes
 
 app = typer.Typer(
     help="Measure lorafleet, and the systems users would pick instead, on random models and "
@@ -62,9 +63,9 @@ def run(
         "--workload", "-w",
         help="Workload: uniform-8, uniform-1000, uniform-1000-tiered, zipf-1000, mixed-lengths, "
              "cold-start, shared-prefix, shared-prefix-pressure, base-only, peer-base, peer-one-adapter, "
-             "peer-round-robin or quick. Repeat for several, run in turn, with lorafleet's "
+             "peer-round-robin, mix, mix-single or quick. Repeat for several, run in turn, with lorafleet's "
              "tokens/s compared across uniform-1000 and uniform-8, uniform-1000-tiered and "
-             "uniform-1000. Default: base-only.")] = None,
+             "uniform-1000, mix and mix-single. Default: base-only.")] = None,
     systems: Systems = ALL_SYSTEMS,
     sweep: Annotated[str | None, typer.Option(
         "--sweep", metavar="N,N,...",
@@ -112,6 +113,58 @@ def full(
     uniform-1000's requests: one report per workload and a summary; states its duration."""
     suites.throughput(model or ["tiny"], None, systems, (), max_baseline_requests, device, threads, out, as_json,
                       quantize)
+
+
+@app.command("mix")
+def mix(
+    model: Annotated[list[str] | None, _models("tiny")] = None,
+    systems: Annotated[str, typer.Option(
+        "--systems", help="Comma-separated systems to run on the mix workload, of those `bench run` takes (one "
+                          "that cannot serve mixes is reported skipped); the lorafleet ones among them also run "
+                          "mix-single.")] = MIX_SYSTEMS,
+    max_baseline_requests: MaxBaseline = None,
+    device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
+) -> None:
+    """Issue 52's figures, in one run on one machine: lorafleet on the mix workload (64 requests,
+    each a mix of 2 of 8 adapters of ranks 16-64, at scales 1 or 0.5) against the same requests on
+    single adapters of the summed ranks (mix-single: the same LoRA bytes a step; target >= 0.8x),
+    and against PEFT serving the mixes as merged adapters built per mix, the merges timed
+    (peft-groups: set_adapter per mix; peft-mixed: adapter_names batches; target >= 5x). One
+    report per workload and all of them in --out; the table gives each figure and the ratios."""
+    from lorafleet.bench.report import resolve_out_path
+    from lorafleet.bench.systems import SYSTEM_NAMES, get_system
+
+    names = list(dict.fromkeys(s.strip() for s in systems.split(",") if s.strip()))
+    shapes = model or ["tiny"]
+    suites.check_shapes(shapes)
+    suites.check_choices("--systems", names or [""], SYSTEM_NAMES)
+    suites.check_quantize(None, shapes, cpu=device == "cpu")
+    suites.require(shapes, names, plots=True)
+    if "llama.cpp" in names:
+        suites.llama_server()
+    subjects = tuple(n for n in names if get_system(n).subject)
+    path = resolve_out_path(out)
+    with user_errors():
+        from lorafleet.bench.runner import run_suite
+
+        report = run_suite(shapes, path, workloads=("mix", "mix-single") if subjects else ("mix",),
+                           systems=tuple(names), only={"mix-single": subjects}, sweeps={}, name="mix", device=device,
+                           threads=threads, max_baseline_requests=max_baseline_requests, console=err_console)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        from lorafleet.bench.tables import console, mix_tables
+
+        for table in mix_tables(report.get("mix", [])):
+            console().print(table)
+        for warning in (w for rep in report["reports"] for w in rep["warnings"]):
+            err_console.print(styled("noisy:", "yellow", warning))
+        err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
+    err_console.print(f"wrote {path}", highlight=False)
+    failed = [f"{rep['workload']['name']}/{r['model']}/{r['system']}" for rep in report["reports"]
+              for r in rep["results"] if r["status"] == "error"]
+    if failed:
+        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")
 
 
 @app.command("llama-cpp")

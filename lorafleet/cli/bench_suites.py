@@ -1,7 +1,8 @@
 """How the `lorafleet bench` subcommands run: the throughput suites (`throughput`: run, quick,
-full, llama-cpp), the one-figure suites (`suite`: one result per shape, its table, its JSON
-report), and the checks of their choices and of the modules they need (`require`, before
-anything runs). Importing it imports neither torch nor the bench code."""
+full; llama-cpp and mix run theirs through the same runner), the one-figure suites (`suite`: one
+result per shape, its table, its JSON report), and the checks of their choices and of the
+modules they need (`require`, before anything runs). Importing it imports neither torch nor the
+bench code."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def print_report(report: dict, as_json: bool) -> None:
             err_console.print(styled("noisy:", "yellow", warning))
     if "reports" in report:
         console.print(tables.suite_summary(report))
+    for table in tables.mix_tables(report.get("mix", [])):
+        console.print(table)
     err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
 
 
