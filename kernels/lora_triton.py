@@ -7,12 +7,16 @@ rows, `mix` n >= 1 on its first (its lead; a plain segment is a mix of one), -j 
 follower. For every mix, row i in [start, end) and module slot m < slots:
     out[i, col : col + n_out] += sum over the mix's segments s whose rank r > 0 in the row table
                                  at seg[s, 2] of scale(s) * (x[i] @ A_m(s)^T) @ Bt_m(s)
-accumulated in fp32 and rounded once to out's dtype. Rows in no segment are untouched: a request
-without an adapter pays nothing. A program finds its segment's table (one int64 load), the
-slot's fields (r, n_out, col, rows: one 32-byte load) and the pointers of the rank rows it reads
-(one vector load); every weight is then read as a whole row, `ROW_ALIGN`-aligned and contiguous
-(`tl.multiple_of`), so the compiler issues 16-byte loads: no per-element page arithmetic, no
-page-table load per element (the layout guarantees that no row crosses a page).
+accumulated in fp32 and rounded once to out's dtype; on a lone segment (mix 1) a slot with an
+*epilogue* (its field g_row >= 0: DoRA's magnitude over the row norms, PEFT's lora_bias) gives
+out = g * (out + delta) + c instead, g and c the rows of n_out at g_row and c_row, in fp32,
+rounded once. Rows in no segment are untouched: a request without an adapter pays nothing. A
+program finds its segment's table (one int64 load), the slot's fields (r, n_out, col, a_rows,
+b_rows; g_row and c_row once its tile is summed: scalar loads) and the pointers of the rank rows
+it reads (one vector load); every weight (and epilogue row) is then read as a whole row,
+`ROW_ALIGN`-aligned and contiguous (`tl.multiple_of`), so the compiler issues 16-byte loads: no
+per-element page arithmetic, no page-table load per element (the layout guarantees that no row
+crosses a page).
 
 Given `max_rows`, `max_rank` and `max_n_out` the grids depend on nothing else (no `.item()`, no
 host sync), so the op can be captured in a CUDA graph; `engine/graphs.py` sizes those bounds to
@@ -23,6 +27,8 @@ A mix is one adapter whose rank rows are its members' side by side, each member'
 scale multiplies the fp32 shrink, as the reference does), so `max_rank` bounds the largest sum of
 a mix's ranks for one slot. Its lead's programs do its work, summing its deltas in fp32 into one
 tile that joins out once; a follower's programs return at once, and no program waits on another.
+A mix's epilogues are never read: only a lone segment's programs (their own lead) load the
+slot's g_row and c_row, from its table, as they add their tile to out.
 
 Two designs behind the one contract, chosen by `Config.design` (`CONFIG`, the engine's):
   "split"  shrink: grid (S * slots, row blocks, rank blocks * splits); each program reduces
@@ -102,7 +108,7 @@ def _block(n: int, lo: int, hi: int) -> int:
 def _slot(seg_ptr, ENTRY, M, BLOCK_M: tl.constexpr):
     """This program's segment s and slot m (axis 0 is s * M + m), its rows [row0, end) (axis 1
     picks the row block) and the offset in a row table of the slot's fields (r, n_out, col,
-    a_rows, b_rows)."""
+    a_rows, b_rows, g_row, c_row)."""
     pid = tl.program_id(0)
     s = pid // M
     m = pid % M
@@ -203,11 +209,30 @@ def _shrink_kernel(x_ptr, w_ptr, wi_ptr, t_ptr, mix_ptr, seg_ptr, ENTRY, M, IN, 
 
 
 @triton.jit
-def _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out):
+def _post(seg_ptr, wi_ptr, s, f):
+    """The epilogue's rows (g_row, c_row) of segment s's slot at f if s is a lone segment (mix 1),
+    else (-1, -1): a mix's members' epilogues are never read. Loaded once the tile is summed, so
+    no register holds them across the rank loop."""
+    lone = tl.load(seg_ptr + _SEG * s + 4) == 1
+    fields = wi_ptr + tl.load(seg_ptr + _SEG * s + 2) + f
+    return tl.load(fields + 5, mask=lone, other=-1), tl.load(fields + 6, mask=lone, other=-1)
+
+
+@triton.jit
+def _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask):
+    """out[rows, col + ns] = g * (out + acc) + c in fp32, one rounding to out's dtype: with an
+    epilogue (g_row >= 0) g and c over the tile's columns, read as Bt's rows are (up to n_out
+    rounded up to ROW_ALIGN), else g = 1 and c = 0 (loads masked off), i.e. out + acc."""
     optr = out_ptr + rows[:, None].to(tl.int64) * stride_out + col + ns[None, :]
     omask = rmask[:, None] & nmask[None, :]
-    cur = tl.load(optr, mask=omask, other=0.0).to(tl.float32)
-    tl.store(optr, (cur + acc).to(out_ptr.dtype.element_ty), mask=omask)
+    y = tl.load(optr, mask=omask, other=0.0).to(tl.float32) + acc
+    # masked loads rather than a branch on g_row: the branch made ptxas spill in the prefill expand
+    post = g_row >= 0
+    pmask = tl.where(post, bmask, False)  # not bmask & post: the interpreter makes that an int64 mask
+    g = tl.load(w_ptr + tl.multiple_of(tl.where(post, g_row, 0), _ALIGN) + ns, mask=pmask, other=1.0)
+    c = tl.load(w_ptr + tl.multiple_of(tl.where(post, c_row, 0), _ALIGN) + ns, mask=pmask, other=0.0)
+    y = g.to(tl.float32)[None, :] * y + c.to(tl.float32)[None, :]
+    tl.store(optr, y.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -233,12 +258,13 @@ def _times_bt(acc, t, w_ptr, list_ptr, b_at, kmask, ns, bmask):
 
 
 @triton.jit
-def _expand_kernel(t_ptr, mix_ptr, w_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
+def _expand_kernel(t_ptr, mix_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     # a mix as one adapter: the shrink listed its rank, n_out, col and its members' Bt rows side
     # by side for its lead. No loop over the members here: any loop besides the rank loop made
-    # ptxas spill registers
-    s, m, row0, end, _ = _slot(seg_ptr, ENTRY, M, BLOCK_M)
+    # ptxas spill registers. A lone segment's epilogue rows come from its own table (`_post`):
+    # it is its own lead, so the shrink's list needs no room for them
+    s, m, row0, end, f = _slot(seg_ptr, ENTRY, M, BLOCK_M)
     lead = (row0 < end) & (tl.load(seg_ptr + _SEG * s + 4) >= 1)  # a follower's work is its lead's
     head = mix_ptr + (s * M + m) * (_HEAD + RMAX)
     r = tl.load(head, mask=lead, other=0)
@@ -257,7 +283,8 @@ def _expand_kernel(t_ptr, mix_ptr, w_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, st
         for split in range(1, SPLITS):  # the shrink's partials, in a fixed order
             tt += tl.load(tptr + split * T * M * RMAX, mask=tmask, other=0.0)
         acc = _times_bt(acc, tt, w_ptr, head + _HEAD, ks, kmask, ns, bmask)
-    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out)
+    g_row, c_row = _post(seg_ptr, wi_ptr, s, f)
+    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask)
 
 
 @triton.jit
@@ -321,7 +348,8 @@ def _fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x
         a_rows = tl.where(nxt, a2, a_rows)
         b_rows = tl.where(nxt, b2, b_rows)
         scale = tl.where(nxt, scale2, scale)
-    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out)
+    g_row, c_row = _post(seg_ptr, wi_ptr, s, f)
+    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask)
 
 
 def _interpreted() -> bool:
@@ -351,11 +379,12 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
          max_rows: int | None = None, max_rank: int | None = None, max_n_out: int | None = None,
          config: Config | None = None) -> None:
     """out[i, col:col+n_out] += the sum over a mix's segments s of scale(s) * (x[i] @ A_m(s)^T) @
-    Bt_m(s), for every row of every mix (a plain segment: a mix of one) and module slot (see the
-    module docstring). x: [T, in], out: [T, N] (row-strided views allowed, unit column stride),
-    w: the flat pool [pages * page_elems], all one dtype (fp32, bf16, fp16); seg [S, SEG_FIELDS]
-    int64 (start, end, table, scale, mix) on x's device; entry, slots: the group's fields in the
-    row tables.
+    Bt_m(s), for every row of every mix (a plain segment: a mix of one) and module slot; a lone
+    segment's slot with an epilogue gives g * (out + delta) + c instead (see the module
+    docstring). x: [T, in], out: [T, N] (row-strided views allowed, unit column stride), w: the
+    flat pool [pages * page_elems], all one dtype (fp32, bf16, fp16); seg [S, SEG_FIELDS] int64
+    (start, end, table, scale, mix) on x's device; entry, slots: the group's fields in the row
+    tables.
 
     max_rows (the longest segment), max_rank (the largest sum of a mix's ranks for one slot: its
     members' rank rows side by side) and max_n_out (the widest slot's output: N when None) are
@@ -406,6 +435,6 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
         x, w, wi, t, mixes, seg, entry, slots, IN, x.stride(0), T, rmax, rank_blocks,
         UPCAST=upcast, K_SPLIT=k_split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=cfg.warps)
     _expand_kernel[(S * slots, row_blocks, col_blocks)](
-        t, mixes, w, out, seg, entry, slots, splits, out.stride(0), T, rmax,
+        t, mixes, w, wi, out, seg, entry, slots, splits, out.stride(0), T, rmax,
         BLOCK_M=block_m, BLOCK_K=block_r if block_m == 16 else min(block_r, PREFILL_RANK_BLOCK), BLOCK_N=block_n,
         num_warps=cfg.warps)

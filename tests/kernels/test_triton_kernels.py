@@ -35,7 +35,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 DESIGNS = {c.design: c for c in reversed(lora_triton.CANDIDATES)}  # each design, at its first candidate's config
 
 
-def lora_case(seed, fan_in, outs, ranks, rows, *, E=512, dtype=torch.float32, gaps=True, pad_cols=0, **kw):
+def lora_case(seed, fan_in, outs, ranks, rows, *, E=1024, dtype=torch.float32, gaps=True, pad_cols=0, **kw):
     """tests/kernels/lora_cases.py's case on DEVICE."""
     return cases.lora_case(seed, fan_in, outs, ranks, rows, page_elems=E, dtype=dtype, gaps=gaps, pad_cols=pad_cols,
                            device=DEVICE, **kw)
@@ -66,13 +66,16 @@ def _abs_scales(seg):
 
 
 def _abs_weights(case):
-    """The pool with every weight's magnitude (its row tables kept: they are int64 words, not weights)."""
+    """The pool with every weight's magnitude, the epilogues' rows g and c included (its row tables
+    kept: they are int64 words, not weights)."""
     w = case.w.clone()
     wi = reference.as_int64(case.w)
+    F = reference.TABLE_FIELDS
     for _, end, table, _, _ in case.seg.tolist():
         for m in range(case.slots):
-            r, n_out, _, a_rows, b_rows = wi[table + case.entry + 5 * m:][:5].tolist()
-            for ptrs, n in ((wi[a_rows:a_rows + r], case.x.shape[1]), (wi[b_rows:b_rows + r], n_out)):
+            r, n_out, _, a_rows, b_rows, g_row, c_row = wi[table + case.entry + F * m:][:F].tolist()
+            posts = torch.tensor([g_row, c_row] if g_row >= 0 else [], dtype=torch.long, device=w.device)
+            for ptrs, n in ((wi[a_rows:a_rows + r], case.x.shape[1]), (wi[b_rows:b_rows + r], n_out), (posts, n_out)):
                 idx = (ptrs[:, None] + torch.arange(n, device=w.device)).reshape(-1)
                 w[idx] = w[idx].abs()
     return w
@@ -282,6 +285,107 @@ def test_lora_mixes_under_static_bounds_larger_than_needed(design, dtype):
     third = check_mix(case, design, dtype, max_rows=40, max_rank=96, max_n_out=32)
     torch.testing.assert_close(second, first, **TOL[dtype])
     torch.testing.assert_close(third, first, **TOL[dtype])
+
+
+# -- epilogues (DoRA, lora_bias): out = g * (out + delta) + c on a lone segment ------------------
+
+# adapters (ranks per slot of the qkv group: 136 columns in slot 0, not a multiple of any column
+# block, so its last block is partial) and their epilogues
+POST_OUTS = [136, 16, 24]
+POST_RANKS = [[8, 3, 16], [24, 0, 5], [1, 8, 0], [16, 16, 16], [64, 3, 8]]
+POSTS = [None, "dora", "bias", "dora", "bias"]
+
+
+def check_post(case, design, dtype, **bounds):
+    """check_mix, and the rows in no segment untouched (the epilogue included)."""
+    assert (~case.covered).any()
+    got = check_mix(case, design, dtype, **bounds)
+    assert torch.equal(got[~case.covered], case.base[~case.covered])
+    return got
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_epilogues_beside_plain_adapters_in_a_decode_step(design, dtype):
+    # segments of at most 16 rows (the fused kernel for "fused"); one adapter per segment
+    case = lora_case(51, 48, POST_OUTS, POST_RANKS, [1, 3, 1, 16, 2], dtype=dtype, posts=POSTS)
+    assert (case.base != case.expected).any()
+    check_post(case, design, dtype)
+    # under static bounds larger than the step's (as a captured graph passes them)
+    check_post(case, design, dtype, max_rows=16, max_rank=128, max_n_out=192)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_epilogues_on_prefill_length_segments(design, dtype):
+    # 40 rows: row blocks over 16 (the split kernels, their prefill blocks: 64 columns, so 136
+    # takes three); in = k_split + 40: the shrink's partials summed before the epilogue
+    fan_in = lora_triton.CONFIG.k_split + 40
+    case = lora_case(52, fan_in, POST_OUTS, POST_RANKS, [40, 1, 21, 0, 3], dtype=dtype, posts=POSTS, E=2048)
+    check_post(case, design, dtype)
+    check_post(case, design, dtype, max_rows=64, max_rank=96, max_n_out=256)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_epilogue_adapters_in_a_mix_are_summed_plainly(design, dtype):
+    # a mix's members, its lead included, add their deltas with no epilogue; the same adapters
+    # alone apply theirs
+    mixes = [[(1, 1.0)],                          # DoRA alone: its epilogue
+             [(1, 1.0), (2, 1.0)],                # a DoRA lead and a bias follower: plain sums
+             [(2, 1.0)],                          # bias alone
+             [(0, 0.5), (3, 1.0), (4, -1.0)],     # a plain lead, epilogue followers
+             [(4, 1.0)],
+             [(3, 1.0), (0, 2.0)]]                # 40 rows: the prefill blocks
+    case = lora_case(53, 48, POST_OUTS, POST_RANKS, [1, 2, 3, 1, 4, 40], dtype=dtype, mixes=mixes, posts=POSTS)
+    check_post(case, design, dtype)
+    check_post(case, design, dtype, max_rows=64, max_rank=128, max_n_out=136)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_lora_epilogue_in_bf16_is_rounded_once(design):
+    # g * (out + delta) + c in fp32, rounded into out once: the reference's bits (as the kernels
+    # store them), which rounding out + delta before the epilogue does not give
+    case = lora_case(54, 48, POST_OUTS, POST_RANKS, [1, 3, 1, 5, 2], dtype=torch.bfloat16, posts=POSTS)
+    got = case.base.clone()
+    lora_triton.lora(*case.args(got), config=DESIGNS[design])
+    once = rounded_once(case)
+    assert torch.equal(got, once)
+    # out + delta rounded first, then the epilogue (the reference's, on a plain copy of the tables)
+    twice = case.base.clone()
+    reference.lora(case.x, twice, _plain(case), case.seg, case.entry, case.slots)
+    twice32 = twice.float()
+    wi = reference.as_int64(case.w)
+    F = reference.TABLE_FIELDS
+    for start, end, table, _, _ in case.seg.tolist():
+        for m in range(case.slots):
+            r, n_out, col, _, _, g_row, c_row = wi[table + case.entry + F * m:][:F].tolist()
+            if r and g_row >= 0:
+                o = twice32[start:end, col:col + n_out]
+                o.copy_(case.w[g_row:g_row + n_out].float() * o + case.w[c_row:c_row + n_out].float())
+    assert (stored(twice32, torch.bfloat16) != once).sum() > 20
+
+
+def _plain(case):
+    """The pool with every epilogue turned off (g_row = c_row = -1 in the row tables)."""
+    w = case.w.clone()
+    wi = reference.as_int64(w)
+    F = reference.TABLE_FIELDS
+    for _, _, table, _, _ in case.seg.tolist():
+        for m in range(case.slots):
+            wi[table + case.entry + F * m + 5:][:2] = -1
+    return w
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_lora_epilogue_of_a_slot_the_adapter_lacks_is_not_applied(design):
+    # a DoRA adapter without slot 1: those columns keep out as is (no delta, no epilogue)
+    case = lora_case(55, 48, POST_OUTS, [[8, 0, 4], [0, 0, 0]], [3, 2], posts=["dora", "bias"])
+    got = check_post(case, design, torch.float32)
+    start, end = case.seg[0, :2].tolist()
+    assert torch.equal(got[start:end, 136:152], case.base[start:end, 136:152])
+    start, end = case.seg[1, :2].tolist()
+    assert torch.equal(got[start:end], case.base[start:end])
 
 
 def test_lora_takes_segments_of_seg_fields_only():
