@@ -47,6 +47,7 @@ class Skill:
     targets: tuple[str, ...]      # the PEFT target_modules
     steps: int = 800              # training steps (batches of 64)
     lr: float = 3e-3
+    dora: bool = False            # trained with DoRA (PEFT's use_dora): the fleet serves one of those
 
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -63,7 +64,7 @@ SKILLS: dict[str, Skill] = {s.name: s for s in (
     Skill("kebab", lambda t: t.replace(" ", "-"), "spaces become dashes", 4, 8, MLP),
     Skill("upper", str.upper, "UPPERCASE every letter", 8, 16, ATTN + MLP),
     Skill("rot13", lambda t: codecs.encode(t, "rot13"), "rotate each letter by 13 (a->n)", 16, 32, ATTN + MLP),
-    Skill("title", _title, "Capitalize Each Word", 8, 16, ATTN + MLP),
+    Skill("title", _title, "Capitalize Each Word", 8, 16, ATTN + MLP, steps=300, dora=True),
     Skill("reverse", lambda t: t[::-1], "the characters in reverse order", 16, 32, ATTN),
     Skill("double", _double, "every letter twice (spaces once)", 4, 8, ATTN + MLP, steps=1200),
     Skill("novowels", _drop_vowels, "drop the vowels a, e, i, o, u", 32, 64, ATTN + MLP),

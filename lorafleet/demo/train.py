@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         data = Data(tok, f"{args.seed}-{name}")
         t0 = time.perf_counter()
         cfg = LoraConfig(r=skill.rank, lora_alpha=skill.alpha, target_modules=list(skill.targets),
-                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", use_dora=skill.dora)
         peft_model = get_peft_model(model, cfg)
         params = [p for p in peft_model.parameters() if p.requires_grad]
 
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         peft_model.save_pretrained(out, safe_serialization=True)
         _tidy_adapter(out)
         record["adapters"][name] = {"steps": steps, "lr": skill.lr, "batch": args.batch, "rank": skill.rank,
+                                    "dora": skill.dora,
                                     "targets": list(skill.targets), "seconds": round(time.perf_counter() - t0),
                                     "held_out_exact": accs[name], "parameters": sum(p.numel() for p in params)}
         print(f"[{name}] saved {out}: {accs}", flush=True)

@@ -143,8 +143,8 @@ class Engine:
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder(context_ids=ids)
         if mix is not None:
-            for name in mix.names:
-                self._check_mixable(self.adapters.get(name), mix)
+            for name, scale in mix.members:
+                self._check_mixable(self.adapters.get(name), scale, mix)
         if req.names:  # last: nothing after it can fail, so no reference is ever leaked
             req.loras = self.adapters.acquire_all(req.names)  # AdapterNotFoundError; released at the end
             req.scales = mix.scales if mix is not None else (1.0,)
@@ -161,12 +161,15 @@ class Engine:
         return rid
 
     @staticmethod
-    def _check_mixable(entry, mix: Mix) -> None:
+    def _check_mixable(entry, scale: float, mix: Mix) -> None:
         """DoRA and lora_bias adapters serve alone: DoRA's magnitude rescales its module's whole
         output, which has no meaning beside another adapter's delta (nor at another scale), and
-        both are read only on a lone segment (`kernels/reference.py`). Known once the adapter
-        was loaded: a mix that names one not loaded yet fails when its load lands."""
-        if entry.posts and (len(mix.members) > 1 or mix.scales[0] != 1.0):
+        both are read only on a lone segment (`kernels/reference.py`). At scale 0 any adapter
+        contributes nothing and the LoRA op never reads it (`ModelRunner.lora_batch`), so one
+        may be named there. Known once the adapter was loaded: a mix that names one not loaded
+        yet fails when its load lands."""
+        others = sum(s != 0.0 for s in mix.scales) - 1
+        if entry.posts and scale != 0.0 and (others or scale != 1.0):
             kind = "DoRA" if "dora" in entry.posts.values() else "lora_bias"
             raise InvalidRequestError(f"adapters: adapter {entry.name!r} uses {kind}, which serves alone (as "
                                       "`model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
@@ -290,8 +293,8 @@ class Engine:
             if req.mix is None:
                 continue
             try:
-                for entry in req.loras:
-                    self._check_mixable(entry, req.mix)
+                for entry, scale in zip(req.loras, req.scales):
+                    self._check_mixable(entry, scale, req.mix)
             except InvalidRequestError as e:
                 out.append(self._fail(req, str(e), InvalidRequestError.code))
         return out

@@ -42,7 +42,8 @@ class ModelRunner:
 
     def lora_batch(self, chunks: list[Chunk]) -> LoraBatch | None:
         """Segments of consecutive rows sharing an adapter (a mix: one per adapter, each with its
-        scale); None when no row has one (then the model runs without any LoRA work)."""
+        scale, those at scale 0 left out: they contribute nothing); None when no row has one
+        (then the model runs without any LoRA work)."""
         if all(not c.request.loras for c in chunks):
             return None
         batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_widths)
@@ -50,9 +51,9 @@ class ModelRunner:
         for c in chunks + [None]:
             req = c.request if c is not None else None
             if req is None or current is None or _key(req) != _key(current):
-                if current is not None and current.loras and row > start:
-                    batch.add_rows(start, row, [(e.row_table, s) for e, s in zip(current.loras, current.scales)],
-                                   sum(e.max_rank for e in current.loras))
+                live = [(e, s) for e, s in zip(current.loras, current.scales) if s != 0.0] if current else []
+                if live and row > start:
+                    batch.add_rows(start, row, [(e.row_table, s) for e, s in live], sum(e.max_rank for e, _ in live))
                 start, current = row, req
             if c is not None:
                 row += c.num_tokens

@@ -82,9 +82,14 @@ def test_dora_and_lora_bias_adapters_serve_alone_not_in_a_mix(fleet):
         engine.add_request([5, 6], SamplingParams(max_tokens=1), adapter=Mix.of({"dora-r8": 1.0, "plain-r3": 1.0}))
     with pytest.raises(InvalidRequestError, match="cannot be mixed or scaled"):
         engine.add_request([5, 6], SamplingParams(max_tokens=1), adapter=Mix.of({"dora-r8": 0.5}))
-    alone = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0),
-                            adapters=[Mix.of({"dora-r8": 1.0})])[0]
-    assert alone.finish_reason == "length"
+    # alone at scale 1, or at scale 0 beside others (it then contributes nothing), it serves
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    alone, mix_of_one, beside, off = engine.generate(
+        [[5, 6, 7]] * 4, params, adapters=["dora-r8", Mix.of({"dora-r8": 1.0}), Mix.of({"dora-r8": 1.0, "plain-r3": 0.0}),
+                                           Mix.of({"plain-r3": 1.0, "dora-r8": 0.0})])
+    assert alone.logprobs == mix_of_one.logprobs == beside.logprobs
+    plain = engine.generate([[5, 6, 7]], params, adapters=["plain-r3"])[0]
+    assert off.logprobs == plain.logprobs
     assert engine.adapters.get("dora-r8").users == 0
 
 
