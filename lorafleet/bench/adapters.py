@@ -22,22 +22,30 @@ WARM_UP_SEED = 7919  # no workload uses it: the warm-up adapter is never one a r
 
 
 def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, seed: int = 0,
-                  alpha: float | None = None, dtype=torch.float32) -> Path:
-    """One random adapter with non-zero B (so it really changes the model)."""
+                  alpha: float | None = None, dtype=torch.float32, dora: bool = False) -> Path:
+    """One random adapter with non-zero B (so it really changes the model). `dora`: with a DoRA
+    magnitude per module, the row norms of W + scale B A (DoRA's init: the adapter then changes
+    the model as the plain one does, and no activation grows)."""
     cfg = ModelConfig.from_folder(base_dir)
     feats = cfg.linear_features()
     g = torch.Generator().manual_seed(seed)
+    alpha = alpha if alpha is not None else 2 * rank
+    base = _BaseWeights(base_dir) if dora else None
     tensors = {}
     for layer in range(cfg.num_layers):
         for m in targets:
             fin, fout = feats[m]
             key = f"base_model.model.model.layers.{layer}.{MODULE_BLOCK[m]}.{m}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, fin, generator=g) / fin ** 0.5).to(dtype)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=g) * 0.02).to(dtype)
+            a = (torch.randn(rank, fin, generator=g) / fin ** 0.5).to(dtype)
+            b = (torch.randn(fout, rank, generator=g) * 0.02).to(dtype)
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+            if base is not None:
+                w = base.get(f"model.layers.{layer}.{MODULE_BLOCK[m]}.{m}.weight")
+                tensors[f"{key}.lora_magnitude_vector"] = (w + (alpha / rank) * b.float() @ a.float()).norm(dim=1).to(dtype)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir),
-        "r": rank, "lora_alpha": alpha if alpha is not None else 2 * rank, "lora_dropout": 0.0,
-        "target_modules": list(targets), "bias": "none", "use_rslora": False, "use_dora": False,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+        "target_modules": list(targets), "bias": "none", "use_rslora": False, "use_dora": dora,
         "fan_in_fan_out": False, "modules_to_save": None, "layers_to_transform": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
@@ -53,8 +61,23 @@ def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, 
     return folder
 
 
+class _BaseWeights:
+    """A base folder's tensors by name, read one at a time from its safetensors files."""
+
+    def __init__(self, base_dir: Path):
+        from safetensors import safe_open
+
+        self.files = [safe_open(p, "pt") for p in sorted(Path(base_dir).glob("*.safetensors"))]
+
+    def get(self, name: str) -> torch.Tensor:
+        for f in self.files:
+            if name in f.keys():
+                return f.get_tensor(name).float()
+        raise KeyError(f"{name} is in no safetensors file of the base")
+
+
 def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MODULES,
-                   seed: int = 0) -> list[tuple[str, Path]]:
+                   seed: int = 0, dora_every: int = 0) -> list[tuple[str, Path]]:
     """n adapters, rank i-th = ranks[i % len(ranks)], cached under base_dir/../adapters-<key>
     (more than 8 ranks, one per adapter as `mix_single` has, go into the key as a digest: a
     folder name has 255 bytes)."""
@@ -62,6 +85,8 @@ def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MO
     if len(ranks) > 8:
         spelled = f"{len(ranks)}r{hashlib.sha256(spelled.encode()).hexdigest()[:12]}"
     key = f"{spelled}_{'-'.join(m[0] + m.split('_')[0][-1] for m in targets)}_{seed}"
+    if dora_every:
+        key += f"_dora{dora_every}"
     root = Path(base_dir).parent / f"{Path(base_dir).name}-adapters-{key}"
     root.mkdir(parents=True, exist_ok=True)
     out = []
@@ -69,7 +94,8 @@ def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MO
         name = adapter_name(i)
         folder = root / name
         if not (folder / "adapter_model.safetensors").is_file():
-            write_adapter(base_dir, folder, ranks[i % len(ranks)], targets, seed=seed * 100003 + i)
+            write_adapter(base_dir, folder, ranks[i % len(ranks)], targets, seed=seed * 100003 + i,
+                          dora=bool(dora_every) and i % dora_every == 0)
         out.append((name, folder))
     return out
 
@@ -81,7 +107,8 @@ def workload_adapters(base_dir: Path, workload: Workload) -> list[tuple[str, Pat
     if workload.mix_single:  # one per distinct mix, of its summed rank
         ranks = adapter_ranks(workload)
         return build_adapters(base_dir, len(ranks), ranks, workload.targets, workload.seed)
-    return build_adapters(base_dir, workload.num_adapters, workload.ranks, workload.targets, workload.seed)
+    return build_adapters(base_dir, workload.num_adapters, workload.ranks, workload.targets, workload.seed,
+                          workload.dora_every)
 
 
 def stored(base: Path, adapters: list[tuple[str, Path]]) -> tuple[Path, dict[str, tuple[Path, str]]]:

@@ -63,6 +63,8 @@ class Workload:
     requests, no other popularity: a mix is a draw without replacement). `mix_single`: the same
     draw, but each distinct mix is served by one adapter of its own, of the summed rank of its
     adapters (`adapter_ranks`): adapter k stands for the k-th distinct mix in request order.
+    DoRA: with `dora_every` = k > 0, adapters 0, k, 2k... are DoRA adapters (the same A and B as
+    otherwise, and a magnitude per module), the others plain.
     """
 
     name: str
@@ -87,6 +89,7 @@ class Workload:
     mix_size: int = 0
     mix_scales: tuple[float, ...] = (1.0,)
     mix_single: bool = False
+    dora_every: int = 0
     description: str = ""
 
     def __post_init__(self):
@@ -138,6 +141,8 @@ class Workload:
                 bad(f"mix_scales must be numbers in [-{MAX_SCALE:g}, {MAX_SCALE:g}], got {self.mix_scales!r}")
         elif self.mix_single:
             bad("mix_single stands in for mixes: it needs a mix_size")
+        if self.dora_every < 0 or (self.dora_every and (self.mix_size or self.mix_single)):
+            bad(f"dora_every must be >= 0, and 0 with mixes (DoRA adapters are not mixed), got {self.dora_every}")
 
     def with_adapters(self, n: int) -> Workload:
         """The same requests over n adapters (the adapter sweep)."""
@@ -188,6 +193,9 @@ _SLORA = dict(num_requests=256, prompt_len=(64, 64), output_len=(64, 64), ranks=
 # projections, two of each), each adapter at scale 1 or 0.5; mix-single differs only in serving each mix by one adapter
 _MIX = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64),
             mix_size=2, mix_scales=(1.0, 0.5))
+# issue 53's DoRA figure: 64 requests x 64+64 tokens at once over 8 adapters (ranks 16-64 on all seven projections),
+# half of them DoRA; dora-plain differs only in every adapter being plain LoRA
+_DORA = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64))
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("uniform-8", num_adapters=8, **_SLORA,
              description="256 requests x 64+64 tokens at once over 8 adapters (ranks 8/16 on q/k/v/o)"),
@@ -222,6 +230,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
                                         "(ranks 16-64 on all 7 projections) at scales 1 or 0.5"),
     Workload("mix-single", **_MIX, mix_single=True,
              description="mix's requests, each mix served by one adapter of the summed rank (the same LoRA bytes)"),
+    Workload("dora-mixed", **_DORA, dora_every=2,
+             description="64 requests x 64+64 tokens at once over 8 adapters (ranks 16-64 on all 7 projections), "
+                         "half of them DoRA"),
+    Workload("dora-plain", **_DORA, description="dora-mixed's requests with every adapter plain LoRA"),
     Workload("quick", 8, (8, 32), (8, 32), num_adapters=4, ranks=(8, 16), base_fraction=0.25,
              description="a smoke run: 8 requests, 4 adapters and some base requests"),
 )}
