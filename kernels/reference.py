@@ -174,6 +174,11 @@ def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: 
     gather of every context and a mask: the simple form the kernels are checked against.)"""
     keys, values = gather_kv(kv, tables)                            # [B, KVH, S, D]
     mask = (torch.arange(keys.shape[2], device=q.device) < lens[:, None])[:, None, None, :]
+    # a page's slots past a sequence's end hold whatever the page held before (another
+    # sequence's KV, an adapter's weights or row table, whose int64 fields may read as NaN):
+    # zeroed, since a masked score still multiplies its value (0 * NaN is NaN)
+    valid = mask.transpose(2, 3)                                    # [B, 1, S, 1]
+    keys, values = keys.masked_fill(~valid, 0), values.masked_fill(~valid, 0)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)

@@ -60,6 +60,13 @@ def decode_step_both_ways(engine: Engine, requests: int) -> dict:
     raise AssertionError("no decode-only step in 40 steps")
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit: the pool's pages seen as KV include adapters' row tables, whose int64 fields
+    (-1: a plain module's epilogue) read as NaN floats, which no float comparison equals."""
+    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(ints), b.view(ints))
+
+
 def start(model_dir, adapters: dict, dtype: str, names: list) -> Engine:
     engine = Engine(model_dir, pool_bytes=16 << 20, dtype=dtype)
     for r, path in adapters.items():
@@ -83,7 +90,7 @@ def test_one_call_equals_the_python_loop_bit_for_bit(family_dirs, family, dtype,
     seg = seen["lora"].seg  # r4 and r16 segments; the two base rows in none
     assert seg.shape[0] == 2 and (seg[:, 1] - seg[:, 0]).sum().item() == 3
     for a, b, what in zip(seen["loop"], seen["call"], ("MLP output", "residual stream", "KV pages")):
-        assert a.dtype == getattr(torch, dtype) and torch.equal(a, b), what
+        assert a.dtype == getattr(torch, dtype) and same_bits(a, b), what
 
 
 def test_past_max_rows_and_without_adapters(family_dirs):
@@ -93,7 +100,7 @@ def test_past_max_rows_and_without_adapters(family_dirs):
     seen = decode_step_both_ways(start(model_dir, adapters, "float32", [None] * 70), 70)
     assert seen["lora"] is None
     for a, b, what in zip(seen["loop"], seen["call"], ("MLP output", "residual stream", "KV pages")):
-        assert torch.equal(a, b), what
+        assert same_bits(a, b), what
 
 
 def test_the_engine_decodes_through_it_and_prefills_through_the_loop(family_dirs, monkeypatch):
@@ -223,7 +230,7 @@ def compare_decode_forward(engine, batch: int, subset: list[int] | None = None, 
                         model.kernels = fast_ops
                 (a, kv_a), (b, kv_b) = got["python"], got["call"]
                 assert a.dtype == b.dtype == torch.float32 and a.shape == (len(rows), model.cfg.vocab_size)
-                assert torch.equal(a, b) and torch.equal(kv_a, kv_b)
+                assert same_bits(a, b) and same_bits(kv_a, kv_b)
                 compared.append(len(rows))
         return real(input_ids, positions, attn, kv_cache, logits_rows, lora)
 

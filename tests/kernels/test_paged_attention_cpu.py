@@ -43,6 +43,21 @@ def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, b
     assert (got - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("op", ["reference", "cpu"])
+def test_slots_past_a_sequences_end_never_reach_its_output_even_as_nan(op):
+    # a page reused for KV keeps its former bytes (another sequence's KV, an adapter's row table,
+    # whose int64 -1 reads as NaN) in the slots the sequence has not written
+    heads, kv_heads, dim, block = 4, 2, 16, 16
+    q, kv, tables, lens = scattered_case(3, heads, kv_heads, dim, block, [1, block + 1, 5])
+    fn = reference.paged_decode if op == "reference" else paged_attention_cpu.paged_decode
+    clean = fn(q, kv, tables, lens, dim ** -0.5)
+    dirty = kv.clone()
+    for b, n in enumerate(lens.tolist()):
+        for t in range(n, -(-n // block) * block):  # the rest of its last page
+            dirty[tables[b, t // block], :, t % block] = float("nan")
+    assert torch.equal(fn(q, dirty, tables, lens, dim ** -0.5), clean)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q_is_read_in_place_from_the_qkv_rows(dtype, isa):
     """The decode driver hands the kernel q as the qkv projection leaves it: [B, H, D] cut from
