@@ -150,21 +150,9 @@ def mix(
         report = run_suite(shapes, path, workloads=("mix", "mix-single") if subjects else ("mix",),
                            systems=tuple(names), only={"mix-single": subjects}, sweeps={}, name="mix", device=device,
                            threads=threads, max_baseline_requests=max_baseline_requests, console=err_console)
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    else:
-        from lorafleet.bench.tables import console, mix_tables
+    from lorafleet.bench.tables import mix_tables
 
-        for table in mix_tables(report.get("mix", [])):
-            console().print(table)
-        for warning in (w for rep in report["reports"] for w in rep["warnings"]):
-            err_console.print(styled("noisy:", "yellow", warning))
-        err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
-    err_console.print(f"wrote {path}", highlight=False)
-    failed = [f"{rep['workload']['name']}/{r['model']}/{r['system']}" for rep in report["reports"]
-              for r in rep["results"] if r["status"] == "error"]
-    if failed:
-        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")
+    _tables_out(report, path, as_json, lambda: mix_tables(report.get("mix", [])))
 
 
 @app.command("llama-cpp")
@@ -218,21 +206,9 @@ def llama_cpp(
         variants = tuple(get_workload(w).with_concurrency(n) for w in loads for n in counts)
         report = run_suite(shapes, path, workloads=variants, systems=tuple(names), sweeps={}, name="llama-cpp",
                            device="cpu", threads=threads, quantize=quantize, console=err_console)
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    else:
-        from lorafleet.bench.tables import console, peer_tables
+    from lorafleet.bench.tables import peer_tables
 
-        for table in peer_tables(report):
-            console().print(table)
-        for warning in (w for rep in report["reports"] for w in rep["warnings"]):
-            err_console.print(styled("noisy:", "yellow", warning))
-        err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
-    err_console.print(f"wrote {path}", highlight=False)
-    failed = [f"{rep['workload']['name']}/{r['model']}/{r['system']}" for rep in report["reports"]
-              for r in rep["results"] if r["status"] == "error"]
-    if failed:
-        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")
+    _tables_out(report, path, as_json, lambda: peer_tables(report))
 
 
 @app.command("lora-decode")
@@ -399,3 +375,23 @@ def gpu(
         return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=suites.say, quantize=quantize,
                              **small)
     suites.suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json, on_device=True)
+
+
+def _tables_out(report: dict, path, as_json: bool, tables) -> None:
+    """A suite's end: the report as JSON, or `tables()` with the noise warnings and the time;
+    where it was written; a failure naming the runs that failed."""
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        from lorafleet.bench.tables import console
+
+        for table in tables():
+            console().print(table)
+        for warning in (w for rep in report["reports"] for w in rep["warnings"]):
+            err_console.print(styled("noisy:", "yellow", warning))
+        err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
+    err_console.print(f"wrote {path}", highlight=False)
+    failed = [f"{rep['workload']['name']}/{r['model']}/{r['system']}" for rep in report["reports"]
+              for r in rep["results"] if r["status"] == "error"]
+    if failed:
+        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")
