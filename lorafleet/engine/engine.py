@@ -171,8 +171,10 @@ class Engine:
         others = sum(s != 0.0 for s in mix.scales) - 1
         if entry.posts and scale != 0.0 and (others or scale != 1.0):
             kind = "DoRA" if "dora" in entry.posts.values() else "lora_bias"
-            raise InvalidRequestError(f"adapters: adapter {entry.name!r} uses {kind}, which serves alone (as "
-                                      "`model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
+            e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {kind}, which serves alone (as "
+                                    "`model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
+            e.param = "adapters"
+            raise e
 
     def _check_mix_fits(self, mix: Mix, prompt_len: int) -> None:
         """A mix whose adapters and prompt the pool cannot hold at once is refused now, with the

@@ -21,7 +21,8 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lorafleet.errors import AdapterError, AdapterNotFoundError, LorafleetError, RequestFailedError
+from lorafleet.errors import (AdapterError, AdapterNotFoundError, InvalidRequestError, LorafleetError,
+                              RequestFailedError)
 from lorafleet.lora.mix import Mix
 from lorafleet.server import responses
 from lorafleet.server.errors import error_body
@@ -104,6 +105,11 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
     return await run.collect(request)
 
 
+# why the engine ended a request, by its error code: an adapter that could not load; a mix found
+# invalid once its adapters' kinds were known (DoRA, lora_bias: `Engine._check_mixable`), a 400
+_ENDED = {AdapterError.code: AdapterError, InvalidRequestError.code: InvalidRequestError}
+
+
 async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -133,8 +139,10 @@ class Run:
             self.unfinished.discard(item.request_id)
             self.finals[item.request_id] = item
             if item.finish_reason == "error":  # the engine could not serve it: it alone failed
-                error = AdapterError if item.error_code == AdapterError.code else RequestFailedError
-                raise error(item.error)
+                error = _ENDED.get(item.error_code, RequestFailedError)(item.error)
+                if isinstance(error, InvalidRequestError):
+                    error.param = "adapters"  # the one late refusal: a mix (`Engine._check_mixable`)
+                raise error
         return item
 
     def close(self) -> None:

@@ -121,6 +121,7 @@ def test_a_mix_of_upper_and_any_other_skill_at_scale_zero_answers_as_upper_alone
     ({"adapters": [{"name": "upper", "weight": 1}]}, "adapters", "unknown field"),
     ({"adapters": "upper"}, "adapters", "must be a list"),
     ({"adapters": [{"name": "upper"}, {"name": "ghost"}]}, "adapters", "'ghost' is not a loaded adapter"),
+    ({"adapters": [{"name": "title"}, {"name": "upper"}]}, "adapters", "'title' uses DoRA, which serves alone"),
 ])
 def test_a_bad_mix_is_refused_naming_the_field_and_fails_only_itself(demo, body, param, problem):
     import re

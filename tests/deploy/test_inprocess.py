@@ -69,3 +69,27 @@ def test_a_caller_that_stops_reading_frees_the_request(server):
             break
         assert time.monotonic() < deadline, f"the abandoned request still holds the engine: {stats['num_running']} running"
         time.sleep(0.05)
+
+
+def test_a_mix_whose_dora_adapter_was_not_loaded_yet_is_a_400_once_its_load_lands():
+    """The demo's `title` is a DoRA adapter, registered but never loaded: the request is accepted,
+    then ends alone when title lands and turns out to serve alone; the client gets a 400 on
+    `adapters`, and the next request is served."""
+    import asyncio
+    import json
+
+    from lorafleet.demo.skills import user_turn
+    from tests.fixtures import demo_in_process
+
+    server = demo_in_process()
+    try:
+        turn = [{"role": "user", "content": user_turn("title", "hello world")}]
+        body = {"messages": turn, "max_tokens": 8, "adapters": [{"name": "title"}, {"name": "upper"}]}
+        status, _, raw = asyncio.run(server.call("POST", "/v1/chat/completions", json.dumps(body).encode()))
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == "adapters" and "'title' uses DoRA" in error["message"]
+        ok = {"model": "title", "messages": turn, "max_tokens": 16}
+        status, _, raw = asyncio.run(server.call("POST", "/v1/chat/completions", json.dumps(ok).encode()))
+        assert status == 200 and json.loads(raw)["choices"][0]["message"]["content"] == "Hello World"
+    finally:
+        server.close()
