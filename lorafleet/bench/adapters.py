@@ -41,7 +41,8 @@ def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, 
             tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
             if base is not None:
                 w = base.get(f"model.layers.{layer}.{MODULE_BLOCK[m]}.{m}.weight")
-                tensors[f"{key}.lora_magnitude_vector"] = (w + (alpha / rank) * b.float() @ a.float()).norm(dim=1).to(dtype)
+                merged = w + (alpha / rank) * b.float() @ a.float()
+                tensors[f"{key}.lora_magnitude_vector"] = merged.norm(dim=1).to(dtype)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir),
         "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,

@@ -103,12 +103,19 @@ class AdapterEntry:
     recent_waits: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # finished requests' exposed waits
 
     @property
+    def variant(self) -> str | None:
+        """"lora", "dora" or "lora_bias" once loaded (None before: its files have not been read)."""
+        if self.posts is None:
+            return None
+        return "dora" if "dora" in self.posts.values() else "lora_bias" if self.posts else "lora"
+
+    @property
     def tier(self) -> str:
         return "device" if self.ready else "host" if self.host is not None else "disk"
 
     def info(self) -> dict:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
-                "ranks": self.ranks, "modules": sorted(self.ranks), "params": self.num_params,
+                "ranks": self.ranks, "modules": sorted(self.ranks), "variant": self.variant, "params": self.num_params,
                 "pages": len(self.pages or ()), "users": self.users,
                 "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
                 "loads": self.disk_loads, "device_loads": self.device_loads,

@@ -69,7 +69,8 @@ def test_every_variant_in_one_prefill_gives_peft_logits(fleet):
         row += c.num_tokens
         name = c.request.adapter
         with torch.no_grad():
-            ref = (load_peft(base, adapters[name]) if name else plain)(torch.tensor([c.request.prompt_token_ids])).logits[0]
+            model = load_peft(base, adapters[name]) if name else plain
+            ref = model(torch.tensor([c.request.prompt_token_ids])).logits[0]
         assert (ours - ref).abs().max().item() <= 1e-4, f"adapter {name}"
         if name and name.startswith("dora"):
             assert (ours - plain(torch.tensor([c.request.prompt_token_ids])).logits[0]).abs().max() > 1e-3
@@ -84,13 +85,15 @@ def test_dora_and_lora_bias_adapters_serve_alone_not_in_a_mix(fleet):
         engine.add_request([5, 6], SamplingParams(max_tokens=1), adapter=Mix.of({"dora-r8": 0.5}))
     # alone at scale 1, or at scale 0 beside others (it then contributes nothing), it serves
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
-    alone, mix_of_one, beside, off = engine.generate(
-        [[5, 6, 7]] * 4, params, adapters=["dora-r8", Mix.of({"dora-r8": 1.0}), Mix.of({"dora-r8": 1.0, "plain-r3": 0.0}),
-                                           Mix.of({"plain-r3": 1.0, "dora-r8": 0.0})])
+    ways = ["dora-r8", Mix.of({"dora-r8": 1.0}), Mix.of({"dora-r8": 1.0, "plain-r3": 0.0}),
+            Mix.of({"plain-r3": 1.0, "dora-r8": 0.0})]
+    alone, mix_of_one, beside, off = engine.generate([[5, 6, 7]] * 4, params, adapters=ways)
     assert alone.logprobs == mix_of_one.logprobs == beside.logprobs
     plain = engine.generate([[5, 6, 7]], params, adapters=["plain-r3"])[0]
     assert off.logprobs == plain.logprobs
     assert engine.adapters.get("dora-r8").users == 0
+    kinds = {a["name"]: a["variant"] for a in engine.list_adapters()}
+    assert kinds["dora-r8"] == "dora" and kinds["plain-r3"] == "lora"
 
 
 def test_a_mix_naming_an_adapter_not_loaded_yet_fails_when_it_lands(tmp_path):
