@@ -84,6 +84,7 @@ class Engine:
         self.counters = EngineStats()
         self._ids = itertools.count()
         self._deadlines: list = []  # heap of (deadline, request id, request); finished ones dropped lazily
+        self._unchecked_mixes: dict[Request, None] = {}  # mixes naming an adapter whose kind is not known yet
         self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -158,6 +159,8 @@ class Engine:
             heapq.heappush(self._deadlines, (req.deadline, rid, req))
         if mix is not None:
             self.counters.record_mix(len(mix.members))
+            if any(e.posts is None for e in req.loras):
+                self._unchecked_mixes[req] = None
         return rid
 
     @staticmethod
@@ -233,7 +236,7 @@ class Engine:
         t0 = time.perf_counter()
         tick = self.prefetcher.tick(self.scheduler.wanted_adapters(), self.scheduler.watermark_pages)
         outputs = self._fail_adapter_requests(tick.failed) if tick.failed else []
-        if tick.loaded:
+        if self._unchecked_mixes:
             outputs += self._fail_unmixable()
         outputs += self._expire_deadlines()
         self.adapters.step += 1
@@ -289,11 +292,17 @@ class Engine:
         return out
 
     def _fail_unmixable(self) -> list[RequestOutput]:
-        """Waiting mixes that name an adapter now known to serve alone (`_check_mixable`) end."""
+        """Mixes whose adapters' kinds were not all known when they arrived, once they are: one
+        that names an adapter that serves alone (`_check_mixable`) ends, before it is admitted
+        (an adapter's kind is known once it is ready, and a mix is admitted only then)."""
         out = []
-        for req in self.scheduler.waiting:
-            if req.mix is None:
+        for req in list(self._unchecked_mixes):
+            if req.status is Status.FINISHED:
+                del self._unchecked_mixes[req]
                 continue
+            if any(e.posts is None for e in req.loras):
+                continue
+            del self._unchecked_mixes[req]
             try:
                 for entry, scale in zip(req.loras, req.scales):
                     self._check_mixable(entry, scale, req.mix)
