@@ -47,14 +47,15 @@ class ModelRunner:
         if all(not c.request.loras for c in chunks):
             return None
         batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_widths)
-        row, start, current = 0, 0, None
+        row, start, current, current_key = 0, 0, None, None
         for c in chunks + [None]:
             req = c.request if c is not None else None
-            if req is None or current is None or _key(req) != _key(current):
+            key = _key(req) if req is not None else None
+            if key != current_key:
                 live = [(e, s) for e, s in zip(current.loras, current.scales) if s != 0.0] if current else []
                 if live and row > start:
                     batch.add_rows(start, row, [(e.row_table, s) for e, s in live], sum(e.max_rank for e, _ in live))
-                start, current = row, req
+                start, current, current_key = row, req, key
             if c is not None:
                 row += c.num_tokens
         return batch.finish()

@@ -85,15 +85,19 @@ class LoraBatch:
         return self._split[rows]
 
     def _cut(self, rows: int) -> np.ndarray:
-        out = []
-        for first in np.flatnonzero(self.host[:, 4] >= 1):
-            members = self.host[first:first + self.host[first, 4]]
-            start, end = int(members[0, 0]), int(members[0, 1])
-            for a in range(start, end, rows):
-                run = members.copy()
-                run[:, 0], run[:, 1] = a, min(a + rows, end)
-                out.append(run)
-        return np.concatenate(out) if out else np.zeros((0, SEG_FIELDS), dtype=np.int64)
+        """Array operations, no loop per segment (a captured step runs this every step): mix g of
+        n[g] segments and p[g] runs gives n[g] * p[g] rows, run q's members j in order."""
+        h = self.host
+        lead = np.flatnonzero(h[:, 4] >= 1)
+        n, lo, hi = h[lead, 4], h[lead, 0], h[lead, 1]
+        count = n * (-(-(hi - lo) // rows))                       # an empty mix: no run
+        g = np.repeat(np.arange(len(lead)), count)
+        local = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+        q, j = local // n[g], local % n[g]
+        out = h[lead[g] + j]                                     # a copy (fancy indexing)
+        out[:, 0] = lo[g] + q * rows
+        out[:, 1] = np.minimum(out[:, 0] + rows, hi[g])
+        return out
 
     def to_device(self) -> LoraBatch:
         """`seg` for the kernels: one copy of [S, SEG_FIELDS] to the pool's device (none on the CPU)."""
