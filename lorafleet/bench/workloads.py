@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 
 from lorafleet.errors import ConfigError
-from lorafleet.lora.mix import MAX_ADAPTERS, MAX_SCALE
+from lorafleet.lora.mix import MAX_ADAPTERS, MAX_SCALE, Mix
 from lorafleet.lora.peft_config import MODULES
 
 ARRIVALS = ("all-at-once", "poisson")
@@ -178,9 +178,7 @@ class BenchRequest:
     @property
     def label(self) -> str | None:
         """What serves it, as the engine names it: the adapter, the mix (`a+b*0.5`), or None."""
-        if not self.mix:
-            return self.adapter
-        return "+".join(n if s == 1.0 else f"{n}*{s:g}" for n, s in self.mix)
+        return Mix.of(self.mix).label if self.mix else self.adapter
 
 
 # issue 18's comparison with llama.cpp: 64 x 64+64 tokens, a closed loop of 8 in flight (`bench llama-cpp`

@@ -102,14 +102,13 @@ def replica_class(max_adapters_per_replica: int):
         async def handle(self, method: str, path: str, body: bytes):
             """The daemon's route for `path` on this replica: yields {"status", "headers"}, then
             the body's chunks."""
-            model, mix = serve.get_multiplexed_model_id(), mix_names(body)
+            model, mix = serve.get_multiplexed_model_id(), route_of(body)[1]
             if model:
                 try:
                     await self.get_adapter(model)
-                except AdapterNotFoundError as e:  # the daemon's answer to an unknown model
-                    if mix:
-                        e = AdapterNotFoundError(f"adapters: adapter {model!r} is neither an adapter given at "
-                                                 "deploy time nor in the store")
+                except AdapterNotFoundError as missing:  # the daemon's answer to an unknown model
+                    e = AdapterNotFoundError(f"adapters: adapter {model!r} is neither an adapter given at deploy "
+                                             "time nor in the store") if mix else missing
                     e.code, e.param = "model_not_found", "adapters" if mix else "model"
                     yield {"status": e.http_status, "headers": [("content-type", "application/json")]}
                     yield json.dumps(error_body(e)).encode()
@@ -133,14 +132,19 @@ def replica_class(max_adapters_per_replica: int):
     return Replica
 
 
-def mix_names(body: bytes) -> tuple[str, ...]:
-    """The adapters of the mix the body's `adapters` field names, in the mix's order; none when
-    it names none or names it wrongly (the replica answers that with its 400)."""
+def route_of(body: bytes) -> tuple[object, tuple[str, ...]]:
+    """The body's `model`, and the adapters of the mix its `adapters` field names (in the mix's
+    order), from one parse; (None, ()) for a body that is no JSON object, and no mix for one
+    named wrongly (the replica answers both with its 400)."""
     try:
-        value = json.loads(body).get(MIX_FIELD) if body else None
-        return Mix.from_json(value).names if value is not None else ()
-    except (ValueError, AttributeError, InvalidRequestError):
-        return ()
+        payload = json.loads(body) if body else {}
+        model, value = payload.get("model"), payload.get(MIX_FIELD)
+    except (ValueError, AttributeError):
+        return None, ()
+    try:
+        return model, Mix.from_json(value).names if value is not None else ()
+    except InvalidRequestError:
+        return model, ()
 
 
 router_app = FastAPI(title="lorafleet on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -156,12 +160,8 @@ class Router:
 
     async def _forward(self, request: Request, path: str) -> Response:
         body = await request.body()
-        try:
-            model = json.loads(body).get("model") if body else None
-        except (ValueError, AttributeError):
-            model = None  # the replica answers the malformed body with its 400
+        model, mix = route_of(body)  # a malformed body: neither (the replica answers it with its 400)
         handle = self.replicas.options(stream=True)
-        mix = mix_names(body)
         if mix:
             handle = handle.options(multiplexed_model_id=mix[0])
         elif isinstance(model, str) and model and model != self.base_name:

@@ -42,6 +42,7 @@ from lorafleet.model.sampler import sample
 from lorafleet.model.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+_ALONE = {"dora": "DoRA", "lora_bias": "lora_bias"}  # the variants that serve alone, as messages name them
 log = logging.getLogger("lorafleet.engine")
 
 
@@ -159,7 +160,7 @@ class Engine:
             heapq.heappush(self._deadlines, (req.deadline, rid, req))
         if mix is not None:
             self.counters.record_mix(len(mix.members))
-            if any(e.posts is None for e in req.loras):
+            if any(e.variant is None for e in req.loras):
                 self._unchecked_mixes[req] = None
         return rid
 
@@ -172,10 +173,9 @@ class Engine:
         may be named there. Known once the adapter was loaded: a mix that names one not loaded
         yet fails when its load lands."""
         others = sum(s != 0.0 for s in mix.scales) - 1
-        if entry.posts and scale != 0.0 and (others or scale != 1.0):
-            kind = "DoRA" if "dora" in entry.posts.values() else "lora_bias"
-            e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {kind}, which serves alone (as "
-                                    "`model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
+        if entry.variant in _ALONE and scale != 0.0 and (others or scale != 1.0):
+            e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {_ALONE[entry.variant]}, which serves "
+                                    "alone (as `model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
             e.param = "adapters"
             raise e
 
@@ -300,7 +300,7 @@ class Engine:
             if req.status is Status.FINISHED:
                 del self._unchecked_mixes[req]
                 continue
-            if any(e.posts is None for e in req.loras):
+            if any(e.variant is None for e in req.loras):
                 continue
             del self._unchecked_mixes[req]
             try:

@@ -30,12 +30,12 @@ cache's state.
 from __future__ import annotations
 
 import hashlib
-import struct
 import time
 from collections import OrderedDict
 
 import numpy as np
 
+from lorafleet.kernels.reference import scale_bits
 from lorafleet.memory.pool import CACHED, KV, PagePool
 
 BASE_SALT = b"lorafleet-kv:base"
@@ -71,7 +71,7 @@ def request_salt(loras, scales) -> bytes:
         return parts[0][0]
     h = hashlib.sha256(b"lorafleet-kv:mix")
     for salt, scale in parts:
-        h.update(salt + struct.pack("<f", scale))
+        h.update(salt + scale_bits(scale).to_bytes(4, "little"))
     return b"lorafleet-kv:" + h.hexdigest().encode()
 
 

@@ -3,23 +3,26 @@ table the kernels read it through.
 
 Per layer and projection group (see `lora/batch.py`): the A matrices of the group's targeted
 modules, then each module's Bt = (scale * B)^T, [r, out], and, for a module with an epilogue
-(DoRA, lora_bias: `lora/adapter.py`), its two rows g and c of [out] after its Bt. Offsets are logical (from the buffer's
-start): in the pool the buffer is cut into pages of `page_elems` that may lie anywhere. Every
-rank row (a row of A over `in`, a row of Bt over `out`) starts at a multiple of `ROW_ALIGN`
-elements and never crosses a page: a row that would is moved to the next page's start. So once
-the pages are known, each row is one contiguous run of the pool, and the kernels read it through
-one pointer (the row table, `kernels/reference.py`'s contract), as vectors, never element by
-element through a page table. The padding costs at most one row per page boundary.
+(DoRA, lora_bias: `lora/adapter.py`), its two rows g and c of [out] after its Bt. Offsets are
+logical (from the buffer's start): in the pool the buffer is cut into pages of `page_elems` that
+may lie anywhere. Every rank row (a row of A over `in`, a row of Bt over `out`) starts at a
+multiple of `ROW_ALIGN` elements and never crosses a page: a row that would is moved to the next
+page's start. So once the pages are known, each row is one contiguous run of the pool, and the
+kernels read it through one pointer (the row table, `kernels/reference.py`'s contract), as
+vectors, never element by element through a page table. The padding costs at most one row per
+page boundary.
 
 The row table follows the weights in the same pages: per (layer, group, module slot) the fields
-(r, n_out, col, a_rows, b_rows), then for each targeted module its r pointers to A's rows and r to
-Bt's (each list, and the fields, inside one page). It is built when the pages are assigned (`row_table`), and rebuilt only
-when they change (an adapter evicted and loaded again gets new pages and a new table).
+(r, n_out, col, a_rows, b_rows, g_row, c_row), then for each targeted module its r pointers to
+A's rows and r to Bt's (each list, and the fields, inside one page). It is built when the pages
+are assigned (`row_table`), and rebuilt only when they change (an adapter evicted and loaded
+again gets new pages and a new table).
 
 The store keeps each adapter's weights laid out once, at pull (`save` / `read_saved`: the file
 `LAYOUT_FILE` beside the PEFT files, a safetensors file of one float32 tensor, the page size and
 the ranks in its metadata). Loading a stored adapter is then a memory map and one copy into pages:
-no tensor is parsed, checked, hashed, scaled or transposed again. The buffer is float32 whatever
+no tensor is parsed, checked, hashed, scaled or transposed again (a DoRA adapter's g alone is
+computed at each load, from the base it serves on: `finish_dora`). The buffer is float32 whatever
 the pool's dtype (the copy into a bf16 or fp16 pool rounds once, as a checked load does:
 `memory.host_cache`); a file of another `LAYOUT_VERSION`, or laid out for another page size, is
 not read (the adapter then loads as any folder does).
@@ -246,18 +249,18 @@ def finish_dora(layout: Layout, buf: torch.Tensor, base_rows) -> None:
     """DoRA's epilogue from its magnitude m (in the g row, as `fill` leaves it) and the base:
     g = m / ||W + Bt^T A|| per output row (Bt already scale * B^T: the delta's own weight), in
     fp32, and c = (1 - g) * bias, the base bias the epilogue keeps (zero without one).
-    `base_rows(layer, module, start, end)` -> (W rows [end - start, in] fp32, bias rows or None):
-    the base's weights as the engine serves them (dequantized, unpacked). `buf` is float32."""
+    `base_rows(layer, group, start, end)` -> (rows [start, end) of the group's fused weight, fp32;
+    their bias or None): the base's weights as the engine serves them (dequantized, unpacked); a
+    module's rows start at its column in the group's output (`Module.col`). `buf` is float32."""
     for m in layout.modules:
         if m.post != "dora":
             continue
-        module = GROUPS[_GROUP_NAMES[m.group]][m.slot]
         a = torch.stack([buf[o:o + m.fan_in] for o in m.a_rows.tolist()])      # [r, in]
         bt = torch.stack([buf[o:o + m.n_out] for o in m.b_rows.tolist()])     # [r, out]
         g_at, c_at = (int(o) for o in m.post_rows)
         for lo in range(0, m.n_out, DORA_ROWS):
             hi = min(m.n_out, lo + DORA_ROWS)
-            w, bias = base_rows(m.layer, module, lo, hi)
+            w, bias = base_rows(m.layer, _GROUP_NAMES[m.group], m.col + lo, m.col + hi)
             norm = (w.float() + bt[:, lo:hi].t() @ a).norm(dim=1)
             g = buf[g_at + lo:g_at + hi] / norm
             buf[g_at + lo:g_at + hi] = g

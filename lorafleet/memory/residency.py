@@ -127,7 +127,7 @@ class AdapterEntry:
 class AdapterResidency:
     def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int, min_resident_steps: int = 4,
                  base_rows=None):
-        """`base_rows(layer, module, start, end)`: the base's weight rows (and bias) as served, for
+        """`base_rows(layer, group, start, end)`: the base's weight rows (and bias) as served, for
         DoRA's norms (`memory.layout.finish_dora`); read by the load workers, never written."""
         self.pool = pool
         self.base = base

@@ -15,7 +15,6 @@ import torch
 
 from lorafleet.kernels import backend
 from lorafleet.kernels.reference import AttentionMetadata
-from lorafleet.lora.batch import GROUPS  # the modules each fused projection holds, in order
 from lorafleet.model.config import ModelConfig
 
 
@@ -117,16 +116,12 @@ class LlamaModel(torch.nn.Module):
         distinct = {t.data_ptr(): t for t in weights.values()}
         self.weight_bytes = sum(t.numel() * t.element_size() for t in distinct.values())
 
-    def base_rows(self, layer: int, module: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows [start, end) of a projection's weight as served (dequantized, unpacked: through
-        `Kernels.rows`) in fp32, and of its bias (None without one): what DoRA's norms read
-        (`memory.layout.finish_dora`). Read only; any thread."""
-        group = next(g for g, names in GROUPS.items() if module in names)
-        names = GROUPS[group]
-        feats = self.cfg.linear_features()
-        first = sum(feats[m][1] for m in names[:names.index(module)])  # its rows in the fused weight
+    def base_rows(self, layer: int, group: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows [start, end) of a fused projection's weight (`group`: qkv, o, gate_up, down) as
+        served (dequantized, unpacked: through `Kernels.rows`) in fp32, and of its bias (None
+        without one): what DoRA's norms read (`memory.layout.finish_dora`). Read only; any thread."""
         lw = self.layers[layer]
-        ids = torch.arange(first + start, first + end, device=self.device)
+        ids = torch.arange(start, end, device=self.device)
         w = self.kernels.rows(getattr(lw, group), ids, getattr(lw, f"{group}_s"), torch.float32).float()
         bias = getattr(lw, f"{group}_b")
         return w, None if bias is None else bias[ids].float()
