@@ -89,6 +89,20 @@ def build_adapter(base_dir: Path, folder: Path, seed: int = 0, b_std: float = 0.
     return Path(folder)
 
 
+def registered_fleet(root: Path, family: str, variants: dict[str, dict]):
+    """A tiny base of `family` under `root`, one PEFT adapter per entry of `variants` (name ->
+    LoraConfig keywords, seeded by its place), and an engine (debug checks on) with each of them
+    registered: (base folder, name -> adapter folder, engine)."""
+    from lorafleet import Engine
+
+    base = build_model(root / "base", family)
+    adapters = {name: build_adapter(base, root / name, seed=i, **kw) for i, (name, kw) in enumerate(variants.items())}
+    engine = Engine(base, pool_bytes=8 << 20, debug_checks=True)
+    for name, path in adapters.items():
+        engine.register_adapter(name, path)
+    return base, adapters, engine
+
+
 def load_peft(base_dir: Path, adapter_dir: Path):
     import peft
 

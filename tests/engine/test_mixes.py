@@ -15,7 +15,7 @@ from lorafleet.engine.request import Request
 from lorafleet.errors import AdapterNotFoundError, InvalidRequestError
 from lorafleet.lora.mix import MAX_ADAPTERS, Mix
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
-from tests.fixtures import ADAPTER_VARIANTS, build_adapter, build_model, load_hf
+from tests.fixtures import ADAPTER_VARIANTS, build_adapter, build_model, load_hf, registered_fleet
 
 # What PEFT's cat can merge: list-typed target_modules (it refuses to combine list- and
 # string-typed ones), no rsLoRA (the merged adapter would take the first one's scaling rule), no
@@ -31,13 +31,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def fleet(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"mix-{request.param}")
-    base = build_model(root / "base", request.param)
-    adapters = {name: build_adapter(base, root / name, seed=i, **kw) for i, (name, kw) in enumerate(CAT_ABLE.items())}
-    engine = Engine(base, pool_bytes=8 << 20, debug_checks=True)
-    for name, path in adapters.items():
-        engine.register_adapter(name, path)
-    return base, adapters, engine
+    return registered_fleet(tmp_path_factory.mktemp(f"mix-{request.param}"), request.param, CAT_ABLE)
 
 
 def peft_cat(base, adapters, mix: dict[str, float]):

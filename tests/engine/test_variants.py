@@ -12,7 +12,7 @@ from lorafleet.engine.request import Request
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.errors import InvalidRequestError
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
-from tests.fixtures import ALL7, build_adapter, build_model, load_hf, load_peft
+from tests.fixtures import ALL7, build_adapter, build_model, load_hf, load_peft, registered_fleet
 
 VARIANTS = {
     "dora-r8": dict(r=8, lora_alpha=16, use_dora=True, target_modules=ALL7),
@@ -26,13 +26,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: q, k and v have a bias DoRA keeps
 def fleet(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"variants-{request.param}")
-    base = build_model(root / "base", request.param)
-    adapters = {name: build_adapter(base, root / name, seed=i, **kw) for i, (name, kw) in enumerate(VARIANTS.items())}
-    engine = Engine(base, pool_bytes=8 << 20, debug_checks=True)
-    for name, path in adapters.items():
-        engine.register_adapter(name, path)
-    return base, adapters, engine
+    return registered_fleet(tmp_path_factory.mktemp(f"variants-{request.param}"), request.param, VARIANTS)
 
 
 def test_every_variant_in_one_batch_gives_peft_greedy_tokens(fleet):
