@@ -19,6 +19,7 @@ import torch
 
 from lorafleet.config import DEFAULT_CPU_POOL_BYTES, EngineConfig
 from lorafleet.engine.graphs import DecodeGraphs
+from lorafleet.engine.mixes import MixChecks
 from lorafleet.engine.output import OutputProcessor
 from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status
 from lorafleet.engine.policy import POLICIES
@@ -42,7 +43,6 @@ from lorafleet.model.sampler import sample
 from lorafleet.model.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
-_ALONE = {"dora": "DoRA", "lora_bias": "lora_bias"}  # the variants that serve alone, as messages name them
 log = logging.getLogger("lorafleet.engine")
 
 
@@ -85,7 +85,7 @@ class Engine:
         self.counters = EngineStats()
         self._ids = itertools.count()
         self._deadlines: list = []  # heap of (deadline, request id, request); finished ones dropped lazily
-        self._unchecked_mixes: dict[Request, None] = {}  # mixes naming an adapter whose kind is not known yet
+        self.mixes = MixChecks(self.adapters, self.pool, self.kv)
         self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -137,16 +137,13 @@ class Engine:
             raise InvalidRequestError(f"adapter must be a name or a Mix, got {type(adapter).__name__}")
         req = Request(rid, ids, params, None if mix else adapter, mix=mix)
         if mix is not None:
-            self._check_mix_fits(mix, len(ids))
+            self.mixes.check(mix, len(ids))
         if deadline_s is not None:
             req.deadline = req.arrival_time + deadline_s
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             req.detokenizer = self.tokenizer.incremental_decoder(context_ids=ids)
-        if mix is not None:
-            for name, scale in mix.members:
-                self._check_mixable(self.adapters.get(name), scale, mix)
         if req.names:  # last: nothing after it can fail, so no reference is ever leaked
             req.loras = self.adapters.acquire_all(req.names)  # AdapterNotFoundError; released at the end
             req.scales = mix.scales if mix is not None else (1.0,)
@@ -160,37 +157,8 @@ class Engine:
             heapq.heappush(self._deadlines, (req.deadline, rid, req))
         if mix is not None:
             self.counters.record_mix(len(mix.members))
-            if any(e.variant is None for e in req.loras):
-                self._unchecked_mixes[req] = None
+            self.mixes.watch(req)
         return rid
-
-    @staticmethod
-    def _check_mixable(entry, scale: float, mix: Mix) -> None:
-        """DoRA and lora_bias adapters serve alone: DoRA's magnitude rescales its module's whole
-        output, which has no meaning beside another adapter's delta (nor at another scale), and
-        both are read only on a lone segment (`kernels/reference.py`). At scale 0 any adapter
-        contributes nothing and the LoRA op never reads it (`ModelRunner.lora_batch`), so one
-        may be named there. Known once the adapter was loaded: a mix that names one not loaded
-        yet fails when its load lands."""
-        others = sum(s != 0.0 for s in mix.scales) - 1
-        if entry.variant in _ALONE and scale != 0.0 and (others or scale != 1.0):
-            e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {_ALONE[entry.variant]}, which serves "
-                                    "alone (as `model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
-            e.param = "adapters"
-            raise e
-
-    def _check_mix_fits(self, mix: Mix, prompt_len: int) -> None:
-        """A mix whose adapters and prompt the pool cannot hold at once is refused now, with the
-        sizes (it would wait forever); sizes from the files' headers (known at registration)."""
-        pages = {name: self.adapters.pages_needed(self.adapters.get(name)) for name in mix.names}
-        kv = self.kv.blocks_needed(prompt_len + 1)
-        if sum(pages.values()) + kv > self.pool.num_pages:
-            mib = self.pool.page_bytes / 2**20
-            sizes = ", ".join(f"{n} {p * mib:.1f} MiB" for n, p in pages.items())
-            raise InvalidRequestError(
-                f"the adapters of mix {mix.label!r} need {sum(pages.values())} pages together ({sizes}) and its "
-                f"prompt {kv}; the pool holds {self.pool.num_pages} pages ({self.pool.num_pages * mib:.1f} MiB): "
-                "mix fewer adapters or raise pool_bytes")
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -236,8 +204,8 @@ class Engine:
         t0 = time.perf_counter()
         tick = self.prefetcher.tick(self.scheduler.wanted_adapters(), self.scheduler.watermark_pages)
         outputs = self._fail_adapter_requests(tick.failed) if tick.failed else []
-        if self._unchecked_mixes:
-            outputs += self._fail_unmixable()
+        if self.mixes.watched:  # mixes refused once their adapters' kinds became known end here
+            outputs += [self._fail(req, why, InvalidRequestError.code) for req, why in self.mixes.refused()]
         outputs += self._expire_deadlines()
         self.adapters.step += 1
         plan = self.scheduler.schedule()                                            # 1
@@ -289,25 +257,6 @@ class Engine:
             if bad is not None:
                 out.append(self._fail(req, f"adapter {bad.name!r} could not be loaded: {failed[bad]}",
                                       AdapterError.code))
-        return out
-
-    def _fail_unmixable(self) -> list[RequestOutput]:
-        """Mixes whose adapters' kinds were not all known when they arrived, once they are: one
-        that names an adapter that serves alone (`_check_mixable`) ends, before it is admitted
-        (an adapter's kind is known once it is ready, and a mix is admitted only then)."""
-        out = []
-        for req in list(self._unchecked_mixes):
-            if req.status is Status.FINISHED:
-                del self._unchecked_mixes[req]
-                continue
-            if any(e.variant is None for e in req.loras):
-                continue
-            del self._unchecked_mixes[req]
-            try:
-                for entry, scale in zip(req.loras, req.scales):
-                    self._check_mixable(entry, scale, req.mix)
-            except InvalidRequestError as e:
-                out.append(self._fail(req, str(e), InvalidRequestError.code))
         return out
 
     def _expire_deadlines(self) -> list[RequestOutput]:

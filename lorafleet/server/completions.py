@@ -106,7 +106,7 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
 
 
 # why the engine ended a request, by its error code: an adapter that could not load; a mix found
-# invalid once its adapters' kinds were known (DoRA, lora_bias: `Engine._check_mixable`), a 400
+# invalid once its adapters' kinds were known (DoRA, lora_bias: `engine.mixes.mixable`), a 400
 _ENDED = {AdapterError.code: AdapterError, InvalidRequestError.code: InvalidRequestError}
 
 
@@ -141,7 +141,7 @@ class Run:
             if item.finish_reason == "error":  # the engine could not serve it: it alone failed
                 error = _ENDED.get(item.error_code, RequestFailedError)(item.error)
                 if isinstance(error, InvalidRequestError):
-                    error.param = "adapters"  # the one late refusal: a mix (`Engine._check_mixable`)
+                    error.param = "adapters"  # the one late refusal: a mix (`engine.mixes.mixable`)
                 raise error
         return item
 

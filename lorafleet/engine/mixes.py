@@ -1,0 +1,79 @@
+"""What the engine checks of a request that mixes adapters (`lorafleet.lora.mix`), beyond the mix's
+own bounds: that the pool can hold its adapters and prompt at once, and that each adapter may be
+mixed. Read only: the registry (`memory.residency`) stays the owner of the adapters' state.
+
+DoRA and lora_bias adapters serve alone: DoRA's magnitude rescales its module's whole output,
+which has no meaning beside another adapter's delta (nor at another scale), and both are read
+only on a lone segment (`kernels/reference.py`). At scale 0 any adapter contributes nothing and
+the LoRA op never reads it (`ModelRunner.lora_batch`), so one may be named there. An adapter's
+kind is known once it was loaded: a mix naming one that was not is watched, and refused once
+every kind is known, before it can be admitted (a mix is admitted only once all its adapters are
+ready, and ready adapters have their kind).
+"""
+
+from __future__ import annotations
+
+from lorafleet.engine.request import Request, Status
+from lorafleet.errors import InvalidRequestError
+from lorafleet.lora.mix import Mix
+
+ALONE = {"dora": "DoRA", "lora_bias": "lora_bias"}  # the variants that serve alone, as messages name them
+
+
+class MixChecks:
+    def __init__(self, adapters, pool, kv):
+        """`adapters`: the engine's `AdapterResidency`; `pool`, `kv`: its page pool and KV manager."""
+        self.adapters, self.pool, self.kv = adapters, pool, kv
+        self.watched: dict[Request, None] = {}  # mixes naming an adapter whose kind is not known yet
+
+    def check(self, mix: Mix, prompt_len: int) -> None:
+        """A new request's mix: InvalidRequestError when the pool cannot hold its adapters and
+        prompt at once (it would wait forever; sizes from the files' headers, known at
+        registration), or it mixes an adapter known to serve alone; AdapterNotFoundError for
+        an unregistered one."""
+        entries = {name: self.adapters.get(name) for name in mix.names}
+        pages = {name: self.adapters.pages_needed(e) for name, e in entries.items()}
+        kv = self.kv.blocks_needed(prompt_len + 1)
+        if sum(pages.values()) + kv > self.pool.num_pages:
+            mib = self.pool.page_bytes / 2**20
+            sizes = ", ".join(f"{n} {p * mib:.1f} MiB" for n, p in pages.items())
+            raise InvalidRequestError(
+                f"the adapters of mix {mix.label!r} need {sum(pages.values())} pages together ({sizes}) and its "
+                f"prompt {kv}; the pool holds {self.pool.num_pages} pages ({self.pool.num_pages * mib:.1f} MiB): "
+                "mix fewer adapters or raise pool_bytes")
+        for name, scale in mix.members:
+            mixable(entries[name], scale, mix)
+
+    def watch(self, req: Request) -> None:
+        """`req` (a mix, its adapters held) is refused later if an adapter's kind is unknown now."""
+        if any(e.variant is None for e in req.loras):
+            self.watched[req] = None
+
+    def refused(self) -> list[tuple[Request, str]]:
+        """The watched mixes whose adapters' kinds are all known now and that may not run, each
+        with why; those that may, and those that ended, are no longer watched."""
+        out = []
+        for req in list(self.watched):
+            if req.status is not Status.FINISHED and any(e.variant is None for e in req.loras):
+                continue
+            del self.watched[req]
+            if req.status is Status.FINISHED:
+                continue
+            try:
+                for entry, scale in zip(req.loras, req.scales):
+                    mixable(entry, scale, req.mix)
+            except InvalidRequestError as e:
+                out.append((req, str(e)))
+        return out
+
+
+def mixable(entry, scale: float, mix: Mix) -> None:
+    """InvalidRequestError (on `adapters`) when `entry` at `scale` may not be in `mix`: a variant
+    that serves alone, beside another adapter of nonzero scale or itself at a scale other than 0
+    or 1 (nothing while its kind is unknown)."""
+    others = sum(s != 0.0 for s in mix.scales) - 1
+    if entry.variant in ALONE and scale != 0.0 and (others or scale != 1.0):
+        e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {ALONE[entry.variant]}, which serves "
+                                "alone (as `model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
+        e.param = "adapters"
+        raise e
