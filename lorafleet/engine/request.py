@@ -99,7 +99,7 @@ class Request:
     generator: torch.Generator | None = None
     text: str = ""
     detokenizer: object = None
-    loras: tuple = ()    # each adapter's memory.residency.AdapterEntry: acquired at arrival, released at the end
+    loras: tuple = ()    # each adapter's memory.entry.AdapterEntry: acquired at arrival, released at the end
     scales: tuple[float, ...] = ()  # each one's scale (1.0 for `adapter`)
     emitted: int = 0  # characters of text already streamed out (see engine/output.py)
     first_scheduled_time: float | None = None

@@ -56,7 +56,8 @@ from lorafleet.memory.arbiter import Arbiter
 from lorafleet.memory.host_cache import HostAdapter
 from lorafleet.memory.layout import pieces
 from lorafleet.memory.pool import PagePool
-from lorafleet.memory.residency import AdapterEntry, AdapterResidency, check_name
+from lorafleet.memory.entry import AdapterEntry
+from lorafleet.memory.residency import AdapterResidency, check_name
 
 log = logging.getLogger("lorafleet.prefetch")
 

@@ -41,21 +41,19 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from pathlib import Path
 from typing import Container
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
 from lorafleet.lora.adapter import BaseShapes, header_posts, header_ranks, read_adapter_config, weights_numel
+from lorafleet.memory.entry import AdapterEntry
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import kv_salt
 from lorafleet.memory.layout import Layout
 from lorafleet.memory.pool import CACHED, PagePool
 
-RECENT = 64  # per adapter: the last loads' seconds and requests' exposed waits kept (for p50/p99)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
-_uids = itertools.count(1)
 
 
 def check_name(name: str) -> str:
@@ -63,65 +61,6 @@ def check_name(name: str) -> str:
         raise AdapterError("adapter name is invalid: use 1-128 letters, digits and . _ - : @ /,"
                            " starting with a letter or digit, without '..'")
     return name
-
-
-@dataclass(eq=False)
-class AdapterEntry:
-    """One adapter's weights and where they are. Written by AdapterResidency only."""
-
-    name: str
-    path: Path
-    owner: int                           # its pool owner id
-    uid: int = field(default_factory=lambda: next(_uids))
-    digest: str | None = None            # known once the weights have been read
-    trusted_digest: str | None = None    # from the store: validated and hashed at pull, not again
-    numel: int = 0                       # elements it takes in pages (weights, row table), from the file header
-    host: HostAdapter | None = None      # set while in the host cache (or being copied)
-    pages: list[int] | None = None       # device pages, allocated
-    ready: bool = False                  # pages hold the weights
-    row_table: int | None = None         # the pool's int64 index of its row table, while ready
-    max_rank: int = 0                    # its largest rank, once loaded
-    posts: dict | None = None            # (layer, module) -> "dora" | "bias", its epilogues, once loaded
-    kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
-    loading: object = None               # Future of the disk -> host load
-    copying: object = None               # Future of the host -> device copy
-    error: str | None = None             # the last load failed with this message
-    users: int = 0
-    pins: int = 0
-    last_used: float = 0.0
-    ready_step: int = 0
-    served: bool = False                 # a request ran on it since it became ready
-    ranks: dict[str, int] = field(default_factory=dict)
-    num_params: int = 0
-    hits: int = 0
-    misses: int = 0
-    disk_loads: int = 0
-    device_loads: int = 0
-    evictions: int = 0
-    load_time_s: float = 0.0
-    recent_loads: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # seconds of each disk load
-    recent_waits: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # finished requests' exposed waits
-
-    @property
-    def variant(self) -> str | None:
-        """"lora", "dora" or "lora_bias" once loaded (None before: its files have not been read)."""
-        if self.posts is None:
-            return None
-        return "dora" if "dora" in self.posts.values() else "lora_bias" if self.posts else "lora"
-
-    @property
-    def tier(self) -> str:
-        return "device" if self.ready else "host" if self.host is not None else "disk"
-
-    def info(self) -> dict:
-        return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
-                "ranks": self.ranks, "modules": sorted(self.ranks), "variant": self.variant, "params": self.num_params,
-                "pages": len(self.pages or ()), "users": self.users,
-                "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
-                "loads": self.disk_loads, "device_loads": self.device_loads,
-                "evictions": self.evictions, "load_time_s": self.load_time_s, "error": self.error,
-                # seconds since a request last used it (or it became ready); None: never loaded
-                "idle_s": time.monotonic() - self.last_used if self.last_used else None}
 
 
 class AdapterResidency:

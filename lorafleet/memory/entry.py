@@ -1,0 +1,75 @@
+"""One registered adapter's record: its weights' identity and where they are (disk, host cache,
+device pages), its holds and its counters. `memory/residency.py` is its one writer; every other
+part reads it (the scheduler, the runner, the prefetcher through residency's interface, stats)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorafleet.memory.host_cache import HostAdapter
+
+RECENT = 64  # per adapter: the last loads' seconds and requests' exposed waits kept (for p50/p99)
+_uids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class AdapterEntry:
+    """One adapter's weights and where they are. Written by AdapterResidency only."""
+
+    name: str
+    path: Path
+    owner: int                           # its pool owner id
+    uid: int = field(default_factory=lambda: next(_uids))
+    digest: str | None = None            # known once the weights have been read
+    trusted_digest: str | None = None    # from the store: validated and hashed at pull, not again
+    numel: int = 0                       # elements it takes in pages (weights, row table), from the file header
+    host: HostAdapter | None = None      # set while in the host cache (or being copied)
+    pages: list[int] | None = None       # device pages, allocated
+    ready: bool = False                  # pages hold the weights
+    row_table: int | None = None         # the pool's int64 index of its row table, while ready
+    max_rank: int = 0                    # its largest rank, once loaded
+    posts: dict | None = None            # (layer, module) -> "dora" | "bias", its epilogues, once loaded
+    kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
+    loading: object = None               # Future of the disk -> host load
+    copying: object = None               # Future of the host -> device copy
+    error: str | None = None             # the last load failed with this message
+    users: int = 0
+    pins: int = 0
+    last_used: float = 0.0
+    ready_step: int = 0
+    served: bool = False                 # a request ran on it since it became ready
+    ranks: dict[str, int] = field(default_factory=dict)
+    num_params: int = 0
+    hits: int = 0
+    misses: int = 0
+    disk_loads: int = 0
+    device_loads: int = 0
+    evictions: int = 0
+    load_time_s: float = 0.0
+    recent_loads: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # seconds of each disk load
+    recent_waits: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # finished requests' exposed waits
+
+    @property
+    def variant(self) -> str | None:
+        """"lora", "dora" or "lora_bias" once loaded (None before: its files have not been read)."""
+        if self.posts is None:
+            return None
+        return "dora" if "dora" in self.posts.values() else "lora_bias" if self.posts else "lora"
+
+    @property
+    def tier(self) -> str:
+        return "device" if self.ready else "host" if self.host is not None else "disk"
+
+    def info(self) -> dict:
+        return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
+                "ranks": self.ranks, "modules": sorted(self.ranks), "variant": self.variant, "params": self.num_params,
+                "pages": len(self.pages or ()), "users": self.users,
+                "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
+                "loads": self.disk_loads, "device_loads": self.device_loads,
+                "evictions": self.evictions, "load_time_s": self.load_time_s, "error": self.error,
+                # seconds since a request last used it (or it became ready); None: never loaded
+                "idle_s": time.monotonic() - self.last_used if self.last_used else None}
