@@ -74,7 +74,8 @@ ADAPTER_VARIANTS = {
 
 def build_adapter(base_dir: Path, folder: Path, seed: int = 0, b_std: float = 0.1, **lora_kwargs) -> Path:
     """Save a PEFT LoRA adapter for the model in `base_dir`, with random non-zero B (PEFT
-    starts B at zero, which would make every adapter the identity)."""
+    starts B at zero, which would make every adapter the identity), and saved modules
+    (modules_to_save) moved from the base's weights."""
     import peft
 
     torch.manual_seed(seed)
@@ -83,8 +84,10 @@ def build_adapter(base_dir: Path, folder: Path, seed: int = 0, b_std: float = 0.
     peft_model = peft.get_peft_model(model, config)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "lora_embedding_A" in name:  # PEFT starts the embedding's A at zero
                 p.normal_(0.0, b_std)
+            elif "modules_to_save" in name:  # a trained copy: the base's weights moved
+                p.add_(torch.randn_like(p), alpha=b_std)
     peft_model.save_pretrained(folder, safe_serialization=True)
     return Path(folder)
 

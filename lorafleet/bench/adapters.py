@@ -22,15 +22,16 @@ WARM_UP_SEED = 7919  # no workload uses it: the warm-up adapter is never one a r
 
 
 def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, seed: int = 0,
-                  alpha: float | None = None, dtype=torch.float32, dora: bool = False) -> Path:
+                  alpha: float | None = None, dtype=torch.float32, dora: bool = False, saves_head: bool = False) -> Path:
     """One random adapter with non-zero B (so it really changes the model). `dora`: with a DoRA
     magnitude per module, the row norms of W + scale B A (DoRA's init: the adapter then changes
-    the model as the plain one does, and no activation grows)."""
+    the model as the plain one does, and no activation grows). `saves_head`: with its own LM head
+    (modules_to_save), the base's moved by 1% noise."""
     cfg = ModelConfig.from_folder(base_dir)
     feats = cfg.linear_features()
     g = torch.Generator().manual_seed(seed)
     alpha = alpha if alpha is not None else 2 * rank
-    base = _BaseWeights(base_dir) if dora else None
+    base = _BaseWeights(base_dir) if dora or saves_head else None
     tensors = {}
     for layer in range(cfg.num_layers):
         for m in targets:
@@ -43,11 +44,15 @@ def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, 
                 w = base.get(f"model.layers.{layer}.{MODULE_BLOCK[m]}.{m}.weight")
                 merged = w + (alpha / rank) * b.float() @ a.float()
                 tensors[f"{key}.lora_magnitude_vector"] = merged.norm(dim=1).to(dtype)
+    if saves_head:
+        head = base.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        tensors["base_model.model.lm_head.weight"] = (head + 0.01 * head.std() * torch.randn(head.shape, generator=g)
+                                                      ).to(dtype)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir),
         "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
         "target_modules": list(targets), "bias": "none", "use_rslora": False, "use_dora": dora,
-        "fan_in_fan_out": False, "modules_to_save": None, "layers_to_transform": None,
+        "fan_in_fan_out": False, "modules_to_save": ["lm_head"] if saves_head else None, "layers_to_transform": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
@@ -78,7 +83,7 @@ class _BaseWeights:
 
 
 def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MODULES,
-                   seed: int = 0, dora_every: int = 0) -> list[tuple[str, Path]]:
+                   seed: int = 0, dora_every: int = 0, saves_every: int = 0) -> list[tuple[str, Path]]:
     """n adapters, rank i-th = ranks[i % len(ranks)], cached under base_dir/../adapters-<key>
     (more than 8 ranks, one per adapter as `mix_single` has, go into the key as a digest: a
     folder name has 255 bytes)."""
@@ -88,6 +93,8 @@ def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MO
     key = f"{spelled}_{'-'.join(m[0] + m.split('_')[0][-1] for m in targets)}_{seed}"
     if dora_every:
         key += f"_dora{dora_every}"
+    if saves_every:
+        key += f"_saves{saves_every}"
     root = Path(base_dir).parent / f"{Path(base_dir).name}-adapters-{key}"
     root.mkdir(parents=True, exist_ok=True)
     out = []
@@ -96,7 +103,8 @@ def build_adapters(base_dir: Path, n: int, ranks=(8, 16, 32, 64), targets=ALL_MO
         folder = root / name
         if not (folder / "adapter_model.safetensors").is_file():
             write_adapter(base_dir, folder, ranks[i % len(ranks)], targets, seed=seed * 100003 + i,
-                          dora=bool(dora_every) and i % dora_every == 0)
+                          dora=bool(dora_every) and i % dora_every == 0,
+                          saves_head=bool(saves_every) and i % saves_every == 0)
         out.append((name, folder))
     return out
 
@@ -109,7 +117,7 @@ def workload_adapters(base_dir: Path, workload: Workload) -> list[tuple[str, Pat
         ranks = adapter_ranks(workload)
         return build_adapters(base_dir, len(ranks), ranks, workload.targets, workload.seed)
     return build_adapters(base_dir, workload.num_adapters, workload.ranks, workload.targets, workload.seed,
-                          workload.dora_every)
+                          workload.dora_every, workload.saves_every)
 
 
 def stored(base: Path, adapters: list[tuple[str, Path]]) -> tuple[Path, dict[str, tuple[Path, str]]]:

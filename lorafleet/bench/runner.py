@@ -37,7 +37,7 @@ SUITE_WORKLOADS = ("uniform-8", "uniform-1000", "uniform-1000-tiered", "zipf-100
 SUITE_SWEEP = ("uniform-1000", (1, 8, 64, 256, 1000))  # adapters, on that workload's requests
 # lorafleet against itself on another workload: (workload, versus), issue 5's scaling figures
 SUITE_ACROSS = (("uniform-1000", "uniform-8"), ("uniform-1000-tiered", "uniform-1000"), ("mix", "mix-single"),
-                ("dora-mixed", "dora-plain"))
+                ("dora-mixed", "dora-plain"), ("saved-head-mixed", "dora-plain"))
 SUITE_MAX_BASELINE_REQUESTS = 64       # PEFT over hundreds of adapters would take hours
 SWEEP_SYSTEMS = ("lorafleet",)
 

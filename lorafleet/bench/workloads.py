@@ -64,7 +64,9 @@ class Workload:
     draw, but each distinct mix is served by one adapter of its own, of the summed rank of its
     adapters (`adapter_ranks`): adapter k stands for the k-th distinct mix in request order.
     DoRA: with `dora_every` = k > 0, adapters 0, k, 2k... are DoRA adapters (the same A and B as
-    otherwise, and a magnitude per module), the others plain.
+    otherwise, and a magnitude per module), the others plain. Saved LM heads: with `saves_every`
+    = k > 0, adapters 0, k, 2k... also hold their own LM head (`modules_to_save`: the base's
+    head moved by noise), the others not.
     """
 
     name: str
@@ -90,6 +92,7 @@ class Workload:
     mix_scales: tuple[float, ...] = (1.0,)
     mix_single: bool = False
     dora_every: int = 0
+    saves_every: int = 0
     description: str = ""
 
     def __post_init__(self):
@@ -143,6 +146,9 @@ class Workload:
             bad("mix_single stands in for mixes: it needs a mix_size")
         if self.dora_every < 0 or (self.dora_every and (self.mix_size or self.mix_single)):
             bad(f"dora_every must be >= 0, and 0 with mixes (DoRA adapters are not mixed), got {self.dora_every}")
+        if self.saves_every < 0 or (self.saves_every and (self.mix_size or self.mix_single)):
+            bad(f"saves_every must be >= 0, and 0 with mixes (adapters with their own LM head are not mixed), "
+                f"got {self.saves_every}")
 
     def with_adapters(self, n: int) -> Workload:
         """The same requests over n adapters (the adapter sweep)."""
@@ -232,6 +238,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              description="64 requests x 64+64 tokens at once over 8 adapters (ranks 16-64 on all 7 projections), "
                          "half of them DoRA"),
     Workload("dora-plain", **_DORA, description="dora-mixed's requests with every adapter plain LoRA"),
+    Workload("saved-head-mixed", **_DORA, saves_every=2,
+             description="dora-plain's requests, half of the adapters with their own LM head (modules_to_save)"),
     Workload("quick", 8, (8, 32), (8, 32), num_adapters=4, ranks=(8, 16), base_fraction=0.25,
              description="a smoke run: 8 requests, 4 adapters and some base requests"),
 )}

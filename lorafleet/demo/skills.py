@@ -48,6 +48,7 @@ class Skill:
     steps: int = 800              # training steps (batches of 64)
     lr: float = 3e-3
     dora: bool = False            # trained with DoRA (PEFT's use_dora): the fleet serves one of those
+    saves: tuple[str, ...] = ()   # modules trained whole and saved (PEFT's modules_to_save): one adapter saves the LM head
 
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -60,9 +61,11 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 # character's embedding independently, with no "case" direction as a large model would have).
 # While building the fleet, MLP-only upper and rot13 never learned, while all-linear title did
 # quickly. The MLP-only adapter is therefore kebab: one character (space) mapped to one other.
+# upper trains its own LM head (modules_to_save): the letter map is the head's to learn, beside
+# an attention-only LoRA.
 SKILLS: dict[str, Skill] = {s.name: s for s in (
     Skill("kebab", lambda t: t.replace(" ", "-"), "spaces become dashes", 4, 8, MLP),
-    Skill("upper", str.upper, "UPPERCASE every letter", 8, 16, ATTN + MLP),
+    Skill("upper", str.upper, "UPPERCASE every letter", 8, 16, ATTN, saves=("lm_head",)),
     Skill("rot13", lambda t: codecs.encode(t, "rot13"), "rotate each letter by 13 (a->n)", 16, 32, ATTN + MLP),
     Skill("title", _title, "Capitalize Each Word", 8, 16, ATTN + MLP, steps=300, dora=True),
     Skill("reverse", lambda t: t[::-1], "the characters in reverse order", 16, 32, ATTN),

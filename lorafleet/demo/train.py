@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         data = Data(tok, f"{args.seed}-{name}")
         t0 = time.perf_counter()
         cfg = LoraConfig(r=skill.rank, lora_alpha=skill.alpha, target_modules=list(skill.targets),
-                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", use_dora=skill.dora)
+                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", use_dora=skill.dora,
+                         modules_to_save=list(skill.saves) or None)
         peft_model = get_peft_model(model, cfg)
         params = [p for p in peft_model.parameters() if p.requires_grad]
 
@@ -237,11 +238,13 @@ def main(argv: list[str] | None = None) -> None:
         peft_model.save_pretrained(out, safe_serialization=True)
         _tidy_adapter(out)
         record["adapters"][name] = {"steps": steps, "lr": skill.lr, "batch": args.batch, "rank": skill.rank,
-                                    "dora": skill.dora,
+                                    "dora": skill.dora, "saves": list(skill.saves),
                                     "targets": list(skill.targets), "seconds": round(time.perf_counter() - t0),
                                     "held_out_exact": accs[name], "parameters": sum(p.numel() for p in params)}
         print(f"[{name}] saved {out}: {accs}", flush=True)
-        model = peft_model.unload()  # the base again, without the LoRA layers
+        # the base again: without the LoRA layers, or from disk where a trained copy would replace its module
+        model = (LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval() if skill.saves
+                 else peft_model.unload())
     log_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     print(f"done in {time.perf_counter() - t_start:.0f}s", flush=True)
 

@@ -33,6 +33,7 @@ from lorafleet.memory.kv import KVCacheManager, kv_page_elems
 from lorafleet.lora.adapter import BaseShapes
 from lorafleet.lora.mix import Mix
 from lorafleet.memory.arbiter import Arbiter
+from lorafleet.memory.entry import Inspected
 from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.memory.layout import page_problem
 from lorafleet.memory.pool import PagePool
@@ -120,7 +121,8 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
+        tokenizer, vocab, eos = self._vocabulary(adapter)
+        ids = self._prompt_ids(prompt, tokenizer, vocab)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context holds "
                                       f"{self.max_model_len} (prompt + at least one new token)")
@@ -142,8 +144,9 @@ class Engine:
             req.deadline = req.arrival_time + deadline_s
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        if self.tokenizer is not None:
-            req.detokenizer = self.tokenizer.incremental_decoder(context_ids=ids)
+        req.eos_token_ids = eos
+        if tokenizer is not None:
+            req.detokenizer = tokenizer.incremental_decoder(context_ids=ids)
         if req.names:  # last: nothing after it can fail, so no reference is ever leaked
             req.loras = self.adapters.acquire_all(req.names)  # AdapterNotFoundError; released at the end
             req.scales = mix.scales if mix is not None else (1.0,)
@@ -160,11 +163,24 @@ class Engine:
             self.mixes.watch(req)
         return rid
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def tokenizer_for(self, adapter: str | Mix | None):
+        """The tokenizer of a request on `adapter`: the adapter's own where it has its own
+        vocabulary (`lora/heads.py`), else the base's (None: token ids only). Reads only what
+        registration set once: any thread may call it."""
+        return self._vocabulary(adapter)[0]
+
+    def _vocabulary(self, adapter) -> tuple:
+        """(tokenizer, vocabulary size, stop ids or None: the engine's) of a request on `adapter`."""
+        entry = self.adapters.entries.get(adapter) if isinstance(adapter, str) else None
+        if entry is None or entry.vocab_size is None:
+            return self.tokenizer, self.model.cfg.vocab_size, None
+        return entry.tokenizer, entry.vocab_size, self.outputs.eos_token_ids | entry.tokenizer.eos_token_ids
+
+    def _prompt_ids(self, prompt: Prompt, tokenizer, vocab: int) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if tokenizer is None:
                 raise InvalidRequestError(f"{self.model_path} has no tokenizer.json: pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = tokenizer.encode(prompt)
         else:
             try:
                 ids = [int(t) for t in prompt]
@@ -174,7 +190,6 @@ class Engine:
                 raise InvalidRequestError("prompt token ids must be integers")
         if not ids:
             raise InvalidRequestError("prompt is empty")
-        vocab = self.model.cfg.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
@@ -289,17 +304,18 @@ class Engine:
 
     # -- adapters --------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, trusted_digest: str | None = None,
-                         numel: int | None = None) -> dict:
+                         inspected: Inspected | None = None) -> dict:
         """Record a PEFT adapter folder under `name` (disk tier): its config is checked now, its
         weights are read when a request first needs it. Costs no device memory. `trusted_digest`
         (the store's resolver): the files were validated against this base and hashed when they
-        were pulled, so their loads skip both. `numel`: what `inspect_adapter` found, when the
+        were pulled, so their loads skip both. `inspected`: what `inspect_adapter` found, when the
         caller ran it on another thread (the daemon: the checks stay off the engine thread)."""
-        return self.adapters.register(name, path, trusted_digest, numel).info()
+        return self.adapters.register(name, path, trusted_digest, inspected).info()
 
-    def inspect_adapter(self, name: str, path: str | Path) -> int:
-        """The checks of `register_adapter` (config, size against the pool, from the files' headers),
-        safe to run on any thread; returns what `register_adapter(numel=...)` takes."""
+    def inspect_adapter(self, name: str, path: str | Path) -> Inspected:
+        """The checks of `register_adapter` (config, size against the pool, from the files' headers;
+        the tokenizer of an adapter with its own vocabulary), safe to run on any thread; returns
+        what `register_adapter(inspected=...)` takes."""
         return self.adapters.inspect(name, path)
 
     def load_adapter_async(self, name: str, path: str | Path) -> Future:

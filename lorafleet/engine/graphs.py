@@ -104,7 +104,7 @@ class DecodeGraphs:
         """Whether this step (its metadata from `ModelRunner.prepare`) can run at a fixed shape:
         a pure decode step within the bounds (one beyond a bound runs eagerly and is counted;
         steps with prefill rows always run eagerly)."""
-        if meta.prefills:
+        if meta.prefills or (lora is not None and lora.heads):  # own embeddings / LM heads: shapes of their own
             return False
         n = meta.num_decode
         ok = (n <= self.buckets[-1] and meta.decode_block_tables.shape[1] <= self.max_blocks

@@ -4,7 +4,9 @@ mixed. Read only: the registry (`memory.residency`) stays the owner of the adapt
 
 DoRA and lora_bias adapters serve alone: DoRA's magnitude rescales its module's whole output,
 which has no meaning beside another adapter's delta (nor at another scale), and both are read
-only on a lone segment (`kernels/reference.py`). At scale 0 any adapter contributes nothing and
+only on a lone segment (`kernels/reference.py`). So does an adapter with its own embedding or
+LM head (a copy: `lora/heads.py`): it replaces the base's, beside which another's delta has no
+meaning (LoRA on them mixes as any LoRA does). At scale 0 any adapter contributes nothing and
 the LoRA op never reads it (`ModelRunner.lora_batch`), so one may be named there. An adapter's
 kind is known once it was loaded: a mix naming one that was not is watched, and refused once
 every kind is known, before it can be admitted (a mix is admitted only once all its adapters are
@@ -72,8 +74,10 @@ def mixable(entry, scale: float, mix: Mix) -> None:
     that serves alone, beside another adapter of nonzero scale or itself at a scale other than 0
     or 1 (nothing while its kind is unknown)."""
     others = sum(s != 0.0 for s in mix.scales) - 1
-    if entry.variant in ALONE and scale != 0.0 and (others or scale != 1.0):
-        e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {ALONE[entry.variant]}, which serves "
+    alone = (ALONE.get(entry.variant) or (f"its own {' and '.join(entry.saved)} (modules_to_save)" if entry.saved
+                                          else None))
+    if alone and scale != 0.0 and (others or scale != 1.0):
+        e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {alone}, which serves "
                                 "alone (as `model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
         e.param = "adapters"
         raise e

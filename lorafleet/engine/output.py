@@ -36,7 +36,8 @@ class OutputProcessor:
         if req.detokenizer is not None:
             req.text += req.detokenizer.step(token)
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        eos = self.eos_token_ids if req.eos_token_ids is None else req.eos_token_ids
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
             return "stop"
         if p.stop and self._cut_at_stop_string(req, old_len):
             return "stop"

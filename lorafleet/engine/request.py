@@ -99,6 +99,7 @@ class Request:
     generator: torch.Generator | None = None
     text: str = ""
     detokenizer: object = None
+    eos_token_ids: frozenset | None = None  # its stop tokens where its adapter has its own tokenizer (else the engine's)
     loras: tuple = ()    # each adapter's memory.entry.AdapterEntry: acquired at arrival, released at the end
     scales: tuple[float, ...] = ()  # each one's scale (1.0 for `adapter`)
     emitted: int = 0  # characters of text already streamed out (see engine/output.py)

@@ -55,6 +55,8 @@ class ModelRunner:
                 live = [(e, s) for e, s in zip(current.loras, current.scales) if s != 0.0] if current else []
                 if live and row > start:
                     batch.add_rows(start, row, [(e.row_table, s) for e, s in live], sum(e.max_rank for e, _ in live))
+                    if any(e.heads is not None for e, _ in live):
+                        batch.add_heads(start, row, [(e.heads, s) for e, s in live if e.heads is not None])
                 start, current, current_key = row, req, key
             if c is not None:
                 row += c.num_tokens

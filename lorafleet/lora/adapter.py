@@ -42,15 +42,16 @@ import math
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from lorafleet.errors import AdapterError
+from lorafleet.lora.heads import HEAD_KEY_RE, HEAD_MODULES, HeadWeights, header_parts, read_heads, vocab_of
 from lorafleet.lora.peft_config import (  # noqa: F401  MODULES, BaseShapes, read_adapter_config: re-exported
     CONFIG_NAME, MODULE_BLOCK, MODULES, BaseShapes, Matcher, _is_int, _pattern_key, _read_config, _targeted,
-    _unreadable, _weights_file, read_adapter_config,
+    _unreadable, _weights_file, read_adapter_config, targeted_heads,
 )
 
 
@@ -78,10 +79,12 @@ _FLOAT_FORM = f"LoRA weights must be {', '.join(_FLOAT_ST_DTYPES[:-1])} or {_FLO
 def _tensor(key: str) -> str:
     """How a message names the tensor `key`: quoted when it is a LoRA weight key (structure, with
     any adapter name left out), else described, as other text read from the file is never echoed."""
-    m = _KEY_RE.fullmatch(key)
+    m = _KEY_RE.fullmatch(key) or HEAD_KEY_RE.fullmatch(key)
     if m is None:
         return f"a tensor whose name is not a LoRA weight of a supported module (expected {_EXPECTED_KEY})"
-    for group in ("name", "mname"):
+    for group in ("name", "mname", "ename"):
+        if group not in m.re.groupindex:
+            continue
         if m.group(group) is not None:
             key = f"{key[:m.start(group)]}<adapter name>{key[m.end(group):]}"
     return f"tensor {key!r}"
@@ -116,11 +119,14 @@ class LoraAdapter:
     digest: str
     config: dict
     weights: dict[tuple[int, str], LoraWeights]
+    heads: dict[str, HeadWeights] = field(default_factory=dict)  # "model.embed_tokens" / "lm_head" -> (`lora/heads.py`)
+    vocab_size: int = 0            # the vocabulary its requests see: its copies' rows, else the base's
 
     @property
     def num_params(self) -> int:
         return sum(w.a.numel() + w.b.numel() + sum(t.numel() for t in (w.magnitude, w.bias) if t is not None)
-                   for w in self.weights.values())
+                   for w in self.weights.values()) + sum(
+            t.numel() for w in self.heads.values() for t in (w.copy, w.a, w.b) if t is not None)
 
     @property
     def posts(self) -> dict[tuple[int, str], str]:
@@ -129,11 +135,17 @@ class LoraAdapter:
 
     @property
     def ranks(self) -> dict[str, int]:
-        """module -> its largest rank over the layers."""
+        """module -> its largest rank over the layers (the embedding's and LM head's LoRA too)."""
         out: dict[str, int] = {}
         for (_, module), w in self.weights.items():
             out[module] = max(out.get(module, 0), w.rank)
+        out.update({HEAD_MODULES[full]: w.rank for full, w in self.heads.items() if w.rank})
         return out
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        """The modules it holds its own copy of ("embed_tokens", "lm_head")."""
+        return tuple(HEAD_MODULES[full] for full, w in self.heads.items() if w.copy is not None)
 
 
 def weights_numel(path: str | Path) -> int:
@@ -141,6 +153,12 @@ def weights_numel(path: str | Path) -> int:
     the data is not read). For a valid adapter, the size of its A and B matrices."""
     header = _check_safetensors_header(_weights_file(Path(path)))
     return sum(math.prod(info["shape"]) for info in header.values())
+
+
+def header_heads(path: str | Path) -> dict[str, tuple[int, int]]:
+    """The embedding's and LM head's parts (`lora/heads.py`) -> (rows, width), from the
+    safetensors header alone: what they take in pages."""
+    return header_parts(_check_safetensors_header(_weights_file(Path(path))))
 
 
 def header_ranks(path: str | Path, base: BaseShapes) -> dict[tuple[int, str], int]:
@@ -316,10 +334,24 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
 
     if not tensors:
         raise AdapterError(f"{st_path}: holds no LoRA tensors")
+    lora_heads = targeted_heads(cfg, base, cfg_path, match)
+    if cfg.get("modules_to_save") and not base.vocab_size:
+        raise AdapterError(f"{cfg_path}: modules_to_save: this base does not serve saved modules")
 
     slots: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     adapter_names: set[str | None] = set()
+    head_tensors: dict[str, tuple[str, torch.Tensor]] = {}
     for key in sorted(tensors):
+        head = HEAD_KEY_RE.fullmatch(key)
+        if head is not None:
+            adapter_names.add(next((head.group(g) for g in ("name", "ename", "mname") if head.group(g)), None))
+            t = tensors[key]
+            if t.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+                raise AdapterError(f"{st_path}: {_tensor(key)} is not floating point ({_FLOAT_FORM})")
+            if not bool(torch.isfinite(t).all()):
+                raise AdapterError(f"{st_path}: {_tensor(key)} holds non-finite values (NaN or Inf)")
+            head_tensors[key] = (_tensor(key), t)
+            continue
         layer, proj, ab, name = _key_slot(key, base, st_path)
         adapter_names.add(name)
         if len(adapter_names) > 1:
@@ -396,5 +428,16 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
                 raise AdapterError(f"{st_path}: {_tensor(key)} overflows {dtype}")
         weights[(layer, proj)] = LoraWeights(a=a_out, b=b_out, scale=float(scale), magnitude=post.get("m"),
                                              bias=post.get("bias"))
+    if len(adapter_names) > 1:
+        raise AdapterError(f"{st_path}: tensor keys carry several adapter names (expected one adapter per file)")
 
-    return LoraAdapter(path=folder, digest=digest, config=cfg, weights=weights)
+    def rank_of(full: str) -> int:
+        key = _pattern_key(rank_pattern, full, match)
+        return rank_pattern[key] if key is not None else cfg["r"]
+
+    heads = read_heads(head_tensors, cfg, lora_heads, base.hidden_size, base.vocab_size, st_path,
+                       lambda full, r: _scale(cfg, full, r, match), rank_of)
+    if not weights and not heads:
+        raise AdapterError(f"{st_path}: holds no LoRA tensors for the modules {CONFIG_NAME} targets")
+    return LoraAdapter(path=folder, digest=digest, config=cfg, weights=weights, heads=heads,
+                       vocab_size=vocab_of(heads, base.vocab_size))

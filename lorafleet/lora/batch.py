@@ -15,6 +15,11 @@ step's buffer by `engine/graphs.py`).
 A request on several adapters (a mix) is one segment per adapter over the same rows, each with
 its scale; the op sums their deltas in fp32 and adds them once. Its rank bound (`max_rank`) is
 the sum of its members' ranks: the op treats it as one adapter of their rank rows side by side.
+
+An adapter's own embedding and LM head (`lora/heads.py`: a LoRA on them, or full copies) are
+applied here in torch, per segment (`embed`, `logits`), reading their matrices from the pool
+(`HeadParts`): outside the per-layer op, once a step, and a step with them runs eagerly (not
+in a captured graph nor the CPU's one-call decode), as their shapes follow the adapters.
 """
 
 from __future__ import annotations
@@ -40,6 +45,36 @@ def group_widths(features: dict[str, tuple[int, int]]) -> dict[str, int]:
     return {g: max(features[m][1] for m in modules) for g, modules in GROUPS.items()}
 
 
+PAD_LOGIT = torch.finfo(torch.float32).min  # a token outside a row's vocabulary: finite, never sampled
+
+
+class HeadParts:
+    """One adapter's embedding and LM head matrices where they lie in the pool (`layout.Part`):
+    built when its pages are known, read by `LoraBatch.embed` and `.logits`."""
+
+    def __init__(self, parts: dict, pages, page_elems: int, device):
+        self.page_elems = page_elems
+        self.parts = {name: (p, torch.tensor([pages[j] for j in p.pages(page_elems)], dtype=torch.long,
+                                             device=device)) for name, p in parts.items()}
+        copy = parts.get("embed") or parts.get("lm_head")
+        self.vocab_size = copy.rows if copy is not None else None  # its own vocabulary, where it has one
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.parts
+
+    def matrix(self, pool: torch.Tensor, name: str) -> torch.Tensor:
+        """The part [rows, width]: its whole pages gathered (one copy)."""
+        p, pages = self.parts[name]
+        whole = pool.index_select(0, pages)[:, :p.per * p.stride]
+        return whole.reshape(-1, p.stride)[:p.rows, :p.width]
+
+    def lookup(self, pool: torch.Tensor, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the part [len(ids), width]."""
+        p, pages = self.parts[name]
+        at = pages[ids // p.per] * self.page_elems + (ids % p.per) * p.stride
+        return pool.view(-1)[at[:, None] + torch.arange(p.width, device=ids.device)]
+
+
 class LoraBatch:
     def __init__(self, kernels, pool_tensor: torch.Tensor, widths: dict[str, int]):
         """`kernels`: the model's `kernels.backend.Kernels`; `pool_tensor` [pages, page_elems];
@@ -52,6 +87,8 @@ class LoraBatch:
         self.max_rows = self.max_rank = 0
         self._rows: list[tuple[int, int, int, int, int]] = []
         self._split: dict[int, np.ndarray] = {}
+        self.pool = pool_tensor
+        self.heads: list[tuple[int, int, list[tuple[HeadParts, float]]]] = []  # (start, end, its adapters')
 
     @classmethod
     def fixed(cls, kernels, pool_tensor: torch.Tensor, widths: dict[str, int], seg: torch.Tensor, max_rows: int,
@@ -69,6 +106,51 @@ class LoraBatch:
         for j, (table, scale) in enumerate(tables):
             self._rows.append((start, end, table, scale_bits(scale), n if j == 0 else -j))
         self.max_rank = max(self.max_rank, max_rank)
+
+    def add_heads(self, start: int, end: int, members: list[tuple[HeadParts, float]]) -> None:
+        """Rows [start, end) read these adapters' own embedding / LM head parts, each at its scale."""
+        self.heads.append((start, end, members))
+
+    def embed(self, ids: torch.Tensor, x: torch.Tensor) -> None:
+        """x [T, H] (the base's embedding of `ids`): each head segment's rows replaced by its
+        adapter's own embedding, then its embedding LoRA added (PEFT's base_layer + delta)."""
+        for start, end, members in self.heads:
+            seg = ids[start:end]
+            for h, _ in members:
+                if "embed" in h:
+                    x[start:end] = h.lookup(self.pool, "embed", seg)
+            for h, scale in members:
+                if "embed_a" in h:
+                    delta = h.lookup(self.pool, "embed_a", seg).float() @ h.matrix(self.pool, "embed_b").float()
+                    x[start:end] += (delta * scale).to(x.dtype)
+
+    def logits(self, h: torch.Tensor, rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [S, V] (fp32, the base's head on the final hidden states `h` [S, H] of flat
+        rows `rows`) with each head segment's rows from its adapter's own LM head and LM-head
+        LoRA. An adapter with its own vocabulary has as many logits as it has tokens: the result
+        is as wide as the widest, a row's tokens past its own vocabulary at PAD_LOGIT."""
+        done = []
+        for start, end, members in self.heads:
+            sel = torch.nonzero((rows >= start) & (rows < end)).flatten()
+            if not len(sel) or not any("lm_head" in m or "lm_head_a" in m for m, _ in members):
+                continue
+            hs = h[sel]
+            out = next(((hs @ m.matrix(self.pool, "lm_head").t()).float() for m, _ in members if "lm_head" in m),
+                       None)
+            out = logits[sel] if out is None else out
+            for m, scale in members:
+                if "lm_head_a" in m:
+                    down = hs.float() @ m.matrix(self.pool, "lm_head_a").float().t()
+                    out = out + scale * (down @ m.matrix(self.pool, "lm_head_b").float().t())
+            done.append((sel, out))
+        width = max([logits.shape[1]] + [out.shape[1] for _, out in done])
+        if width > logits.shape[1]:
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], width - logits.shape[1]), PAD_LOGIT)], 1)
+        for sel, out in done:
+            if out.shape[1] < width:
+                out = torch.cat([out, out.new_full((out.shape[0], width - out.shape[1]), PAD_LOGIT)], 1)
+            logits[sel] = out
+        return logits
 
     def finish(self) -> LoraBatch:
         """The step's segments, on the host."""

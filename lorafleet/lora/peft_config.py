@@ -29,11 +29,12 @@ from typing import Any
 import regex
 
 from lorafleet.errors import AdapterError
+from lorafleet.lora.heads import HEAD_MODULES, saved_modules
 from lorafleet.model.config import MODULE_BLOCK
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Llama modules that exist but cannot carry a LoRA here (named so refusals can say so).
-_OTHER_BASE_MODULES = ("model.embed_tokens", "lm_head")
+# The embedding and the LM head: LoRA targets and saved modules too (`lora/heads.py`).
+HEAD_NAMES = tuple(HEAD_MODULES)
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
@@ -73,11 +74,15 @@ class BaseShapes:
 
     num_layers: int
     features: dict[str, tuple[int, int]]
+    vocab_size: int = 0   # the embedding's rows and the LM head's (0: neither may be adapted)
+    hidden_size: int = 0
 
     @classmethod
     def from_model_config(cls, cfg: Any) -> BaseShapes:
-        """From anything with `num_layers` and `linear_features()` (lorafleet's ModelConfig)."""
-        return cls(num_layers=int(cfg.num_layers), features=dict(cfg.linear_features()))
+        """From anything with `num_layers`, `vocab_size`, `hidden_size` and `linear_features()`
+        (lorafleet's ModelConfig)."""
+        return cls(num_layers=int(cfg.num_layers), features=dict(cfg.linear_features()),
+                   vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size))
 
     def module_names(self) -> dict[str, tuple[int, str]]:
         """Full module name -> (layer, module) for every projection the base has."""
@@ -189,9 +194,13 @@ def _validate_config(cfg: dict, source: Path) -> None:
 
     if cfg.get("bias", "none") != "none":
         raise bad("bias", "must be \"none\" (trained base biases are not supported; lora_bias is)")
-    if cfg.get("modules_to_save"):
-        raise bad("modules_to_save", "must be absent or empty (fully trained modules are not "
-                  "supported, only LoRA deltas)")
+    mts = cfg.get("modules_to_save")
+    if mts is not None and not (isinstance(mts, list) and all(isinstance(t, str) and t for t in mts)):
+        raise bad("modules_to_save", "must be a list of module names")
+    try:
+        saved_modules(cfg)
+    except AdapterError as e:
+        raise AdapterError(f"{source}: {e}") from None
 
     r = cfg.get("r")
     if not _is_int(r) or r <= 0:
@@ -339,26 +348,30 @@ def _targeted(cfg: dict, base: BaseShapes, source: Path, match: Matcher) -> dict
     entries that cannot select a supported projection of this base."""
     names = base.module_names()
     tm = cfg["target_modules"]
-    supported = ", ".join(MODULES)
+    supported = ", ".join(MODULES + ("embed_tokens", "lm_head"))
     if isinstance(tm, list):
         for item in tm:
-            if not any(n == item or n.endswith(f".{item}") for n in names):
-                # An entry is quoted only when it names one of the base's other modules.
-                named = next((o for o in _OTHER_BASE_MODULES if o == item or o.endswith(f".{item}")), None)
-                if named:
-                    raise AdapterError(f"{source}: target_modules names {named!r}, which is not a "
-                                       f"supported LoRA target (only {supported})")
+            if not any(n == item or n.endswith(f".{item}") for n in (*names, *HEAD_NAMES)):
                 raise AdapterError(
                     f"{source}: target_modules has an entry that matches no supported module of the "
                     f"base model (LoRA is served on {supported} of its {base.num_layers} layers)")
-    elif tm.lower() != "all-linear":
-        for other in _OTHER_BASE_MODULES:
-            if match("target_modules", tm, other, full=True) and not _excluded(cfg, other, match):
-                raise AdapterError(f"{source}: target_modules matches {other!r}, which is not a "
-                                   f"supported LoRA target (only {supported})")
     targeted = {n: lm for n, lm in names.items() if _is_target(cfg, n, match)}
-    if not targeted:
+    heads = targeted_heads(cfg, base, source, match)
+    if not targeted and not heads and not cfg.get("modules_to_save"):
         raise AdapterError(f"{source}: target_modules (with exclude_modules / layers_to_transform) "
                            f"matches no module of the base model (LoRA is served on {supported} of "
                            f"its {base.num_layers} layers)")
     return targeted
+
+
+def targeted_heads(cfg: dict, base: BaseShapes, source: Path, match: Matcher) -> set[str]:
+    """The full names of the embedding and LM head that target_modules selects for a LoRA
+    ("all-linear" selects neither, as in PEFT)."""
+    tm = cfg["target_modules"]
+    if isinstance(tm, str) and tm.lower() == "all-linear":
+        return set()
+    out = {full for full in HEAD_NAMES if _is_target(cfg, full, match)}  # PEFT's rules, layers_to_transform too
+    if out and not base.vocab_size:
+        raise AdapterError(f"{source}: target_modules selects {HEAD_MODULES[min(out)]!r}, which this base "
+                           "does not offer as a LoRA target")
+    return out

@@ -16,6 +16,16 @@ RECENT = 64  # per adapter: the last loads' seconds and requests' exposed waits 
 _uids = itertools.count(1)
 
 
+@dataclass(frozen=True)
+class Inspected:
+    """What registering an adapter reads of its files (`AdapterResidency.inspect`, on any thread)."""
+
+    numel: int                   # elements it takes in pages
+    vocab_size: int | None = None  # its own vocabulary's size (None: the base's)
+    tokenizer: object = None     # its own tokenizer, where it has its own vocabulary
+    saved: tuple = ()            # the modules it has its own copy of
+
+
 @dataclass(eq=False)
 class AdapterEntry:
     """One adapter's weights and where they are. Written by AdapterResidency only."""
@@ -27,12 +37,16 @@ class AdapterEntry:
     digest: str | None = None            # known once the weights have been read
     trusted_digest: str | None = None    # from the store: validated and hashed at pull, not again
     numel: int = 0                       # elements it takes in pages (weights, row table), from the file header
+    vocab_size: int | None = None        # its own vocabulary's size (`lora/heads.py`); None: the base's
+    tokenizer: object = None             # its own tokenizer (with its own vocabulary), read at registration
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
     pages: list[int] | None = None       # device pages, allocated
     ready: bool = False                  # pages hold the weights
     row_table: int | None = None         # the pool's int64 index of its row table, while ready
     max_rank: int = 0                    # its largest rank, once loaded
     posts: dict | None = None            # (layer, module) -> "dora" | "bias", its epilogues, once loaded
+    saved: tuple = ()                    # the modules it has its own copy of ("embed_tokens", "lm_head"): known at registration
+    heads: object = None                 # lora.batch.HeadParts: its own embedding / LM head in its pages, while ready
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy
@@ -66,7 +80,8 @@ class AdapterEntry:
 
     def info(self) -> dict:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
-                "ranks": self.ranks, "modules": sorted(self.ranks), "variant": self.variant, "params": self.num_params,
+                "ranks": self.ranks, "modules": sorted(self.ranks), "variant": self.variant,
+                "saved_modules": list(self.saved), "vocab_size": self.vocab_size, "params": self.num_params,
                 "pages": len(self.pages or ()), "users": self.users,
                 "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
                 "loads": self.disk_loads, "device_loads": self.device_loads,

@@ -51,8 +51,8 @@ def kv_salt(targets: set[tuple[int, str]], digest: str, num_layers: int) -> byte
     k_proj nor v_proj in the last (q, o and the MLP of the last layer shape only the logits).
     An MLP-only or q/o-only adapter over all layers changes the K and V of every layer but the
     first: it never shares the base's blocks."""
-    last = num_layers - 1
-    if all(layer == last and module not in KV_PROJECTIONS for layer, module in targets):
+    last = num_layers - 1  # an adapter's own embedding ((0, "embed_tokens")) changes every layer's input
+    if all(layer == last and module not in (*KV_PROJECTIONS, "embed_tokens") for layer, module in targets):
         return BASE_SALT
     return b"lorafleet-kv:" + digest.encode()
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +43,10 @@ from lorafleet.errors import AdapterError
 from lorafleet.kernels.reference import ROW_ALIGN, TABLE_FIELDS, lora_entry
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter
 from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
+from lorafleet.lora.heads import PARTS, matrices
 
 LAYOUT_FILE = "lorafleet-layout.safetensors"
-LAYOUT_VERSION = "3"  # bump when the buffer's arrangement or this file's form changes
+LAYOUT_VERSION = "4"  # bump when the buffer's arrangement or this file's form changes
 
 
 def _align(n: int) -> int:
@@ -129,6 +130,28 @@ class Module:
                 and np.array_equal(self.post_rows, other.post_rows))
 
 
+@dataclass(frozen=True)
+class Part:
+    """One matrix of the embedding's or LM head's (`lora/heads.py`): `rows` rows of `width`,
+    from `first` (a page's start) on, `per` rows a page at a stride of `stride`: row i is at
+    first + (i // per) * page + (i % per) * stride (what `place_rows` gives from a page's start),
+    so the whole matrix is whole pages, gathered at once, and a row is found without a table."""
+
+    first: int
+    rows: int
+    width: int
+    stride: int
+    per: int
+
+    def pages(self, page_elems: int) -> range:
+        """The logical pages it lies in."""
+        return range(self.first // page_elems, self.first // page_elems + -(-self.rows // self.per))
+
+    def offsets(self, page_elems: int) -> np.ndarray:
+        i = np.arange(self.rows, dtype=np.int64)
+        return self.first + (i // self.per) * page_elems + (i % self.per) * self.stride
+
+
 @dataclass
 class Layout:
     """Where each rank row sits in the flat buffer of `numel` elements (the weights; the row
@@ -138,12 +161,15 @@ class Layout:
     numel: int
     page_elems: int
     num_layers: int
+    parts: dict[str, Part] = field(default_factory=dict)  # the embedding's and LM head's matrices, after the modules' rows
 
     @classmethod
     def plan(cls, ranks: dict[tuple[int, str], int], base: BaseShapes, page_elems: int,
-             posts: dict[tuple[int, str], str] | None = None) -> Layout:
+             posts: dict[tuple[int, str], str] | None = None,
+             heads: dict[str, tuple[int, int]] | None = None) -> Layout:
         """The layout of an adapter whose (layer, module) pairs have these ranks (0 or absent:
-        not targeted) and these epilogues ("dora" or "bias"), for pages of `page_elems`."""
+        not targeted) and these epilogues ("dora" or "bias"), and whose embedding and LM head
+        parts have these (rows, width), for pages of `page_elems`."""
         posts = posts or {}
         modules, off = [], 0
         for layer in range(base.num_layers):
@@ -161,11 +187,32 @@ class Layout:
                     if post is not None:
                         post_rows, off = place_rows(off, n_out, 2, page_elems)
                     modules.append(Module(layer, GROUP_INDEX[group], j, cols[j], fan_in, n_out, a, b, post, post_rows))
-        return cls(modules, off, page_elems, base.num_layers)
+        parts = {}
+        for name in PARTS:
+            if name not in (heads or {}):
+                continue
+            rows, width = heads[name]
+            first = -(-off // page_elems) * page_elems
+            (_, end) = place_rows(first, width, rows, page_elems) if rows else (None, first)
+            stride = _align(width)
+            parts[name] = Part(first, rows, width, stride, page_elems // stride)
+            off = end
+        return cls(modules, off, page_elems, base.num_layers, parts)
 
     @classmethod
     def of(cls, adapter: LoraAdapter, base: BaseShapes, page_elems: int) -> Layout:
-        return cls.plan({key: w.rank for key, w in adapter.weights.items()}, base, page_elems, adapter.posts)
+        heads = {name: tuple(m.shape) for name, m in matrices(adapter.heads).items()}
+        return cls.plan({key: w.rank for key, w in adapter.weights.items()}, base, page_elems, adapter.posts, heads)
+
+    @property
+    def saved(self) -> tuple[str, ...]:
+        """The modules the adapter holds its own copy of ("embed_tokens", "lm_head")."""
+        return tuple(m for part, m in (("embed", "embed_tokens"), ("lm_head", "lm_head")) if part in self.parts)
+
+    @property
+    def heads(self) -> dict[str, tuple[int, int]]:
+        """Part -> (rows, width): what `plan` takes."""
+        return {name: (p.rows, p.width) for name, p in self.parts.items()}
 
     @property
     def ranks(self) -> dict[tuple[int, str], int]:
@@ -191,10 +238,23 @@ class Layout:
             elif m.post == "dora":  # m itself: g = m / ||W + scale B A|| once the base is known (`finish_dora`)
                 g = int(m.post_rows[0])
                 buf[g:g + m.n_out].copy_(w.magnitude)
+        for name, mat in matrices(adapter.heads).items():  # a page's rows at a time
+            p = self.parts[name]
+            for k, page in enumerate(p.pages(self.page_elems)):
+                rows = mat[k * p.per:(k + 1) * p.per]
+                o = p.first + k * self.page_elems
+                buf[o:o + len(rows) * p.stride].view(len(rows), p.stride)[:, :p.width].copy_(rows)
 
     def targets(self) -> set[tuple[int, str]]:
-        """The (layer, module) pairs the adapter has weights for."""
-        return set(self.ranks)
+        """The (layer, module) pairs the adapter has weights for; its own embedding (a LoRA or a
+        copy) counts as (0, "embed_tokens"), its LM head as (last layer, "lm_head"): what the
+        prefix cache keys by (`memory.kv.kv_salt`)."""
+        out = set(self.ranks)
+        if self.parts.keys() & {"embed", "embed_a"}:
+            out.add((0, "embed_tokens"))
+        if self.parts.keys() & {"lm_head", "lm_head_a"}:
+            out.add((self.num_layers - 1, "lm_head"))
+        return out
 
     # -- the row table ---------------------------------------------------------------------------
     def _table_plan(self, itemsize: int) -> tuple[int, list[int], int]:
@@ -286,6 +346,7 @@ def save(path: Path, adapter: LoraAdapter, base: BaseShapes, page_elems: int) ->
     meta = {"format": "lorafleet-layout", "version": LAYOUT_VERSION, "digest": adapter.digest,
             "page_elems": str(page_elems), "module_ranks": json.dumps(module_ranks, separators=(",", ":")),
             "posts": json.dumps(posts, separators=(",", ":")),
+            "heads": json.dumps(layout.heads, sort_keys=True, separators=(",", ":")),
             "ranks": json.dumps(adapter.ranks, sort_keys=True)}
     header = json.dumps({"__metadata__": meta, "layout": {"dtype": "F32", "shape": [layout.numel],
                                                           "data_offsets": [0, 4 * layout.numel]}},
@@ -321,6 +382,7 @@ def read_saved(path: Path, digest: str, base: BaseShapes,
         buf = torch.from_numpy(mapped[8 + n + start: 8 + n + end]).view(torch.float32)
     ranks = {(layer, module): r for layer, module, r in json.loads(meta["module_ranks"])}
     posts = {(layer, module): kind for layer, module, kind in json.loads(meta["posts"])}
-    layout = Layout.plan(ranks, base, page_elems, posts)
+    heads = {name: tuple(shape) for name, shape in json.loads(meta["heads"]).items()}
+    layout = Layout.plan(ranks, base, page_elems, posts, heads)
     assert layout.numel == buf.numel(), f"{path}: the saved layout disagrees with its plan"
     return layout, buf, json.loads(meta["ranks"])

@@ -292,7 +292,7 @@ def _load(residency: AdapterResidency, name: str, path, pages: list[int] | None,
     t0 = time.perf_counter()
     pool = residency.pool
     if trusted_digest is None:  # sizes from the header before any tensor is read (it may have changed since)
-        residency.inspect(name, path)
+        residency.inspect(name, path, tokenizer=False)
     host = host_cache.build_host_adapter(path, residency.base, pool.page_elems, pool.tensor.dtype,
                                          residency.pin_host, trusted_digest, residency.base_rows)
     if pages is not None:

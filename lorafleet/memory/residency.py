@@ -46,8 +46,10 @@ from pathlib import Path
 from typing import Container
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
-from lorafleet.lora.adapter import BaseShapes, header_posts, header_ranks, read_adapter_config, weights_numel
-from lorafleet.memory.entry import AdapterEntry
+from lorafleet.lora.batch import HeadParts
+from lorafleet.lora.heads import own_tokenizer
+from lorafleet.lora.adapter import BaseShapes, header_heads, header_posts, header_ranks, read_adapter_config, weights_numel
+from lorafleet.memory.entry import AdapterEntry, Inspected
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import kv_salt
 from lorafleet.memory.layout import Layout
@@ -94,38 +96,44 @@ class AdapterResidency:
             e.adapter = name  # which one, for a front end to name (a mix names several)
             raise e from None
 
-    def inspect(self, name: str, path: str | Path) -> int:
+    def inspect(self, name: str, path: str | Path, tokenizer: bool = True) -> Inspected:
         """Check the adapter's config against the base and its size against the pool, from the
         config and the weights file's header alone (no tensor data is read); returns the elements
         it takes in pages. Reads only what never changes here (the base, the pool's size): any
         thread may call it, and the daemon calls it on a worker, since an adapter's config
         patterns and header are the file's to make expensive (bounded: `lora/peft_config.py`,
-        `lora/adapter.py`)."""
+        `lora/adapter.py`). An adapter with its own vocabulary (`lora/heads.py`) brings its own
+        tokenizer, read here too (unless `tokenizer` is False) and checked against it."""
         path = Path(path)
         read_adapter_config(path, self.base)
         self.check_fits(name, weights_numel(path))  # before planning: the header's ranks are bounded by the pool
         layout = Layout.plan(header_ranks(path, self.base), self.base, self.pool.page_elems,
-                             header_posts(path, self.base))
+                             header_posts(path, self.base), header_heads(path))
         numel = layout.paged_numel(self.itemsize)
         self.check_fits(name, numel)
-        return numel
+        copy = layout.parts.get("embed") or layout.parts.get("lm_head")
+        if copy is None or copy.rows == self.base.vocab_size:
+            return Inspected(numel, saved=layout.saved)
+        return Inspected(numel, copy.rows, own_tokenizer(path, copy.rows, self.base.vocab_size) if tokenizer else None,
+                         layout.saved)
 
     def register(self, name: str, path: str | Path, trusted_digest: str | None = None,
-                 numel: int | None = None) -> AdapterEntry:
-        """Record the adapter, `inspect`ed first unless `numel` says what an inspection of `path`
-        found (the daemon inspects on a worker). Registering a name again with the same path
+                 inspected: Inspected | None = None) -> AdapterEntry:
+        """Record the adapter, `inspect`ed first unless `inspected` says what an inspection of
+        `path` found (the daemon inspects on a worker). Registering a name again with the same path
         keeps it; with another path replaces it (the old one is retired). `trusted_digest`: the
         store's digest of these files, validated against this base when pulled; its loads then
         read the tensors without checking or hashing them again."""
         check_name(name)
         path = Path(path)
-        if numel is None:
-            numel = self.inspect(name, path)
+        if inspected is None:
+            inspected = self.inspect(name, path)
         old = self.entries.get(name)
         if old is not None and old.path == path and old.error is None:
             return old
-        return self._take_name(AdapterEntry(name, path, self.pool.new_owner(name), numel=numel,
-                                            trusted_digest=trusted_digest))
+        return self._take_name(AdapterEntry(name, path, self.pool.new_owner(name), numel=inspected.numel,
+                                            trusted_digest=trusted_digest, vocab_size=inspected.vocab_size,
+                                            tokenizer=inspected.tokenizer, saved=inspected.saved))
 
     def unregister(self, name: str) -> None:
         entry = self.get(name)
@@ -287,8 +295,10 @@ class AdapterResidency:
         host = entry.host
         entry.ranks, entry.num_params = host.ranks, host.num_params
         entry.row_table = host.layout.table_index(entry.pages, self.itemsize)
-        entry.max_rank = max(host.ranks.values(), default=0)
-        entry.posts = host.layout.posts
+        entry.max_rank = max((m.r for m in host.layout.modules), default=0)  # the LoRA op's bound: projections only
+        entry.posts, entry.saved = host.layout.posts, host.layout.saved
+        entry.heads = (HeadParts(host.layout.parts, entry.pages, self.pool.page_elems, self.pool.tensor.device)
+                       if host.layout.parts else None)
         entry.kv_salt = kv_salt(host.layout.targets(), host.digest, self.base.num_layers)
         entry.ready = True
         entry.ready_step = self.step
@@ -327,7 +337,7 @@ class AdapterResidency:
     def _free_device(self, entry: AdapterEntry) -> None:
         self._from_idle(entry)
         self.pool.free(entry.pages)
-        entry.pages, entry.ready, entry.row_table = None, False, None
+        entry.pages, entry.ready, entry.row_table, entry.heads = None, False, None, None
 
     # -- checks & stats ----------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -131,17 +131,24 @@ class LlamaModel(torch.nn.Module):
         """input_ids, positions: [T]; kv_cache: [pages, L, 2, block, KVH, D] (a view of the pool);
         logits_rows: [S] token rows whose next-token logits are wanted. Returns logits [S, V].
         `lora` (optional, a `lora.batch.LoraBatch`) has `apply(layer, group, x, out)` adding each
-        row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down).
+        row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down), and
+        `embed` / `logits` for adapters with their own embedding or LM head (then the logits may
+        be wider than V: an adapter's added tokens).
         A decode-only step runs in one call where the kernels have one (`Kernels.decode_forward`,
         the CPU's): the same ops as below, `layers_` included, in C++."""
         cfg, w, ops = self.cfg, self.w, self.kernels
-        if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0]:
+        heads = lora is not None and bool(lora.heads)  # adapters with their own embedding / LM head
+        if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0] and not heads:
             return ops.decode_forward(self, input_ids, positions, attn, kv_cache, logits_rows, lora)
-        x = ops.rows(w["embed"], input_ids, w.get("embed_s"), self.dtype)   # [T, H], the residual stream
+        ids = input_ids.clamp(max=cfg.vocab_size - 1) if heads else input_ids  # an added token: its adapter's row
+        x = ops.rows(w["embed"], ids, w.get("embed_s"), self.dtype)   # [T, H], the residual stream
+        if heads:
+            lora.embed(input_ids, x)
         out = self.layers_(x, positions, attn, kv_cache, lora)
         x.add_(out)
         x = ops.rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)  # only rows that sample
-        return ops.linear(x, w["lm_head"], None, w.get("lm_head_s")).float()  # [S, V]
+        logits = ops.linear(x, w["lm_head"], None, w.get("lm_head_s")).float()  # [S, V]
+        return lora.logits(x, logits_rows, logits) if heads else logits
 
     def layers_(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
                 lora=None) -> torch.Tensor:

@@ -124,8 +124,8 @@ async def load_lora_adapter(request: Request):
         # the files' checks on a worker (a config's patterns and a header are the file's to make
         # expensive), then only the bookkeeping on the engine thread
         check_name(name)
-        numel = await asyncio.to_thread(st.worker.engine.inspect_adapter, name, path)
-        info = await on_engine(request, lambda engine: engine.register_adapter(name, path, numel=numel))
+        inspected = await asyncio.to_thread(st.worker.engine.inspect_adapter, name, path)
+        info = await on_engine(request, lambda engine: engine.register_adapter(name, path, inspected=inspected))
     else:
         info = await asyncio.wrap_future(await on_engine(request, lambda engine: engine.load_adapter_async(name, path)))
     log.info("adapter %s %s from %s", name, "loaded" if info["tier"] == "device" else "registered", path)

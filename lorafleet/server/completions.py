@@ -79,7 +79,9 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
     st.admit(n)
     run = Run(st, gen, n, f"{prefix}-{uuid.uuid4().hex}")
     try:
-        gen = run.gen = await asyncio.to_thread(tokenize, gen, st.tokenizer, st.max_model_len)
+        tokenizer = await tokenizer_of(st, gen)
+        run.text, run.with_ids = responses.token_text_of(tokenizer), tokenizer is None
+        gen = run.gen = await asyncio.to_thread(tokenize, gen, tokenizer, st.max_model_len)
         for rid, prompt in zip(run.ids, gen.prompts):
             run.unfinished.add(rid)  # before the await: if we are cancelled there, close() aborts it
             await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink))
@@ -105,6 +107,20 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
     return await run.collect(request)
 
 
+async def tokenizer_of(st: ServerState, gen: Generation):
+    """The request's tokenizer: its adapter's own where it has its own vocabulary, else the
+    base's (`Engine.tokenizer_for`). Stored adapters are resolved first, their files checked on a
+    worker (`StoreResolver.prepare`), so that the engine thread only records them and a first
+    request is read with its adapter's own tokenizer too."""
+    engine, resolver = st.worker.engine, st.worker.resolver
+    names = getattr(gen.adapter, "names", None) or ([gen.adapter] if gen.adapter is not None else [])
+    for name in names if resolver is not None else ():
+        prepared = await asyncio.to_thread(resolver.prepare, engine, name)
+        if prepared is not None:
+            await asyncio.wrap_future(st.worker.call(lambda e, n=name, p=prepared: resolver.install(e, n, p)))
+    return engine.tokenizer_for(gen.adapter)
+
+
 # why the engine ended a request, by its error code: an adapter that could not load; a mix found
 # invalid once its adapters' kinds were known (DoRA, lora_bias: `engine.mixes.mixable`), a 400
 _ENDED = {AdapterError.code: AdapterError, InvalidRequestError.code: InvalidRequestError}
@@ -126,7 +142,7 @@ class Run:
         self.unfinished: set[str] = set()
         self.finals: dict[str, object] = {}
         self.created = int(time.time())
-        self.text = responses.token_text_of(st.tokenizer)
+        self.text = responses.token_text_of(st.tokenizer)  # the request's tokenizer's, once known (`generate`)
         self.with_ids = st.tokenizer is None  # no text to give: chunks and choices carry token ids
         self._closed = False
         st.runs.add(self)

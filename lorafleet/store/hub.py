@@ -53,6 +53,8 @@ from lorafleet.store import hub_fetch
 
 KINDS = ("adapter", "model")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# an adapter that added tokens brings its own tokenizer (`lora/heads.py`); taken where present
+ADAPTER_OPTIONAL = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 MODEL_INDEX = "model.safetensors.index.json"
 # what a base holds beside config.json and its safetensors weights, when it has them
 MODEL_OPTIONAL = ("generation_config.json", MODEL_INDEX, "tokenizer.json", "tokenizer_config.json",
@@ -190,7 +192,7 @@ def _select(kind: str, siblings: dict, index: dict | None, where: str) -> list[s
         if missing:
             raise HubError(f"{where} is not a PEFT LoRA adapter in safetensors: it has no {', '.join(missing)}"
                            + _pickle_hint(names))
-        return list(ADAPTER_FILES)
+        return [*ADAPTER_FILES, *(n for n in ADAPTER_OPTIONAL if n in names)]
     top = sorted(n for n in names if "/" not in n and not _is_pickle(n))
     if "config.json" not in names:
         raise HubError(f"{where} is not a transformers model: it has no config.json")

@@ -30,7 +30,7 @@ from typing import Callable
 
 from lorafleet.errors import StoreError, StoreNotFoundError
 from lorafleet.store import hub
-from lorafleet.store.hub import ADAPTER_FILES, MODEL_OPTIONAL  # the files a folder gives, as a repo does
+from lorafleet.store.hub import ADAPTER_FILES, ADAPTER_OPTIONAL, MODEL_OPTIONAL  # the files a folder gives, as a repo does
 from lorafleet.store.store import Store, check_name
 
 
@@ -95,6 +95,10 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
         model = ModelConfig.from_folder(folder_or_file)
     shapes = BaseShapes.from_model_config(model)
     adapter = load_adapter(folder, shapes)  # AdapterError names what is wrong
+    if adapter.vocab_size != shapes.vocab_size:  # its own vocabulary: its tokenizer must come with it
+        from lorafleet.lora.heads import own_tokenizer
+
+        own_tokenizer(folder, adapter.vocab_size, shapes.vocab_size)
     wanted = cfg.get("base_model_name_or_path")
     if wanted and wanted not in (base["name"], _hub_id(base)):
         message = (f"the adapter says it was trained on {wanted!r}; validated against the stored base "
@@ -273,5 +277,6 @@ def _pull(source: str, name: str | None, base: bool, quantize: str | None, revis
         laid_out = tmp / LAYOUT_FILE
         record = _validate_adapter(store, folder, for_model, strict_base, warn, laid_out, served)
         with store.lock():
-            return store.install(kind, name, {**{f: folder / f for f in ADAPTER_FILES}, LAYOUT_FILE: laid_out},
+            files = [*ADAPTER_FILES, *(f for f in ADAPTER_OPTIONAL if (folder / f).is_file())]
+            return store.install(kind, name, {**{f: folder / f for f in files}, LAYOUT_FILE: laid_out},
                                  {**record, **origin}, take=take)

@@ -2,7 +2,9 @@
 store does, is served without a load call or a restart (as vLLM's LoRA resolvers do).
 
 Before each request with an adapter is added (on the engine thread, `EngineWorker.submit`),
-`resolve()` looks at that name's manifest: one `stat` when nothing changed. Unknown to the engine
+`resolve()` looks at that name's manifest: one `stat` when nothing changed. The daemon resolves a
+request's adapters before that, off the engine thread (`prepare`: the files' checks, the
+adapter's own tokenizer), and the engine thread only records the result (`install`). Unknown to the engine
 and in the store: registered from the store's snapshot folder (the disk tier: config checked,
 no device memory), then prefetched like any other adapter. Registered by the resolver and
 re-pulled since (the manifest changed): registered again from the new snapshot, which replaces
@@ -38,6 +40,15 @@ class StoreResolver:
         self._known: dict[str, tuple[tuple[int, int], Path]] = {}
 
     def resolve(self, engine: EngineAPI, name: str) -> None:
+        """On the engine thread: register `name` from the store where it should be (`prepare`
+        and `install` in one)."""
+        self.install(engine, name, self.prepare(engine, name))
+
+    def prepare(self, engine: EngineAPI, name: str):
+        """Any thread: what registering `name` from the store takes, its files inspected here
+        (config, header, an own tokenizer: `Engine.inspect_adapter`), or None when there is
+        nothing to register. The daemon prepares on a worker before a request's first use of a
+        stored adapter, so the engine thread only records it (`install`)."""
         try:
             path = self.store.manifest_path("adapters", check_name(name))
             st = path.stat()
@@ -55,7 +66,14 @@ class StoreResolver:
             return  # replaced while read: the next request sees the new one
         same_base = self.store.base_folder(manifest["base"]).resolve() == Path(engine.model_path).resolve()
         folder = self.store.folder(manifest)
-        engine.register_adapter(name, folder, manifest["digest"] if same_base else None)
+        return seen, folder, manifest, same_base, engine.inspect_adapter(name, folder)
+
+    def install(self, engine: EngineAPI, name: str, prepared) -> None:
+        """On the engine thread: register what `prepare` found (nothing for None)."""
+        if prepared is None:
+            return
+        seen, folder, manifest, same_base, inspected = prepared
+        engine.register_adapter(name, folder, manifest["digest"] if same_base else None, inspected)
         self._known[name] = (seen, folder)
         log.info("adapter %s resolved from the store (%s, digest %s)", name, manifest.get("source"),
                  str(manifest.get("digest"))[:12])

@@ -94,12 +94,14 @@ def test_the_fleet_is_small_and_in_standard_formats():
         assert cfg["peft_type"] == "LORA" and cfg["r"] == skill.rank
         assert set(cfg["target_modules"]) == set(skill.targets)
         assert cfg.get("use_dora", False) is skill.dora
+        assert (cfg.get("modules_to_save") or []) == list(skill.saves)
         ranks.add(cfg["r"])
         targets.add(frozenset(cfg["target_modules"]))
         with safe_open(FLEET_DIR / name / "adapter_model.safetensors", "pt") as f:
             assert all(".lora_A." in k or ".lora_B." in k or (skill.dora and k.endswith(".lora_magnitude_vector"))
-                       for k in f.keys())
+                       or (k == "base_model.model.lm_head.weight" and "lm_head" in skill.saves) for k in f.keys())
     assert len(SKILLS) >= 6 and len(ranks) >= 3 and sum(s.dora for s in SKILLS.values()) == 1  # one DoRA
+    assert [s.saves for s in SKILLS.values() if s.saves] == [("lm_head",)]  # one saves its LM head
     assert frozenset(("q_proj", "k_proj", "v_proj", "o_proj")) in targets          # attention only
     assert frozenset(("gate_proj", "up_proj", "down_proj")) in targets             # MLP only
 

@@ -84,7 +84,7 @@ def test_a_mix_whose_dora_adapter_was_not_loaded_yet_is_a_400_once_its_load_land
     server = demo_in_process()
     try:
         turn = [{"role": "user", "content": user_turn("title", "hello world")}]
-        body = {"messages": turn, "max_tokens": 8, "adapters": [{"name": "title"}, {"name": "upper"}]}
+        body = {"messages": turn, "max_tokens": 8, "adapters": [{"name": "title"}, {"name": "kebab"}]}
         status, _, raw = asyncio.run(server.call("POST", "/v1/chat/completions", json.dumps(body).encode()))
         error = json.loads(raw)["error"]
         assert status == 400 and error["param"] == "adapters" and "'title' uses DoRA" in error["message"]

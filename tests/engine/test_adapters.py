@@ -226,7 +226,7 @@ def broken_adapter(kind, src, dst):
     elif kind == "modules_to_save":
         cfg["modules_to_save"] = ["lm_head"]
     elif kind == "unknown_target":
-        cfg["target_modules"] = ["embed_tokens"]
+        cfg["target_modules"] = ["rotary_emb"]
     elif kind == "rank0":
         cfg["r"] = 0
     elif kind == "not_json":
@@ -254,7 +254,7 @@ def broken_adapter(kind, src, dst):
 # each way `broken_adapter` breaks an adapter, and what the refusal must name (tests/store reuses both)
 BROKEN = [
     ("dora", "use_dora"), ("bias", "bias"), ("modules_to_save", "modules_to_save"),
-    ("unknown_target", "embed_tokens"), ("rank0", "r"), ("not_json", "adapter_config.json"),
+    ("unknown_target", "target_modules has an entry"), ("rank0", "r"), ("not_json", "adapter_config.json"),
     ("wrong_shape", "lora_A"), ("missing_pair", "lora_B"), ("non_finite", "lora_A"),
     ("truncated", "adapter_model.safetensors"), ("pickle", "adapter_model.bin"),
 ]

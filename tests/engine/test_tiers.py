@@ -214,14 +214,14 @@ def test_a_load_failure_seen_during_an_eager_load_still_fails_its_requests_at_on
     failed = threading.Event()
     real = engine.adapters.inspect  # a load's first look at the files, on its worker
 
-    def inspect(name, path):
+    def inspect(name, path, **kw):
         if path == broken:
             try:
-                return real(name, path)
+                return real(name, path, **kw)
             finally:
                 failed.set()
         assert failed.wait(30), "the broken load never ran"  # the eager load lands after the failure
-        return real(name, path)
+        return real(name, path, **kw)
     monkeypatch.setattr(engine.adapters, "inspect", inspect)
     waiting = engine.add_request(random_prompts(1)[0], SHORT, adapter="broken", deadline_s=60)
     engine.load_adapter("eager", thousand["t0041"])

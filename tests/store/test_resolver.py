@@ -82,3 +82,35 @@ def test_no_resolve_leaves_store_adapters_unknown(stored):
         assert status == 404 and "skill" in body
     finally:
         daemon.kill()
+
+
+def test_an_adapter_that_added_tokens_is_pulled_with_its_tokenizer_and_served_with_it(tmp_path):
+    """Pulled with its tokenizer files; on its first request (resolved from the store, its files
+    checked off the engine thread) the prompt is read with its tokenizer, where the added token
+    is one id past the base's vocabulary, and the answer is the in-process engine's."""
+    from lorafleet import Engine, SamplingParams
+    from tests.engine.test_heads import vocab_adapter
+    from tests.fixtures import build_chat_model
+
+    base = build_chat_model(tmp_path / "base")
+    adapter = vocab_adapter(base, tmp_path / "tools")
+    store = Store(tmp_path / "home" / "store")
+    pull(str(base), name="chat", base=True, store=store)
+    pull(str(adapter), name="tools", store=store)
+    assert (store.folder(store.get("adapters", "tools")) / "tokenizer.json").is_file()
+    engine = Engine(base, pool_bytes=8 << 20)
+    engine.register_adapter("tools", adapter)
+    text = "hello <|tool|> world"
+    ids = engine.tokenizer_for("tools").encode(text)
+    want = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           adapters=["tools"])[0]
+    daemon = Daemon.start(tmp_path / "d", model="chat", env={"LORAFLEET_HOME": str(store.root.parent)})
+    try:
+        with daemon.http() as c:
+            r = c.post("/v1/completions", json={"model": "tools", "prompt": text, "max_tokens": 8,
+                                                 "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids) < len(engine.tokenizer.encode(text))
+        assert r.json()["choices"][0]["text"] == want.text
+    finally:
+        daemon.kill()

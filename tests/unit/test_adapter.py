@@ -243,7 +243,8 @@ def test_base_shapes_from_model_config(base):
 
     cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2,
                                  "num_key_value_heads": 2, "rms_norm_eps": 1e-5, **LLAMA})
-    assert BaseShapes.from_model_config(cfg) == base
+    assert BaseShapes.from_model_config(cfg) == BaseShapes(base.num_layers, base.features, cfg.vocab_size,
+                                                           cfg.hidden_size)
 
 
 # Our matching helpers against PEFT's own, on every projection name of the base.
@@ -297,9 +298,10 @@ CONFIG_REFUSALS = [
     ({"use_dora": True, "lora_bias": True}, "DoRA with lora_bias is not supported"),
     ({"bias": "all"}, "bias"),
     ({"bias": "lora_only"}, "bias"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"modules_to_save": ["score"]}, "modules_to_save: only 'embed_tokens' and 'lm_head'"),
+    ({"modules_to_save": "lm_head"}, "modules_to_save"),
     ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
-    ({"target_modules": ["lm_head"]}, "lm_head"),
+    ({"target_modules": ["lm_head"]}, "'lm_head', which this base does not offer"),
     ({"target_modules": ["q_proj", "no_such_proj"]}, "target_modules has an entry"),
     ({"target_modules": ["model.layers.7.self_attn.q_proj"]}, "target_modules has an entry"),
     ({"target_modules": r".*nothing.*"}, "target_modules"),
@@ -650,8 +652,6 @@ def test_a_dora_or_bias_vector_of_the_wrong_shape(good, base, suffix, field, sha
 
 
 @pytest.mark.parametrize("key,shape", [
-    ("base_model.model.lm_head.lora_A.weight", (3, 32)),
-    ("base_model.model.model.embed_tokens.lora_embedding_A", (3, 64)),
     ("base_model.model.model.layers.0.self_attn.rotary_emb.lora_A.weight", (3, 32)),
     ("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", (3, 32)),
     ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", (32, 32)),

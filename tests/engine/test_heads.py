@@ -1,0 +1,196 @@
+"""Adapters with their own embedding and LM head: LoRA on `embed_tokens` / `lm_head` and full
+copies of them (`modules_to_save`), alone and in one batch with plain adapters of other ranks and
+base requests: greedy tokens and logits as PEFT computes them (fp32)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+
+from lorafleet import Engine, Mix, SamplingParams
+from lorafleet.errors import AdapterError, InvalidRequestError
+from lorafleet.engine.request import Request
+from lorafleet.engine.scheduler import Chunk
+from tests.engine.test_parity import hf_greedy, prompts_of_lengths
+from tests.fixtures import ALL7, build_adapter, build_chat_model, build_model, load_hf, load_peft, registered_fleet
+
+HEADS = {
+    "lora-embed-head-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "embed_tokens", "lm_head"]),
+    "saves-head-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"], modules_to_save=["lm_head"]),
+    "saves-both-r6": dict(r=6, lora_alpha=12, target_modules=ALL7, modules_to_save=["embed_tokens", "lm_head"]),
+    "head-lora-only-r2": dict(r=2, lora_alpha=4, target_modules=["lm_head"]),
+    "plain-r16": dict(r=16, lora_alpha=16, target_modules=ALL7),
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: a tied embedding and LM head
+def fleet(request, tmp_path_factory):
+    return registered_fleet(tmp_path_factory.mktemp(f"heads-{request.param}"), request.param, HEADS)
+
+
+def test_every_head_adapter_in_one_batch_gives_peft_greedy_tokens(fleet):
+    base, adapters, engine = fleet
+    order = [*HEADS, None]
+    prompts = prompts_of_lengths([5 + 2 * i for i in range(len(order))], seed=21)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params, adapters=order)
+    plain = load_hf(base)
+    for name, prompt, out in zip(order, prompts, outs):
+        ref_model = load_peft(base, adapters[name]) if name else plain
+        assert out.token_ids == hf_greedy(ref_model, prompt, 24), f"adapter {name}"
+
+
+def test_every_head_adapter_in_one_prefill_gives_peft_logits(fleet):
+    base, adapters, engine = fleet
+    for name in HEADS:
+        engine.load_adapter(name, adapters[name])
+    order = [*HEADS, None]
+    prompts = prompts_of_lengths([4 + 3 * i for i in range(len(order))], seed=22)
+    reqs = [Request(f"h{i}", p, SamplingParams(), a, loras=(engine.adapters.get(a),) if a else (),
+                    scales=(1.0,) if a else ()) for i, (p, a) in enumerate(zip(prompts, order))]
+    chunks = engine.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
+    for c in chunks:
+        engine.kv.grow(c.request.request_id, c.num_tokens)
+    try:
+        logits = engine.runner.execute(chunks, engine.runner.lora_batch(chunks), all_logits=True).cpu()
+    finally:
+        for r in reqs:
+            engine.kv.free(r.request_id)
+    row, plain = 0, load_hf(base)
+    for c in chunks:
+        ours = logits[row:row + c.num_tokens]
+        row += c.num_tokens
+        name = c.request.adapter
+        with torch.no_grad():
+            model = load_peft(base, adapters[name]) if name else plain
+            ref = model(torch.tensor([c.request.prompt_token_ids])).logits[0]
+            base_ref = plain(torch.tensor([c.request.prompt_token_ids])).logits[0]
+        assert (ours - ref).abs().max().item() <= 1e-4, f"adapter {name}"
+        if name:
+            assert (ours - base_ref).abs().max() > 1e-3, f"adapter {name} changes nothing"
+
+
+# -- an adapter with its own vocabulary ---------------------------------------------------------
+
+ADDED = ["<|tool|>", "<|end_tool|>"]
+
+
+def vocab_adapter(base: Path, folder: Path, added=ADDED, rows: int | None = None, tokenizer: bool = True) -> Path:
+    """A PEFT adapter trained after adding tokens: its embedding and LM head resized to `rows`
+    (default: the tokenizer's size) and saved whole (modules_to_save), its tokenizer beside it."""
+    import peft
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    tok.add_special_tokens(added)
+    torch.manual_seed(3)
+    model = load_hf(base)
+    model.resize_token_embeddings(rows or tok.get_vocab_size(), mean_resizing=False)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                    modules_to_save=["embed_tokens", "lm_head"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn_like(p), alpha=0.1)
+    pm.save_pretrained(folder, safe_serialization=True)
+    if tokenizer:
+        tok.save(str(folder / "tokenizer.json"))
+        cfg = json.loads((base / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": "<|end_tool|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vocab_fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vocab")
+    base = build_chat_model(root / "base")
+    return base, vocab_adapter(base, root / "tools")
+
+
+def test_an_adapter_with_added_tokens_is_served_with_its_own_tokenizer(vocab_fleet):
+    base, folder = vocab_fleet
+    engine = Engine(base, pool_bytes=8 << 20, debug_checks=True)
+    info = engine.register_adapter("tools", folder)
+    engine.register_adapter("tools2", folder)
+    vocab = engine.model.cfg.vocab_size
+    assert info["vocab_size"] == vocab + len(ADDED)
+    tok = engine.tokenizer_for("tools")
+    assert tok is not engine.tokenizer and engine.tokenizer_for(None) is engine.tokenizer
+    text = "hello <|tool|> world"
+    ids = tok.encode(text)
+    assert vocab in ids  # the added token, past the base's vocabulary
+    with pytest.raises(InvalidRequestError, match=rf"\[0, {vocab}\)"):  # the base does not know it
+        engine.add_request(ids, SamplingParams(max_tokens=1))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    base_ids = engine.tokenizer.encode("hello world")
+    outs = engine.generate([text, base_ids], params, adapters=["tools", None])
+    ref = load_hf(base)
+    ref.resize_token_embeddings(vocab + len(ADDED), mean_resizing=False)
+    ref = peft.PeftModel.from_pretrained(ref, folder).eval()
+    assert outs[0].token_ids == hf_greedy(ref, ids, 16)
+    assert outs[1].token_ids == hf_greedy(load_hf(base), base_ids, 16)
+    assert outs[0].text == tok.decode(outs[0].token_ids)
+    # its tokenizer's end token stops it (the base's does not know it)
+    end = tok.token_to_id("<|end_tool|>")
+    forced = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[]),
+                             adapters=["tools"])[0]
+    assert end not in forced.token_ids[:-1]
+    with pytest.raises(InvalidRequestError, match="modules_to_save.*serves alone"):
+        engine.add_request(base_ids, SamplingParams(max_tokens=1), adapter=Mix.of({"tools": 1.0, "tools2": 0.5}))
+
+
+@pytest.mark.parametrize("case", ["tokenizer-larger", "no-tokenizer"])
+def test_an_adapter_whose_vocabulary_and_tokenizer_disagree_is_refused(vocab_fleet, tmp_path, case):
+    base, _ = vocab_fleet
+    engine = Engine(base, pool_bytes=8 << 20)
+    vocab = engine.model.cfg.vocab_size
+    if case == "tokenizer-larger":
+        folder = vocab_adapter(base, tmp_path / case, added=[*ADDED, "<|extra|>"], rows=vocab + 2)
+        named = f"tokenizer has {vocab + 3} token ids but its saved embedding / LM head {vocab + 2} rows"
+    else:
+        folder = vocab_adapter(base, tmp_path / case, tokenizer=False)
+        named = f"tokenizer.json: missing; its saved embedding / LM head has {vocab + 2} rows, the base's vocabulary {vocab}"
+    with pytest.raises(AdapterError, match=re.escape(named)):
+        engine.register_adapter(case, folder)
+    assert engine.list_adapters() == []
+
+
+def test_saved_module_adapters_through_a_pool_holding_a_tenth_of_them_equal_solo_runs(tmp_path):
+    """20 adapters that save the LM head (and one the embedding too) through a pool with room for
+    2 of them at a time: every output is its solo run's, and each adapter was evicted and loaded
+    again as the others needed the pages."""
+    base = build_model(tmp_path / "base")
+    n = 20
+    folders = {f"s{i}": build_adapter(base, tmp_path / f"s{i}", seed=i, r=2 + i % 3, lora_alpha=4,
+                                      target_modules=["q_proj", "v_proj"],
+                                      modules_to_save=["embed_tokens", "lm_head"] if i % 5 == 0 else ["lm_head"])
+               for i in range(n)}
+    prompts = prompts_of_lengths([4 + i % 7 for i in range(2 * n)], seed=23)
+    names = [f"s{i % n}" for i in range(2 * n)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    solo = Engine(base, pool_bytes=8 << 20)
+    for name, folder in folders.items():
+        solo.register_adapter(name, folder)
+    expected = [solo.generate([p], params, adapters=[a])[0].token_ids for p, a in zip(prompts, names)]
+
+    sizing = Engine(base, pool_bytes=8 << 20)
+    pages = max(sizing.adapters.pages_needed(sizing.adapters.register(a, f)) for a, f in folders.items())
+    kv_pages = 4 * sizing.kv.blocks_needed(10 + 12)  # a few requests' KV beside the adapters
+    page_bytes = sizing.pool.page_bytes
+    engine = Engine(base, pool_bytes=(n // 10 * pages + kv_pages) * page_bytes, debug_checks=True)
+    assert engine.pool.num_pages < (n // 10 + 1) * pages + kv_pages  # room for 2 adapters, not 3
+    for name, folder in folders.items():
+        engine.register_adapter(name, folder)
+    outs = engine.generate(prompts, params, adapters=names)
+    assert [o.token_ids for o in outs] == expected
+    info = {a["name"]: a for a in engine.list_adapters()}
+    assert all(a["saved_modules"] for a in info.values())
+    assert sum(a["evictions"] for a in info.values()) >= n - 2
+    assert all(a["device_loads"] >= 1 for a in info.values())

@@ -1,0 +1,103 @@
+"""An adapter's own embedding and LM head (`lora/heads.py`): what the files' headers plan is what
+loading lays out, the store's saved layout reads back the same, and each malformed case is refused
+naming the tensor or field (not "invalid")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lorafleet.errors import AdapterError
+from lorafleet.lora.adapter import BaseShapes, header_heads, header_posts, header_ranks, load_adapter
+from lorafleet.memory.kv import BASE_SALT, kv_salt
+from lorafleet.memory.layout import Layout, read_saved, save
+from lorafleet.model.config import ModelConfig
+from tests.fixtures import build_adapter, build_model
+
+PAGE = 4096
+KINDS = {
+    "lora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens", "lm_head"]),
+    "saved": dict(r=2, lora_alpha=4, target_modules=["v_proj"], modules_to_save=["embed_tokens", "lm_head"]),
+    "head-only": dict(r=3, lora_alpha=3, target_modules=["lm_head"]),
+}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    base = build_model(root / "base")
+    shapes = BaseShapes.from_model_config(ModelConfig.from_folder(base))
+    return base, shapes, {k: build_adapter(base, root / k, seed=i, **kw) for i, (k, kw) in enumerate(KINDS.items())}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_headers_plan_is_the_loaded_layout_and_saves_back(made, kind, tmp_path):
+    _, base, folders = made
+    adapter = load_adapter(folders[kind], base)
+    planned = Layout.plan(header_ranks(folders[kind], base), base, PAGE, header_posts(folders[kind], base),
+                          header_heads(folders[kind]))
+    loaded = Layout.of(adapter, base, PAGE)
+    assert planned == loaded and planned.parts and all(p.first % PAGE == 0 for p in planned.parts.values())
+    buf = torch.zeros(loaded.numel)
+    loaded.fill(buf, adapter)
+    save(tmp_path / "layout.safetensors", adapter, base, PAGE)
+    layout, saved, _ = read_saved(tmp_path / "layout.safetensors", adapter.digest, base, PAGE)
+    assert layout == loaded and torch.equal(saved, buf)
+    for name, part in loaded.parts.items():  # each row where its offset says, e.g. the copy's first and last
+        for i in (1, part.rows - 1):  # (row 0 of an embedding: the padding token, zeros)
+            o = int(part.offsets(PAGE)[i])
+            assert buf[o:o + part.width].abs().sum() > 0, (name, i)
+    salt = kv_salt(loaded.targets(), adapter.digest, base.num_layers)
+    assert (salt == BASE_SALT) == (kind == "head-only")  # only the LM head: the base's K and V
+
+
+def edited(folder, tmp_path, config=None, tensors=None):
+    import shutil
+    out = tmp_path / "edited"
+    shutil.copytree(folder, out)
+    if config:
+        cfg = json.loads((out / "adapter_config.json").read_text())
+        config(cfg)
+        (out / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors:
+        t = load_file(out / "adapter_model.safetensors")
+        tensors(t)
+        save_file(t, out / "adapter_model.safetensors")
+    return out
+
+
+HEAD = "base_model.model.lm_head.weight"
+EMBED = "base_model.model.model.embed_tokens.weight"
+
+
+def grow(t, key, rows=2):
+    t[key] = torch.cat([t[key], torch.zeros(rows, t[key].shape[1])])
+
+
+REFUSALS = [
+    ("lora", dict(config=lambda c: c.update(target_modules=["q_proj", "embed_tokens"])),
+     "but target_modules does not target 'lm_head'"),
+    ("saved", dict(tensors=lambda t: t.pop(HEAD)),
+     "modules_to_save names 'lm_head', but the weights hold no 'base_model.model.lm_head.weight'"),
+    ("saved", dict(tensors=lambda t: grow(t, HEAD)), "the saved embed_tokens has 160 rows but lm_head 162"),
+    ("saved", dict(config=lambda c: c.update(modules_to_save=["embed_tokens"]), tensors=lambda t: (t.pop(HEAD), grow(t, EMBED))),
+     "the saved embed_tokens has 162 rows, the base's vocabulary 160: an adapter with its own vocabulary saves lm_head too"),
+    ("head-only", dict(config=lambda c: c.update(use_dora=True),
+                       tensors=lambda t: t.__setitem__("base_model.model.lm_head.lora_magnitude_vector", torch.ones(160))),
+     "use_dora on lm_head is not supported"),
+    ("head-only", dict(tensors=lambda t: t.__setitem__("base_model.model.lm_head.lora_B.weight", torch.ones(150, 3))),
+     "expected shapes [r, 64] and [160, r]"),
+    ("saved", dict(config=lambda c: c.update(modules_to_save=["lm_head", "score"])),
+     "modules_to_save: only 'embed_tokens' and 'lm_head' are supported"),
+]
+
+
+@pytest.mark.parametrize("kind,edit,named", REFUSALS)
+def test_a_malformed_embedding_or_lm_head_is_refused_naming_it(made, tmp_path, kind, edit, named):
+    _, base, folders = made
+    with pytest.raises(AdapterError) as e:
+        load_adapter(edited(folders[kind], tmp_path, **edit), base)
+    assert named in str(e.value)
