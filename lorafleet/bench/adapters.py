@@ -40,7 +40,7 @@ def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, 
             a = (torch.randn(rank, fin, generator=g) / fin ** 0.5).to(dtype)
             b = (torch.randn(fout, rank, generator=g) * 0.02).to(dtype)
             tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
-            if base is not None:
+            if dora:
                 w = base.get(f"model.layers.{layer}.{MODULE_BLOCK[m]}.{m}.weight")
                 merged = w + (alpha / rank) * b.float() @ a.float()
                 tensors[f"{key}.lora_magnitude_vector"] = merged.norm(dim=1).to(dtype)

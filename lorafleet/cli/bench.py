@@ -63,9 +63,10 @@ def run(
         "--workload", "-w",
         help="Workload: uniform-8, uniform-1000, uniform-1000-tiered, zipf-1000, mixed-lengths, "
              "cold-start, shared-prefix, shared-prefix-pressure, base-only, peer-base, peer-one-adapter, "
-             "peer-round-robin, mix, mix-single, dora-mixed, dora-plain or quick. Repeat for several, run in "
-             "turn, with lorafleet's tokens/s compared across uniform-1000 and uniform-8, uniform-1000-tiered "
-             "and uniform-1000, mix and mix-single, dora-mixed and dora-plain. Default: base-only.")] = None,
+             "peer-round-robin, mix, mix-single, dora-mixed, dora-plain, saved-head-mixed or quick. Repeat for "
+             "several, run in turn, with lorafleet's tokens/s compared across uniform-1000 and uniform-8, "
+             "uniform-1000-tiered and uniform-1000, mix and mix-single, dora-mixed and dora-plain, "
+             "saved-head-mixed and dora-plain. Default: base-only.")] = None,
     systems: Systems = ALL_SYSTEMS,
     sweep: Annotated[str | None, typer.Option(
         "--sweep", metavar="N,N,...",

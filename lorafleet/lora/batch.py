@@ -56,6 +56,10 @@ class HeadParts:
         self.page_elems = page_elems
         self.parts = {name: (p, torch.tensor([pages[j] for j in p.pages(page_elems)], dtype=torch.long,
                                              device=device)) for name, p in parts.items()}
+        # a part whose pages are consecutive in the pool (the usual case: an adapter takes the
+        # highest free pages) is read in place, without the gather's copy: its first page
+        self.run_start = {name: int(pages[p.pages(page_elems)[0]]) for name, p in parts.items()
+                          if all(pages[j] == pages[p.pages(page_elems)[0]] + k for k, j in enumerate(p.pages(page_elems)))}
         copy = parts.get("embed") or parts.get("lm_head")
         self.vocab_size = copy.rows if copy is not None else None  # its own vocabulary, where it has one
 
@@ -67,6 +71,16 @@ class HeadParts:
         p, pages = self.parts[name]
         whole = pool.index_select(0, pages)[:, :p.per * p.stride]
         return whole.reshape(-1, p.stride)[:p.rows, :p.width]
+
+    def project(self, pool: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
+        """x [n, width] @ part^T: [n, rows]. In place over consecutive pages (a batched matmul
+        over a strided view: [pages, per, width]), else on the gathered matrix."""
+        p, pages = self.parts[name]
+        start = self.run_start.get(name)
+        if start is None:
+            return x @ self.matrix(pool, name).t()
+        view = pool[start:start + len(pages), :p.per * p.stride].unflatten(1, (p.per, p.stride))[..., :p.width]
+        return torch.matmul(view, x.t()).flatten(0, 1)[:p.rows].t()
 
     def lookup(self, pool: torch.Tensor, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the part [len(ids), width]."""
@@ -135,8 +149,7 @@ class LoraBatch:
             if not len(sel) or not any("lm_head" in m or "lm_head_a" in m for m, _ in members):
                 continue
             hs = h[sel]
-            out = next(((hs @ m.matrix(self.pool, "lm_head").t()).float() for m, _ in members if "lm_head" in m),
-                       None)
+            out = next((m.project(self.pool, "lm_head", hs).float() for m, _ in members if "lm_head" in m), None)
             out = logits[sel] if out is None else out
             for m, scale in members:
                 if "lm_head_a" in m:

@@ -101,3 +101,33 @@ def test_a_malformed_embedding_or_lm_head_is_refused_naming_it(made, tmp_path, k
     with pytest.raises(AdapterError) as e:
         load_adapter(edited(folders[kind], tmp_path, **edit), base)
     assert named in str(e.value)
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_part_is_read_from_its_pages_as_it_was_written(made, scattered):
+    """The pool side (`lora.batch.HeadParts`): a saved LM head and an embedding LoRA copied into
+    pages, consecutive (read in place) or scattered (gathered), read back equal to the adapter's
+    matrices: whole, by token rows, and as a product."""
+    from lorafleet.lora.batch import HeadParts
+    from lorafleet.lora.heads import matrices
+
+    _, base, folders = made
+    adapter = load_adapter(folders["saved"], base)
+    layout = Layout.of(adapter, base, PAGE)
+    buf = torch.zeros(layout.numel)
+    layout.fill(buf, adapter)
+    n = -(-layout.numel // PAGE)
+    pool = torch.zeros(n + 7, PAGE)
+    pages = torch.randperm(n + 7, generator=torch.Generator().manual_seed(1))[:n].tolist() if scattered else list(range(3, 3 + n))
+    for j, page in enumerate(pages):
+        chunk = buf[j * PAGE:(j + 1) * PAGE]
+        pool[page, :len(chunk)] = chunk
+    heads = HeadParts(layout.parts, pages, PAGE, "cpu")
+    assert bool(heads.run_start) is not scattered
+    x = torch.randn(5, base.hidden_size)
+    for name, want in matrices(adapter.heads).items():
+        assert torch.equal(heads.matrix(pool, name), want)
+        ids = torch.tensor([1, want.shape[0] - 1, 7])
+        assert torch.equal(heads.lookup(pool, name, ids), want[ids])
+        if want.shape[1] == base.hidden_size:
+            assert torch.allclose(heads.project(pool, name, x), x @ want.t(), atol=1e-5)
