@@ -14,10 +14,9 @@ import torch
 
 from lorafleet import Engine, Mix, SamplingParams
 from lorafleet.errors import AdapterError, InvalidRequestError
-from lorafleet.engine.request import Request
-from lorafleet.engine.scheduler import Chunk
+from tests.engine.fleet_parity import assert_one_batch_gives_peft_greedy_tokens, assert_one_prefill_gives_peft_logits
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
-from tests.fixtures import ALL7, build_adapter, build_chat_model, build_model, load_hf, load_peft, registered_fleet
+from tests.fixtures import ALL7, build_adapter, build_chat_model, build_model, load_hf, registered_fleet
 
 HEADS = {
     "lora-embed-head-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "embed_tokens", "lm_head"]),
@@ -34,45 +33,11 @@ def fleet(request, tmp_path_factory):
 
 
 def test_every_head_adapter_in_one_batch_gives_peft_greedy_tokens(fleet):
-    base, adapters, engine = fleet
-    order = [*HEADS, None]
-    prompts = prompts_of_lengths([5 + 2 * i for i in range(len(order))], seed=21)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    outs = engine.generate(prompts, params, adapters=order)
-    plain = load_hf(base)
-    for name, prompt, out in zip(order, prompts, outs):
-        ref_model = load_peft(base, adapters[name]) if name else plain
-        assert out.token_ids == hf_greedy(ref_model, prompt, 24), f"adapter {name}"
+    assert_one_batch_gives_peft_greedy_tokens(fleet, HEADS, seed=21)
 
 
 def test_every_head_adapter_in_one_prefill_gives_peft_logits(fleet):
-    base, adapters, engine = fleet
-    for name in HEADS:
-        engine.load_adapter(name, adapters[name])
-    order = [*HEADS, None]
-    prompts = prompts_of_lengths([4 + 3 * i for i in range(len(order))], seed=22)
-    reqs = [Request(f"h{i}", p, SamplingParams(), a, loras=(engine.adapters.get(a),) if a else (),
-                    scales=(1.0,) if a else ()) for i, (p, a) in enumerate(zip(prompts, order))]
-    chunks = engine.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
-    for c in chunks:
-        engine.kv.grow(c.request.request_id, c.num_tokens)
-    try:
-        logits = engine.runner.execute(chunks, engine.runner.lora_batch(chunks), all_logits=True).cpu()
-    finally:
-        for r in reqs:
-            engine.kv.free(r.request_id)
-    row, plain = 0, load_hf(base)
-    for c in chunks:
-        ours = logits[row:row + c.num_tokens]
-        row += c.num_tokens
-        name = c.request.adapter
-        with torch.no_grad():
-            model = load_peft(base, adapters[name]) if name else plain
-            ref = model(torch.tensor([c.request.prompt_token_ids])).logits[0]
-            base_ref = plain(torch.tensor([c.request.prompt_token_ids])).logits[0]
-        assert (ours - ref).abs().max().item() <= 1e-4, f"adapter {name}"
-        if name:
-            assert (ours - base_ref).abs().max() > 1e-3, f"adapter {name} changes nothing"
+    assert_one_prefill_gives_peft_logits(fleet, HEADS, seed=22)
 
 
 # -- an adapter with its own vocabulary ---------------------------------------------------------

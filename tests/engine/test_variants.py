@@ -5,14 +5,12 @@ PEFT computes them (fp32)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lorafleet import Engine, Mix, SamplingParams
-from lorafleet.engine.request import Request
-from lorafleet.engine.scheduler import Chunk
 from lorafleet.errors import InvalidRequestError
+from tests.engine.fleet_parity import assert_one_batch_gives_peft_greedy_tokens, assert_one_prefill_gives_peft_logits
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
-from tests.fixtures import ALL7, build_adapter, build_model, load_hf, load_peft, registered_fleet
+from tests.fixtures import ALL7, build_adapter, build_model, load_peft, registered_fleet
 
 VARIANTS = {
     "dora-r8": dict(r=8, lora_alpha=16, use_dora=True, target_modules=ALL7),
@@ -30,44 +28,11 @@ def fleet(request, tmp_path_factory):
 
 
 def test_every_variant_in_one_batch_gives_peft_greedy_tokens(fleet):
-    base, adapters, engine = fleet
-    order = [*VARIANTS, None]
-    prompts = prompts_of_lengths([5 + 2 * i for i in range(len(order))], seed=11)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    outs = engine.generate(prompts, params, adapters=order)
-    plain = load_hf(base)
-    for name, prompt, out in zip(order, prompts, outs):
-        ref_model = load_peft(base, adapters[name]) if name else plain
-        assert out.token_ids == hf_greedy(ref_model, prompt, 24), f"adapter {name}"
+    assert_one_batch_gives_peft_greedy_tokens(fleet, VARIANTS, seed=11)
 
 
 def test_every_variant_in_one_prefill_gives_peft_logits(fleet):
-    base, adapters, engine = fleet
-    for name in VARIANTS:
-        engine.load_adapter(name, adapters[name])
-    order = [*VARIANTS, None]
-    prompts = prompts_of_lengths([4 + 3 * i for i in range(len(order))], seed=12)
-    reqs = [Request(f"v{i}", p, SamplingParams(), a, loras=(engine.adapters.get(a),) if a else (),
-                    scales=(1.0,) if a else ()) for i, (p, a) in enumerate(zip(prompts, order))]
-    chunks = engine.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
-    for c in chunks:
-        engine.kv.grow(c.request.request_id, c.num_tokens)
-    try:
-        logits = engine.runner.execute(chunks, engine.runner.lora_batch(chunks), all_logits=True).cpu()
-    finally:
-        for r in reqs:
-            engine.kv.free(r.request_id)
-    row, plain = 0, load_hf(base)
-    for c in chunks:
-        ours = logits[row:row + c.num_tokens]
-        row += c.num_tokens
-        name = c.request.adapter
-        with torch.no_grad():
-            model = load_peft(base, adapters[name]) if name else plain
-            ref = model(torch.tensor([c.request.prompt_token_ids])).logits[0]
-        assert (ours - ref).abs().max().item() <= 1e-4, f"adapter {name}"
-        if name and name.startswith("dora"):
-            assert (ours - plain(torch.tensor([c.request.prompt_token_ids])).logits[0]).abs().max() > 1e-3
+    assert_one_prefill_gives_peft_logits(fleet, VARIANTS, seed=12, changes=lambda name: name.startswith("dora"))
 
 
 def test_dora_and_lora_bias_adapters_serve_alone_not_in_a_mix(fleet):
