@@ -21,7 +21,7 @@ from lorafleet.config import DEFAULT_CPU_POOL_BYTES, EngineConfig
 from lorafleet.engine.graphs import DecodeGraphs
 from lorafleet.engine.mixes import MixChecks
 from lorafleet.engine.output import OutputProcessor
-from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status
+from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status, prompt_ids
 from lorafleet.engine.policy import POLICIES
 from lorafleet.engine.runner import ModelRunner
 from lorafleet.engine.scheduler import Scheduler
@@ -122,7 +122,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         tokenizer, vocab, eos = self._vocabulary(adapter)
-        ids = self._prompt_ids(prompt, tokenizer, vocab)
+        ids = prompt_ids(prompt, tokenizer, vocab, self.model_path)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context holds "
                                       f"{self.max_model_len} (prompt + at least one new token)")
@@ -175,24 +175,6 @@ class Engine:
         if entry is None or entry.vocab_size is None:
             return self.tokenizer, self.model.cfg.vocab_size, None
         return entry.tokenizer, entry.vocab_size, self.outputs.eos_token_ids | entry.tokenizer.eos_token_ids
-
-    def _prompt_ids(self, prompt: Prompt, tokenizer, vocab: int) -> list[int]:
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise InvalidRequestError(f"{self.model_path} has no tokenizer.json: pass token ids")
-            ids = tokenizer.encode(prompt)
-        else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise InvalidRequestError("prompt must be a string or a list of token ids") from None
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-                raise InvalidRequestError("prompt token ids must be integers")
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        return ids
 
     def abort(self, request_id: str) -> RequestOutput:
         """End a request now, freeing its pages; returns its last output (finish_reason "abort",

@@ -154,3 +154,24 @@ class RequestOutput:
     error: str | None = None          # why it ended, when finish_reason is "error"
     error_code: str | None = None     # its kind: "invalid_adapter" (a load failed) or "request_failed"
     metrics: dict | None = None       # when finished: queue_s, adapter_wait_s, ttft_s, tpot_s...
+
+
+def prompt_ids(prompt, tokenizer, vocab: int, model_path) -> list[int]:
+    """A prompt's token ids: a string encoded by `tokenizer` (None: refused), or ids checked to
+    be integers in [0, vocab); InvalidRequestError naming what is wrong."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError(f"{model_path} has no tokenizer.json: pass token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt must be a string or a list of token ids") from None
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise InvalidRequestError("prompt token ids must be integers")
+    if not ids:
+        raise InvalidRequestError("prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+    return ids

@@ -48,7 +48,8 @@ from typing import Container
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
 from lorafleet.lora.batch import HeadParts
 from lorafleet.lora.heads import own_tokenizer
-from lorafleet.lora.adapter import BaseShapes, header_heads, header_posts, header_ranks, read_adapter_config, weights_numel
+from lorafleet.lora.adapter import BaseShapes, read_adapter_config
+from lorafleet.lora.headers import header_heads, header_posts, header_ranks, weights_numel
 from lorafleet.memory.entry import AdapterEntry, Inspected
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import kv_salt

@@ -22,8 +22,8 @@ from lorafleet.lora.adapter import (
     LoraAdapter,
     load_adapter,
     read_adapter_config,
-    weights_numel,
 )
+from lorafleet.lora.headers import weights_numel
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -880,4 +880,4 @@ def test_a_header_over_its_cap_is_refused_before_it_is_parsed(good, base, monkey
     monkeypatch.setattr(adapter_mod.json, "loads", loads)
     secret_free(refused(good, base, "header is over 1 MiB"), good)
     with pytest.raises(AdapterError, match="header is over"):
-        adapter_mod.weights_numel(good)
+        weights_numel(good)

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet.errors import AdapterError
-from lorafleet.lora.adapter import BaseShapes, header_heads, header_posts, header_ranks, load_adapter
+from lorafleet.lora.adapter import BaseShapes, load_adapter
+from lorafleet.lora.headers import header_heads, header_posts, header_ranks
 from lorafleet.memory.kv import BASE_SALT, kv_salt
 from lorafleet.memory.layout import Layout, read_saved, save
 from lorafleet.model.config import ModelConfig
