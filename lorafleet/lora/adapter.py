@@ -390,7 +390,7 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         key = _pattern_key(rank_pattern, full, match)
         return rank_pattern[key] if key is not None else cfg["r"]
 
-    heads = read_heads(head_tensors, cfg, lora_heads, base.hidden_size, base.vocab_size, st_path,
+    heads = read_heads(head_tensors, cfg, lora_heads, base, st_path,
                        lambda full, r: _scale(cfg, full, r, match), rank_of)
     if not weights and not heads:
         raise AdapterError(f"{st_path}: holds no LoRA tensors for the modules {CONFIG_NAME} targets")

@@ -54,6 +54,7 @@ class HeadParts:
 
     def __init__(self, parts: dict, pages, page_elems: int, device):
         self.page_elems = page_elems
+        self.host_pages = {name: [pages[j] for j in p.pages(page_elems)] for name, p in parts.items()}
         self.parts = {name: (p, torch.tensor([pages[j] for j in p.pages(page_elems)], dtype=torch.long,
                                              device=device)) for name, p in parts.items()}
         # a part whose pages are consecutive in the pool (the usual case: an adapter takes the
@@ -71,6 +72,12 @@ class HeadParts:
         p, pages = self.parts[name]
         whole = pool.index_select(0, pages)[:, :p.per * p.stride]
         return whole.reshape(-1, p.stride)[:p.rows, :p.width]
+
+    def row(self, pool: torch.Tensor, name: str, i: int) -> torch.Tensor:
+        """Row i of the part, a view of the pool (a saved norm's weight for layer i)."""
+        p, _ = self.parts[name]
+        at = self.host_pages[name][i // p.per] * self.page_elems + (i % p.per) * p.stride
+        return pool.view(-1)[at:at + p.width]
 
     def project(self, pool: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
         """x [n, width] @ part^T: [n, rows]. In place over consecutive pages (a batched matmul
@@ -103,6 +110,7 @@ class LoraBatch:
         self._split: dict[int, np.ndarray] = {}
         self.pool = pool_tensor
         self.heads: list[tuple[int, int, list[tuple[HeadParts, float]]]] = []  # (start, end, its adapters')
+        self.norms: set[str] = set()  # the saved norms' parts some segment reads ("in_norm", "post_norm", "final_norm")
 
     @classmethod
     def fixed(cls, kernels, pool_tensor: torch.Tensor, widths: dict[str, int], seg: torch.Tensor, max_rows: int,
@@ -122,8 +130,27 @@ class LoraBatch:
         self.max_rank = max(self.max_rank, max_rank)
 
     def add_heads(self, start: int, end: int, members: list[tuple[HeadParts, float]]) -> None:
-        """Rows [start, end) read these adapters' own embedding / LM head parts, each at its scale."""
+        """Rows [start, end) read these adapters' own embedding / LM head / norm parts, each at its scale."""
         self.heads.append((start, end, members))
+        self.norms |= {part for m, _ in members for part in ("in_norm", "post_norm", "final_norm") if part in m}
+
+    def norm(self, layer: int, part: str, x: torch.Tensor, h: torch.Tensor, rms_norm, eps: float) -> None:
+        """h (`part`, a layer's norm, of the residual stream x [T, H]): the rows of each segment whose
+        adapter saved that norm computed again with its own weight (PEFT's modules_to_save)."""
+        for start, end, members in self.heads:
+            for m, _ in members:
+                if part in m:
+                    h[start:end] = rms_norm(x[start:end], m.row(self.pool, part, layer), eps)
+
+    def final_norm(self, pre: torch.Tensor, rows: torch.Tensor, h: torch.Tensor, rms_norm, eps: float) -> None:
+        """h (the final norm of `pre` [S, H], flat rows `rows`): each segment's rows whose adapter
+        saved the final norm computed again with its own weight."""
+        for start, end, members in self.heads:
+            for m, _ in members:
+                if "final_norm" in m:
+                    sel = torch.nonzero((rows >= start) & (rows < end)).flatten()
+                    if len(sel):
+                        h[sel] = rms_norm(pre[sel], m.row(self.pool, "final_norm", 0), eps)
 
     def embed(self, ids: torch.Tensor, x: torch.Tensor) -> None:
         """x [T, H] (the base's embedding of `ids`): each head segment's rows replaced by its

@@ -1,4 +1,4 @@
-"""An adapter's own embedding and LM head: LoRA on `embed_tokens` and `lm_head`, and the full
+"""An adapter's own embedding, LM head and norms: LoRA on `embed_tokens` and `lm_head`, and the full
 copies PEFT saves of them (`modules_to_save`, and the `base_layer` it saves beside an embedding's
 LoRA), parsed and checked here; `lora/adapter.py` reads the projections and calls in.
 
@@ -18,6 +18,10 @@ ModulesToSaveWrapper`, `utils/save_and_load.py`):
   Loading the adapter in PEFT replaces the base's weight with it: here the adapter's requests
   read it instead of the base's. A copy's rows are the adapter's vocabulary, which may be larger
   than the base's (added tokens: the adapter's tokenizer then comes with it, `engine`).
+* Saved norms: modules_to_save entries are matched as PEFT's `_set_trainable` matches them, a
+  module whose full name ends with the entry (so `norm` names every RMS norm). The input and
+  post-attention norms are served saved in every layer or none ([layers, H] each), the final
+  norm as [1, H]; a segment's rows are normalized again with the adapter's weight.
 
 Each is a "part", one matrix laid out as rows in the adapter's pages (`memory/layout.py`):
 `PARTS` names them. Refusals follow `lora/adapter.py`'s rule: they name tensor keys (structure)
@@ -36,11 +40,15 @@ import torch
 from lorafleet.errors import AdapterError
 
 EMBED, LM_HEAD = "model.embed_tokens", "lm_head"  # the modules' full names in the base
-HEAD_MODULES = {EMBED: "embed_tokens", LM_HEAD: "lm_head"}  # full name -> the name users write
-# A part: (module, what) -> its name in the layout. Each is a [rows, width] matrix.
-PARTS = ("embed", "embed_a", "embed_b", "lm_head", "lm_head_a", "lm_head_b")
+IN_NORM, POST_NORM, FINAL_NORM = "input_layernorm", "post_attention_layernorm", "model.norm"  # saved norms' kinds
+# a module kind -> the name users write (a layer norm's kind stands for every layer's)
+HEAD_MODULES = {EMBED: "embed_tokens", LM_HEAD: "lm_head", IN_NORM: IN_NORM, POST_NORM: POST_NORM, FINAL_NORM: "norm"}
+NORM_PARTS = {IN_NORM: "in_norm", POST_NORM: "post_norm", FINAL_NORM: "final_norm"}  # [layers or 1, H] each
+# Each part is a [rows, width] matrix in the layout.
+PARTS = ("embed", "embed_a", "embed_b", "lm_head", "lm_head_a", "lm_head_b", *NORM_PARTS.values())
 HEAD_KEY_RE = re.compile(
-    r"base_model\.model\.(?P<module>model\.embed_tokens|lm_head)\."
+    r"base_model\.model\.(?P<module>model\.embed_tokens|lm_head|model\.norm"
+    r"|model\.layers\.(?P<nlayer>0|[1-9]\d{0,8})\.(?:input_layernorm|post_attention_layernorm))\."
     r"(?:(?P<base>base_layer\.|modules_to_save\.|original_module\.)?weight"
     r"|lora_embedding_(?P<eab>A|B)(?:\.(?P<ename>[^.]+))?"
     r"|lora_(?P<ab>A|B)(?:\.(?P<name>[^.]+))?\.(?P<kind>weight|bias)"
@@ -62,24 +70,51 @@ class HeadWeights:
         return 0 if self.a is None else int(self.a.shape[0])
 
 
-def saved_modules(cfg: dict) -> set[str]:
-    """The full names of the modules `modules_to_save` names (as PEFT matches them: equal to the
-    full name or its last part). Refuses other modules: only the embedding and LM head are served."""
-    names = cfg.get("modules_to_save") or []
+def kind_of(module: str) -> str | None:
+    """A base module's full name -> its kind in HEAD_MODULES (None: not one that may be saved)."""
+    if module in (EMBED, LM_HEAD, FINAL_NORM):
+        return module
+    last = module.rsplit(".", 1)[-1]
+    return last if last in (IN_NORM, POST_NORM) and module.startswith("model.layers.") else None
+
+
+def _module_names(num_layers: int, qk_norm: bool):
+    """The Llama modules (`named_modules()`) a modules_to_save entry may match (q_norm and k_norm
+    where the family has them: Qwen3)."""
+    yield from ("model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        yield from (p, f"{p}.self_attn", f"{p}.mlp", f"{p}.mlp.act_fn", f"{p}.{IN_NORM}", f"{p}.{POST_NORM}",
+                    *(f"{p}.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                    *((f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm") if qk_norm else ()),
+                    *(f"{p}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")))
+
+
+def saved_modules(cfg: dict, num_layers: int = 1, qk_norm: bool = False) -> set[str]:
+    """The kinds (HEAD_MODULES) of the modules `modules_to_save` names, matched as PEFT matches
+    them (a module whose full name ends with the entry). Refuses an entry that matches no module,
+    or one that is not served saved (only the embedding, the LM head and the norms are), and a
+    layer norm saved in some layers only."""
     out = set()
-    for item in names:
-        found = [full for full in HEAD_MODULES if full == item or full.endswith(f".{item}")]
-        if not found:
-            raise AdapterError("modules_to_save: only 'embed_tokens' and 'lm_head' are supported as saved "
-                               "modules (other fully trained modules are not)")
-        out.update(found)
+    for item in cfg.get("modules_to_save") or []:
+        found = [m for m in _module_names(num_layers, qk_norm) if m.endswith(item)]
+        kinds = {kind_of(m) for m in found}
+        if not found or None in kinds:
+            raise AdapterError("modules_to_save: an entry names no module the base has, or one that is not supported "
+                               "as a saved module (only embed_tokens, lm_head, input_layernorm, "
+                               "post_attention_layernorm and norm are)")
+        for kind in kinds & {IN_NORM, POST_NORM}:
+            if sum(kind_of(m) == kind for m in found) != num_layers:
+                raise AdapterError(f"modules_to_save: {kind} is supported saved in every layer or none")
+        out |= kinds
     return out
 
 
 def vocab_of(heads: dict[str, HeadWeights], base_vocab: int) -> int:
     """The vocabulary an adapter serves: its copies' rows, else the base's."""
-    for w in heads.values():
-        if w.copy is not None:
+    for full in (EMBED, LM_HEAD):
+        w = heads.get(full)
+        if w is not None and w.copy is not None:
             return int(w.copy.shape[0])
     return base_vocab
 
@@ -88,7 +123,7 @@ def matrices(heads: dict[str, HeadWeights]) -> dict[str, torch.Tensor]:
     """Each part's matrix as the layout holds it (float32, scale folded in)."""
     out: dict[str, torch.Tensor] = {}
     for full, w in heads.items():
-        part = "embed" if full == EMBED else "lm_head"
+        part = "embed" if full == EMBED else "lm_head" if full == LM_HEAD else NORM_PARTS[full]
         if w.copy is not None:
             out[part] = w.copy
         if w.a is None:
@@ -104,13 +139,22 @@ def header_parts(header: dict) -> dict[str, tuple[int, int]]:
     """Part -> (rows, width) from a safetensors header's shapes alone (the layout's plan before
     the data is read; loading checks the shapes). Keys that are not well-formed parts are left out."""
     shapes: dict[tuple[str, str], list[int]] = {}
+    norms: dict[str, tuple[set, int]] = {}
     for key, info in header.items():
         m = HEAD_KEY_RE.fullmatch(key)
-        if m is None or m.group("kind") == "bias" or m.group("mag") is not None or len(info["shape"]) != 2:
+        if m is None or m.group("kind") == "bias" or m.group("mag") is not None:
             continue  # not a part (loading refuses what is malformed)
+        kind = kind_of(m.group("module"))
+        if kind in NORM_PARTS:  # a vector [H] a layer: the part's rows are the layers found
+            if len(info["shape"]) == 1 and m.group("base") != "original_module.":
+                layers, width = norms.setdefault(kind, (set(), info["shape"][0]))
+                layers.add(m.group("nlayer"))
+            continue
+        if len(info["shape"]) != 2:
+            continue
         what = "copy" if m.group("ab") is None and m.group("eab") is None else (m.group("ab") or m.group("eab"))
-        shapes[(m.group("module"), what)] = info["shape"]
-    out: dict[str, tuple[int, int]] = {}
+        shapes[(kind, what)] = info["shape"]
+    out: dict[str, tuple[int, int]] = {NORM_PARTS[k]: (len(layers), width) for k, (layers, width) in norms.items()}
     for full, part in ((EMBED, "embed"), (LM_HEAD, "lm_head")):
         if (full, "copy") in shapes:
             out[part] = tuple(shapes[(full, "copy")])
@@ -124,17 +168,20 @@ def header_parts(header: dict) -> dict[str, tuple[int, int]]:
     return {p: out[p] for p in PARTS if p in out}
 
 
-def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_targets: set[str], hidden: int,
-               base_vocab: int, source, scale_of, rank_of) -> dict[str, HeadWeights]:
+def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_targets: set[str], base,
+               source, scale_of, rank_of) -> dict[str, HeadWeights]:
     """The modules' weights from `tensors` (head key -> (its quoted form, tensor), already finite
     floating point), checked against the config: `lora_targets`, the full names target_modules
     selects; `saved_modules(cfg)`, those saved whole. `scale_of(full, r)` and `rank_of(full)` are
-    the adapter's PEFT rules. Returns full name -> HeadWeights (float32)."""
-    saved = saved_modules(cfg)
+    the adapter's PEFT rules; `base` its `BaseShapes`. Returns kind -> HeadWeights (float32; a
+    norm's copy [layers or 1, H])."""
+    hidden, base_vocab, num_layers = base.hidden_size, base.vocab_size, base.num_layers
+    saved = saved_modules(cfg, num_layers, base.qk_norm)
     found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    norms: dict[str, dict[int, torch.Tensor]] = {}
     for key, (quoted, t) in tensors.items():
         m = HEAD_KEY_RE.fullmatch(key)
-        full = m.group("module")
+        full = kind_of(m.group("module"))
         short = HEAD_MODULES[full]
         if m.group("mag") is not None:
             raise AdapterError(f"{source}: holds {quoted}: use_dora on {short} is not supported (DoRA is, on the projections)")
@@ -149,11 +196,19 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
                 raise AdapterError(f"{source}: holds {quoted}, but target_modules does not target {short!r}")
         else:
             what = m.group("ab") or m.group("eab")
+            if full in NORM_PARTS:
+                raise AdapterError(f"{source}: holds {quoted}: LoRA on {short} is not supported (saving it whole is)")
             if (m.group("eab") is not None) != (full == EMBED):
                 raise AdapterError(f"{source}: holds {quoted}: the embedding's LoRA is lora_embedding_A/B, "
                                    "the LM head's lora_A/B.weight")
             if full not in lora_targets:
                 raise AdapterError(f"{source}: holds {quoted}, but target_modules does not target {short!r}")
+        if full in NORM_PARTS:
+            if t.dim() != 1 or t.shape[0] != hidden:
+                raise AdapterError(f"{source}: {quoted}: expected a vector of the base's hidden size ([{hidden}])")
+            if what != "original":
+                norms.setdefault(full, {}).setdefault(int(m.group("nlayer") or 0), t)
+            continue
         if t.dim() != 2:
             raise AdapterError(f"{source}: {quoted} is not a 2-D matrix")
         found.setdefault(full, {})[what] = (quoted, t)
@@ -164,6 +219,13 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             got["copy"] = copies[0]
 
     heads: dict[str, HeadWeights] = {}
+    for kind in saved & NORM_PARTS.keys():
+        layers = norms.get(kind, {})
+        want = 1 if kind == FINAL_NORM else num_layers
+        if sorted(layers) != list(range(want)):
+            raise AdapterError(f"{source}: modules_to_save names {HEAD_MODULES[kind]!r}, but the weights hold it "
+                               f"for {len(layers)} of the base's {want} {'layers' if want > 1 else 'norm'}")
+        heads[kind] = HeadWeights(copy=torch.stack([layers[i] for i in range(want)]).float())
     for full in (EMBED, LM_HEAD):
         got, short = found.get(full, {}), HEAD_MODULES[full]
         if full in saved and "copy" not in got:
@@ -194,7 +256,8 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             if r != rank_of(full):
                 raise AdapterError(f"{source}: {qa}: its rank (rows) differs from the config's r (or rank_pattern entry)")
             w.a, w.b, w.scale = a.float(), b.float(), float(scale_of(full, r))
-    vocabs = {HEAD_MODULES[f]: int(w.copy.shape[0]) for f, w in heads.items() if w.copy is not None}
+    vocabs = {HEAD_MODULES[f]: int(heads[f].copy.shape[0]) for f in (EMBED, LM_HEAD)
+              if f in heads and heads[f].copy is not None}
     own = set(vocabs.values())
     if len(own) > 1:
         raise AdapterError(f"{source}: the saved embed_tokens has {vocabs['embed_tokens']} rows but lm_head "

@@ -76,13 +76,14 @@ class BaseShapes:
     features: dict[str, tuple[int, int]]
     vocab_size: int = 0   # the embedding's rows and the LM head's (0: neither may be adapted)
     hidden_size: int = 0
+    qk_norm: bool = False  # q_norm / k_norm in each layer (Qwen3): modules a saved-modules entry may match
 
     @classmethod
     def from_model_config(cls, cfg: Any) -> BaseShapes:
         """From anything with `num_layers`, `vocab_size`, `hidden_size` and `linear_features()`
         (lorafleet's ModelConfig)."""
         return cls(num_layers=int(cfg.num_layers), features=dict(cfg.linear_features()),
-                   vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size))
+                   vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size), qk_norm=bool(cfg.qk_norm))
 
     def module_names(self) -> dict[str, tuple[int, str]]:
         """Full module name -> (layer, module) for every projection the base has."""
@@ -357,7 +358,7 @@ def _targeted(cfg: dict, base: BaseShapes, source: Path, match: Matcher) -> dict
                     f"base model (LoRA is served on {supported} of its {base.num_layers} layers)")
     targeted = {n: lm for n, lm in names.items() if _is_target(cfg, n, match)}
     heads = targeted_heads(cfg, base, source, match)
-    if not targeted and not heads and not cfg.get("modules_to_save"):
+    if not targeted and not heads:  # as PEFT, which refuses target_modules that match nothing
         raise AdapterError(f"{source}: target_modules (with exclude_modules / layers_to_transform) "
                            f"matches no module of the base model (LoRA is served on {supported} of "
                            f"its {base.num_layers} layers)")

@@ -52,7 +52,7 @@ def kv_salt(targets: set[tuple[int, str]], digest: str, num_layers: int) -> byte
     An MLP-only or q/o-only adapter over all layers changes the K and V of every layer but the
     first: it never shares the base's blocks."""
     last = num_layers - 1  # an adapter's own embedding ((0, "embed_tokens")) changes every layer's input
-    if all(layer == last and module not in (*KV_PROJECTIONS, "embed_tokens") for layer, module in targets):
+    if all(layer == last and module not in (*KV_PROJECTIONS, "embed_tokens", "input_layernorm") for layer, module in targets):
         return BASE_SALT
     return b"lorafleet-kv:" + digest.encode()
 

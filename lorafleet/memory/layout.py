@@ -206,8 +206,8 @@ class Layout:
 
     @property
     def saved(self) -> tuple[str, ...]:
-        """The modules the adapter holds its own copy of ("embed_tokens", "lm_head")."""
-        return tuple(m for part, m in (("embed", "embed_tokens"), ("lm_head", "lm_head")) if part in self.parts)
+        """The modules the adapter holds its own copy of ("embed_tokens", "lm_head", the norms)."""
+        return tuple(m for part, m in SAVED_PARTS.items() if part in self.parts)
 
     @property
     def heads(self) -> dict[str, tuple[int, int]]:
@@ -248,12 +248,16 @@ class Layout:
     def targets(self) -> set[tuple[int, str]]:
         """The (layer, module) pairs the adapter has weights for; its own embedding (a LoRA or a
         copy) counts as (0, "embed_tokens"), its LM head as (last layer, "lm_head"): what the
-        prefix cache keys by (`memory.kv.kv_salt`)."""
+        prefix cache keys by (`memory.kv.kv_salt`); saved layer norms count in every layer, the
+        final norm as the LM head."""
         out = set(self.ranks)
         if self.parts.keys() & {"embed", "embed_a"}:
             out.add((0, "embed_tokens"))
-        if self.parts.keys() & {"lm_head", "lm_head_a"}:
+        if self.parts.keys() & {"lm_head", "lm_head_a", "final_norm"}:
             out.add((self.num_layers - 1, "lm_head"))
+        for part, module in (("in_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm")):
+            if part in self.parts:
+                out |= {(layer, module) for layer in range(self.num_layers)}
         return out
 
     # -- the row table ---------------------------------------------------------------------------
@@ -302,6 +306,9 @@ class Layout:
 
 
 _GROUP_NAMES = list(GROUPS)
+# a saved copy's part -> the module's name as users write it (`AdapterEntry.saved`)
+SAVED_PARTS = {"embed": "embed_tokens", "lm_head": "lm_head", "in_norm": "input_layernorm",
+               "post_norm": "post_attention_layernorm", "final_norm": "norm"}
 DORA_ROWS = 1024  # base weight rows read at a time for DoRA's norms (bounded memory for any base)
 
 

@@ -146,7 +146,10 @@ class LlamaModel(torch.nn.Module):
             lora.embed(input_ids, x)
         out = self.layers_(x, positions, attn, kv_cache, lora)
         x.add_(out)
-        x = ops.rms_norm(x[logits_rows], w["norm"], cfg.rms_norm_eps)  # only rows that sample
+        pre = x[logits_rows]  # only rows that sample
+        x = ops.rms_norm(pre, w["norm"], cfg.rms_norm_eps)
+        if heads and "final_norm" in lora.norms:
+            lora.final_norm(pre, logits_rows, x, ops.rms_norm, cfg.rms_norm_eps)
         logits = ops.linear(x, w["lm_head"], None, w.get("lm_head_s")).float()  # [S, V]
         return lora.logits(x, logits_rows, logits) if heads else logits
 
@@ -157,10 +160,13 @@ class LlamaModel(torch.nn.Module):
         cfg, ops = self.cfg, self.kernels
         eps = cfg.rms_norm_eps
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+        norms = lora.norms if lora is not None else ()  # adapters' saved layer norms (modules_to_save)
         out = None
         for i, lw in enumerate(self.layers):
             # the previous layer's MLP output joins the residual stream as this norm reads it
             h = ops.rms_norm(x, lw.in_norm, eps) if out is None else ops.add_rms_norm(x, out, lw.in_norm, eps)
+            if "in_norm" in norms:
+                lora.norm(i, "in_norm", x, h, ops.rms_norm, eps)
             qkv = ops.linear(h, lw.qkv, lw.qkv_b, lw.qkv_s)                      # [T, Q+2K]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
@@ -176,6 +182,8 @@ class LlamaModel(torch.nn.Module):
             if lora is not None:
                 lora.apply(i, "o", o, out)
             h = ops.add_rms_norm(x, out, lw.post_norm, eps)
+            if "post_norm" in norms:
+                lora.norm(i, "post_norm", x, h, ops.rms_norm, eps)
             gu = ops.linear(h, lw.gate_up, lw.gate_up_b, lw.gate_up_s)                 # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gu)

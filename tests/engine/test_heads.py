@@ -23,6 +23,7 @@ HEADS = {
     "saves-head-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"], modules_to_save=["lm_head"]),
     "saves-both-r6": dict(r=6, lora_alpha=12, target_modules=ALL7, modules_to_save=["embed_tokens", "lm_head"]),
     "head-lora-only-r2": dict(r=2, lora_alpha=4, target_modules=["lm_head"]),
+    "saves-norms-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["norm"]),  # every norm
     "plain-r16": dict(r=16, lora_alpha=16, target_modules=ALL7),
 }
 
@@ -159,3 +160,12 @@ def test_saved_module_adapters_through_a_pool_holding_a_tenth_of_them_equal_solo
     assert all(a["saved_modules"] for a in info.values())
     assert sum(a["evictions"] for a in info.values()) >= n - 2
     assert all(a["device_loads"] >= 1 for a in info.values())
+
+
+def test_every_variant_and_head_adapter_in_one_batch_gives_peft_greedy_tokens(tmp_path):
+    """DoRA, lora_bias, rsLoRA, LoRA on the embedding and the LM head, saved copies and saved
+    norms, beside plain adapters of other ranks and a base request: one batch, PEFT's tokens."""
+    from tests.engine.test_variants import VARIANTS
+
+    every = {**VARIANTS, **HEADS}
+    assert_one_batch_gives_peft_greedy_tokens(registered_fleet(tmp_path, "llama", every), every, seed=24)

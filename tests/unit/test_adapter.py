@@ -298,7 +298,7 @@ CONFIG_REFUSALS = [
     ({"use_dora": True, "lora_bias": True}, "DoRA with lora_bias is not supported"),
     ({"bias": "all"}, "bias"),
     ({"bias": "lora_only"}, "bias"),
-    ({"modules_to_save": ["score"]}, "modules_to_save: only 'embed_tokens' and 'lm_head'"),
+    ({"modules_to_save": ["score"]}, "modules_to_save: an entry names no module the base has"),
     ({"modules_to_save": "lm_head"}, "modules_to_save"),
     ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
     ({"target_modules": ["lm_head"]}, "'lm_head', which this base does not offer"),

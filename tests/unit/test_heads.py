@@ -23,6 +23,7 @@ KINDS = {
     "lora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens", "lm_head"]),
     "saved": dict(r=2, lora_alpha=4, target_modules=["v_proj"], modules_to_save=["embed_tokens", "lm_head"]),
     "head-only": dict(r=3, lora_alpha=3, target_modules=["lm_head"]),
+    "norms": dict(r=2, lora_alpha=2, target_modules=["k_proj"], modules_to_save=["input_layernorm", "model.norm"]),
 }
 
 
@@ -48,7 +49,7 @@ def test_the_headers_plan_is_the_loaded_layout_and_saves_back(made, kind, tmp_pa
     layout, saved, _ = read_saved(tmp_path / "layout.safetensors", adapter.digest, base, PAGE)
     assert layout == loaded and torch.equal(saved, buf)
     for name, part in loaded.parts.items():  # each row where its offset says, e.g. the copy's first and last
-        for i in (1, part.rows - 1):  # (row 0 of an embedding: the padding token, zeros)
+        for i in {min(1, part.rows - 1), part.rows - 1}:  # (row 0 of an embedding: the padding token, zeros)
             o = int(part.offsets(PAGE)[i])
             assert buf[o:o + part.width].abs().sum() > 0, (name, i)
     salt = kv_salt(loaded.targets(), adapter.digest, base.num_layers)
@@ -92,7 +93,14 @@ REFUSALS = [
     ("head-only", dict(tensors=lambda t: t.__setitem__("base_model.model.lm_head.lora_B.weight", torch.ones(150, 3))),
      "expected shapes [r, 64] and [160, r]"),
     ("saved", dict(config=lambda c: c.update(modules_to_save=["lm_head", "score"])),
-     "modules_to_save: only 'embed_tokens' and 'lm_head' are supported"),
+     "modules_to_save: an entry names no module the base has, or one that is not supported"),
+    ("saved", dict(config=lambda c: c.update(modules_to_save=["lm_head", "q_proj"])), "not supported as a saved module"),
+    ("norms", dict(config=lambda c: c.update(modules_to_save=["layers.0.input_layernorm"])),
+     "modules_to_save: input_layernorm is supported saved in every layer or none"),
+    ("norms", dict(tensors=lambda t: t.pop("base_model.model.model.layers.1.input_layernorm.weight")),
+     "modules_to_save names 'input_layernorm', but the weights hold it for 1 of the base's 2 layers"),
+    ("norms", dict(tensors=lambda t: t.__setitem__("base_model.model.model.norm.weight", torch.ones(3))),
+     "expected a vector of the base's hidden size ([64])"),
 ]
 
 
