@@ -16,7 +16,7 @@ from lorafleet import Engine, Mix, SamplingParams
 from lorafleet.errors import AdapterError, InvalidRequestError
 from tests.engine.fleet_parity import assert_one_batch_gives_peft_greedy_tokens, assert_one_prefill_gives_peft_logits
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
-from tests.fixtures import ALL7, build_adapter, build_chat_model, build_model, load_hf, registered_fleet
+from tests.fixtures import ALL7, build_adapter, build_chat_model, build_model, load_hf, load_peft, registered_fleet
 
 HEADS = {
     "lora-embed-head-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "embed_tokens", "lm_head"]),
@@ -169,3 +169,20 @@ def test_every_variant_and_head_adapter_in_one_batch_gives_peft_greedy_tokens(tm
 
     every = {**VARIANTS, **HEADS}
     assert_one_batch_gives_peft_greedy_tokens(registered_fleet(tmp_path, "llama", every), every, seed=24)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_saved_copies_on_a_quantized_base_are_served_at_full_precision(tmp_path, scheme):
+    """On a quantized base an adapter's own LM head and norms are its full-precision copies, as
+    PEFT on the dequantized base computes them."""
+    from tests.engine.test_quantized import dequantized_
+
+    base = build_model(tmp_path / "base")
+    engine = Engine(base, pool_bytes=8 << 20, quantize=scheme)
+    prompt = prompts_of_lengths([9], seed=25)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i, name in enumerate(("saves-head-r8", "saves-norms-r4")):
+        folder = build_adapter(base, tmp_path / name, seed=i, **HEADS[name])
+        engine.register_adapter(name, folder)
+        out = engine.generate([prompt], params, adapters=[name])[0]
+        assert out.token_ids == hf_greedy(dequantized_(load_peft(base, folder), scheme), prompt, 16), name
