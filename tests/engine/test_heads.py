@@ -186,3 +186,34 @@ def test_saved_copies_on_a_quantized_base_are_served_at_full_precision(tmp_path,
         engine.register_adapter(name, folder)
         out = engine.generate([prompt], params, adapters=[name])[0]
         assert out.token_ids == hf_greedy(dequantized_(load_peft(base, folder), scheme), prompt, 16), name
+
+
+def test_head_adapters_through_the_daemons_app_answer_as_in_process(fleet):
+    """The daemon's routes (in this process: `InProcessServer`), streamed and not: each adapter
+    with its own embedding, LM head or norms answers with the engine's own greedy tokens."""
+    import asyncio
+
+    from lorafleet.deploy.inprocess import InProcessServer
+
+    base, adapters, _ = fleet
+    engine = Engine(base, pool_bytes=8 << 20)
+    for name, folder in adapters.items():
+        engine.register_adapter(name, folder)
+    prompt = prompts_of_lengths([7], seed=26)[0]
+    want = {name: engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                                  adapters=[name])[0].token_ids for name in HEADS}
+    server = InProcessServer(engine, "base", base)
+    try:
+        for i, name in enumerate(HEADS):
+            body = {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "logprobs": 1, "stream": i % 2 == 1}
+            status, _, raw = asyncio.run(server.call("POST", "/v1/completions", json.dumps(body).encode()))
+            assert status == 200, raw
+            if body["stream"]:  # a base without a tokenizer: chunks carry the tokens' ids
+                chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+                got = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+            else:
+                got = json.loads(raw)["choices"][0]["token_ids"]
+            assert got == want[name], name
+    finally:
+        server.close()
