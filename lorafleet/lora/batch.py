@@ -16,8 +16,8 @@ A request on several adapters (a mix) is one segment per adapter over the same r
 its scale; the op sums their deltas in fp32 and adds them once. Its rank bound (`max_rank`) is
 the sum of its members' ranks: the op treats it as one adapter of their rank rows side by side.
 
-An adapter's own embedding and LM head (`lora/heads.py`: a LoRA on them, or full copies) are
-applied here in torch, per segment (`embed`, `logits`), reading their matrices from the pool
+An adapter's own embedding, LM head and norms (`lora/heads.py`: a LoRA on the first two, or full
+copies) are applied here in torch, per segment (`embed`, `norm`, `logits`), reading them from the pool
 (`HeadParts`): outside the per-layer op, once a step, and a step with them runs eagerly (not
 in a captured graph nor the CPU's one-call decode), as their shapes follow the adapters.
 """
@@ -49,8 +49,8 @@ PAD_LOGIT = torch.finfo(torch.float32).min  # a token outside a row's vocabulary
 
 
 class HeadParts:
-    """One adapter's embedding and LM head matrices where they lie in the pool (`layout.Part`):
-    built when its pages are known, read by `LoraBatch.embed` and `.logits`."""
+    """One adapter's embedding, LM head and norm matrices where they lie in the pool
+    (`layout.Part`): built when its pages are known, read by `LoraBatch.embed`, `.norm` and `.logits`."""
 
     def __init__(self, parts: dict, pages, page_elems: int, device):
         self.page_elems = page_elems
@@ -61,8 +61,6 @@ class HeadParts:
         # highest free pages) is read in place, without the gather's copy: its first page
         self.run_start = {name: int(pages[p.pages(page_elems)[0]]) for name, p in parts.items()
                           if all(pages[j] == pages[p.pages(page_elems)[0]] + k for k, j in enumerate(p.pages(page_elems)))}
-        copy = parts.get("embed") or parts.get("lm_head")
-        self.vocab_size = copy.rows if copy is not None else None  # its own vocabulary, where it has one
 
     def __contains__(self, name: str) -> bool:
         return name in self.parts

@@ -45,8 +45,8 @@ class AdapterEntry:
     row_table: int | None = None         # the pool's int64 index of its row table, while ready
     max_rank: int = 0                    # its largest rank, once loaded
     posts: dict | None = None            # (layer, module) -> "dora" | "bias", its epilogues, once loaded
-    saved: tuple = ()                    # the modules it has its own copy of ("embed_tokens", "lm_head"): known at registration
-    heads: object = None                 # lora.batch.HeadParts: its own embedding / LM head in its pages, while ready
+    saved: tuple = ()                    # the modules it has its own copy of (embed_tokens, lm_head, norms): known at registration
+    heads: object = None                 # lora.batch.HeadParts: its own embedding / LM head / norms in its pages, while ready
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy
