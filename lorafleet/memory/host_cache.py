@@ -16,7 +16,8 @@ import torch
 
 from lorafleet.errors import AdapterError
 from lorafleet.lora.adapter import BaseShapes, load_adapter
-from lorafleet.memory.layout import LAYOUT_FILE, Layout, finish_dora, read_saved
+from lorafleet.memory.finish import drop_base_copies, finish_dora
+from lorafleet.memory.layout import LAYOUT_FILE, Layout, read_saved
 
 
 @dataclass(eq=False)
@@ -41,12 +42,14 @@ def build_host_adapter(path: Path, base: BaseShapes, page_elems: int, dtype: tor
     the host copy is that mapping (the page cache's pages, no copy at all). Either way the
     buffer is laid out at float32 and rounded to `dtype` once, so both give the same bits.
     A DoRA adapter's epilogue is computed here, against the base's weights (`base_rows`, the
-    engine's: `memory.layout.finish_dora`), once per load."""
+    engine's: `memory.finish`), once per load, and saved copies of the embedding or LM head
+    that equal the base's are dropped (`memory.finish.drop_base_copies`)."""
     saved = read_saved(Path(path) / LAYOUT_FILE, trusted_digest, base, page_elems) if trusted_digest else None
     if saved is not None:
         layout, buffer, ranks = saved
         if "dora" in layout.posts.values():
             buffer = _dora(layout, buffer.clone(), base_rows, path)  # the mapping is read only
+        layout, buffer = _drop_copies(layout, buffer, base_rows, base)
         return HostAdapter(trusted_digest, layout, _host_copy(buffer, dtype, pin), ranks, layout.numel)
     adapter = load_adapter(path, base)  # float32: laid out at float32, as stored adapters are
     layout = Layout.of(adapter, base, page_elems)
@@ -54,7 +57,14 @@ def build_host_adapter(path: Path, base: BaseShapes, page_elems: int, dtype: tor
     layout.fill(buffer, adapter)
     if "dora" in layout.posts.values():
         buffer = _dora(layout, buffer, base_rows, path)
+    layout, buffer = _drop_copies(layout, buffer, base_rows, base)
     return HostAdapter(adapter.digest, layout, _host_copy(buffer, dtype, pin), adapter.ranks, adapter.num_params)
+
+
+def _drop_copies(layout: Layout, buffer: torch.Tensor, base_rows, base: BaseShapes):
+    if base_rows is None or not layout.parts.keys() & {"embed", "lm_head"}:
+        return layout, buffer
+    return drop_base_copies(layout, buffer, base_rows, base.vocab_size)
 
 
 def _dora(layout: Layout, buffer: torch.Tensor, base_rows, path) -> torch.Tensor:

@@ -162,6 +162,7 @@ class Layout:
     page_elems: int
     num_layers: int
     parts: dict[str, Part] = field(default_factory=dict)  # the embedding's and LM head's matrices, after the modules' rows
+    modules_numel: int = 0  # where the modules' rows end (the parts start at the next page)
 
     @classmethod
     def plan(cls, ranks: dict[tuple[int, str], int], base: BaseShapes, page_elems: int,
@@ -187,17 +188,14 @@ class Layout:
                     if post is not None:
                         post_rows, off = place_rows(off, n_out, 2, page_elems)
                     modules.append(Module(layer, GROUP_INDEX[group], j, cols[j], fan_in, n_out, a, b, post, post_rows))
-        parts = {}
-        for name in PARTS:
-            if name not in (heads or {}):
-                continue
-            rows, width = heads[name]
-            first = -(-off // page_elems) * page_elems
-            (_, end) = place_rows(first, width, rows, page_elems) if rows else (None, first)
-            stride = _align(width)
-            parts[name] = Part(first, rows, width, stride, page_elems // stride)
-            off = end
-        return cls(modules, off, page_elems, base.num_layers, parts)
+        parts, end = _place_parts(off, heads or {}, page_elems)
+        return cls(modules, end, page_elems, base.num_layers, parts, off)
+
+    def without(self, names) -> Layout:
+        """The same modules with the parts `names` left out (the others placed again after them)."""
+        parts, end = _place_parts(self.modules_numel, {n: h for n, h in self.heads.items() if n not in names},
+                                  self.page_elems)
+        return Layout(self.modules, end, self.page_elems, self.num_layers, parts, self.modules_numel)
 
     @classmethod
     def of(cls, adapter: LoraAdapter, base: BaseShapes, page_elems: int) -> Layout:
@@ -305,36 +303,25 @@ class Layout:
         return start, words, int(pool(start)) // per
 
 
+def _place_parts(off: int, heads: dict[str, tuple[int, int]], page_elems: int) -> tuple[dict[str, Part], int]:
+    """Each part (rows, width), in PARTS' order, from the first page start at or after `off`;
+    returns them and the offset past the last."""
+    parts = {}
+    for name in PARTS:
+        if name not in heads:
+            continue
+        rows, width = heads[name]
+        first = -(-off // page_elems) * page_elems
+        (_, off) = place_rows(first, width, rows, page_elems) if rows else (None, first)
+        stride = _align(width)
+        parts[name] = Part(first, rows, width, stride, page_elems // stride)
+    return parts, off
+
+
 _GROUP_NAMES = list(GROUPS)
 # a saved copy's part -> the module's name as users write it (`AdapterEntry.saved`)
 SAVED_PARTS = {"embed": "embed_tokens", "lm_head": "lm_head", "in_norm": "input_layernorm",
                "post_norm": "post_attention_layernorm", "final_norm": "norm"}
-DORA_ROWS = 1024  # base weight rows read at a time for DoRA's norms (bounded memory for any base)
-
-
-def finish_dora(layout: Layout, buf: torch.Tensor, base_rows) -> None:
-    """DoRA's epilogue from its magnitude m (in the g row, as `fill` leaves it) and the base:
-    g = m / ||W + Bt^T A|| per output row (Bt already scale * B^T: the delta's own weight), in
-    fp32, and c = (1 - g) * bias, the base bias the epilogue keeps (zero without one).
-    `base_rows(layer, group, start, end)` -> (rows [start, end) of the group's fused weight, fp32;
-    their bias or None): the base's weights as the engine serves them (dequantized, unpacked); a
-    module's rows start at its column in the group's output (`Module.col`). `buf` is float32."""
-    for m in layout.modules:
-        if m.post != "dora":
-            continue
-        a = torch.stack([buf[o:o + m.fan_in] for o in m.a_rows.tolist()])      # [r, in]
-        bt = torch.stack([buf[o:o + m.n_out] for o in m.b_rows.tolist()])     # [r, out]
-        g_at, c_at = (int(o) for o in m.post_rows)
-        for lo in range(0, m.n_out, DORA_ROWS):
-            hi = min(m.n_out, lo + DORA_ROWS)
-            w, bias = base_rows(m.layer, _GROUP_NAMES[m.group], m.col + lo, m.col + hi)
-            norm = (w.float() + bt[:, lo:hi].t() @ a).norm(dim=1)
-            g = buf[g_at + lo:g_at + hi] / norm
-            buf[g_at + lo:g_at + hi] = g
-            if bias is not None:
-                buf[c_at + lo:c_at + hi] = (1 - g) * bias.float()
-
-
 def _runs(rows: np.ndarray, length: int):
     """(first row, row past the last, offset) of each run of rows lying back to back."""
     breaks = np.flatnonzero(np.diff(rows) != length) + 1

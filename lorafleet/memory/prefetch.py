@@ -159,7 +159,7 @@ class Prefetcher:
         check_name(name)
         r = self.residency
         entry = r.stage(name, Path(path))
-        r.load_started(entry, self.executor.submit(_load, r, entry.name, entry.path, None, self.stream))
+        r.load_started(entry, self.executor.submit(_load, r, entry.name, entry.path, None, self.stream, eager=True))
         done: Future = Future()
         done.set_running_or_notify_cancel()
         self._eager[entry] = done
@@ -171,7 +171,7 @@ class Prefetcher:
         for entry in [e for e in self._loading if e.loading.done()]:
             self._loading.remove(entry)
             try:
-                host, seconds = entry.loading.result()
+                host, seconds, _ = entry.loading.result()
             except Exception as e:  # an AdapterError names the problem; anything else is a bug
                 r.load_failed(entry, _reason(e, entry))
                 self._result.failed[entry] = entry.error
@@ -202,11 +202,11 @@ class Prefetcher:
         pages (never the old weights' under its name: they serve until the swap) and copy."""
         r = self.residency
         try:
-            host, seconds = entry.loading.result()
+            host, seconds, inspected = entry.loading.result()
         except Exception as e:  # noqa: BLE001
             r.load_failed(entry, _reason(e, entry))
             return self._eager_refused(entry, done, e if isinstance(e, AdapterError) else AdapterError(entry.error))
-        r.loaded(entry, host, seconds)
+        r.loaded(entry, host, seconds, inspected)
         old = r.entries.get(entry.name)
         if old is not None and old.ready and old.path == entry.path and old.digest == entry.digest:
             self._eager_done(entry, done)
@@ -286,20 +286,23 @@ def _worker_start() -> None:
 
 
 def _load(residency: AdapterResidency, name: str, path, pages: list[int] | None, stream,
-          trusted_digest: str | None = None):
+          trusted_digest: str | None = None, eager: bool = False):
     """Worker: disk -> host (read, validate, hash, lay out; a stored adapter is read only, see
-    `AdapterEntry.trusted_digest`), and into `pages` when given."""
+    `AdapterEntry.trusted_digest`), and into `pages` when given. Returns (host, seconds, what
+    the inspection found: an eager load's entry was never registered, so it takes its
+    vocabulary, tokenizer and saved modules from here; None for the others)."""
     t0 = time.perf_counter()
     pool = residency.pool
+    inspected = None
     if trusted_digest is None:  # sizes from the header before any tensor is read (it may have changed since)
-        residency.inspect(name, path, tokenizer=False)
+        inspected = residency.inspect(name, path, tokenizer=eager)
     host = host_cache.build_host_adapter(path, residency.base, pool.page_elems, pool.tensor.dtype,
                                          residency.pin_host, trusted_digest, residency.base_rows)
     if pages is not None:
         if host.layout.paged_numel(pool.tensor.element_size()) > len(pages) * pool.page_elems:
             raise AdapterError(f"{path}: the weights are larger than the file's header says")
         copy_in(pool, host, pages, stream)
-    return host, time.perf_counter() - t0
+    return host, time.perf_counter() - t0, inspected if eager else None
 
 
 def _timed_copy(pool: PagePool, host: HostAdapter, pages: list[int], stream=None) -> float:

@@ -70,7 +70,7 @@ class AdapterResidency:
     def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int, min_resident_steps: int = 4,
                  base_rows=None):
         """`base_rows(layer, group, start, end)`: the base's weight rows (and bias) as served, for
-        DoRA's norms (`memory.layout.finish_dora`); read by the load workers, never written."""
+        DoRA's norms and saved copies (`memory.finish`); read by the load workers, never written."""
         self.pool = pool
         self.base = base
         self.base_rows = base_rows
@@ -253,9 +253,12 @@ class AdapterResidency:
     def load_started(self, entry: AdapterEntry, future) -> None:
         entry.loading = future
 
-    def loaded(self, entry: AdapterEntry, host: HostAdapter, seconds: float) -> bool:
+    def loaded(self, entry: AdapterEntry, host: HostAdapter, seconds: float, inspected: Inspected | None = None) -> bool:
         """The disk -> host load finished (and the copy too when it had pages): True when the
-        adapter is now ready on the device."""
+        adapter is now ready on the device. `inspected`: an eager load's inspection (its entry
+        was staged, never registered)."""
+        if inspected is not None:
+            entry.vocab_size, entry.tokenizer, entry.saved = inspected.vocab_size, inspected.tokenizer, inspected.saved
         entry.loading = None
         entry.disk_loads += 1
         entry.load_time_s += seconds
@@ -297,7 +300,7 @@ class AdapterResidency:
         entry.ranks, entry.num_params = host.ranks, host.num_params
         entry.row_table = host.layout.table_index(entry.pages, self.itemsize)
         entry.max_rank = max((m.r for m in host.layout.modules), default=0)  # the LoRA op's bound: projections only
-        entry.posts, entry.saved = host.layout.posts, host.layout.saved
+        entry.posts = host.layout.posts  # (`saved` stays what the files declare: copies equal to the base are dropped)
         entry.heads = (HeadParts(host.layout.parts, entry.pages, self.pool.page_elems, self.pool.tensor.device)
                        if host.layout.parts else None)
         entry.kv_salt = kv_salt(host.layout.targets(), host.digest, self.base.num_layers)

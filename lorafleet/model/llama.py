@@ -118,13 +118,16 @@ class LlamaModel(torch.nn.Module):
 
     def base_rows(self, layer: int, group: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows [start, end) of a fused projection's weight (`group`: qkv, o, gate_up, down) as
-        served (dequantized, unpacked: through `Kernels.rows`) in fp32, and of its bias (None
-        without one): what DoRA's norms read (`memory.layout.finish_dora`). Read only; any thread."""
-        lw = self.layers[layer]
+        served (dequantized, unpacked: through `Kernels.rows`) in fp32 on the host, and of its bias (None
+        without one): what DoRA's norms read (`memory.finish`). `group` "embed" or "lm_head": that
+        weight's rows (`layer` unused; no bias), what a saved copy is compared with. Read only; any thread."""
         ids = torch.arange(start, end, device=self.device)
+        if group in ("embed", "lm_head"):
+            return self.kernels.rows(self.w[group], ids, self.w.get(f"{group}_s"), torch.float32).float().cpu(), None
+        lw = self.layers[layer]
         w = self.kernels.rows(getattr(lw, group), ids, getattr(lw, f"{group}_s"), torch.float32).float()
-        bias = getattr(lw, f"{group}_b")
-        return w, None if bias is None else bias[ids].float()
+        bias = getattr(lw, f"{group}_b")  # on the host, as the load's buffers are
+        return w.cpu(), None if bias is None else bias[ids].float().cpu()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:

@@ -110,6 +110,10 @@ def test_an_adapter_with_added_tokens_is_served_with_its_own_tokenizer(vocab_fle
     assert end not in forced.token_ids[:-1]
     with pytest.raises(InvalidRequestError, match="modules_to_save.*serves alone"):
         engine.add_request(base_ids, SamplingParams(max_tokens=1), adapter=Mix.of({"tools": 1.0, "tools2": 0.5}))
+    # loaded eagerly (never registered lazily): its inspection on the load worker brings the same
+    assert engine.load_adapter("eager", folder)["vocab_size"] == vocab + len(ADDED)
+    assert engine.tokenizer_for("eager").encode(text) == ids
+    assert engine.generate([text], params, adapters=["eager"])[0].token_ids == outs[0].token_ids
 
 
 @pytest.mark.parametrize("case", ["tokenizer-larger", "no-tokenizer"])
@@ -217,3 +221,34 @@ def test_head_adapters_through_the_daemons_app_answer_as_in_process(fleet):
             assert got == want[name], name
     finally:
         server.close()
+
+
+def test_saved_copies_equal_to_the_base_are_dropped_at_load_stored_or_not(fleet, tmp_path):
+    """PEFT saves the embedding and LM head whole beside an embedding LoRA: equal to the base's,
+    they are dropped at load (fewer pages than the header planned; the parity tests above still
+    hold), from a folder and from the store's laid-out file alike. Trained copies are kept."""
+    import shutil
+
+    from lorafleet.lora.adapter import BaseShapes, load_adapter
+    from lorafleet.memory.host_cache import build_host_adapter
+    from lorafleet.memory.layout import LAYOUT_FILE, save
+
+    base, adapters, engine = fleet
+    for name in ("lora-embed-head-r4", "saves-both-r6"):
+        engine.load_adapter(name, adapters[name])
+    defaults, trained = engine.adapters.get("lora-embed-head-r4"), engine.adapters.get("saves-both-r6")
+    assert {"embed_a", "lm_head_a"} <= defaults.heads.parts.keys() and not {"embed", "lm_head"} & defaults.heads.parts.keys()
+    assert defaults.numel < engine.adapters.inspect("x", adapters["lora-embed-head-r4"]).numel
+    assert {"embed", "lm_head"} <= trained.heads.parts.keys()
+    assert trained.numel == engine.adapters.inspect("y", adapters["saves-both-r6"]).numel
+    assert defaults.info()["saved_modules"] == ["embed_tokens", "lm_head"]  # what the files declare: it serves alone
+
+    folder = tmp_path / "stored"
+    shutil.copytree(adapters["lora-embed-head-r4"], folder)
+    shapes, page = BaseShapes.from_model_config(engine.model.cfg), engine.pool.page_elems
+    adapter = load_adapter(folder, shapes)
+    save(folder / LAYOUT_FILE, adapter, shapes, page)
+    stored = build_host_adapter(folder, shapes, page, torch.float32, False, adapter.digest, engine.model.base_rows)
+    loaded = build_host_adapter(folder, shapes, page, torch.float32, False, None, engine.model.base_rows)
+    assert stored.layout == loaded.layout and torch.equal(stored.buffer, loaded.buffer)
+    assert not {"embed", "lm_head"} & stored.layout.parts.keys()
