@@ -48,10 +48,7 @@ def drop_base_copies(layout: Layout, buf: torch.Tensor, base_rows, vocab: int) -
     or that differs anywhere (a trained one, or one against a quantized base), is kept. `buf`
     (float32, read only: it may be the store's mapping) is copied only when a part is dropped."""
     same = [part for part in ("embed", "lm_head")
-            if part in layout.parts and layout.parts[part].rows == vocab
-            and all(torch.equal(_rows(layout, buf, part, lo, min(vocab, lo + ROWS)),
-                                base_rows(0, part, lo, min(vocab, lo + ROWS))[0].float())
-                    for lo in range(0, vocab, ROWS))]
+            if part in layout.parts and layout.parts[part].rows == vocab and _equal(layout, buf, part, base_rows)]
     if not same:
         return layout, buf
     kept = layout.without(same)
@@ -64,8 +61,9 @@ def drop_base_copies(layout: Layout, buf: torch.Tensor, base_rows, vocab: int) -
     return kept, out
 
 
-def _rows(layout: Layout, buf: torch.Tensor, part: str, lo: int, hi: int) -> torch.Tensor:
-    """Rows [lo, hi) of a part of the buffer, [hi - lo, width]."""
+def _equal(layout: Layout, buf: torch.Tensor, part: str, base_rows) -> bool:
+    """Whether the part (a copy of "embed" or "lm_head") equals the base's weight, ROWS rows at a time."""
     p = layout.parts[part]
-    at = torch.from_numpy(p.offsets(layout.page_elems)[lo:hi])
-    return buf[at[:, None] + torch.arange(p.width)]
+    at, cols = torch.from_numpy(p.offsets(layout.page_elems)), torch.arange(p.width)
+    return all(torch.equal(buf[at[lo:lo + ROWS, None] + cols], base_rows(0, part, lo, min(p.rows, lo + ROWS))[0])
+               for lo in range(0, p.rows, ROWS))
