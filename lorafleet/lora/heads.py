@@ -289,6 +289,11 @@ def own_tokenizer(folder: Path, vocab: int, base_vocab: int):
         raise AdapterError(f"{path}: missing; {need}")
     if os.path.getsize(path) > MAX_TOKENIZER_BYTES:
         raise AdapterError(f"{path}: over {MAX_TOKENIZER_BYTES >> 20} MiB (a tokenizer is a few MiB)")
+    for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json", "config.json",
+                 "generation_config.json"):  # what `Tokenizer.from_pretrained` reads beside it: parsed holding the GIL
+        other = Path(folder) / name
+        if os.path.isfile(other) and os.path.getsize(other) > MAX_TOKENIZER_BYTES // 16:
+            raise AdapterError(f"{other}: over {MAX_TOKENIZER_BYTES >> 24} MiB (a tokenizer's files are a few KiB)")
     try:
         tok = Tokenizer.from_pretrained(folder)
     except ModelLoadError as e:

@@ -41,6 +41,7 @@ PICKLE_NAME = "adapter_model.bin"
 _MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB (one rank_pattern key a module: tens); parsing holds the GIL
 MAX_PATTERN_CHARS = 4096   # one regular expression of the config
 MAX_PATTERN_KEYS = 4096    # rank_pattern / alpha_pattern entries (PEFT writes one per module at most)
+MAX_SAVED_ENTRIES = 64     # modules_to_save entries (PEFT configs name a handful)
 MATCH_TIMEOUT_S = 0.02     # one pattern against one module name: real ones take microseconds
 CONFIG_BUDGET_S = 2.0      # every pattern against every module name of the base
 # init_lora_weights values whose adapters expect a base model rewritten at init time.
@@ -198,6 +199,8 @@ def _validate_config(cfg: dict, source: Path) -> None:
     mts = cfg.get("modules_to_save")
     if mts is not None and not (isinstance(mts, list) and all(isinstance(t, str) and t for t in mts)):
         raise bad("modules_to_save", "must be a list of module names")
+    if mts and len(mts) > MAX_SAVED_ENTRIES:  # each is matched against every module name of the base
+        raise bad("modules_to_save", f"at most {MAX_SAVED_ENTRIES} entries")
     try:
         saved_modules(cfg)
     except AdapterError as e:

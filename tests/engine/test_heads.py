@@ -116,7 +116,7 @@ def test_an_adapter_with_added_tokens_is_served_with_its_own_tokenizer(vocab_fle
     assert engine.generate([text], params, adapters=["eager"])[0].token_ids == outs[0].token_ids
 
 
-@pytest.mark.parametrize("case", ["tokenizer-larger", "no-tokenizer"])
+@pytest.mark.parametrize("case", ["tokenizer-larger", "no-tokenizer", "huge-tokenizer-config"])
 def test_an_adapter_whose_vocabulary_and_tokenizer_disagree_is_refused(vocab_fleet, tmp_path, case):
     base, _ = vocab_fleet
     engine = Engine(base, pool_bytes=8 << 20)
@@ -124,9 +124,13 @@ def test_an_adapter_whose_vocabulary_and_tokenizer_disagree_is_refused(vocab_fle
     if case == "tokenizer-larger":
         folder = vocab_adapter(base, tmp_path / case, added=[*ADDED, "<|extra|>"], rows=vocab + 2)
         named = f"tokenizer has {vocab + 3} token ids but its saved embedding / LM head {vocab + 2} rows"
-    else:
+    elif case == "no-tokenizer":
         folder = vocab_adapter(base, tmp_path / case, tokenizer=False)
         named = f"tokenizer.json: missing; its saved embedding / LM head has {vocab + 2} rows, the base's vocabulary {vocab}"
+    else:  # parsed holding the GIL on a worker: bounded first
+        folder = vocab_adapter(base, tmp_path / case)
+        (folder / "tokenizer_config.json").write_text(json.dumps({"x": "y" * (5 << 20)}))
+        named = "tokenizer_config.json: over 4 MiB"
     with pytest.raises(AdapterError, match=re.escape(named)):
         engine.register_adapter(case, folder)
     assert engine.list_adapters() == []

@@ -95,6 +95,7 @@ REFUSALS = [
     ("saved", dict(config=lambda c: c.update(modules_to_save=["lm_head", "score"])),
      "modules_to_save: an entry names no module the base has, or one that is not supported"),
     ("saved", dict(config=lambda c: c.update(modules_to_save=["lm_head", "q_proj"])), "not supported as a saved module"),
+    ("saved", dict(config=lambda c: c.update(modules_to_save=["lm_head"] * 65)), "modules_to_save: at most 64 entries"),
     ("norms", dict(config=lambda c: c.update(modules_to_save=["layers.0.input_layernorm"])),
      "modules_to_save: input_layernorm is supported saved in every layer or none"),
     ("norms", dict(tensors=lambda t: t.pop("base_model.model.model.layers.1.input_layernorm.weight")),
