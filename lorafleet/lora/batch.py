@@ -54,13 +54,13 @@ class HeadParts:
 
     def __init__(self, parts: dict, pages, page_elems: int, device):
         self.page_elems = page_elems
-        self.host_pages = {name: [pages[j] for j in p.pages(page_elems)] for name, p in parts.items()}
-        self.parts = {name: (p, torch.tensor([pages[j] for j in p.pages(page_elems)], dtype=torch.long,
-                                             device=device)) for name, p in parts.items()}
+        self.host_pages = {name: [int(pages[j]) for j in p.pages(page_elems)] for name, p in parts.items()}
+        self.parts = {name: (p, torch.tensor(self.host_pages[name], dtype=torch.long, device=device))
+                      for name, p in parts.items()}
         # a part whose pages are consecutive in the pool (the usual case: an adapter takes the
         # highest free pages) is read in place, without the gather's copy: its first page
-        self.run_start = {name: int(pages[p.pages(page_elems)[0]]) for name, p in parts.items()
-                          if all(pages[j] == pages[p.pages(page_elems)[0]] + k for k, j in enumerate(p.pages(page_elems)))}
+        self.run_start = {name: on[0] for name, on in self.host_pages.items()
+                          if on == list(range(on[0], on[0] + len(on)))}
 
     def __contains__(self, name: str) -> bool:
         return name in self.parts

@@ -135,6 +135,15 @@ def matrices(heads: dict[str, HeadWeights]) -> dict[str, torch.Tensor]:
     return {p: out[p] for p in PARTS if p in out}
 
 
+def _what(m) -> str:
+    """What a head key (HEAD_KEY_RE's match) holds: "A" or "B" (a LoRA's), or a whole weight:
+    "copy" (`.weight`), "wrapped" (`.modules_to_save.weight`), "base" (`.base_layer.weight`),
+    "original" (`.original_module.weight`)."""
+    ab = m.group("ab") or m.group("eab")
+    return ab or {"base_layer.": "base", "modules_to_save.": "wrapped", "original_module.": "original",
+                  None: "copy"}[m.group("base")]
+
+
 def header_parts(header: dict) -> dict[str, tuple[int, int]]:
     """Part -> (rows, width) from a safetensors header's shapes alone (the layout's plan before
     the data is read; loading checks the shapes). Keys that are not well-formed parts are left out."""
@@ -152,8 +161,8 @@ def header_parts(header: dict) -> dict[str, tuple[int, int]]:
             continue
         if len(info["shape"]) != 2:
             continue
-        what = "copy" if m.group("ab") is None and m.group("eab") is None else (m.group("ab") or m.group("eab"))
-        shapes[(kind, what)] = info["shape"]
+        what = _what(m)
+        shapes[(kind, what if what in ("A", "B") else "copy")] = info["shape"]
     out: dict[str, tuple[int, int]] = {NORM_PARTS[k]: (len(layers), width) for k, (layers, width) in norms.items()}
     for full, part in ((EMBED, "embed"), (LM_HEAD, "lm_head")):
         if (full, "copy") in shapes:
@@ -187,15 +196,13 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             raise AdapterError(f"{source}: holds {quoted}: use_dora on {short} is not supported (DoRA is, on the projections)")
         if m.group("kind") == "bias":
             raise AdapterError(f"{source}: holds {quoted}: lora_bias on {short} is not supported (it is, on the projections)")
-        if m.group("ab") is None and m.group("eab") is None:  # a whole weight
-            what = {"base_layer.": "base", "modules_to_save.": "wrapped", "original_module.": "original",
-                    None: "copy"}[m.group("base")]
+        what = _what(m)
+        if what not in ("A", "B"):  # a whole weight
             if what in ("copy", "wrapped", "original") and full not in saved:
                 raise AdapterError(f"{source}: holds {quoted}, but modules_to_save does not name {short!r}")
             if what == "base" and full not in lora_targets:
                 raise AdapterError(f"{source}: holds {quoted}, but target_modules does not target {short!r}")
         else:
-            what = m.group("ab") or m.group("eab")
             if full in NORM_PARTS:
                 raise AdapterError(f"{source}: holds {quoted}: LoRA on {short} is not supported (saving it whole is)")
             if (m.group("eab") is not None) != (full == EMBED):
