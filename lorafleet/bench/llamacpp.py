@@ -1,12 +1,13 @@
 """llama.cpp as a system of `lorafleet bench` (`llama.cpp`): `llama-server` on the same random
 model and PEFT adapters, converted to GGUF, the workload's requests replayed over HTTP as for
 the daemon system. The base is f32, or with `--quantize` (`job.quantize`) the same model as Q8_0
-(int8) or Q4_0 (int4, every tensor: `llamacpp_build.quantize_command`); adapters stay f32.
+(int8) or Q4_0 (int4, every tensor: `llamacpp_convert.quantize_command`); adapters stay f32.
 A server that a signal ends while it warms up on a quantized model (AMX tiles that fault on
 some hosts) is started again with `--no-repack`, and the run's `details.fallback` says so.
 
-The server and the GGUF files come from `llamacpp_build.py` (built and converted once, cached
-outside the repository; what cannot be had is the reason the system is skipped).
+The server comes from `llamacpp_build.py` and the GGUF files from `llamacpp_convert.py` (built
+and converted once, cached outside the repository; what cannot be had is the reason the system
+is skipped).
 
 Serving. llama-server on a free localhost port with the base, every adapter of the job and the
 warm-up adapter (`--lora` each, and `--lora-init-without-apply`), `-np` = the requests in flight
@@ -37,8 +38,8 @@ from pathlib import Path
 
 from lorafleet.bench import http_replay
 from lorafleet.bench.jobs import WARM_UP_PROMPT, Job, Replayed, System
-from lorafleet.bench.llamacpp_build import (GGUF_TYPES, SDIST_NAME, SDIST_VERSION, LlamaCppUnavailable,
-                                            convert_adapter, convert_model, server_binary)
+from lorafleet.bench.llamacpp_build import SDIST_NAME, SDIST_VERSION, LlamaCppUnavailable, server_binary
+from lorafleet.bench.llamacpp_convert import GGUF_TYPES, convert_adapter, convert_model
 
 START_TIMEOUT_S = 300     # llama-server loading the model and adapters
 CTX_ROUND = 256           # each slot's context, rounded up to this (llama.cpp pads to it)

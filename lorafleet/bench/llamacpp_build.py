@@ -28,20 +28,7 @@ Each is made in a temporary sibling renamed into place once complete, under an f
 (the kernel releases it when its holder dies): a killed build leaves no half cache, and a second
 builder waits for the first and uses its result.
 
-Conversions. The bench's models have no tokenizer, and a GGUF needs a vocabulary, so the model's
-files are staged (symlinks) beside a stand-in tokenizer of the model's vocabulary size: `<unk>`,
-`<s>`, `</s>` at ids 0-2 (the bench models' pad/bos/eos), then `▁<id>` for every other id, whole
-ASCII pieces, so that every generated token streams as it comes. Prompts go as token ids and
-outputs come back as ids: its strings never matter. `convert_hf_to_gguf.py` and
-`convert_lora_to_gguf.py`, both `--outtype f32`, write into `<model>-gguf/` beside the base, each
-file named by a digest of its inputs (the files' bytes, the converters' sdist, the staging's form)
-and written under a temporary name, then renamed. A quantized base (`lorafleet bench llama-cpp
---quantize`, the same model lorafleet quantizes as it loads): int8 is the converter's
-`--outtype q8_0` (`model-q8_0-<digest>.gguf`: blocks of 32 with an fp16 scale, where lorafleet's
-int8 has one scale per output channel), int4 is `llama-quantize --pure <f32 file> ... Q4_0`
-(`model-q4_0-pure-<digest>.gguf`: Q4_0 is lorafleet's int4 block for block; `--pure` makes the
-output tensor Q4_0 too, as lorafleet's LM head, where the tool's default mix keeps it in Q6_K).
-The adapters stay f32 GGUF LoRA (lorafleet's stay in the compute dtype).
+The conversions to GGUF are `llamacpp_convert.py`'s.
 """
 
 from __future__ import annotations
@@ -61,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from lorafleet.bench.fixtures import SPECIAL_TOKENS, cache_root as bench_cache_root
+from lorafleet.bench.fixtures import cache_root as bench_cache_root
 
 SDIST_NAME, SDIST_VERSION = "llama-cpp-python", "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -73,13 +60,8 @@ CONVERTERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion", 
 SERVER_ENV = "LORAFLEET_LLAMA_SERVER"
 QUANTIZE_ENV = "LORAFLEET_LLAMA_QUANTIZE"
 TOOLS = {"llama-server": "server", "llama-quantize": "quantize"}  # target -> its cache folder's prefix
-# `--quantize` -> the GGUF type llama-server is given: the converter writes f32 and Q8_0, the
-# quantize tool Q4_0 (from the f32 file, --pure: every tensor, the output one too, as lorafleet's int4)
-GGUF_TYPES = {None: "f32", "int8": "q8_0", "int4": "q4_0"}
-STAGE_FORM = 1            # the staged tokenizer's form: a new one converts every model again
 LOCK_WAIT_S = 3600        # for another process's build (a build takes minutes on 2 cores)
 STEP_TIMEOUT_S = 3600     # one step of a build: download, configure, compile
-CONVERT_TIMEOUT_S = 1800
 
 
 class LlamaCppUnavailable(RuntimeError):
@@ -90,13 +72,13 @@ def cache_root() -> Path:
     return bench_cache_root() / "llama.cpp"
 
 
-def _quiet(message: str) -> None:
+def quiet(message: str) -> None:
     pass
 
 
 # -- llama-server ------------------------------------------------------------------------------
 
-def server_binary(say: Callable[[str], None] = _quiet) -> Path:
+def server_binary(say: Callable[[str], None] = quiet) -> Path:
     """`$LORAFLEET_LLAMA_SERVER`, else the cached build for this machine, built first if need be."""
     own = os.environ.get(SERVER_ENV)
     if own:
@@ -104,7 +86,7 @@ def server_binary(say: Callable[[str], None] = _quiet) -> Path:
     return _built("llama-server", say, also=("llama-quantize",))
 
 
-def quantize_binary(say: Callable[[str], None] = _quiet) -> Path:
+def quantize_binary(say: Callable[[str], None] = quiet) -> Path:
     """llama.cpp's quantize tool (Q4_0 for `--quantize int4`): `$LORAFLEET_LLAMA_QUANTIZE`, else
     the `llama-quantize` beside `$LORAFLEET_LLAMA_SERVER` where there is one, else the cached
     build for this machine (the same sources and flags as llama-server's), built first if need be."""
@@ -188,7 +170,7 @@ def build_inputs() -> dict:
             "machine": platform.machine(), "cpu_flags": _cpu_flags()}
 
 
-def converters(say: Callable[[str], None] = _quiet) -> Path:
+def converters(say: Callable[[str], None] = quiet) -> Path:
     """The vendored converters (and the gguf-py they import), extracted once from the sdist."""
     root = cache_root()
     final = root / f"converters-{SDIST_VERSION}-{SDIST_SHA256[:12]}"
@@ -214,7 +196,7 @@ def _download_sdist(into: Path, log: Path) -> Path:
     _step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME, "--disable-pip-version-check",
            "-d", str(into), f"{SDIST_NAME}=={SDIST_VERSION}"], log, f"downloading {SDIST_NAME} {SDIST_VERSION}")
     [tarball] = into.glob("*.tar.gz")
-    digest = _file_digest(tarball)
+    digest = file_digest(tarball)
     if digest != SDIST_SHA256:
         raise LlamaCppUnavailable(f"{tarball.name} has sha256 {digest}, expected {SDIST_SHA256}")
     return tarball
@@ -298,151 +280,9 @@ def _digest_json(data: dict) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _file_digest(path: Path, h=None) -> str:
+def file_digest(path: Path, h=None) -> str:
     h = h or hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
-
-
-# -- conversions -------------------------------------------------------------------------------
-
-def convert_model(model_dir: Path, say: Callable[[str], None] = _quiet, quantize: str | None = None,
-                  threads: int | None = None) -> Path:
-    """The bench model as a GGUF of `GGUF_TYPES[quantize]`, converted once (cached beside it, by
-    content): f32 and Q8_0 (`quantize` int8) by the converter, Q4_0 (int4) by the quantize tool
-    from the f32 file (`quantize_command`: `--pure`, `threads` of it)."""
-    model_dir = Path(model_dir)
-    if quantize not in GGUF_TYPES:
-        raise ValueError(f"quantize {quantize!r}: one of {', '.join(map(str, GGUF_TYPES))}")
-    if quantize == "int4":
-        f32 = convert_model(model_dir, say)
-        out = f32.with_name(f32.name.replace("model-f32-", "model-q4_0-pure-", 1))
-        if not out.is_file():
-            binary = quantize_binary(say)
-            say(f"quantizing {model_dir.name}'s GGUF to Q4_0")
-            with tempfile.TemporaryDirectory(prefix=".quantize-", dir=out.parent) as tmp:
-                _run(quantize_command(binary, f32, Path(tmp) / "out.gguf", threads),
-                     f"quantizing {f32.name} to Q4_0")
-                os.replace(Path(tmp) / "out.gguf", out)
-        return out
-    outtype = GGUF_TYPES[quantize]
-    conv = converters(say)
-    out = _gguf_dir(model_dir) / f"model-{outtype}-{_inputs_digest(_model_files(model_dir))}.gguf"
-    if not out.is_file():
-        say(f"converting {model_dir.name} to GGUF ({outtype})")
-        with tempfile.TemporaryDirectory(prefix=".convert-", dir=out.parent) as tmp:
-            stage = _stage(model_dir, Path(tmp) / "model")
-            _convert(convert_command(conv, stage, outtype, Path(tmp) / "out.gguf"), f"converting {model_dir} to GGUF")
-            os.replace(Path(tmp) / "out.gguf", out)
-    return out
-
-
-def convert_command(conv: Path, stage: Path, outtype: str, outfile: Path) -> list:
-    """The converter's arguments (after the Python that runs it) for a model staged in `stage`."""
-    return [conv / "convert_hf_to_gguf.py", stage, "--outtype", outtype, "--outfile", outfile]
-
-
-def quantize_command(binary: Path, src: Path, dst: Path, threads: int | None = None) -> list:
-    """llama-quantize's command line: `src` (the f32 GGUF) to Q4_0 in `dst`, `--pure` so that
-    every tensor is Q4_0, the output (LM head) and token embedding included, where its default
-    mix keeps the output in Q6_K: lorafleet's int4 holds its LM head in int4, so this is the
-    same model in the same bytes."""
-    return [binary, "--pure", src, dst, "Q4_0", *([str(threads)] if threads else [])]
-
-
-def _run(cmd: list, what: str) -> None:
-    try:
-        proc = subprocess.run(list(map(str, cmd)), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=CONVERT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise LlamaCppUnavailable(f"{what} took over {CONVERT_TIMEOUT_S} s")
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        raise LlamaCppUnavailable(f"{what} failed (exit {proc.returncode}): {tail}")
-
-
-def convert_adapter(model_dir: Path, adapter_dir: Path, say: Callable[[str], None] = _quiet) -> Path:
-    """A PEFT adapter of the bench model as an f32 GGUF LoRA adapter (cached beside the base, by content)."""
-    model_dir, adapter_dir = Path(model_dir), Path(adapter_dir)
-    conv = converters(say)
-    files = [model_dir / "config.json", adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"]
-    out = _gguf_dir(model_dir) / f"lora-f32-{_inputs_digest(files)}.gguf"
-    if not out.is_file():
-        say(f"converting adapter {adapter_dir.name} to GGUF")
-        with tempfile.TemporaryDirectory(prefix=".convert-", dir=out.parent) as tmp:
-            stage = _stage(model_dir, Path(tmp) / "model")
-            _convert([conv / "convert_lora_to_gguf.py", adapter_dir, "--base", stage, "--outtype", "f32",
-                      "--outfile", Path(tmp) / "out.gguf"], f"converting adapter {adapter_dir} to GGUF")
-            os.replace(Path(tmp) / "out.gguf", out)
-    return out
-
-
-def _model_files(model_dir: Path) -> list[Path]:
-    weights = sorted(model_dir.glob("*.safetensors"))
-    if not weights:
-        from lorafleet.model.loader import RANDOM_WEIGHTS
-
-        made = " (its weights are made in memory as it loads: no files for llama.cpp's converter)" \
-            if (model_dir / RANDOM_WEIGHTS).is_file() else ""
-        raise LlamaCppUnavailable(f"{model_dir} has no *.safetensors to convert{made}")
-    return [model_dir / "config.json", *weights]
-
-
-def _inputs_digest(files: list[Path]) -> str:
-    h = hashlib.sha256(f"{SDIST_SHA256}/{STAGE_FORM}".encode())
-    for f in files:
-        h.update(f"\0{f.name}\0".encode())
-        _file_digest(f, h)
-    return h.hexdigest()[:16]
-
-
-def _gguf_dir(model_dir: Path) -> Path:
-    folder = model_dir.parent / f"{model_dir.name}-gguf"
-    folder.mkdir(exist_ok=True)
-    return folder
-
-
-def _stage(model_dir: Path, stage: Path) -> Path:
-    """The model's files (symlinked) and a stand-in tokenizer of its vocabulary size."""
-    config = json.loads((model_dir / "config.json").read_text())
-    specials = {k: config[k] for k in SPECIAL_TOKENS}
-    if specials != SPECIAL_TOKENS:
-        raise LlamaCppUnavailable(f"{model_dir}: the stand-in tokenizer needs the bench models' special tokens "
-                                  f"{SPECIAL_TOKENS}, the config has {specials}")
-    stage.mkdir()
-    for f in model_dir.iterdir():
-        (stage / f.name).symlink_to(f.resolve())
-    (stage / "tokenizer.json").write_text(json.dumps(stand_in_tokenizer(config["vocab_size"])))
-    (stage / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "pad_token": "<unk>", "bos_token": "<s>",
-        "eos_token": "</s>", "add_bos_token": False, "add_eos_token": False}))
-    return stage
-
-
-def stand_in_tokenizer(vocab_size: int) -> dict:
-    """A `tokenizers` BPE vocabulary of the Llama kind (byte fallback, a decoder sequence: what
-    the converter takes for a Llama tokenizer) with no merges: ids 0-2 special, `▁<id>` after."""
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {**{s: i for i, s in enumerate(specials)}, **{f"\u2581{i}": i for i in range(len(specials), vocab_size)}}
-    return {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "pre_tokenizer": None,
-            "post_processor": None,
-            "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                              "normalized": False, "special": True} for i, s in enumerate(specials)],
-            "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
-            "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
-                      "vocab": vocab, "merges": []}}
-
-
-def _convert(args: list, what: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the converters' own gguf-py
-    try:
-        proc = subprocess.run([sys.executable, *map(str, args)], stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=CONVERT_TIMEOUT_S, env=env)
-    except subprocess.TimeoutExpired:
-        raise LlamaCppUnavailable(f"{what} took over {CONVERT_TIMEOUT_S} s")
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        raise LlamaCppUnavailable(f"{what} failed (exit {proc.returncode}): {tail}")

@@ -86,7 +86,7 @@ def print_report(report: dict, as_json: bool) -> None:
 def suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str, out: str | None,
           as_json: bool, needs: dict[str, str] | None = None, on_device: bool = False) -> None:
     """lora-decode, decode-bound, switch, overhead, store-load, stats-cost and gpu: one result per
-    shape, `tables.<table>` of them, the JSON report. Each runs lorafleet's engine in this
+    shape, `suite_tables.<table>` of them, the JSON report. Each runs lorafleet's engine in this
     process: its OpenMP workers wait as under `lorafleet serve` (`lorafleet/openmp.py`), set
     before anything here imports torch. `needs`, `on_device`: what `require` checks first,
     beside building the shapes' models."""
@@ -106,9 +106,9 @@ def suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: s
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
-        from lorafleet.bench import tables
+        from lorafleet.bench import suite_tables, tables
 
-        tables.console().print(getattr(tables, table)(results))
+        tables.console().print(getattr(suite_tables, table)(results))
     err_console.print(f"wrote {path}", highlight=False)
 
 

@@ -62,7 +62,7 @@ def test_the_report_sets_each_rounds_steps_against_that_rounds_bound(report):
 def test_a_round_beside_other_work_is_named_under_the_table(monkeypatch):
     from rich.console import Console
 
-    from lorafleet.bench import decode_bound, tables
+    from lorafleet.bench import decode_bound, suite_tables
 
     clock = {"busy": 0.0, "ours": 0.0}
 
@@ -75,7 +75,7 @@ def test_a_round_beside_other_work_is_named_under_the_table(monkeypatch):
     noisy = run_decode_bound("micro", batches=(1,), steps=2, rounds=2, threads=1)
     assert noisy["round_other_cores"] == [0.75, 0.75] and noisy["other_cores"] == 0.75
     console = Console(width=400, record=True)
-    console.print(tables.decode_bound_table([noisy]))
+    console.print(suite_tables.decode_bound_table([noisy]))
     text = " ".join(console.export_text().split())  # the caption wraps at the table's width
     assert "noisy: micro: other work" in text and "kept 0.8 cores busy in its busiest round" in text
 

@@ -4,7 +4,7 @@ kernels/gpu_check.sh's third part): every figure it reports is there and sane.""
 from __future__ import annotations
 
 from lorafleet.bench.gpu import run_gpu_bench
-from lorafleet.bench.tables import gpu_table
+from lorafleet.bench.suite_tables import gpu_table
 
 
 def test_the_gpu_bench_reports_kernels_engine_cases_and_ratios(tmp_path):

@@ -18,8 +18,8 @@ from lorafleet.bench import http_replay
 from lorafleet.bench.adapters import workload_adapters
 from lorafleet.bench.jobs import Job
 from lorafleet.bench.llamacpp import LlamaCpp, request_body
-from lorafleet.bench.llamacpp_build import (LlamaCppUnavailable, convert_adapter, convert_model, server_binary,
-                                            stand_in_tokenizer)
+from lorafleet.bench.llamacpp_build import LlamaCppUnavailable, server_binary
+from lorafleet.bench.llamacpp_convert import convert_adapter, convert_model, stand_in_tokenizer
 from lorafleet.bench.workloads import BenchRequest, Workload
 
 pytestmark = pytest.mark.heavy  # builds llama-server

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lorafleet.bench import fixtures, llamacpp_build
+from lorafleet.bench import fixtures, llamacpp_build, llamacpp_convert
 from lorafleet.bench.fixtures import SHAPES, build_base, check_cpu_fit, weight_gib
 from lorafleet.bench.jobs import Job
 from lorafleet.cli.main import app
@@ -207,9 +207,9 @@ def test_8b_fits_the_cpu_only_in_int4_and_the_memory_estimates_follow_the_layout
 # -- llama.cpp's side: the command lines, the cache --------------------------------------------
 
 def test_int4_is_llama_quantize_pure_q4_0_from_the_f32_file():
-    cmd = llamacpp_build.quantize_command(Path("/b/llama-quantize"), Path("/m/f32.gguf"), Path("/m/q.gguf"), 2)
+    cmd = llamacpp_convert.quantize_command(Path("/b/llama-quantize"), Path("/m/f32.gguf"), Path("/m/q.gguf"), 2)
     assert list(map(str, cmd)) == ["/b/llama-quantize", "--pure", "/m/f32.gguf", "/m/q.gguf", "Q4_0", "2"]
-    assert list(map(str, llamacpp_build.quantize_command(Path("q"), Path("a"), Path("b"))))[-1] == "Q4_0"
+    assert list(map(str, llamacpp_convert.quantize_command(Path("q"), Path("a"), Path("b"))))[-1] == "Q4_0"
 
 
 def test_int8_is_the_converters_q8_0_and_each_scheme_its_own_cached_file(micro_dir, monkeypatch, tmp_path):
@@ -228,24 +228,24 @@ def test_int8_is_the_converters_q8_0_and_each_scheme_its_own_cached_file(micro_d
         (model / f.name).symlink_to(f)
     monkeypatch.setattr(llamacpp_build, "converters", lambda say: Path("/conv"))
     monkeypatch.setattr(llamacpp_build, "quantize_binary", lambda say: Path("/bin/llama-quantize"))
-    monkeypatch.setattr(llamacpp_build, "_convert", convert)
-    monkeypatch.setattr(llamacpp_build, "_run", run)
-    q8 = llamacpp_build.convert_model(model, quantize="int8")
+    monkeypatch.setattr(llamacpp_convert, "_convert", convert)
+    monkeypatch.setattr(llamacpp_convert, "_run", run)
+    q8 = llamacpp_convert.convert_model(model, quantize="int8")
     assert q8.name.startswith("model-q8_0-") and calls[-1][0] == "convert"
     args = calls[-1][1]
     assert args[0] == "/conv/convert_hf_to_gguf.py" and args[args.index("--outtype") + 1] == "q8_0"
     calls.clear()
-    q4 = llamacpp_build.convert_model(model, quantize="int4", threads=2)
-    f32 = llamacpp_build.convert_model(model)
+    q4 = llamacpp_convert.convert_model(model, quantize="int4", threads=2)
+    f32 = llamacpp_convert.convert_model(model)
     assert [c[0] for c in calls] == ["convert", "quantize"]  # the f32 file first, then the tool on it
     assert calls[0][1][calls[0][1].index("--outtype") + 1] == "f32"
     assert calls[1][1] == ["/bin/llama-quantize", "--pure", str(f32), calls[1][1][3], "Q4_0", "2"]
     assert q4.name == f32.name.replace("model-f32-", "model-q4_0-pure-") and q4.is_file()
     assert len({q8, q4, f32}) == 3
     calls.clear()
-    assert llamacpp_build.convert_model(model, quantize="int4") == q4 and calls == []  # cached
+    assert llamacpp_convert.convert_model(model, quantize="int4") == q4 and calls == []  # cached
     with pytest.raises(ValueError):
-        llamacpp_build.convert_model(model, quantize="int2")
+        llamacpp_convert.convert_model(model, quantize="int2")
 
 
 def test_the_quantize_tool_has_a_cache_entry_of_its_own_and_a_servers_cache_keeps_its_key(tmp_path, monkeypatch):
@@ -287,7 +287,7 @@ def test_a_quantize_tool_of_ones_own_or_beside_ones_own_server(tmp_path, monkeyp
 def test_a_base_made_in_memory_is_no_model_for_llama_cpps_converter(tmp_path):
     folder = build_base("micro", tmp_path, on_device=True)
     with pytest.raises(llamacpp_build.LlamaCppUnavailable, match="made in memory"):
-        llamacpp_build._model_files(folder)
+        llamacpp_convert._model_files(folder)
 
 
 # -- with llama.cpp's tools ---------------------------------------------------------------------
@@ -298,8 +298,8 @@ def test_the_micro_base_converts_to_q8_0_and_to_pure_q4_0(micro_dir):
 
     from tests.bench.test_llamacpp import need
 
-    q8 = need(lambda: llamacpp_build.convert_model(micro_dir, quantize="int8"))
-    q4 = need(lambda: llamacpp_build.convert_model(micro_dir, quantize="int4", threads=1))
+    q8 = need(lambda: llamacpp_convert.convert_model(micro_dir, quantize="int8"))
+    q4 = need(lambda: llamacpp_convert.convert_model(micro_dir, quantize="int4", threads=1))
     Q = gguf.GGMLQuantizationType
     for path, kind in ((q8, Q.Q8_0), (q4, Q.Q4_0)):
         types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}

@@ -156,7 +156,8 @@ def test_a_job_round_trips_through_json(micro_dir):
 
 def test_the_system_modules_do_not_import_the_registry():
     code = ("import sys, lorafleet.bench.lorafleet_system, lorafleet.bench.static_batch, "
-            "lorafleet.bench.daemon_system, lorafleet.bench.llamacpp, lorafleet.bench.llamacpp_build; "
+            "lorafleet.bench.daemon_system, lorafleet.bench.llamacpp, lorafleet.bench.llamacpp_build, "
+            "lorafleet.bench.llamacpp_convert; "
             "print('lorafleet.bench.systems' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

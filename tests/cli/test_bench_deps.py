@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from lorafleet.bench import fixtures, tables
+from lorafleet.bench import fixtures, suite_tables, tables
 from lorafleet.cli import bench_suites
 from lorafleet.cli.main import app
 
@@ -115,7 +115,7 @@ def store_load_result(shape: str) -> dict:
 
 
 def test_tables_in_a_file_or_a_pipe_are_never_cut(monkeypatch):
-    table = tables.store_load_table([store_load_result("micro")] * 2)
+    table = suite_tables.store_load_table([store_load_result("micro")] * 2)
     cut = io.StringIO()
     Console(file=cut, width=80).print(table)  # what rich does to a table in a file: cells cut
     assert "…" in cut.getvalue()

@@ -457,17 +457,17 @@ def test_an_unsupported_tokenizer_is_refused_naming_it(tmp_path):
 def test_llama_cpps_conversion_serves_transformers_greedy_tokens_on_its_dequantized_weights(tmp_path, qtype):
     """convert_hf_to_gguf.py --outtype q8_0 (its real Q/K permutation, its real metadata); Q4_0 by
     llama-quantize --pure from its f32 conversion, where the build has the tool."""
-    from lorafleet.bench import llamacpp_build as lb
+    from lorafleet.bench import llamacpp_build as lb, llamacpp_convert as lc
 
     folder = build_model(tmp_path / "hf", "llama")  # the bench's stand-in tokenizer fits its special tokens
     try:
         conv = lb.converters()
     except lb.LlamaCppUnavailable as e:
         pytest.skip(f"llama.cpp's converters: {e}")
-    stage = lb._stage(folder, tmp_path / "stage")
+    stage = lc._stage(folder, tmp_path / "stage")
     out = tmp_path / f"model-{qtype}.gguf"
     outtype = "q8_0" if qtype == "Q8_0" else "f32"
-    lb._convert([conv / "convert_hf_to_gguf.py", stage, "--outtype", outtype, "--outfile", tmp_path / "conv.gguf"],
+    lc._convert([conv / "convert_hf_to_gguf.py", stage, "--outtype", outtype, "--outfile", tmp_path / "conv.gguf"],
                 "converting")
     if qtype == "Q8_0":
         (tmp_path / "conv.gguf").rename(out)
