@@ -10,6 +10,8 @@ Figures:
   LoRA step time added by `distinct`, divided by the time to read those adapters' weights once
   at the memory bandwidth measured in the same run  (target <= 1.5)
   tokens/s against PEFT's mixed-adapter batch (`generate(..., adapter_names=...)`), optional.
+With `quantize` (int8 or int4) the base is quantized as it loads, the adapters stay fp32: the
+same figures on the lighter base, and no PEFT comparison (PEFT would run the fp32 base).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lorafleet.bench.adapters import build_adapters
-from lorafleet.bench.fixtures import build_base
+from lorafleet.bench.fixtures import build_base, check_cpu_fit
 from lorafleet.memory import hugepages
 
 
@@ -112,14 +114,15 @@ def peft_mixed_tokens_per_s(base: Path, adapters: list[tuple[str, Path]], prompt
 
 def run_lora_decode(shape: str = "smol", batch: int = 32, ranks=(8, 16, 32, 64), steps: int = 16,
                     prompt_len: int = 16, rounds: int = 3, peft: bool = True, threads: int | None = None,
-                    progress=None) -> dict:
+                    progress=None, quantize: str | None = None) -> dict:
     from lorafleet import Engine
 
     if threads:
         torch.set_num_threads(threads)
+    check_cpu_fit(shape, quantize)
     base = build_base(shape)
     adapters = build_adapters(base, batch, ranks)
-    engine = Engine(base, device="cpu", pool_bytes=4 << 30)
+    engine = Engine(base, device="cpu", pool_bytes=4 << 30, quantize=quantize)
     for name, path in adapters:
         engine.load_adapter(name, path)
     vocab = engine.model.cfg.vocab_size
@@ -148,9 +151,9 @@ def run_lora_decode(shape: str = "smol", batch: int = 32, ranks=(8, 16, 32, 64),
     added = step["distinct"] - step["none"]
     op_time = lora_op_time(engine, configs["distinct"])
     result = {
-        "benchmark": "lora-decode", "shape": shape, "batch": batch, "ranks": list(ranks),
+        "benchmark": "lora-decode", "shape": shape, "batch": batch, "ranks": list(ranks), "quantization": quantize,
         "targets": "all 7 projections", "decode_steps": steps, "rounds": rounds,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "weight_bytes": engine.model.weight_bytes,
         "decode_step_ms": {k: v * 1e3 for k, v in step.items()},
         "tokens_per_s": {k: batch / v for k, v in step.items()},
         "one_vs_none_throughput": step["none"] / step["one"],
@@ -168,7 +171,9 @@ def run_lora_decode(shape: str = "smol", batch: int = 32, ranks=(8, 16, 32, 64),
     }
     distinct_tps = batch * (steps + 1) / statistics.median(walls["distinct"])
     result["distinct_end_to_end_tokens_per_s"] = distinct_tps
-    if peft:
+    if peft and quantize:
+        result["peft_mixed_skipped"] = f"PEFT would run the fp32 base, not the {quantize} one"
+    elif peft:
         try:
             peft_tps = peft_mixed_tokens_per_s(base, adapters, prompts, steps)
             result["peft_mixed_tokens_per_s"] = peft_tps

@@ -11,7 +11,8 @@ from lorafleet.bench.tables import contended, function_name, new_table, verdict
 
 
 def lora_decode_table(results: list[dict]) -> Table:
-    table = new_table("lora-decode: one decode step, fp32",
+    quantized = {r["quantization"] for r in results if r.get("quantization")}
+    table = new_table("lora-decode: one decode step, fp32" + "".join(f", base {q}" for q in sorted(quantized)),
                    ["shape", "batch", "step none\nms", "step 1\nadapter ms", "step distinct\nms", "1 adapter\n÷ none",
                     "LoRA op\nms", "weights\nread ms", "efficiency", "vs PEFT\nmixed"], left=1)
     for r in results:

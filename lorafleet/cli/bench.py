@@ -4,13 +4,12 @@ is imported only when a subcommand runs."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from lorafleet.cli import bench_suites as suites
-from lorafleet.cli.common import err_console, fail, json_errors, styled, user_errors
+from lorafleet.cli.common import err_console, json_errors, user_errors
 
 ALL_SYSTEMS = "lorafleet,transformers,peft-groups,peft-mixed,merged"
 PEER_WORKLOADS = ("peer-base", "peer-one-adapter", "peer-round-robin")  # bench llama-cpp's
@@ -153,7 +152,7 @@ def mix(
                            threads=threads, max_baseline_requests=max_baseline_requests, console=err_console)
     from lorafleet.bench.tables import mix_tables
 
-    _tables_out(report, path, as_json, lambda: mix_tables(report.get("mix", [])))
+    suites.tables_out(report, path, as_json, lambda: mix_tables(report.get("mix", [])))
 
 
 @app.command("llama-cpp")
@@ -209,7 +208,7 @@ def llama_cpp(
                            device="cpu", threads=threads, quantize=quantize, console=err_console)
     from lorafleet.bench.tables import peer_tables
 
-    _tables_out(report, path, as_json, lambda: peer_tables(report))
+    suites.tables_out(report, path, as_json, lambda: peer_tables(report))
 
 
 @app.command("lora-decode")
@@ -218,20 +217,27 @@ def lora_decode(
     batch: Annotated[int, typer.Option(
         "--batch", min=1, help="Requests (and distinct adapters) per decode step.")] = 32,
     peft: Annotated[bool, typer.Option("--peft/--no-peft", help="Also run PEFT's mixed-adapter batch.")] = True,
+    quantize: Annotated[str | None, typer.Option(
+        "--quantize", metavar="int8|int4",
+        help="The base quantized as it loads, the adapters fp32; no PEFT run (it would run the fp32 base).")] = None,
     quick: Quick = False, threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """The cost of one decode step over BATCH requests: without adapters, all on one adapter and
     on BATCH distinct adapters (ranks 8-64 on all 7 projections); the LoRA op against one read
     of those adapters' weights at the bandwidth measured in the same run; tokens/s against
-    PEFT's mixed-adapter batch."""
+    PEFT's mixed-adapter batch. With --quantize, the same on an int8 or int4 base."""
+    with_peft = peft and not quick and not quantize
+
     def one(shape: str) -> dict:
         from lorafleet.bench.lora_decode import run_lora_decode
 
         return run_lora_decode(shape, batch=batch, steps=4 if quick else 16, rounds=1 if quick else 3,
-                               peft=peft and not quick, threads=threads, progress=suites.say)
+                               peft=peft and not quick, threads=threads, progress=suites.say, quantize=quantize)
+    shapes = model or (["micro"] if quick else ["tiny"])
+    suites.check_shapes(shapes)
+    suites.check_quantize(quantize, shapes, cpu=True)
     needs = {m: "PEFT's mixed-adapter batch, which --no-peft leaves out" for m in ("transformers", "peft")}
-    suites.suite("lora-decode", model or (["micro"] if quick else ["tiny"]), one, "lora_decode_table", out, as_json,
-                 needs=needs if peft and not quick else None)
+    suites.suite("lora-decode", shapes, one, "lora_decode_table", out, as_json, needs=needs if with_peft else None)
 
 
 @app.command("decode-bound")
@@ -376,23 +382,3 @@ def gpu(
         return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=suites.say, quantize=quantize,
                              **small)
     suites.suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json, on_device=True)
-
-
-def _tables_out(report: dict, path, as_json: bool, tables) -> None:
-    """A suite's end: the report as JSON, or `tables()` with the noise warnings and the time;
-    where it was written; a failure naming the runs that failed."""
-    if as_json:
-        typer.echo(json.dumps(report, indent=2))
-    else:
-        from lorafleet.bench.tables import console
-
-        for table in tables():
-            console().print(table)
-        for warning in (w for rep in report["reports"] for w in rep["warnings"]):
-            err_console.print(styled("noisy:", "yellow", warning))
-        err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
-    err_console.print(f"wrote {path}", highlight=False)
-    failed = [f"{rep['workload']['name']}/{r['model']}/{r['system']}" for rep in report["reports"]
-              for r in rep["results"] if r["status"] == "error"]
-    if failed:
-        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")

@@ -83,6 +83,26 @@ def print_report(report: dict, as_json: bool) -> None:
     err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
 
 
+def tables_out(report: dict, path, as_json: bool, tables) -> None:
+    """A suite's end: the report as JSON, or `tables()` with the noise warnings and the time;
+    where it was written; a failure naming the runs that failed."""
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        from lorafleet.bench.tables import console
+
+        for table in tables():
+            console().print(table)
+        for warning in (w for rep in report["reports"] for w in rep["warnings"]):
+            err_console.print(styled("noisy:", "yellow", warning))
+        err_console.print(f"took {report['duration_s']:.0f} s", highlight=False)
+    err_console.print(f"wrote {path}", highlight=False)
+    failed = [f"{rep['workload']['name']}/{r['model']}/{r['system']}" for rep in report["reports"]
+              for r in rep["results"] if r["status"] == "error"]
+    if failed:
+        raise fail(f"{len(failed)} run(s) failed: {', '.join(failed)} (reasons in {path})")
+
+
 def suite(name: str, shapes: list[str], run_one: Callable[[str], dict], table: str, out: str | None,
           as_json: bool, needs: dict[str, str] | None = None, on_device: bool = False) -> None:
     """lora-decode, decode-bound, switch, overhead, store-load, stats-cost and gpu: one result per

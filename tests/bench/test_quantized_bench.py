@@ -8,6 +8,7 @@ tools are heavy (tests/bench/test_llamacpp.py says how they skip)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,7 +66,7 @@ def test_llama_cpp_passes_quantize_to_the_suite_and_builds_the_quantize_tool_fir
 
 
 @pytest.mark.parametrize("args", [["run", "--quantize", "int3"], ["llama-cpp", "--quantize", "fp8"],
-                                  ["decode-bound", "--quantize", "q4_0"]])
+                                  ["decode-bound", "--quantize", "q4_0"], ["lora-decode", "--quantize", "int2"]])
 def test_an_unknown_scheme_is_a_usage_error(args):
     result = runner.invoke(app, ["bench", *args])
     assert result.exit_code == 2 and "int8, int4" in result.output
@@ -73,7 +74,7 @@ def test_an_unknown_scheme_is_a_usage_error(args):
 
 @pytest.mark.parametrize("args", [["decode-bound", "-m", "8b"], ["decode-bound", "-m", "8b", "--quantize", "int8"],
                                   ["llama-cpp", "-m", "8b", "--quantize", "int8"],
-                                  ["run", "-m", "8b", "--device", "cpu"]])
+                                  ["run", "-m", "8b", "--device", "cpu"], ["lora-decode", "-m", "8b"]])
 def test_8b_on_the_cpu_without_int4_is_refused_before_anything_runs(args, monkeypatch):
     import lorafleet.bench.runner
 
@@ -145,6 +146,28 @@ def test_decode_bound_quick_with_quantize_reports_the_bound_and_the_memory(tmp_p
     assert row["quantization"] == "int8" and row["memory_target"] == 0.27
     assert row["memory_ratio"] == pytest.approx(row["model_weight_bytes"] / row["fp32_weight_bytes"])
     assert "micro float32 int8" in result.stdout and "memory" in result.stdout
+
+
+@pytest.mark.heavy  # a whole benchmark run, twice
+def test_lora_decode_with_quantize_times_the_fp32_adapters_on_the_quantized_base(tmp_path, monkeypatch):
+    """The run quantizes the base (its weight bytes a quarter of fp32's and less), keeps the
+    adapters fp32, and leaves PEFT out: it would run the fp32 base. No module of PEFT's is
+    needed, even where it is missing."""
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails, as when not installed
+    rows = {}
+    for scheme in ("int4", None):
+        out = tmp_path / f"{scheme}.json"
+        args = ["bench", "lora-decode", "-m", "micro", "--batch", "4", "--threads", "1", "--out", str(out)]
+        result = runner.invoke(app, args + (["--quantize", scheme] if scheme else ["--no-peft"]),
+                               env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        [rows[scheme]] = json.loads(out.read_text())["results"]
+    q, full = rows["int4"], rows[None]
+    assert q["quantization"] == "int4" and full["quantization"] is None
+    assert q["weight_bytes"] < full["weight_bytes"] / 4
+    assert q["distinct_adapter_bytes"] == full["distinct_adapter_bytes"]  # the same fp32 adapters
+    assert "fp32 base" in q["peft_mixed_skipped"] and "lorafleet_vs_peft_mixed" not in q
+    assert set(q["decode_step_ms"]) == {"none", "one", "distinct"} and q["lora_op_ms"] > 0
 
 
 def test_the_peer_table_says_which_precisions_it_sets_against_each_other():
