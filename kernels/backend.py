@@ -17,9 +17,11 @@ Every op keeps the semantics of its reference in `reference.py`:
   `quant_cpu`'s kernel, likewise);
 - `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`,
   `silu_mul(gu)`, `greedy(logits)`: the step's row-wise ops, as their namesakes in `reference.py`;
-- `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out)`: `reference.lora`, every
-  adapter read through its row table (`max_rows`/`max_rank`/`max_n_out`: static bounds of the
-  step and the group, which fix the Triton launch grid; the other backends ignore them);
+- `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out, out_align)`: `reference.lora`,
+  every adapter read through its row table (`max_rows`/`max_rank`/`max_n_out`: static bounds of
+  the step and the group, which fix the Triton launch grid; `out_align`: a number dividing every
+  slot's width and first column, by which Triton reads and writes out's rows as vectors; the
+  other backends ignore them);
 - `write_kv(kv, k, v, slot_pages, slot_offsets)`, `decode(q, kv, tables, lens, scale)`,
   `prefill(q, k, v, kv, meta, scale, out)`: `reference.write_kv`, `paged_decode`,
   `paged_prefill`; `attention()` runs the three for one layer;
@@ -92,7 +94,7 @@ class Kernels:
         return out.view(t, h * d)
 
 
-def _lora_reference(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None) -> None:
+def _lora_reference(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None, out_align=1) -> None:
     reference.lora(x, out, w, seg, entry, slots)
 
 
@@ -123,7 +125,7 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     if cpu_module.load() is None:
         return torch_kernels(f"the C++ CPU kernels are unavailable ({build.why_not(cpu_module.NAME)})")
 
-    def lora(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None):
+    def lora(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None, out_align=1):
         lora_cpu.lora(x, out, w, seg, entry, slots)
 
     return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,

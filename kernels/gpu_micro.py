@@ -48,7 +48,7 @@ import torch
 from lorafleet.kernels import reference
 from lorafleet.kernels.reference import lora_entry, scale_bits
 from lorafleet.lora.adapter import BaseShapes
-from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS, group_widths
+from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS, group_shapes
 from lorafleet.memory.kv import kv_page_elems
 from lorafleet.memory.layout import Layout, pieces
 
@@ -158,11 +158,11 @@ def rank_bucket(r: int) -> int:
 
 def run_lora(case: Case, pool: Pool, op, out: dict[str, torch.Tensor] | None = None) -> None:
     """The case's LoRA calls through `op` (a `Kernels.lora`), into `out` (the case's outputs if None)."""
-    widths = group_widths(pool.base.features)
+    shapes = group_shapes(pool.base.features)
     for group in case.groups:
         entry = lora_entry(0, GROUP_INDEX[group], len(GROUPS), MODULE_SLOTS)
         op(case.xs[group], (out or case.outs)[group], pool.w, case.seg, entry, len(GROUPS[group]), SEGMENT_ROWS,
-           rank_bucket(case.max_rank), widths[group])
+           rank_bucket(case.max_rank), *shapes[group])
 
 
 def parity(case: Case, pool: Pool, op) -> float:

@@ -16,7 +16,10 @@ b_rows; g_row and c_row once its tile is summed: scalar loads) and the pointers 
 it reads (one vector load); every weight (and epilogue row) is then read as a whole row,
 `ROW_ALIGN`-aligned and contiguous (`tl.multiple_of`), so the compiler issues 16-byte loads: no
 per-element page arithmetic, no page-table load per element (the layout guarantees that no row
-crosses a page).
+crosses a page). out's tile is read and written likewise, in vectors of `OUT_ALIGN` elements (up
+to 16 bytes): the caller's `out_align` divides every slot's n_out and col, and the kernels round
+both down to it (a no-op on true values) so that the compiler can see it, since a hint on a
+loaded scalar (`tl.multiple_of`) did not reach the masks and addresses.
 
 Given `max_rows`, `max_rank` and `max_n_out` the grids depend on nothing else (no `.item()`, no
 host sync), so the op can be captured in a CUDA graph; `engine/graphs.py` sizes those bounds to
@@ -62,6 +65,7 @@ multiplies the raw uint16 bit patterns), so bf16 operands are upcast to fp32 the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +127,7 @@ def _max_rank(w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> int
 
 def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int,
          max_rows: int | None = None, max_rank: int | None = None, max_n_out: int | None = None,
-         config: Config | None = None) -> None:
+         out_align: int = 1, config: Config | None = None) -> None:
     """out[i, col:col+n_out] += the sum over a mix's segments s of scale(s) * (x[i] @ A_m(s)^T) @
     Bt_m(s), for every row of every mix (a plain segment: a mix of one) and module slot; a lone
     segment's slot with an epilogue gives g * (out + delta) + c instead (see the module
@@ -137,7 +141,9 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     read from the data when None (a host sync); passed explicitly (any upper bounds), the launch
     depends only on them and the op is CUDA-graph capturable. Bounds below the data's give wrong
     results (rows past max_rows and a mix's rank rows past max_rank are skipped), never
-    out-of-bounds accesses."""
+    out-of-bounds accesses. `out_align` must divide every slot's n_out and col (`batch.group_shapes`
+    computes it from the base): out's tile is then read and written in vectors of up to 16 bytes;
+    one that does not divide them gives wrong columns."""
     cfg = config or CONFIG
     if not (x.dtype == out.dtype == w.dtype):
         raise TypeError(f"lora: x, out and w must share a dtype (got {x.dtype}, {out.dtype}, {w.dtype})")
@@ -165,11 +171,12 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     row_blocks = triton.cdiv(max_rows, block_m)
     col_blocks = triton.cdiv(n_out, block_n)
     upcast = _upcast(x.dtype)
+    out_vec = math.gcd(out_align, 16 // x.element_size())  # elements: 16 bytes at most, a divisor of out_align
     if cfg.design == "fused" and block_m == 16:  # longer segments (prefill): the split kernels
         _fused_kernel[(S * slots, row_blocks, col_blocks)](
             x, w, wi, out, seg, entry, slots, IN, x.stride(0), out.stride(0), max_rank,
             UPCAST=upcast, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=FUSED_RANK_BLOCK, BLOCK_N=block_n,
-            num_warps=cfg.warps)
+            OUT_ALIGN=out_vec, num_warps=cfg.warps)
         return
     rank_blocks = triton.cdiv(max_rank, block_r)
     rmax = rank_blocks * block_r
@@ -183,4 +190,4 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     _expand_kernel[(S * slots, row_blocks, col_blocks)](
         t, mixes, w, wi, out, seg, entry, slots, splits, out.stride(0), T, rmax,
         BLOCK_M=block_m, BLOCK_K=block_r if block_m == 16 else min(block_r, PREFILL_RANK_BLOCK), BLOCK_N=block_n,
-        num_warps=cfg.warps)
+        OUT_ALIGN=out_vec, num_warps=cfg.warps)

@@ -132,11 +132,14 @@ def _post(seg_ptr, wi_ptr, s, f):
 
 
 @triton.jit
-def _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask):
+def _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask,
+             OUT_ALIGN: tl.constexpr):
     """out[rows, col + ns] = g * (out + acc) + c in fp32, one rounding to out's dtype: with an
     epilogue (g_row >= 0) g and c over the tile's columns, read as Bt's rows are (up to n_out
-    rounded up to ROW_ALIGN), else g = 1 and c = 0 (loads masked off), i.e. out + acc."""
-    optr = out_ptr + rows[:, None].to(tl.int64) * stride_out + col + ns[None, :]
+    rounded up to ROW_ALIGN), else g = 1 and c = 0 (loads masked off), i.e. out + acc. col is
+    rounded down to OUT_ALIGN, which divides it: the compiler then knows out's rows are read and
+    written in aligned vectors (a `tl.multiple_of` on the loaded scalar did not reach them)."""
+    optr = out_ptr + rows[:, None].to(tl.int64) * stride_out + col // OUT_ALIGN * OUT_ALIGN + ns[None, :]
     omask = rmask[:, None] & nmask[None, :]
     y = tl.load(optr, mask=omask, other=0.0).to(tl.float32) + acc
     # masked loads rather than a branch on g_row: the branch made ptxas spill in the prefill expand
@@ -149,17 +152,18 @@ def _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row
 
 
 @triton.jit
-def _out_tile(row0, end, n_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _out_tile(row0, end, n_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_ALIGN: tl.constexpr):
     """An expand (or fused) program's output tile: whether it has columns (below n_out), its
     rows and columns, their masks, and `bmask`, the columns of Bt it reads: up to n_out rounded
     up to ROW_ALIGN (the padding is inside the row's aligned stride, in its page), a mask
     constant over each aligned vector, so the compiler issues 16-byte loads; the columns past
-    n_out are never stored."""
+    n_out are never stored. n_out is rounded down to OUT_ALIGN, which divides it, for the same
+    reason in out's mask (`_add_out`)."""
     n0 = tl.program_id(2) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
     ns = n0 + tl.arange(0, BLOCK_N)
     bmask = ns < (n_out + _ALIGN - 1) // _ALIGN * _ALIGN
-    return n0 < n_out, rows, rows < end, ns, ns < n_out, bmask
+    return n0 < n_out, rows, rows < end, ns, ns < n_out // OUT_ALIGN * OUT_ALIGN, bmask
 
 
 @triton.jit
@@ -172,7 +176,7 @@ def _times_bt(acc, t, w_ptr, list_ptr, b_at, kmask, ns, bmask):
 
 @triton.jit
 def _expand_kernel(t_ptr, mix_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_ALIGN: tl.constexpr):
     # a mix as one adapter: the shrink listed its rank, n_out, col and its members' Bt rows side
     # by side for its lead. No loop over the members here: any loop besides the rank loop made
     # ptxas spill registers. A lone segment's epilogue rows come from its own table (`_post`):
@@ -182,7 +186,7 @@ def _expand_kernel(t_ptr, mix_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SP
     head = mix_ptr + (s * M + m) * (_HEAD + RMAX)
     r = tl.load(head, mask=lead, other=0)
     live, rows, rmask, ns, nmask, bmask = _out_tile(row0, end, tl.load(head + 1, mask=lead, other=0), BLOCK_M,
-                                                    BLOCK_N)
+                                                    BLOCK_N, OUT_ALIGN)
     if not live:
         return
     col = tl.load(head + 2)
@@ -197,7 +201,7 @@ def _expand_kernel(t_ptr, mix_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SP
             tt += tl.load(tptr + split * T * M * RMAX, mask=tmask, other=0.0)
         acc = _times_bt(acc, tt, w_ptr, head + _HEAD, ks, kmask, ns, bmask)
     g_row, c_row = _post(seg_ptr, wi_ptr, s, f)
-    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask)
+    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask, OUT_ALIGN)
 
 
 @triton.jit
@@ -217,7 +221,7 @@ def _member(seg_ptr, wi_ptr, p, f, off, RMAX, live):
 @triton.jit
 def _fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x, stride_out, RMAX,
                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  BLOCK_N: tl.constexpr, OUT_ALIGN: tl.constexpr):
     s, _, row0, end, f = _slot(seg_ptr, ENTRY, M, BLOCK_M)
     n = tl.load(seg_ptr + _SEG * s + 4, mask=row0 < end, other=0)  # a follower's work is its lead's
     # the mix's n_out and col (from its members with the slot: one without it has zeros there)
@@ -233,7 +237,7 @@ def _fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x
         off += rank
         n_out = tl.maximum(n_out, tl.load(fields + 1, mask=rank > 0, other=0))
         col = tl.maximum(col, tl.load(fields + 2, mask=rank > 0, other=0))
-    live, rows, rmask, ns, nmask, bmask = _out_tile(row0, end, n_out, BLOCK_M, BLOCK_N)
+    live, rows, rmask, ns, nmask, bmask = _out_tile(row0, end, n_out, BLOCK_M, BLOCK_N, OUT_ALIGN)
     if not live:
         return
     # one loop over the mix's blocks, member after member, its state advanced at each step: a
@@ -262,4 +266,4 @@ def _fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x
         b_rows = tl.where(nxt, b2, b_rows)
         scale = tl.where(nxt, scale2, scale)
     g_row, c_row = _post(seg_ptr, wi_ptr, s, f)
-    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask)
+    _add_out(out_ptr, acc, rows, rmask, col, ns, nmask, stride_out, w_ptr, g_row, c_row, bmask, OUT_ALIGN)

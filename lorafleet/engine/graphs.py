@@ -37,7 +37,7 @@ import time
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, AttentionMetadata
-from lorafleet.lora.batch import LoraBatch, group_widths
+from lorafleet.lora.batch import LoraBatch, group_shapes
 
 SEGMENT_ROWS = 16              # rows of one LoRA segment in a captured step (the kernels' row block)
 RANK_BUCKETS = (16, 64, 256)   # rank bounds a captured step's LoRA grid is sized to
@@ -73,7 +73,7 @@ def max_captures(max_num_seqs: int) -> int:
 class DecodeGraphs:
     def __init__(self, model, kv, max_num_seqs: int, max_model_len: int, capture: bool):
         self.model, self.kv, self.capture = model, kv, capture
-        self.widths = group_widths(model.cfg.linear_features())
+        self.lora_shapes = group_shapes(model.cfg.linear_features())
         self.buckets = buckets(max_num_seqs)
         pool = kv.pool
         dev, n = pool.tensor.device, self.buckets[-1]
@@ -157,7 +157,7 @@ class DecodeGraphs:
                                  decode_block_tables=self.block_tables[:b], decode_context_lens=self.context_lens[:b])
         lora = None
         if segs:
-            lora = LoraBatch.fixed(self.model.kernels, self.kv.pool.tensor, self.widths, self.seg[:segs], SEGMENT_ROWS,
+            lora = LoraBatch.fixed(self.model.kernels, self.kv.pool.tensor, self.lora_shapes, self.seg[:segs], SEGMENT_ROWS,
                                    rank)
         return self.model(self.ids[:b], self.positions[:b], meta, self.kv.cache, self.logits_rows[:b], lora)
 

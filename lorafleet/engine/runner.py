@@ -14,7 +14,7 @@ import torch
 from lorafleet.engine.graphs import DecodeGraphs
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
-from lorafleet.lora.batch import LoraBatch, group_widths
+from lorafleet.lora.batch import LoraBatch, group_shapes
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
 
@@ -25,7 +25,7 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.graphs = graphs  # pure decode steps at fixed shapes (CUDA graphs), or None
-        self.lora_widths = group_widths(model.cfg.linear_features())
+        self.lora_shapes = group_shapes(model.cfg.linear_features())
         self._model_s = 0.0  # the model's forward pass in the last execute(), on the CPU
         self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         if self.device.type == "cuda" else None)
@@ -46,7 +46,7 @@ class ModelRunner:
         (then the model runs without any LoRA work)."""
         if all(not c.request.loras for c in chunks):
             return None
-        batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_widths)
+        batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_shapes)
         row, start, current, current_key = 0, 0, None, None
         for c in chunks + [None]:
             req = c.request if c is not None else None

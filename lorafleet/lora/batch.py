@@ -24,6 +24,7 @@ in a captured graph nor the CPU's one-call decode), as their shapes follow the a
 
 from __future__ import annotations
 
+import math
 import numpy as np
 import torch
 
@@ -39,10 +40,22 @@ GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
 MODULE_SLOTS = max(len(m) for m in GROUPS.values())  # module slots per group in a row table
 
 
-def group_widths(features: dict[str, tuple[int, int]]) -> dict[str, int]:
-    """Each group's widest module output (a bound of the LoRA op's grid), from the base's
-    (in, out) features per module."""
-    return {g: max(features[m][1] for m in modules) for g, modules in GROUPS.items()}
+OUT_ALIGN_MAX = 64  # elements: more than any kernel's widest vector
+
+
+def group_shapes(features: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Each group's widest module output (a bound of the LoRA op's grid) and its column
+    alignment: the largest power of two, up to OUT_ALIGN_MAX, dividing every module's width and
+    first column in the group's fused output (the GPU op then reads and writes out's rows as
+    vectors), from the base's (in, out) features per module."""
+    shapes = {}
+    for g, modules in GROUPS.items():
+        col, align = 0, OUT_ALIGN_MAX
+        for m in modules:
+            align = math.gcd(align, col, features[m][1])
+            col += features[m][1]
+        shapes[g] = (max(features[m][1] for m in modules), align)
+    return shapes
 
 
 PAD_LOGIT = torch.finfo(torch.float32).min  # a token outside a row's vocabulary: finite, never sampled
@@ -95,12 +108,12 @@ class HeadParts:
 
 
 class LoraBatch:
-    def __init__(self, kernels, pool_tensor: torch.Tensor, widths: dict[str, int]):
+    def __init__(self, kernels, pool_tensor: torch.Tensor, shapes: dict[str, tuple[int, int]]):
         """`kernels`: the model's `kernels.backend.Kernels`; `pool_tensor` [pages, page_elems];
-        `widths`: `group_widths` of the base."""
+        `shapes`: `group_shapes` of the base."""
         self.kernels = kernels
         self.weights = pool_tensor.view(-1)
-        self.widths = widths
+        self.shapes = shapes
         self.host = np.zeros((0, SEG_FIELDS), dtype=np.int64)  # [S, 5] (start, end, row table, scale, mix)
         self.seg: torch.Tensor | None = None           # the same on the pool's device, once copied
         self.max_rows = self.max_rank = 0
@@ -111,10 +124,10 @@ class LoraBatch:
         self.norms: set[str] = set()  # the saved norms' parts some segment reads ("in_norm", "post_norm", "final_norm")
 
     @classmethod
-    def fixed(cls, kernels, pool_tensor: torch.Tensor, widths: dict[str, int], seg: torch.Tensor, max_rows: int,
-              max_rank: int) -> LoraBatch:
+    def fixed(cls, kernels, pool_tensor: torch.Tensor, shapes: dict[str, tuple[int, int]], seg: torch.Tensor,
+              max_rows: int, max_rank: int) -> LoraBatch:
         """A batch over a fixed buffer with static bounds (a captured decode step: `engine/graphs.py`)."""
-        batch = cls(kernels, pool_tensor, widths)
+        batch = cls(kernels, pool_tensor, shapes)
         batch.seg, batch.max_rows, batch.max_rank = seg, max_rows, max_rank
         return batch
 
@@ -227,5 +240,6 @@ class LoraBatch:
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter delta for `group` of `layer` (rows in no segment untouched)."""
         entry = lora_entry(layer, GROUP_INDEX[group], len(GROUPS), MODULE_SLOTS)
+        width, align = self.shapes[group]
         self.kernels.lora(x, out, self.weights, self.seg, entry, len(GROUPS[group]), self.max_rows, self.max_rank,
-                          self.widths[group])
+                          width, align)

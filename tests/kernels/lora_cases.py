@@ -13,7 +13,7 @@ import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, lora_entry, scale_bits
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
-from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
+from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS, group_shapes
 from lorafleet.memory.layout import Layout, pieces
 
 GROUP_OF_SLOTS = {3: "qkv", 2: "gate_up", 1: "o"}  # the group a case's module count stands for
@@ -30,6 +30,7 @@ class LoraCase:
     slots: int
     covered: torch.Tensor   # [T] bool: rows in some segment
     page_elems: int
+    out_align: int          # `group_shapes`' alignment of the case's group: divides its widths and columns
 
     def args(self, out: torch.Tensor):
         return (self.x, out, self.w, self.seg, self.entry, self.slots)
@@ -134,4 +135,4 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
         return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
     return LoraCase(put(x_wide)[:, pad_cols:], put(base_wide)[:, pad_cols:pad_cols + sum(outs)], put(expected),
                     put(w.view(-1)), put(seg), lora_entry(layer, GROUP_INDEX[group], len(GROUPS), MODULE_SLOTS),
-                    len(outs), covered.to(device), page_elems)
+                    len(outs), covered.to(device), page_elems, group_shapes(base.features)[group][1])

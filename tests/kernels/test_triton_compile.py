@@ -1,6 +1,7 @@
 """Every Triton kernel compiles for the GPUs lorafleet targets (sm_80 A100, sm_90 H100/H200), in
 every dtype, at the blocks and warps it launches with, down to a cubin, and none spills registers
-to local memory (ptxas -v; fp32 on sm_80 excepted: no one serves fp32 on an A100): Triton's
+to local memory (ptxas -v; fp32 on sm_80 excepted: no one serves fp32 on an A100); the LoRA
+expand and fused kernels write the output's tile in 16-byte vectors only (their PTX): Triton's
 compiler and ptxas run on any machine, no GPU needed. The compile sees what a launch
 specializes: 16-byte aligned pointers, ints that are multiples of 16, unit strides.
 
@@ -61,20 +62,23 @@ def signature(kernel, dtype, constexprs):
 
 def lora_cases(dtype, cfg):
     # the blocks `lora_triton.lora` launches for a captured decode step (16 rows) at rank bounds 16
-    # and 64, and for a prefill (64 rows)
+    # and 64, and for a prefill (64 rows), on a group whose columns are aligned (every Llama's):
+    # OUT_ALIGN a 16-byte vector
     upcast = dtype == "fp32"
+    vec = 4 if upcast else 8
     out = []
     for block_m, block_r in ((16, 16), (16, 64), (32 if upcast else 64, 64)):
         block_n = cfg.block_n if block_m == 16 else min(cfg.block_n, L.PREFILL_BLOCK_N)
         if cfg.design == "fused" and block_m == 16:
             out.append((L._fused_kernel, dtype, dict(UPCAST=upcast, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
-                                                     BLOCK_R=L.FUSED_RANK_BLOCK, BLOCK_N=block_n), cfg.warps))
+                                                     BLOCK_R=L.FUSED_RANK_BLOCK, BLOCK_N=block_n, OUT_ALIGN=vec),
+                        cfg.warps))
         else:
             out.append((L._shrink_kernel, dtype, dict(UPCAST=upcast, K_SPLIT=cfg.k_split, BLOCK_M=block_m,
                                                       BLOCK_K=cfg.block_k, BLOCK_R=block_r), cfg.warps))
             rank_block = block_r if block_m == 16 else min(block_r, L.PREFILL_RANK_BLOCK)
-            out.append((L._expand_kernel, dtype, dict(BLOCK_M=block_m, BLOCK_K=rank_block, BLOCK_N=block_n),
-                        cfg.warps))
+            out.append((L._expand_kernel, dtype, dict(BLOCK_M=block_m, BLOCK_K=rank_block, BLOCK_N=block_n,
+                                                      OUT_ALIGN=vec), cfg.warps))
     return out
 
 cases = []
@@ -95,7 +99,7 @@ for cfg in L.CANDIDATES[1:]:
     cases += lora_cases("bf16", cfg)
 # sm_90 (H100/H200): every case; sm_80 (A100): bf16
 todo = [(90, c) for c in cases] + [(80, c) for c in cases if c[1] == "bf16"]
-spills = []
+spills, scalar = [], []
 for arch, (kernel, dtype, constexprs, warps) in todo:
     constexprs = {**constexprs, **{n: 1 for n in UNIT if n in kernel.arg_names}}
     sig = signature(kernel, dtype, constexprs)
@@ -115,8 +119,13 @@ for arch, (kernel, dtype, constexprs, warps) in todo:
     print(f"sm_{arch} {kernel.__name__} {dtype} {constexprs} {warps} warps: {regs} registers, {spilled} spills: ok")
     if spilled and (arch == 90 or dtype != "fp32"):  # fp32 on an A100: spills allowed
         spills.append(f"{kernel.__name__} {dtype} {constexprs} {warps} warps: {spilled} spills")
+    if "OUT_ALIGN" in constexprs:  # out's tile: written as 16-byte vectors only, never element by element
+        stores = set(re.findall(r"\bst\.global\.[\w.]+", compiled.asm["ptx"]))
+        if stores != {"st.global.v4.b32"}:
+            scalar.append(f"sm_{arch} {kernel.__name__} {dtype} {constexprs}: {sorted(stores)}")
 print(f"cases: {len(todo)}")
 assert not spills, spills
+assert not scalar, scalar
 '''
 
 

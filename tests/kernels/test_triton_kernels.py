@@ -42,9 +42,10 @@ def lora_case(seed, fan_in, outs, ranks, rows, *, E=1024, dtype=torch.float32, g
 
 
 def check_lora(case, design="split", **bounds):
+    """The op as the engine calls it: with its group's `out_align`."""
     ref, got = case.base.clone(), case.base.clone()
     reference.lora(*case.args(ref))
-    lora_triton.lora(*case.args(got), config=DESIGNS[design], **bounds)
+    lora_triton.lora(*case.args(got), config=DESIGNS[design], out_align=case.out_align, **bounds)
     assert not torch.isnan(got).any()
     if case.x.dtype == torch.float32:
         # fp32 sums in another order (the interpreter's matmuls on this CPU): within 1e-5 of the
@@ -87,6 +88,22 @@ def test_lora_each_rank_matches_reference(design, rank):
     # rank in two of three module slots, a different one in the third; 1 row and 5 rows
     case = lora_case(rank, 40, [32, 16, 48], [[rank, 0, rank], [5, rank, rank]], [1, 5], E=1024)
     check_lora(case, design)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize(("outs", "align"), [([32, 16, 48], 16), ([20, 12, 4], 4), ([6, 10, 14], 2), ([7, 9, 5], 1)])
+def test_lora_out_align_divides_the_groups_columns_and_moves_none(design, outs, align):
+    """The engine's `out_align` (`group_shapes`: the power of two dividing every width and first
+    column) rounds each slot's n_out and col to itself, a no-op; one that does not divide them
+    (8 on columns aligned to 4 or less) moves columns: the rounding is what the kernels read."""
+    case = lora_case(61, 40, outs, [[8, 3, 5], [16, 0, 2]], [1, 5], dtype=torch.bfloat16)
+    assert case.out_align == align
+    check_lora(case, design)
+    if align < 8:
+        ref, wrong = case.base.clone(), case.base.clone()
+        reference.lora(*case.args(ref))
+        lora_triton.lora(*case.args(wrong), config=DESIGNS[design], out_align=8)
+        assert not torch.allclose(wrong.float(), ref.float(), **TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("design", DESIGNS)

@@ -7,21 +7,21 @@ import numpy as np
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, TABLE_FIELDS, lora_entry, scale_bits, seg_scale
-from lorafleet.lora.batch import GROUPS, MODULE_SLOTS, LoraBatch
+from lorafleet.lora.batch import GROUPS, MODULE_SLOTS, OUT_ALIGN_MAX, LoraBatch, group_shapes
 
 
 class Recorder:
     def __init__(self):
         self.calls = []
 
-    def lora(self, x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out):
-        self.calls.append((seg, entry, slots, max_rows, max_rank, max_n_out))
+    def lora(self, x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out, out_align):
+        self.calls.append((seg, entry, slots, max_rows, max_rank, max_n_out, out_align))
 
 
 def test_each_group_gets_its_own_fields_and_bounds():
     kernels = Recorder()
-    widths = {"qkv": 48, "o": 32, "gate_up": 64, "down": 32}
-    batch = LoraBatch(kernels, torch.zeros(4, 8), widths)
+    shapes = {"qkv": (48, 16), "o": (32, 32), "gate_up": (64, 64), "down": (32, 32)}
+    batch = LoraBatch(kernels, torch.zeros(4, 8), shapes)
     batch.add_rows(0, 2, [(40, 1.0)], 8)
     batch.add_rows(2, 3, [(100, 1.0)], 24)
     batch.finish().to_device()
@@ -34,12 +34,28 @@ def test_each_group_gets_its_own_fields_and_bounds():
     for layer in range(layers):
         for gi, (group, modules) in enumerate(GROUPS.items()):
             batch.apply(layer, group, x, x)
-            seg, entry, slots, max_rows, max_rank, n_out = kernels.calls[-1]
-            assert seg is batch.seg and (slots, max_rows, max_rank, n_out) == (len(modules), 2, 24, widths[group])
+            seg, entry, slots, max_rows, max_rank, n_out, align = kernels.calls[-1]
+            assert seg is batch.seg and (slots, max_rows, max_rank, (n_out, align)) == (len(modules), 2, 24, shapes[group])
             assert entry == ((layer * len(GROUPS) + gi) * MODULE_SLOTS) * TABLE_FIELDS
             entries.add(entry)
     assert len(entries) == layers * len(GROUPS)  # no two (layer, group) share fields
     assert lora_entry(1, 0, len(GROUPS), MODULE_SLOTS) == len(GROUPS) * MODULE_SLOTS * TABLE_FIELDS
+
+
+def test_a_groups_alignment_divides_every_width_and_first_column_of_its_fused_output():
+    """Llama-3.2-1B's shapes: every group aligned to the cap; widths of 6 and 10 (columns 0, 6, 16
+    of the fused qkv) leave 2; an odd width leaves 1. The widest output bounds the grid."""
+    def features(q, kv, h=2048, i=8192):
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+                "up_proj": (h, i), "down_proj": (i, h)}
+    assert group_shapes(features(2048, 512)) == {"qkv": (2048, OUT_ALIGN_MAX), "o": (2048, OUT_ALIGN_MAX),
+                                                 "gate_up": (8192, OUT_ALIGN_MAX), "down": (2048, OUT_ALIGN_MAX)}
+    assert group_shapes(features(6, 10))["qkv"] == (10, 2)
+    assert group_shapes(features(2048, 512, i=8191))["gate_up"] == (8191, 1)
+    for feats in (features(6, 10), features(96, 40, h=72, i=200)):
+        for group, (width, align) in group_shapes(feats).items():
+            outs = [feats[m][1] for m in GROUPS[group]]
+            assert width == max(outs) and all(c % align == 0 for c in np.cumsum([0] + outs))
 
 
 def test_split_cuts_segments_into_runs_of_at_most_the_row_block():
