@@ -25,6 +25,15 @@ block-table width, a rank above 256, more segments than the top bucket) runs eag
 Padding rows write their K/V into the pool's `scratch_page` and attend to it alone; their
 logits are dropped.
 
+Each step's inputs reach the device in one copy: the runner hands its numbers over on the host
+(`DecodeStep`, numpy), they are written into one staging buffer (pinned on CUDA) laid out as the
+device buffer every capture reads (ids, positions, KV slots, context lengths, LoRA segments,
+then the block tables, row by row), and the prefix a bucket reads goes over in one non-blocking
+copy. Why: each `.to(device)` of pageable memory is a copy that holds the host until it is done
+(seven a step, and as many launches to move them into the graph's buffers), on a step that
+lasts about a millisecond on a GPU. Before the staging buffer is written again, the event
+recorded after the last copy is waited for (already passed once the step's tokens were read).
+
 `capture=False` runs the very same fixed-shape buffers eagerly: how the CPU tests check that
 padding, buckets and the per-step data give the eager path's tokens (a CUDA graph records
 exactly these launches).
@@ -33,7 +42,9 @@ exactly these launches).
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, AttentionMetadata
@@ -43,6 +54,18 @@ SEGMENT_ROWS = 16              # rows of one LoRA segment in a captured step (th
 RANK_BUCKETS = (16, 64, 256)   # rank bounds a captured step's LoRA grid is sized to
 MAX_RANK = RANK_BUCKETS[-1]    # the largest adapter rank a captured step serves
 MIX_SEGMENTS = 4               # segments per row of a captured step's top segment bucket (mixes of up to 4 on average)
+
+
+class DecodeStep(NamedTuple):
+    """A decode step's numbers per row, on the host (int64 arrays; `ModelRunner.decode_step`):
+    every row one token; `samples` the rows whose logits are wanted (None: all of them)."""
+    ids: np.ndarray
+    positions: np.ndarray
+    slot_pages: np.ndarray
+    slot_offsets: np.ndarray
+    lens: np.ndarray
+    tables: np.ndarray      # [n, width]
+    samples: np.ndarray | None
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -78,19 +101,30 @@ class DecodeGraphs:
         pool = kv.pool
         dev, n = pool.tensor.device, self.buckets[-1]
         scratch = pool.scratch_page
-        self.max_blocks = -(-max_model_len // kv.block_size)
-        # the fixed buffers every capture reads (bucket b uses their first b rows)
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_pages = torch.full((n,), scratch, dtype=torch.long, device=dev)
-        self.slot_offsets = torch.zeros(n, dtype=torch.long, device=dev)
-        self.block_tables = torch.full((n, self.max_blocks), scratch, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(n, dtype=torch.long, device=dev)
-        self.logits_rows = torch.arange(n, device=dev)
-        # the step's LoRA segments: written on the host (pinned on CUDA), one copy per step
+        self.max_blocks = mb = -(-max_model_len // kv.block_size)
         segs = segment_buckets(n)[-1]
-        self.seg = torch.zeros(segs, SEG_FIELDS, dtype=torch.long, device=dev)
-        self.seg_host = torch.zeros(segs, SEG_FIELDS, dtype=torch.long, pin_memory=dev.type == "cuda")
+        # the inputs every capture reads (bucket b uses their first b rows), as one device buffer
+        # and its staging twin on the host: [ids, positions, slot pages, slot offsets, context
+        # lengths: n each][segments: segs x SEG_FIELDS][block tables: n x max_blocks]
+        self.tables_at = 5 * n + segs * SEG_FIELDS
+        size = self.tables_at + n * mb
+        self.stage = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.inputs = torch.zeros(size, dtype=torch.long, device=dev)
+        self._staged = torch.cuda.Event() if dev.type == "cuda" else None  # after the last copy
+        self.uploads = 0  # copies to the device: one a step
+        host, views = self.stage.numpy(), {}
+        for name, buf in (("host", host), ("dev", self.inputs)):
+            views[name] = (buf[0:n], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:4 * n], buf[4 * n:5 * n],
+                           buf[5 * n:self.tables_at].reshape(segs, SEG_FIELDS), buf[self.tables_at:].reshape(n, mb))
+        (self._ids, self._positions, self._slot_pages, self._slot_offsets, self._lens, self._seg,
+         self._tables) = views["host"]
+        (self.ids, self.positions, self.slot_pages, self.slot_offsets, self.context_lens, self.seg,
+         self.block_tables) = views["dev"]
+        self._slot_pages[:] = scratch
+        self._lens[:] = 1
+        self._tables[:] = scratch
+        self.inputs.copy_(self.stage)
+        self.logits_rows = torch.arange(n, device=dev)
         self._graphs: dict[tuple[int, int, int], tuple[object, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = self.replays = self.recaptures = self.eager_fallbacks = 0
@@ -100,37 +134,43 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def fits(self, meta: AttentionMetadata, lora: LoraBatch | None) -> bool:
-        """Whether this step (its metadata from `ModelRunner.prepare`) can run at a fixed shape:
-        a pure decode step within the bounds (one beyond a bound runs eagerly and is counted;
-        steps with prefill rows always run eagerly)."""
-        if meta.prefills or (lora is not None and lora.heads):  # own embeddings / LM heads: shapes of their own
+    def fits(self, step: DecodeStep, lora: LoraBatch | None) -> bool:
+        """Whether this decode step can run at a fixed shape: within the bounds (one beyond a
+        bound runs eagerly and is counted; steps with prefill rows never come here)."""
+        if lora is not None and lora.heads:  # own embeddings / LM heads: shapes of their own
             return False
-        n = meta.num_decode
-        ok = (n <= self.buckets[-1] and meta.decode_block_tables.shape[1] <= self.max_blocks
+        n = len(step.ids)
+        ok = (n <= self.buckets[-1] and step.tables.shape[1] <= self.max_blocks
               and (lora is None or (lora.max_rank <= MAX_RANK
                                     and len(lora.split(SEGMENT_ROWS)) <= segment_buckets(self.bucket(n))[-1])))
         if not ok:
             self.eager_fallbacks += 1
         return ok
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            lora: LoraBatch | None) -> torch.Tensor:
-        """The step's tensors (from `ModelRunner.prepare`, decode rows only) into the fixed
-        buffers, then the bucket's graph. Returns logits [n, V]."""
-        n = ids.shape[0]
+    def run(self, step: DecodeStep, lora: LoraBatch | None) -> torch.Tensor:
+        """The step's numbers into the staging buffer (padding rows on the scratch page), one
+        copy of what its bucket reads to the device, then the bucket's graph. Returns the logits
+        of the rows that sample [S, V]."""
+        n = len(step.ids)
         b = self.bucket(n)
-        self.ids[:n].copy_(ids)
-        self.positions[:n].copy_(positions)
-        self.slot_pages[:n].copy_(meta.slot_pages)
-        self.slot_pages[n:b].fill_(self.kv.pool.scratch_page)
-        self.slot_offsets[:n].copy_(meta.slot_offsets)
-        width = meta.decode_block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.decode_block_tables)
-        self.block_tables[n:b].fill_(self.kv.pool.scratch_page)
-        self.context_lens[:n].copy_(meta.decode_context_lens)
-        self.context_lens[n:b].fill_(1)
+        if self._staged is not None:
+            self._staged.synchronize()  # the last step's copy has read the staging buffer
+        scratch = self.kv.pool.scratch_page
+        self._ids[:n] = step.ids
+        self._positions[:n] = step.positions
+        self._slot_pages[:n] = step.slot_pages
+        self._slot_pages[n:b] = scratch
+        self._slot_offsets[:n] = step.slot_offsets
+        self._tables[:n, :step.tables.shape[1]] = step.tables  # columns past it: pages of earlier steps, unread
+        self._tables[n:b] = scratch
+        self._lens[:n] = step.lens
+        self._lens[n:b] = 1
         key = (b, 0, 0) if lora is None else self._set_lora(lora, b)
+        end = self.tables_at + b * self.max_blocks
+        self.inputs[:end].copy_(self.stage[:end], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        self.uploads += 1
         if key not in self._graphs:
             self._capture(key)
         graph, logits = self._graphs[key]
@@ -139,17 +179,16 @@ class DecodeGraphs:
         else:
             graph.replay()
         self.replays += 1
-        return logits[:n]
+        logits = logits[:n]
+        return logits if step.samples is None else logits[torch.from_numpy(step.samples).to(logits.device)]
 
     def _set_lora(self, lora: LoraBatch, b: int) -> tuple[int, int, int]:
-        """The step's segments, split into runs of at most SEGMENT_ROWS rows, into the buffer
-        (the unused ones of the segment bucket empty); returns the graph's key."""
+        """The step's segments, split into runs of at most SEGMENT_ROWS rows, into the staging
+        buffer (the unused ones of the segment bucket empty); returns the graph's key."""
         split = lora.split(SEGMENT_ROWS)
         segs = next(s for s in segment_buckets(b) if s >= len(split))
-        staged = self.seg_host.numpy()
-        staged[:len(split)] = split
-        staged[len(split):segs] = 0
-        self.seg[:segs].copy_(self.seg_host[:segs], non_blocking=True)
+        self._seg[:len(split)] = split
+        self._seg[len(split):segs] = 0
         return b, segs, next(r for r in RANK_BUCKETS if r >= lora.max_rank)
 
     def _forward(self, b: int, segs: int, rank: int) -> torch.Tensor:
@@ -187,5 +226,6 @@ class DecodeGraphs:
     def stats(self) -> dict:
         return {"enabled": True, "captured": self.capture, "buckets": self.buckets, "captures": self.captures,
                 "keys": [list(k) for k in sorted(self._graphs)], "max_captures": max_captures(self.buckets[-1]),
-                "replays": self.replays, "recaptures": self.recaptures, "eager_fallbacks": self.eager_fallbacks,
+                "replays": self.replays, "uploads": self.uploads, "recaptures": self.recaptures,
+                "eager_fallbacks": self.eager_fallbacks,
                 "capture_s": self.capture_s, "capture_bytes": self.capture_bytes}

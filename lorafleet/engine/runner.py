@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from lorafleet.engine.graphs import DecodeGraphs
+from lorafleet.engine.graphs import DecodeGraphs, DecodeStep
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
 from lorafleet.lora.batch import LoraBatch, group_shapes
@@ -120,16 +120,35 @@ class ModelRunner:
             out_rows = torch.from_numpy((first + ntok - 1)[samples]).to(dev)
         return torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(pos).to(dev), meta, out_rows
 
+    def decode_step(self, chunks: list[Chunk]) -> DecodeStep:
+        """A step of single-token chunks as host arrays, for the fixed-shape path (`DecodeGraphs`),
+        which copies them to the device at once."""
+        kv, bs, n = self.kv, self.kv.block_size, len(chunks)
+        reqs = [c.request for c in chunks]
+        start = np.fromiter((r.num_computed for r in reqs), np.int64, n)
+        rows = np.fromiter((kv.rows[r.request_id] for r in reqs), np.int64, n)
+        ids = np.fromiter((r.token_at(s, s + 1)[0] for r, s in zip(reqs, start.tolist())), np.int64, n)
+        table = kv.block_table
+        samples = np.fromiter((c.samples for c in chunks), bool, n)
+        return DecodeStep(ids, start, table[rows, start // bs], start % bs, start + 1,
+                          table[rows, :int(kv.num_blocks[rows].max())], None if samples.all() else np.flatnonzero(samples))
+
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False) -> torch.Tensor:
         """`chunks` must already be in `order()`. Returns logits [S, V] for the chunks that
         sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
-        ids, positions, meta, rows = self.prepare(chunks, all_logits)
+        step = None
+        if self.graphs is not None and not all_logits and all(c.num_tokens == 1 for c in chunks):
+            step = self.decode_step(chunks)
+            if not self.graphs.fits(step, lora):
+                step = None
+        if step is None:
+            ids, positions, meta, rows = self.prepare(chunks, all_logits)
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # the forward's device time, read once the sampled tokens are
             self._events[0].record()
-        if self.graphs is not None and not all_logits and self.graphs.fits(meta, lora):
-            logits = self.graphs.run(ids, positions, meta, lora)[rows]  # copies `lora` into its buffer
+        if step is not None:
+            logits = self.graphs.run(step, lora)  # stages `lora`'s segments with the step's inputs
         else:
             logits = self.model(ids, positions, meta, self.kv.cache, rows, lora and lora.to_device())
         if self.device.type == "cuda":

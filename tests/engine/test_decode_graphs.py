@@ -70,3 +70,26 @@ def test_fixed_shapes_give_the_eager_tokens_and_captures_do_not_grow_with_adapte
     assert graphs["replays"] == len(rounds) * (PARAMS.max_tokens - 1)
     assert sum(fixed.adapters.get(n).evictions for n in names) > 0  # adapters really moved pages
     assert eager.stats()["decode_graphs"] == {"enabled": False}
+
+
+def test_a_fixed_shape_step_reaches_the_device_in_one_copy(llama_dir, tmp_path):
+    """Each step at a fixed shape stages its inputs (and its LoRA segments) on the host and sends
+    them in one copy: as many uploads as replays, and no per-tensor preparation for those steps
+    (`prepare` serves only the steps with prefill rows)."""
+    file = build_adapter(llama_dir, tmp_path / "a", seed=3, r=4, lora_alpha=8, target_modules=ALL7)
+    fixed = Engine(llama_dir, pool_bytes=8 << 20, decode_graphs="fixed", max_num_seqs=8)
+    eager = Engine(llama_dir, pool_bytes=8 << 20, decode_graphs="off", max_num_seqs=8)
+    prepared, prepare = [], fixed.runner.prepare
+
+    def counted(chunks, all_logits=False):
+        prepared.append(all(c.num_tokens == 1 for c in chunks))
+        return prepare(chunks, all_logits)
+    fixed.runner.prepare = counted
+    adapters = ["a", None, "a", None, "a"]
+    for engine in (fixed, eager):
+        engine.load_adapter("a", file)
+    want = [o.token_ids for o in eager.generate(random_prompts(5), PARAMS, adapters=adapters)]
+    assert [o.token_ids for o in fixed.generate(random_prompts(5), PARAMS, adapters=adapters)] == want
+    graphs = fixed.stats()["decode_graphs"]
+    assert graphs["replays"] == graphs["uploads"] >= PARAMS.max_tokens - 1 and graphs["eager_fallbacks"] == 0
+    assert prepared and not any(prepared)
