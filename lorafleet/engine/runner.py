@@ -130,8 +130,9 @@ class ModelRunner:
         ids = np.fromiter((r.token_at(s, s + 1)[0] for r, s in zip(reqs, start.tolist())), np.int64, n)
         table = kv.block_table
         samples = np.fromiter((c.samples for c in chunks), bool, n)
-        return DecodeStep(ids, start, table[rows, start // bs], start % bs, start + 1,
-                          table[rows, :int(kv.num_blocks[rows].max())], None if samples.all() else np.flatnonzero(samples))
+        width = int(kv.num_blocks[rows].max())
+        return DecodeStep(ids, start, table[rows, start // bs], start % bs, start + 1, table[rows, :width],
+                          None if samples.all() else np.flatnonzero(samples))
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False) -> torch.Tensor:
