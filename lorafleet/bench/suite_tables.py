@@ -79,11 +79,12 @@ def overhead_table(results: list[dict]) -> Table:
                    ["shape", "figure", "measured", "detail", "target", ""], left=2)
     for r in results:
         d, b = r["decode"], r["burst"]
-        table.add_row(r["shape"], f"host share of a decode step\n{r['running']} requests, {r['num_adapters']} adapters",
+        shape = r["shape"] + (f" {r['quantization']}" if r.get("quantization") else "")
+        table.add_row(shape, f"host share of a decode step\n{r['running']} requests, {r['num_adapters']} adapters",
                       f"{d['host_share']:.1%}", f"host {d['mean_host_ms']:.2f} of {d['mean_time_ms']:.2f} ms mean"
                       f"\np50 {d['p50_host_ms']:.2f} of {d['p50_time_ms']:.2f} ms", f"<= {d['target']:.0%}",
                       verdict(d["target_met"]))
-        table.add_row(r["shape"], f"adding {b['requests']} requests at once", f"{b['add_s'] * 1e3:.1f} ms",
+        table.add_row(shape, f"adding {b['requests']} requests at once", f"{b['add_s'] * 1e3:.1f} ms",
                       f"{b['add_us_per_request']:.0f} us each; first step after\n{b['first_step_ms']:.1f} ms "
                       f"({b['first_step_host_ms']:.1f} host, {b['first_step_seqs']} seqs)",
                       f"< {b['target_s'] * 1e3:.0f} ms", verdict(b["target_met"]))

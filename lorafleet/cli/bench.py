@@ -298,6 +298,8 @@ def overhead(
     adapters: Annotated[int, typer.Option("--adapters", min=1, help="Adapters they use, in turn.")] = 8,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Decode steps timed.")] = 32,
     burst: Annotated[int, typer.Option("--burst", min=1, help="Requests added at once to a fresh engine.")] = 1000,
+    quantize: Annotated[str | None, typer.Option(
+        "--quantize", metavar="int8|int4", help="The base quantized as it loads (targets judged in fp32 only).")] = None,
     device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """The engine's time around the model, from its own step records: the host-side share of a
@@ -307,8 +309,11 @@ def overhead(
         from lorafleet.bench.overhead import run_overhead
 
         return run_overhead(shape, running=running, num_adapters=adapters, steps=steps, burst=burst, device=device,
-                            threads=threads, progress=suites.say)
-    suites.suite("overhead", model or ["tiny"], one, "overhead_table", out, as_json)
+                            threads=threads, progress=suites.say, quantize=quantize)
+    shapes = model or ["tiny"]
+    suites.check_shapes(shapes)
+    suites.check_quantize(quantize, shapes, cpu=device == "cpu")
+    suites.suite("overhead", shapes, one, "overhead_table", out, as_json)
 
 
 @app.command("store-load")

@@ -66,7 +66,8 @@ def test_llama_cpp_passes_quantize_to_the_suite_and_builds_the_quantize_tool_fir
 
 
 @pytest.mark.parametrize("args", [["run", "--quantize", "int3"], ["llama-cpp", "--quantize", "fp8"],
-                                  ["decode-bound", "--quantize", "q4_0"], ["lora-decode", "--quantize", "int2"]])
+                                  ["decode-bound", "--quantize", "q4_0"], ["lora-decode", "--quantize", "int2"],
+                                  ["overhead", "--quantize", "nf4"]])
 def test_an_unknown_scheme_is_a_usage_error(args):
     result = runner.invoke(app, ["bench", *args])
     assert result.exit_code == 2 and "int8, int4" in result.output
@@ -74,7 +75,8 @@ def test_an_unknown_scheme_is_a_usage_error(args):
 
 @pytest.mark.parametrize("args", [["decode-bound", "-m", "8b"], ["decode-bound", "-m", "8b", "--quantize", "int8"],
                                   ["llama-cpp", "-m", "8b", "--quantize", "int8"],
-                                  ["run", "-m", "8b", "--device", "cpu"], ["lora-decode", "-m", "8b"]])
+                                  ["run", "-m", "8b", "--device", "cpu"], ["lora-decode", "-m", "8b"],
+                                  ["overhead", "-m", "8b", "--device", "cpu", "--quantize", "int8"]])
 def test_8b_on_the_cpu_without_int4_is_refused_before_anything_runs(args, monkeypatch):
     import lorafleet.bench.runner
 
@@ -168,6 +170,20 @@ def test_lora_decode_with_quantize_times_the_fp32_adapters_on_the_quantized_base
     assert q["distinct_adapter_bytes"] == full["distinct_adapter_bytes"]  # the same fp32 adapters
     assert "fp32 base" in q["peft_mixed_skipped"] and "lorafleet_vs_peft_mixed" not in q
     assert set(q["decode_step_ms"]) == {"none", "one", "distinct"} and q["lora_op_ms"] > 0
+
+
+def test_overhead_with_quantize_runs_on_the_quantized_base_and_judges_no_target(tmp_path):
+    """The host's share beside a quantized forward pass: the report and the table name the
+    scheme, and the targets (stated for fp32) are not judged."""
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", "overhead", "-m", "micro", "--running", "4", "--adapters", "2", "--steps",
+                                 "2", "--burst", "8", "--quantize", "int4", "--device", "cpu", "--threads", "1",
+                                 "--out", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(out.read_text())["results"]
+    assert row["quantization"] == "int4" and row["decode"]["mean_host_ms"] > 0
+    assert row["decode"]["target_met"] is None and row["burst"]["target_met"] is None
+    assert "micro int4" in result.stdout
 
 
 def test_the_peer_table_says_which_precisions_it_sets_against_each_other():
