@@ -49,7 +49,7 @@ from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundErr
 from lorafleet.lora.batch import HeadParts
 from lorafleet.lora.heads import own_tokenizer
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config
-from lorafleet.lora.headers import header_heads, header_posts, header_ranks, weights_numel
+from lorafleet.lora.headers import read_plan
 from lorafleet.memory.entry import AdapterEntry, Inspected
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import kv_salt
@@ -107,9 +107,9 @@ class AdapterResidency:
         tokenizer, read here too (unless `tokenizer` is False) and checked against it."""
         path = Path(path)
         read_adapter_config(path, self.base)
-        self.check_fits(name, weights_numel(path))  # before planning: the header's ranks are bounded by the pool
-        layout = Layout.plan(header_ranks(path, self.base), self.base, self.pool.page_elems,
-                             header_posts(path, self.base), header_heads(path))
+        plan = read_plan(path, self.base)
+        self.check_fits(name, plan.numel)  # before planning: the header's ranks are bounded by the pool
+        layout = Layout.plan(plan.ranks, self.base, self.pool.page_elems, plan.posts, plan.heads)
         numel = layout.paged_numel(self.itemsize)
         self.check_fits(name, numel)
         copy = layout.parts.get("embed") or layout.parts.get("lm_head")

@@ -23,7 +23,7 @@ from lorafleet.lora.adapter import (
     load_adapter,
     read_adapter_config,
 )
-from lorafleet.lora.headers import weights_numel
+from lorafleet.lora.headers import read_plan
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -478,7 +478,7 @@ def test_tensor_refusals_quote_no_names_or_dtypes_from_the_file(good, base):
         p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x00" * 8)
         secret_free(refused(good, base, "adapter_model.safetensors", needle), good)
         with pytest.raises(AdapterError) as ei:
-            weights_numel(good)
+            read_plan(good, base)
         secret_free(str(ei.value), good)
     raw = b'{"TOPSECRET": '
     p.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\x00" * 8)
@@ -562,7 +562,7 @@ def test_missing_and_unreadable_weights_get_one_message(good, base):
     st.mkdir()
     assert refused(good, base) == msg
     with pytest.raises(AdapterError) as ei:
-        weights_numel(good)
+        read_plan(good, base)
     assert str(ei.value) == msg
 
 
@@ -880,4 +880,4 @@ def test_a_header_over_its_cap_is_refused_before_it_is_parsed(good, base, monkey
     monkeypatch.setattr(adapter_mod.json, "loads", loads)
     secret_free(refused(good, base, "header is over 1 MiB"), good)
     with pytest.raises(AdapterError, match="header is over"):
-        weights_numel(good)
+        read_plan(good, base)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from lorafleet.errors import AdapterError
 from lorafleet.lora.adapter import BaseShapes, load_adapter
-from lorafleet.lora.headers import header_heads, header_posts, header_ranks
+from lorafleet.lora.headers import read_plan
 from lorafleet.memory.kv import BASE_SALT, kv_salt
 from lorafleet.memory.layout import Layout, read_saved, save
 from lorafleet.model.config import ModelConfig
@@ -39,8 +39,8 @@ def made(tmp_path_factory):
 def test_the_headers_plan_is_the_loaded_layout_and_saves_back(made, kind, tmp_path):
     _, base, folders = made
     adapter = load_adapter(folders[kind], base)
-    planned = Layout.plan(header_ranks(folders[kind], base), base, PAGE, header_posts(folders[kind], base),
-                          header_heads(folders[kind]))
+    plan = read_plan(folders[kind], base)
+    planned = Layout.plan(plan.ranks, base, PAGE, plan.posts, plan.heads)
     loaded = Layout.of(adapter, base, PAGE)
     assert planned == loaded and planned.parts and all(p.first % PAGE == 0 for p in planned.parts.values())
     buf = torch.zeros(loaded.numel)
