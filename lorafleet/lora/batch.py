@@ -25,10 +25,12 @@ in a captured graph nor the CPU's one-call decode), as their shapes follow the a
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, lora_entry, scale_bits
+from lorafleet.lora.heads import NORM_PARTS
 
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -143,7 +145,7 @@ class LoraBatch:
     def add_heads(self, start: int, end: int, members: list[tuple[HeadParts, float]]) -> None:
         """Rows [start, end) read these adapters' own embedding / LM head / norm parts, each at its scale."""
         self.heads.append((start, end, members))
-        self.norms |= {part for m, _ in members for part in ("in_norm", "post_norm", "final_norm") if part in m}
+        self.norms |= {part for m, _ in members for part in NORM_PARTS.values() if part in m}
 
     def norm(self, layer: int, part: str, x: torch.Tensor, h: torch.Tensor, rms_norm, eps: float) -> None:
         """h (`part`, a layer's norm, of the residual stream x [T, H]): the rows of each segment whose
