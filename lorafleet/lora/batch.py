@@ -39,6 +39,7 @@ GROUPS = {
     "down": ("down_proj",),
 }
 GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
+GROUP_NAMES = list(GROUPS)  # a group's index -> its name
 MODULE_SLOTS = max(len(m) for m in GROUPS.values())  # module slots per group in a row table
 
 

@@ -44,6 +44,7 @@ IN_NORM, POST_NORM, FINAL_NORM = "input_layernorm", "post_attention_layernorm", 
 # a module kind -> the name users write (a layer norm's kind stands for every layer's)
 HEAD_MODULES = {EMBED: "embed_tokens", LM_HEAD: "lm_head", IN_NORM: IN_NORM, POST_NORM: POST_NORM, FINAL_NORM: "norm"}
 NORM_PARTS = {IN_NORM: "in_norm", POST_NORM: "post_norm", FINAL_NORM: "final_norm"}  # [layers or 1, H] each
+COPY_PARTS = {EMBED: "embed", LM_HEAD: "lm_head", **NORM_PARTS}  # a module kind -> the part that holds its copy
 # Each part is a [rows, width] matrix in the layout.
 PARTS = ("embed", "embed_a", "embed_b", "lm_head", "lm_head_a", "lm_head_b", *NORM_PARTS.values())
 HEAD_KEY_RE = re.compile(
@@ -123,9 +124,8 @@ def matrices(heads: dict[str, HeadWeights]) -> dict[str, torch.Tensor]:
     """Each part's matrix as the layout holds it (float32, scale folded in)."""
     out: dict[str, torch.Tensor] = {}
     for full, w in heads.items():
-        part = "embed" if full == EMBED else "lm_head" if full == LM_HEAD else NORM_PARTS[full]
         if w.copy is not None:
-            out[part] = w.copy
+            out[COPY_PARTS[full]] = w.copy
         if w.a is None:
             continue
         if full == EMBED:  # rows looked up by token: A^T [V, r]; then (scale B)^T [r, H]

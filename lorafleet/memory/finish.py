@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.lora.batch import GROUPS
+from lorafleet.lora.batch import GROUP_NAMES
 from lorafleet.memory.layout import Layout
 
 ROWS = 1024  # base weight rows read at a time (bounded memory for any base)
-_GROUP_NAMES = list(GROUPS)
 
 
 def finish_dora(layout: Layout, buf: torch.Tensor, base_rows) -> None:
@@ -32,7 +31,7 @@ def finish_dora(layout: Layout, buf: torch.Tensor, base_rows) -> None:
         g_at, c_at = (int(o) for o in m.post_rows)
         for lo in range(0, m.n_out, ROWS):
             hi = min(m.n_out, lo + ROWS)
-            w, bias = base_rows(m.layer, _GROUP_NAMES[m.group], m.col + lo, m.col + hi)
+            w, bias = base_rows(m.layer, GROUP_NAMES[m.group], m.col + lo, m.col + hi)
             norm = (w.float() + bt[:, lo:hi].t() @ a).norm(dim=1)
             g = buf[g_at + lo:g_at + hi] / norm
             buf[g_at + lo:g_at + hi] = g

@@ -42,8 +42,8 @@ import torch
 from lorafleet.errors import AdapterError
 from lorafleet.kernels.reference import ROW_ALIGN, TABLE_FIELDS, lora_entry
 from lorafleet.lora.adapter import BaseShapes, LoraAdapter
-from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS
-from lorafleet.lora.heads import PARTS, matrices
+from lorafleet.lora.batch import GROUP_INDEX, GROUP_NAMES, GROUPS, MODULE_SLOTS
+from lorafleet.lora.heads import COPY_PARTS, HEAD_MODULES, IN_NORM, NORM_PARTS, PARTS, POST_NORM, matrices
 
 LAYOUT_FILE = "lorafleet-layout.safetensors"
 LAYOUT_VERSION = "4"  # bump when the buffer's arrangement or this file's form changes
@@ -214,17 +214,17 @@ class Layout:
 
     @property
     def ranks(self) -> dict[tuple[int, str], int]:
-        return {(m.layer, GROUPS[_GROUP_NAMES[m.group]][m.slot]): m.r for m in self.modules}
+        return {(m.layer, GROUPS[GROUP_NAMES[m.group]][m.slot]): m.r for m in self.modules}
 
     @property
     def posts(self) -> dict[tuple[int, str], str]:
-        return {(m.layer, GROUPS[_GROUP_NAMES[m.group]][m.slot]): m.post for m in self.modules if m.post}
+        return {(m.layer, GROUPS[GROUP_NAMES[m.group]][m.slot]): m.post for m in self.modules if m.post}
 
     def fill(self, buf: torch.Tensor, adapter: LoraAdapter) -> None:
         """Write the adapter's tensors into `buf` (flat, zeroed) at their rows, B scaled and
         transposed: one copy per run of rows that lie back to back."""
         for m in self.modules:
-            w = adapter.weights[(m.layer, GROUPS[_GROUP_NAMES[m.group]][m.slot])]
+            w = adapter.weights[(m.layer, GROUPS[GROUP_NAMES[m.group]][m.slot])]
             for k0, k1, o in _runs(m.a_rows, m.fan_in):
                 buf[o:o + (k1 - k0) * m.fan_in].copy_(w.a[k0:k1].reshape(-1))
             for k0, k1, o in _runs(m.b_rows, m.n_out):
@@ -253,9 +253,9 @@ class Layout:
             out.add((0, "embed_tokens"))
         if self.parts.keys() & {"lm_head", "lm_head_a", "final_norm"}:
             out.add((self.num_layers - 1, "lm_head"))
-        for part, module in (("in_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm")):
-            if part in self.parts:
-                out |= {(layer, module) for layer in range(self.num_layers)}
+        for kind in (IN_NORM, POST_NORM):  # the kind is the module's name in each layer
+            if NORM_PARTS[kind] in self.parts:
+                out |= {(layer, kind) for layer in range(self.num_layers)}
         return out
 
     # -- the row table ---------------------------------------------------------------------------
@@ -318,10 +318,10 @@ def _place_parts(off: int, heads: dict[str, tuple[int, int]], page_elems: int) -
     return parts, off
 
 
-_GROUP_NAMES = list(GROUPS)
 # a saved copy's part -> the module's name as users write it (`AdapterEntry.saved`)
-SAVED_PARTS = {"embed": "embed_tokens", "lm_head": "lm_head", "in_norm": "input_layernorm",
-               "post_norm": "post_attention_layernorm", "final_norm": "norm"}
+SAVED_PARTS = {part: HEAD_MODULES[kind] for kind, part in COPY_PARTS.items()}
+
+
 def _runs(rows: np.ndarray, length: int):
     """(first row, row past the last, offset) of each run of rows lying back to back."""
     breaks = np.flatnonzero(np.diff(rows) != length) + 1
