@@ -300,12 +300,12 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         head = HEAD_KEY_RE.fullmatch(key)
         if head is not None:
             adapter_names.add(next((head.group(g) for g in ("name", "ename", "mname") if head.group(g)), None))
-            t = tensors[key]
+            shown, t = _tensor(key), tensors[key]
             if t.dtype not in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
-                raise AdapterError(f"{st_path}: {_tensor(key)} is not floating point ({_FLOAT_FORM})")
+                raise AdapterError(f"{st_path}: {shown} is not floating point ({_FLOAT_FORM})")
             if not bool(torch.isfinite(t).all()):
-                raise AdapterError(f"{st_path}: {_tensor(key)} holds non-finite values (NaN or Inf)")
-            head_tensors[key] = (_tensor(key), t)
+                raise AdapterError(f"{st_path}: {shown} holds non-finite values (NaN or Inf)")
+            head_tensors[key] = (shown, t)
             continue
         layer, proj, ab, name = _key_slot(key, base, st_path)
         adapter_names.add(name)

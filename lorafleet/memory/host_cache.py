@@ -62,7 +62,7 @@ def build_host_adapter(path: Path, base: BaseShapes, page_elems: int, dtype: tor
 
 
 def _drop_copies(layout: Layout, buffer: torch.Tensor, base_rows, base: BaseShapes):
-    if base_rows is None or not layout.parts.keys() & {"embed", "lm_head"}:
+    if base_rows is None:
         return layout, buffer
     return drop_base_copies(layout, buffer, base_rows, base.vocab_size)
 
