@@ -212,8 +212,8 @@ class Engine:
             chunks = self.runner.order(plan.chunks)                                 # 2
             logits = self.runner.execute(chunks, self.runner.lora_batch(chunks))  # 3
             reqs = [c.request for c in chunks if c.samples]
-            tokens, lps, errors = sample(logits, [r.params for r in reqs],          # 4
-                                         [r.generator or self._generator for r in reqs], self.model.kernels.greedy)
+            tokens, lps, errors = sample(logits, [r.params for r in reqs], [r.generator for r in reqs],  # 4
+                                         self.model.kernels.greedy, shared=self._generator)
             self.scheduler.computed(chunks)
             for i, (req, token, lp) in enumerate(zip(reqs, tokens, lps)):          # 5
                 outputs.append(self._fail(req, errors[i]) if i in errors else self._append(req, token, lp))
