@@ -108,6 +108,7 @@ class Request:
     adapter_wait: float = 0.0                    # exposed adapter-load time, seconds
     adapter_cold: bool = False                   # its adapter was not on the device when it arrived
     deadline: float | None = None                # monotonic time after which it is aborted
+    _lora_key: tuple | None = field(default=None, repr=False)  # (loras, lora_key) as last computed
     error: str | None = None
     error_code: str | None = None                # the LorafleetError code of `error`
     first_token_time: float | None = None
@@ -122,6 +123,15 @@ class Request:
     def label(self) -> str | None:
         """Its adapter's name, its mix's label (`a+b*0.5`), or None for the base."""
         return self.mix.label if self.mix is not None else self.adapter
+
+    @property
+    def lora_key(self) -> tuple:
+        """What decides its LoRA rows: its adapters' entries and their scales. Kept while its
+        `loras` are the same tuple (the runner orders and segments every step by it)."""
+        cached = self._lora_key
+        if cached is None or cached[0] is not self.loras:
+            cached = self._lora_key = (self.loras, tuple((e.name, e.uid, s) for e, s in zip(self.loras, self.scales)))
+        return cached[1]
 
     @property
     def num_tokens(self) -> int:

@@ -36,7 +36,7 @@ class ModelRunner:
         that each adapter's rows form one segment for the LoRA op (by entry: a name replaced
         while requests still use its old weights has two), and each mix's one run of segments."""
         def key(c: Chunk):
-            return _key(c.request)
+            return c.request.lora_key
         return (sorted((c for c in chunks if c.num_tokens == 1), key=key)
                 + sorted((c for c in chunks if c.num_tokens > 1), key=key))
 
@@ -50,7 +50,7 @@ class ModelRunner:
         row, start, current, current_key = 0, 0, None, None
         for c in chunks + [None]:
             req = c.request if c is not None else None
-            key = _key(req) if req is not None else None
+            key = req.lora_key if req is not None else None
             if key != current_key:
                 live = [(e, s) for e, s in zip(current.loras, current.scales) if s != 0.0] if current else []
                 if live and row > start:
@@ -169,7 +169,3 @@ class ModelRunner:
             return start.elapsed_time(end) / 1e3
         return self._model_s
 
-
-def _key(req) -> tuple:
-    """What decides a request's LoRA rows: its adapters' entries and their scales."""
-    return tuple((e.name, e.uid, s) for e, s in zip(req.loras, req.scales))

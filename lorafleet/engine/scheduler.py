@@ -44,7 +44,7 @@ GROWTH_DECAY = 0.001  # per step without a preemption: from 1 to GROWTH_MIN in 9
 GROWTH_AFTER_PREEMPTION = 1.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """Compute tokens [request.num_computed, request.num_computed + num_tokens) of `request`."""
 
@@ -167,9 +167,10 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
-            if not self._make_room(req, req.num_computed + n, out):
-                continue
-            self.kv.grow(req.request_id, req.num_computed + n)
+            if req.num_computed + n > self.kv.capacity(req.request_id):  # else its pages hold the chunk
+                if not self._make_room(req, req.num_computed + n, out):
+                    continue
+                self.kv.grow(req.request_id, req.num_computed + n)
             out.chunks.append(Chunk(req, n))
             budget -= n
         if out.preempted:
@@ -265,10 +266,16 @@ class Scheduler:
     def computed(self, chunks: list[Chunk]) -> None:
         """The step ran `chunks`: their tokens are computed, and their full blocks named for the
         prefix cache. The scheduler is the one writer of `num_computed` (admission sets it to
-        what the cache held, preemption to 0, this to what ran)."""
+        what the cache held, preemption to 0, this to what ran). Only a chunk that fills a block
+        has one to name: the KV manager has named every full block before it (its `num_hashed`
+        never falls below `num_computed // block_size`)."""
+        bs = self.kv.block_size
         for c in chunks:
-            c.request.num_computed += c.num_tokens
-            self.kv.commit(c.request)
+            req = c.request
+            before = req.num_computed
+            req.num_computed = before + c.num_tokens
+            if req.num_computed // bs != before // bs:
+                self.kv.commit(req)
 
     def preempt(self, req: Request) -> None:
         self._stop(req)

@@ -67,7 +67,8 @@ def stats(engine) -> dict:
 def check_integrity(engine) -> None:
     """The pool's, the prefix cache's and the registry's own checks; then every request that
     names an adapter holds its entry, the registry's user and pin counts equal the requests'
-    holds and the running ones' pins, and block tables belong to running requests alone."""
+    holds and the running ones' pins, block tables belong to running requests alone and hold
+    what they computed, every full block of it named for the prefix cache."""
     engine.pool.check_integrity()
     engine.kv.check_integrity()
     engine.adapters.check_integrity()
@@ -88,3 +89,9 @@ def check_integrity(engine) -> None:
     live = {r.request_id for r in engine.scheduler.running}
     assert live <= set(engine.kv.rows), "a running request has no block table"
     assert set(engine.kv.rows) <= live, "pages held by a request that is not running"
+    kv = engine.kv
+    for r in engine.scheduler.running:  # the scheduler names blocks only when a chunk fills one
+        row = kv.rows[r.request_id]
+        assert kv.capacity(r.request_id) >= r.num_computed, f"{r.request_id}: computed past its pages"
+        assert not kv.prefix_cache or kv.num_hashed[row] >= r.num_computed // kv.block_size, \
+            f"{r.request_id}: a full block left unnamed"

@@ -114,6 +114,11 @@ class KVCacheManager:
         have = int(self.num_blocks[row]) if row is not None else 0
         return max(0, self.blocks_needed(num_tokens) - have)
 
+    def capacity(self, request_id: str) -> int:
+        """Positions the sequence's pages hold now (0 without any)."""
+        row = self.rows.get(request_id)
+        return 0 if row is None else int(self.num_blocks[row]) * self.block_size
+
     def grow(self, request_id: str, num_tokens: int) -> None:
         row = self.rows.get(request_id)
         if row is None:
