@@ -80,7 +80,9 @@ def overhead_table(results: list[dict]) -> Table:
     for r in results:
         d, b = r["decode"], r["burst"]
         shape = r["shape"] + (f" {r['quantization']}" if r.get("quantization") else "")
-        table.add_row(shape, f"host share of a decode step\n{r['running']} requests, {r['num_adapters']} adapters",
+        sampled = (f", T {r['temperature']:g}" + (f" top-p {r['top_p']:g}" if r["top_p"] < 1 else "")
+                   if r.get("temperature") else "")
+        table.add_row(shape, f"host share of a decode step\n{r['running']} requests, {r['num_adapters']} adapters{sampled}",
                       f"{d['host_share']:.1%}", f"host {d['mean_host_ms']:.2f} of {d['mean_time_ms']:.2f} ms mean"
                       f"\np50 {d['p50_host_ms']:.2f} of {d['p50_time_ms']:.2f} ms", f"<= {d['target']:.0%}",
                       verdict(d["target_met"]))
@@ -90,7 +92,7 @@ def overhead_table(results: list[dict]) -> Table:
                       f"< {b['target_s'] * 1e3:.0f} ms", verdict(b["target_met"]))
     setting = results[0]["target_setting"] if results else {}
     table.caption = (f"targets judged for {setting.get('shape')}, {setting.get('running')} requests over "
-                     f"{setting.get('num_adapters')} adapters, {setting.get('burst')} at once")
+                     f"{setting.get('num_adapters')} adapters (greedy), {setting.get('burst')} at once")
     busy = [f"{r['shape']} {part}: {o:.1f}" for r in results for part in ("decode", "burst")
             if contended(o := r[part]["other_cores"])]
     if busy:

@@ -300,16 +300,19 @@ def overhead(
     burst: Annotated[int, typer.Option("--burst", min=1, help="Requests added at once to a fresh engine.")] = 1000,
     quantize: Annotated[str | None, typer.Option(
         "--quantize", metavar="int8|int4", help="The base quantized as it loads (targets judged in fp32 only).")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="Decode sampled, not greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="With --temperature.")] = 1.0,
     device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """The engine's time around the model, from its own step records: the host-side share of a
     decode step (schedule, batch build, sampling, output processing; target <= 15% on tiny, 64
-    requests over 8 adapters) and the time to add 1,000 requests at once (target < 50 ms)."""
+    requests over 8 adapters, greedy) and the time to add 1,000 requests at once (target < 50 ms)."""
     def one(shape: str) -> dict:
         from lorafleet.bench.overhead import run_overhead
 
         return run_overhead(shape, running=running, num_adapters=adapters, steps=steps, burst=burst, device=device,
-                            threads=threads, progress=suites.say, quantize=quantize)
+                            threads=threads, progress=suites.say, quantize=quantize, temperature=temperature,
+                            top_p=top_p)
     shapes = model or ["tiny"]
     suites.check_shapes(shapes)
     suites.check_quantize(quantize, shapes, cpu=device == "cpu")

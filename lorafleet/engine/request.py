@@ -146,7 +146,7 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What a request has produced so far. `new_token_ids`/`new_text` hold this step's delta
     (for streaming); `token_ids`/`text`/`logprobs` hold everything."""

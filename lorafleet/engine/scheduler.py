@@ -46,15 +46,16 @@ GROWTH_AFTER_PREEMPTION = 1.0
 
 @dataclass(slots=True)
 class Chunk:
-    """Compute tokens [request.num_computed, request.num_computed + num_tokens) of `request`."""
+    """Compute tokens [request.num_computed, request.num_computed + num_tokens) of `request`.
+    `samples`: the chunk reaches the end of the known tokens, so its last row yields a new token
+    (fixed when the chunk is made: the step then moves the request on)."""
 
     request: Request
     num_tokens: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last row yields a new token."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.request.num_computed + self.num_tokens == self.request.num_tokens
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 from lorafleet.kernels import reference
 
 NEG_INF = float("-inf")
+NON_FINITE = "the model produced non-finite logits for this request (NaN or Inf)"
 CANDIDATES = 1024  # tokens a top-p row is first filtered among (why: a sort of the whole vocabulary
 #                    per row cost more than the model's decode step at 64 rows; most nuclei are narrower)
 
@@ -123,8 +124,13 @@ def sample(logits: torch.Tensor, params: list, generators: list, greedy=referenc
     S, V = logits.shape
     dev = logits.device
     tokens_dev, finite = greedy(logits)  # one batched call covers greedy rows
-    complete = torch.ones(S, dtype=torch.bool, device=dev)
     hot = [i for i, p in enumerate(params) if not p.greedy]
+    want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not hot and not want_lp:  # every row greedy: the argmax alone
+        got, finite = torch.stack([tokens_dev, finite.long()]).tolist()
+        return ([t if ok else None for t, ok in zip(got, finite)], [None] * S,
+                {i: NON_FINITE for i, ok in enumerate(finite) if not ok})
+    complete = torch.ones(S, dtype=torch.bool, device=dev)
     if hot:
         inv = torch.tensor([1.0 / params[i].temperature for i in hot], device=dev, dtype=logits.dtype)
         argmax, hot_logits = _rows(tokens_dev, hot), _rows(logits, hot)
@@ -136,11 +142,10 @@ def sample(logits: torch.Tensor, params: list, generators: list, greedy=referenc
         finite[hot] = ok
         together = [j for j, i in enumerate(hot) if generators[i] is None]
         groups = [(together, shared)] if together else []
-        groups += [([j], generators[hot[j]]) for j, i in enumerate(hot) if generators[i] is not None]
+        groups += [([j], generators[i]) for j, i in enumerate(hot) if generators[i] is not None]
         for sel, gen in groups:
             at = [hot[j] for j in sel]
             tokens_dev[at], complete[at] = _draw(_rows(x, sel), [params[i] for i in at], gen)
-    want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want_lp:
         lp = logits[want_lp].log_softmax(-1)
         n = min(max(params[i].logprobs for i in want_lp), V)
@@ -159,8 +164,7 @@ def sample(logits: torch.Tensor, params: list, generators: list, greedy=referenc
         if want_lp:
             chosen = lp.gather(1, torch.tensor([got[i] for i in want_lp], device=dev)[:, None])[:, 0]
     tokens: list[int | None] = [t if ok else None for t, ok in zip(got, finite)]
-    errors = {i: "the model produced non-finite logits for this request (NaN or Inf)"
-              for i, ok in enumerate(finite) if not ok}
+    errors = {i: NON_FINITE for i, ok in enumerate(finite) if not ok}
     lps: list[dict | None] = [None] * len(params)
     if want_lp:
         chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
