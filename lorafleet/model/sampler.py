@@ -71,46 +71,83 @@ def _pick(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t's rows `rows` (ascending, without repeats): t itself when they are all of them (an
-    index from a list costs more than the small ops around it)."""
-    return t if len(rows) == len(t) else t[rows]
+class _Upload:
+    """Per-row numbers gathered on the host and sent to the device in one copy, pinned and
+    non-blocking on a GPU (a list made a device tensor on its own waits for the stream: the
+    step's one wait must stay the read of its tokens)."""
+
+    def __init__(self):
+        self.columns: list[tuple[list, torch.dtype]] = []
+
+    def add(self, values: list, dtype: torch.dtype = torch.long) -> int:
+        self.columns.append((values, dtype))
+        return len(self.columns) - 1
+
+    def send(self, dev: torch.device) -> list[torch.Tensor]:
+        host = torch.tensor([v for values, _ in self.columns for v in values], dtype=torch.float64)
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(dev, non_blocking=True)
+        parts = flat.split([len(values) for values, _ in self.columns])
+        return [part.to(dtype) for part, (_, dtype) in zip(parts, self.columns)]
 
 
-def _draw(x: torch.Tensor, params: list, generator: torch.Generator | None, whole: bool = False
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token for each row of x [R, V] (logits / temperature, finite but for -inf; overwritten
-    where no row filters, in place of a copy: on the CPU a fresh tensor of the vocabulary's width
-    costs its page faults every step): the filtered distribution's draw from `generator`; and which
-    rows' filters were complete among their candidates (the others are drawn again over their
-    whole row: `sample`)."""
-    dev, V = x.device, x.shape[1]
-    out = torch.empty(len(params), dtype=torch.long, device=dev)
-    complete = torch.ones(len(params), dtype=torch.bool, device=dev)
-    plain = [i for i, q in enumerate(params) if not 0 < q.top_k < V and q.top_p >= 1.0]
-    if plain:  # no top-k nor top-p: the whole row, unsorted
-        e = _rows(x, plain)
-        e = e.sub_(e.amax(-1, keepdim=True)).exp_()  # unnormalized, the largest at 1
-        if any(params[i].min_p > 0 for i in plain):
-            m = torch.tensor([params[i].min_p for i in plain], device=dev, dtype=x.dtype)
-            e = e.masked_fill_(e < m[:, None], 0.0)
-        out[plain if len(plain) < len(params) else slice(None)] = _pick(e, generator)
-    rest = sorted(set(range(len(params))) - set(plain))
-    if rest:
-        q = [params[i] for i in rest]
-        k_on = [r.top_k for r in q if 0 < r.top_k < V]
-        k = torch.tensor([r.top_k if 0 < r.top_k < V else 0 for r in q], device=dev)
-        p = torch.tensor([r.top_p if r.top_p < 1.0 else float("inf") for r in q], device=dev, dtype=x.dtype)
-        m = torch.tensor([r.min_p for r in q], device=dev, dtype=x.dtype)
-        wide = CANDIDATES if any(r.top_p < 1.0 for r in q) else 0  # top-k alone: its k and one more
-        K = V if whole else min(V, max(wide, max(k_on) + 1 if k_on else 0))
-        probs, ids, done = _filtered(_rows(x, rest), k, p, m, K)
-        if len(rest) < len(params):
-            complete[rest] = done
-        else:
-            complete = done
-        out[rest] = ids.gather(1, _pick(probs, generator)[:, None])[:, 0]
-    return out, complete
+class _Draw:
+    """Rows drawn together: their positions among the sampled rows, their generator, and whether
+    they filter (top-k or top-p: among K candidates) or not (the whole row, unsorted)."""
+
+    def __init__(self, up: _Upload, pos: list[int], params: list, generator, V: int, whole: bool):
+        self.generator, self.size = generator, len(pos)
+        self.filters = any(0 < p.top_k < V or p.top_p < 1.0 for p in params)
+        self.pos = up.add(pos)
+        self.min_p = up.add([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None
+        if self.filters:
+            k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+            self.k = up.add(k)
+            self.p = up.add([p.top_p if p.top_p < 1.0 else float("inf") for p in params], torch.float32)
+            self.min_p = self.min_p if self.min_p is not None else up.add([0.0] * len(params), torch.float32)
+            wide = CANDIDATES if any(p.top_p < 1.0 for p in params) else 0  # top-k alone: its k and one more
+            self.K = V if whole else min(V, max(wide, max(k) + 1))
+
+    def run(self, x: torch.Tensor, cols: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [n] and whether each row's filter was complete among its candidates [n], for rows
+        x [n, V] (logits / temperature, finite but for -inf; overwritten where the rows do not
+        filter, in place of a copy: on the CPU a fresh tensor of the vocabulary's width costs its
+        page faults every step)."""
+        if not self.filters:
+            e = x.sub_(x.amax(-1, keepdim=True)).exp_()  # unnormalized, the largest at 1
+            if self.min_p is not None:
+                e = e.masked_fill_(e < cols[self.min_p][:, None], 0.0)
+            return _pick(e, self.generator), torch.ones(len(x), dtype=torch.bool, device=x.device)
+        probs, ids, complete = _filtered(x, cols[self.k], cols[self.p], cols[self.min_p], self.K)
+        return ids.gather(1, _pick(probs, self.generator)[:, None])[:, 0], complete
+
+
+def _draws(up: _Upload, pos: list[int], params: list, generators: list, shared, V: int, whole: bool) -> list[_Draw]:
+    """The draws for sampled rows at positions `pos`: those without a generator of their own
+    together from `shared` (those that filter apart from those that do not), a seeded one alone."""
+    draws = []
+    common = [j for j in pos if generators[j] is None]
+    for filters in (False, True):
+        sel = [j for j in common if (0 < params[j].top_k < V or params[j].top_p < 1.0) == filters]
+        if sel:
+            draws.append(_Draw(up, sel, [params[j] for j in sel], shared, V, whole))
+    draws += [_Draw(up, [j], [params[j]], generators[j], V, whole) for j in pos if generators[j] is not None]
+    return draws
+
+
+def _run(x: torch.Tensor, draws: list[_Draw], cols: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every draw over the rows of x [H, V]: tokens [H] and completeness [H]."""
+    if len(draws) == 1 and draws[0].size == len(x):  # one draw over every row: no gather
+        return draws[0].run(x, cols)
+    tokens = torch.empty(len(x), dtype=torch.long, device=x.device)
+    complete = torch.ones(len(x), dtype=torch.bool, device=x.device)
+    for d in draws:
+        at = cols[d.pos]
+        t, c = d.run(x.index_select(0, at), cols)
+        tokens.index_copy_(0, at, t)
+        complete.index_copy_(0, at, c)
+    return tokens, complete
 
 
 def sample(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy,
@@ -130,37 +167,41 @@ def sample(logits: torch.Tensor, params: list, generators: list, greedy=referenc
         got, finite = torch.stack([tokens_dev, finite.long()]).tolist()
         return ([t if ok else None for t, ok in zip(got, finite)], [None] * S,
                 {i: NON_FINITE for i, ok in enumerate(finite) if not ok})
+    up = _Upload()
+    hot_at, inv_at, lp_at = up.add(hot), up.add([1.0 / params[i].temperature for i in hot], logits.dtype), up.add(want_lp)
+    hot_params, hot_gens = [params[i] for i in hot], [generators[i] for i in hot]
+    draws = _draws(up, list(range(len(hot))), hot_params, hot_gens, shared, V, whole=False)
+    cols = up.send(dev)
     complete = torch.ones(S, dtype=torch.bool, device=dev)
     if hot:
-        inv = torch.tensor([1.0 / params[i].temperature for i in hot], device=dev, dtype=logits.dtype)
-        argmax, hot_logits = _rows(tokens_dev, hot), _rows(logits, hot)
+        rows, inv = cols[hot_at], cols[inv_at]
+        every = len(hot) == S
+        hot_logits = logits if every else logits.index_select(0, rows)
+        argmax = tokens_dev if every else tokens_dev.index_select(0, rows)
         top = hot_logits.gather(1, argmax.clamp(0, V - 1)[:, None])[:, 0]  # each row's largest
-        ok = _rows(finite, hot) & torch.isfinite(top * inv)  # a temperature can overflow the largest logit
-        # a failed row draws harmlessly from zeros (no device op sees a NaN); its token is dropped
+        ok = (finite if every else finite.index_select(0, rows)) & torch.isfinite(top * inv)  # a temperature
+        # can overflow the largest logit; a failed row draws harmlessly from zeros (no device op sees a
+        # NaN), its token dropped
         x = torch.nan_to_num_(hot_logits * torch.where(ok, inv, 0.0)[:, None], 0.0, 0.0, NEG_INF)
-        finite, tokens_dev = finite.clone(), tokens_dev.clone()
-        finite[hot] = ok
-        together = [j for j, i in enumerate(hot) if generators[i] is None]
-        groups = [(together, shared)] if together else []
-        groups += [([j], generators[i]) for j, i in enumerate(hot) if generators[i] is not None]
-        for sel, gen in groups:
-            at = [hot[j] for j in sel]
-            tokens_dev[at], complete[at] = _draw(_rows(x, sel), [params[i] for i in at], gen)
+        drawn, done = _run(x, draws, cols)  # x's filtering rows stay as they were, for a redo
+        tokens_dev = tokens_dev.index_copy(0, rows, drawn)
+        finite = finite.index_copy(0, rows, ok)
+        complete = complete.index_copy(0, rows, done)
     if want_lp:
-        lp = logits[want_lp].log_softmax(-1)
+        lp = logits.index_select(0, cols[lp_at]).log_softmax(-1)
         n = min(max(params[i].logprobs for i in want_lp), V)
         top_v, top_i = torch.topk(lp, n, dim=-1)
-        chosen = lp.gather(1, tokens_dev[want_lp].clamp(0, V - 1)[:, None])[:, 0]
+        chosen = lp.gather(1, tokens_dev.index_select(0, cols[lp_at]).clamp(0, V - 1)[:, None])[:, 0]
     got, finite, complete = torch.stack([tokens_dev, finite.long(), complete.long()]).tolist()  # the one read
     redo = [j for j, i in enumerate(hot) if finite[i] and not complete[i]]
     if redo:  # a nucleus wider than its candidates (rare but for flat distributions): whole rows, sorted
-        groups = [([j for j in redo if generators[hot[j]] is None], shared)]
-        groups += [([j], generators[hot[j]]) for j in redo if generators[hot[j]] is not None]
-        for sel, gen in groups:
-            if sel:
-                again = _draw(x[sel], [params[hot[j]] for j in sel], gen, whole=True)[0].tolist()
-                for j, t in zip(sel, again):
-                    got[hot[j]] = t
+        up = _Upload()
+        at = up.add(redo)
+        again = _draws(up, list(range(len(redo))), [hot_params[j] for j in redo], [hot_gens[j] for j in redo],
+                       shared, V, whole=True)
+        cols = up.send(dev)
+        for j, t in zip(redo, _run(x.index_select(0, cols[at]), again, cols)[0].tolist()):
+            got[hot[j]] = t
         if want_lp:
             chosen = lp.gather(1, torch.tensor([got[i] for i in want_lp], device=dev)[:, None])[:, 0]
     tokens: list[int | None] = [t if ok else None for t, ok in zip(got, finite)]

@@ -95,10 +95,13 @@ def test_a_tie_at_the_kth_value_is_redone_over_the_whole_row(monkeypatch):
     assert batched_kept(x, [p], whole=True)[0].tolist() == [[True, True, True, True, False]]
 
 
+@pytest.mark.parametrize("candidates", [1024, 1])
 @pytest.mark.parametrize("setting", [dict(), dict(top_p=0.8), dict(top_k=2, min_p=0.1)])
-def test_rows_drawn_together_follow_their_filtered_distribution(setting):
+def test_rows_drawn_together_follow_their_filtered_distribution(setting, candidates, monkeypatch):
     """64 rows from the shared generator, one batch: each token's frequency is its probability
-    under the oracle's filtered distribution (a fixed seed: the counts are deterministic)."""
+    under the oracle's filtered distribution (a fixed seed: the counts are deterministic). With
+    one candidate, the top-p rows are drawn again over their whole rows."""
+    monkeypatch.setattr(sampler, "CANDIDATES", candidates)
     logits = torch.tensor([0.0, 2.0, -1.0, 1.0]).log_softmax(-1)
     p = SamplingParams(temperature=0.8, **setting)
     want = filter_top_k_top_p(logits / 0.8, p.top_k, p.top_p, p.min_p).softmax(-1)
@@ -110,6 +113,28 @@ def test_rows_drawn_together_follow_their_filtered_distribution(setting):
         n += 64
     assert ((counts / n - want).abs() < 0.02).all(), (counts / n, want)
     assert (counts[want == 0] == 0).all()
+
+
+def test_a_mixed_batch_gives_each_row_what_it_would_get_alone():
+    """Greedy, sampled, filtered and seeded rows, some with logprobs, in one call: greedy rows take
+    the argmax, seeded rows their tokens alone, every logprob is the raw distribution's."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, logprobs=2)
+    params = [SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=1.0),
+              seeded, SamplingParams(temperature=0.5, top_k=3, logprobs=0),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.9, min_p=0.2)]
+    gens = [None, None, torch.Generator().manual_seed(5), None, None, None]
+    tokens, lps, errors = sample(logits, params, gens, shared=torch.Generator().manual_seed(1))
+    assert not errors and all(t is not None for t in tokens)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[4] == int(logits[4].argmax())
+    assert tokens[2] == sample(logits[2:3], [seeded], [torch.Generator().manual_seed(5)])[0][0]
+    assert tokens[3] in logits[3].topk(3).indices.tolist()
+    raw = logits.log_softmax(-1)
+    for i in (0, 2, 3):
+        assert lps[i][tokens[i]] == pytest.approx(raw[i, tokens[i]].item())
+        assert len(lps[i]) <= params[i].logprobs + 1
+    assert lps[1] is None and lps[5] is None
 
 
 def test_sampling_follows_the_distribution():
