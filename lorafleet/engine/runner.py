@@ -6,6 +6,7 @@ Row order of the flat batch: single-token chunks first (decode), then multi-toke
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -35,10 +36,8 @@ class ModelRunner:
         """Decode rows first, then prefill chunks; within each, grouped by adapter (or mix) so
         that each adapter's rows form one segment for the LoRA op (by entry: a name replaced
         while requests still use its old weights has two), and each mix's one run of segments."""
-        def key(c: Chunk):
-            return c.request.lora_key
-        return (sorted((c for c in chunks if c.num_tokens == 1), key=key)
-                + sorted((c for c in chunks if c.num_tokens > 1), key=key))
+        return (sorted((c for c in chunks if c.num_tokens == 1), key=_lora_key)
+                + sorted((c for c in chunks if c.num_tokens > 1), key=_lora_key))
 
     def lora_batch(self, chunks: list[Chunk]) -> LoraBatch | None:
         """Segments of consecutive rows sharing an adapter (a mix: one per adapter, each with its
@@ -47,19 +46,17 @@ class ModelRunner:
         if all(not c.request.loras for c in chunks):
             return None
         batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_shapes)
-        row, start, current, current_key = 0, 0, None, None
-        for c in chunks + [None]:
-            req = c.request if c is not None else None
-            key = req.lora_key if req is not None else None
-            if key != current_key:
-                live = [(e, s) for e, s in zip(current.loras, current.scales) if s != 0.0] if current else []
-                if live and row > start:
-                    batch.add_rows(start, row, [(e.row_table, s) for e, s in live], sum(e.max_rank for e, _ in live))
-                    if any(e.heads is not None for e, _ in live):
-                        batch.add_heads(start, row, [(e.heads, s) for e, s in live if e.heads is not None])
-                start, current, current_key = row, req, key
-            if c is not None:
-                row += c.num_tokens
+        end = 0
+        for _, run in itertools.groupby(chunks, key=_lora_key):
+            start, req = end, None
+            for c in run:
+                end += c.num_tokens
+                req = c.request
+            live = [(e, s) for e, s in zip(req.loras, req.scales) if s != 0.0]
+            if live:
+                batch.add_rows(start, end, [(e.row_table, s) for e, s in live], sum(e.max_rank for e, _ in live))
+                if any(e.heads is not None for e, _ in live):
+                    batch.add_heads(start, end, [(e.heads, s) for e, s in live if e.heads is not None])
         return batch.finish()
 
     def prepare(self, chunks: list[Chunk], all_logits: bool = False):
@@ -169,3 +166,6 @@ class ModelRunner:
             return start.elapsed_time(end) / 1e3
         return self._model_s
 
+
+def _lora_key(c: Chunk) -> tuple:
+    return c.request.lora_key

@@ -164,7 +164,7 @@ def sample(logits: torch.Tensor, params: list, generators: list, greedy=referenc
     hot = [i for i, p in enumerate(params) if not p.greedy]
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not hot and not want_lp:  # every row greedy: the argmax alone
-        got, finite = torch.stack([tokens_dev, finite.long()]).tolist()
+        got, finite = tokens_dev.tolist(), finite.tolist()  # the second read finds the device done
         return ([t if ok else None for t, ok in zip(got, finite)], [None] * S,
                 {i: NON_FINITE for i, ok in enumerate(finite) if not ok})
     up = _Upload()
