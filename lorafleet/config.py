@@ -34,6 +34,8 @@ class EngineConfig:
     debug_checks: bool = False          # check_integrity() after every step (tests turn it on)
     decode_graphs: str = "auto"         # auto (on with CUDA + Triton), on, off, fixed (the same
                                         # fixed-shape decode steps without capture: CPU tests)
+    async_decode: str = "off"           # auto (on with CUDA), on, off: read a step's tokens after
+                                        # launching the next (engine/inflight.py)
     prefix_cache: bool = True           # reuse the KV of full blocks of earlier prompts (memory/kv.py)
     eviction: str = "cost"              # cached KV and idle adapters: cost (memory/eviction.py) or lru
 
@@ -56,6 +58,8 @@ class EngineConfig:
             raise ConfigError(f"quantize must be int8 or int4, got {self.quantize!r}")
         if self.eviction not in ("cost", "lru"):
             raise ConfigError(f"eviction must be cost or lru, got {self.eviction!r}")
+        if self.async_decode not in ("auto", "on", "off"):
+            raise ConfigError(f"async_decode must be auto, on or off, got {self.async_decode!r}")
         if self.decode_graphs not in ("auto", "on", "off", "fixed"):
             raise ConfigError(f"decode_graphs must be auto, on, off or fixed, got {self.decode_graphs!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -70,6 +70,9 @@ def kernel_figures(shape: str, device: torch.device, dtype, context: int, progre
     return rows
 
 
+ASYNC = "1 adapter r16, async_decode"  # the same case with each step read after the next is launched
+
+
 def _cases(base: Path, batch: int, many: int, big: bool) -> dict[str, tuple[dict[str, Path], list, bool]]:
     """label -> (adapters: name -> folder, the adapter of each request, registered only)."""
     folder = base.parent / f"{base.name}-gpu-adapters"
@@ -86,6 +89,7 @@ def _cases(base: Path, batch: int, many: int, big: bool) -> dict[str, tuple[dict
     return {
         "no adapter": ({}, [None] * batch, False),
         "1 adapter r16": ({"a": adapter(16, ALL7, 1)}, ["a"] * batch, False),
+        ASYNC: ({"a": adapter(16, ALL7, 1)}, ["a"] * batch, False),
         "8 adapters r8-64": ({f"e{i}": files[i] for i in range(8)}, [f"e{i % 8}" for i in range(batch)], False),
         f"{distinct} distinct adapters r8-64": ({f"d{i}": files[i % FILES] for i in range(distinct)},
                                        [f"d{i % distinct}" for i in range(batch)], False),
@@ -125,7 +129,8 @@ def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int,
         prompts = [torch.randint(3, 200, (32,), generator=g).tolist() for _ in range(batch)]
         cases, rows = _cases(base, batch, many, big), {}
         for label, (adapters, names, registered) in cases.items():
-            engine = Engine(base, device=device, dtype=dtype, max_num_seqs=batch, quantize=quantize)
+            engine = Engine(base, device=device, dtype=dtype, max_num_seqs=batch, quantize=quantize,
+                            async_decode="on" if label == ASYNC else "off")
             try:
                 t0 = time.perf_counter()
                 for name, path in adapters.items():
@@ -156,6 +161,7 @@ def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int,
         uniform = next(k for k in rows if k.startswith("uniform"))
         ratios = {
             "1 adapter r16 / no adapter": rows["1 adapter r16"]["tokens_per_s"] / base_tps,
+            "1 adapter r16: async_decode / off": rows[ASYNC]["tokens_per_s"] / rows["1 adapter r16"]["tokens_per_s"],
             f"{many} registered / 8 adapters": rows[f"{many} registered r8-64"]["tokens_per_s"]
             / rows["8 adapters r8-64"]["tokens_per_s"],
             "mixed ranks / uniform rank": rows["mixed ranks 8-256"]["tokens_per_s"] / rows[uniform]["tokens_per_s"],
@@ -164,6 +170,8 @@ def engine_figures(shape: str, device: str, batches: list[int], max_tokens: int,
             ratios[f"{distinct} step / its bound"] = rows[distinct]["step_ms"] / rows[distinct]["bound_ms"]
         if rows[distinct]["host_share"] is not None:
             ratios[f"{distinct} step: host share"] = rows[distinct]["host_share"]
+        if rows[ASYNC]["host_share"] is not None:
+            ratios[f"{ASYNC} step: host share"] = rows[ASYNC]["host_share"]
         out[batch] = {"cases": rows, "ratios": ratios,
                       "recaptures": sum(c["decode_graphs"].get("recaptures", 0) for c in rows.values())}
     return {"shape": shape, "quantization": quantize, "mixed_targets": "q/v" if big else "all 7", "batches": out}

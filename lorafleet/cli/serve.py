@@ -122,6 +122,9 @@ def serve(
     prefix_cache: Annotated[bool, typer.Option(
         "--prefix-cache/--no-prefix-cache", help="Reuse the KV of prompt prefixes computed before under the "
                                                  "same adapter weights.")] = True,
+    async_decode: Annotated[str, typer.Option(
+        "--async-decode", metavar="auto|on|off", help="Read each step's tokens after launching the next, "
+        "so the host's work hides behind the GPU's (auto: on with CUDA).")] = "off",
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Start the daemon in the background and return once it answers.")] = False,
     log_file: Annotated[Path | None, typer.Option(
         "--log-file", metavar="PATH", help="With --detach: where the daemon logs. Default: $LORAFLEET_HOME/logs/"
@@ -152,7 +155,7 @@ def serve(
                               idle_timeout=idle_timeout, max_tcp_connections=max_tcp_connections)
         engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
                           "quantize": quantize, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-                          "prefix_cache": prefix_cache}
+                          "prefix_cache": prefix_cache, "async_decode": async_decode}
         adapters = parse_adapters(adapter)
         if detach:
             argv = _rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),

@@ -19,6 +19,7 @@ import torch
 
 from lorafleet.config import DEFAULT_CPU_POOL_BYTES, EngineConfig
 from lorafleet.engine.graphs import DecodeGraphs
+from lorafleet.engine.inflight import Steps
 from lorafleet.engine.mixes import MixChecks
 from lorafleet.engine.output import OutputProcessor
 from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status, prompt_ids
@@ -40,7 +41,6 @@ from lorafleet.memory.pool import PagePool
 from lorafleet.memory.prefetch import Prefetcher
 from lorafleet.memory.residency import AdapterResidency
 from lorafleet.model.loader import load_model, resolve_device
-from lorafleet.model.sampler import sample
 from lorafleet.model.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -88,6 +88,8 @@ class Engine:
         self._deadlines: list = []  # heap of (deadline, request id, request); finished ones dropped lazily
         self.mixes = MixChecks(self.adapters, self.pool, self.kv)
         self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        mode = cfg.async_decode
+        self.steps = Steps(self, mode == "on" or (mode == "auto" and self.device.type == "cuda"))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode = self.config.decode_graphs
@@ -186,8 +188,8 @@ class Engine:
         return self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        """Requests in the queues, or eager adapter loads in flight: `step()` has work."""
-        return self.scheduler.has_unfinished() or self.prefetcher.eager_pending
+        """Requests in the queues, eager adapter loads or a step in flight: `step()` has work."""
+        return self.scheduler.has_unfinished() or self.prefetcher.eager_pending or self.steps.inflight is not None
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -197,7 +199,9 @@ class Engine:
 
         The request path, in order: adapters that landed or failed and deadlines; 1. schedule;
         2. build the batch (rows ordered decode-first and by adapter, the LoRA segments);
-        3. run the model; 4. sample; 5. process outputs (text, stops, finishes)."""
+        3. run the model; 4. draw the tokens; 5. read them and process outputs (text, stops,
+        finishes). With `async_decode` a step is read in the next call, after the step that
+        follows it is launched (`engine/inflight.py`)."""
         t0 = time.perf_counter()
         tick = self.prefetcher.tick(self.scheduler.wanted_adapters(), self.scheduler.watermark_pages)
         outputs = self._fail_adapter_requests(tick.failed) if tick.failed else []
@@ -208,29 +212,14 @@ class Engine:
         plan = self.scheduler.schedule()                                            # 1
         outputs += [self._finish(req, "length") for req in plan.finished]
         self.counters.num_preemptions += len(plan.preempted)
-        if plan.chunks:
-            chunks = self.runner.order(plan.chunks)                                 # 2
-            logits = self.runner.execute(chunks, self.runner.lora_batch(chunks))  # 3
-            reqs = [c.request for c in chunks if c.samples]
-            tokens, lps, errors = sample(logits, [r.params for r in reqs], [r.generator for r in reqs],  # 4
-                                         self.model.kernels.greedy, shared=self._generator)
-            self.scheduler.computed(chunks)
-            for i, (req, token, lp) in enumerate(zip(reqs, tokens, lps)):          # 5
-                outputs.append(self._fail(req, errors[i]) if i in errors else self._append(req, token, lp))
-            self._record(t0, chunks, len(reqs), len(tick.loaded))
-        elif self.prefetcher.busy:
+        launched = self.steps.launch(plan.chunks, t0, len(tick.loaded)) if plan.chunks else None  # 2-4
+        read = self.steps.settle(launched)                                          # 5
+        outputs += read
+        if launched is None and not read and self.prefetcher.busy:
             self.prefetcher.wait_any(0.005)  # nothing runnable until a load lands: don't spin
         if self.config.debug_checks:
             self.check_integrity()
         return outputs
-
-    def _record(self, t0: float, chunks, generated: int, loaded: int) -> None:
-        prompt_tokens = sum(c.num_tokens for c in chunks if not (c.samples and c.num_tokens == 1))
-        if prompt_tokens:  # what recomputing a cached block would cost (the eviction order)
-            self.arbiter.order.observe_prefill(self.runner.last_model_s, sum(c.num_tokens for c in chunks))
-        self.counters.record_step(time.perf_counter() - t0, len(chunks), prompt_tokens, generated,
-                                  distinct_adapters=len({n for c in chunks for n in c.request.names or (None,)}),
-                                  adapters_loaded=loaded, model_s=self.runner.last_model_s)
 
     def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
         try:

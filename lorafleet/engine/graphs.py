@@ -68,6 +68,12 @@ class DecodeStep(NamedTuple):
     samples: np.ndarray | None
 
 
+def fill_pending(ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """ids with each -1 - j replaced by prev[j] (`Request.input_ids`: inputs drawn by the last
+    step and not read yet), on the device."""
+    return torch.where(ids < 0, prev[(-1 - ids).clamp(0, len(prev) - 1)], ids)
+
+
 def buckets(max_num_seqs: int) -> list[int]:
     """Padded batch sizes: powers of two below `max_num_seqs`, then `max_num_seqs` itself."""
     out, b = [], 1
@@ -147,10 +153,11 @@ class DecodeGraphs:
             self.eager_fallbacks += 1
         return ok
 
-    def run(self, step: DecodeStep, lora: LoraBatch | None) -> torch.Tensor:
+    def run(self, step: DecodeStep, lora: LoraBatch | None, prev: torch.Tensor | None = None) -> torch.Tensor:
         """The step's numbers into the staging buffer (padding rows on the scratch page), one
-        copy of what its bucket reads to the device, then the bucket's graph. Returns the logits
-        of the rows that sample [S, V]."""
+        copy of what its bucket reads to the device, the inputs not read yet taken from `prev`
+        (the last step's drawn tokens, `fill_pending`), then the bucket's graph. Returns the
+        logits of the rows that sample [S, V]."""
         n = len(step.ids)
         b = self.bucket(n)
         if self._staged is not None:
@@ -171,6 +178,8 @@ class DecodeGraphs:
         if self._staged is not None:
             self._staged.record()
         self.uploads += 1
+        if prev is not None and (step.ids < 0).any():
+            self.ids[:n].copy_(fill_pending(self.ids[:n], prev))
         if key not in self._graphs:
             self._capture(key)
         graph, logits = self._graphs[key]

@@ -109,6 +109,8 @@ class Request:
     adapter_cold: bool = False                   # its adapter was not on the device when it arrived
     deadline: float | None = None                # monotonic time after which it is aborted
     _lora_key: tuple | None = field(default=None, repr=False)  # (loras, lora_key) as last computed
+    num_pending: int = 0   # tokens drawn on the device, not read yet (engine/inflight.py)
+    pending_row: int = -1  # the newest one's row among its step's drawn tokens
     error: str | None = None
     error_code: str | None = None                # the LorafleetError code of `error`
     first_token_time: float | None = None
@@ -135,7 +137,17 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Its tokens: prompt, output, and those drawn but not read yet (`num_pending`)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    def input_ids(self, start: int, end: int) -> list[int]:
+        """The ids of positions [start, end) as a step's input: a position whose token is drawn
+        but not read yet (the last one) as -1 - its row among its step's drawn tokens, which the
+        runner replaces on the device (`fill_pending`)."""
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if end <= known:
+            return self.token_at(start, end)
+        return self.token_at(start, known) + [-1 - self.pending_row]
 
     def token_at(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

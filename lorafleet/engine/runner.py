@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from lorafleet.engine.graphs import DecodeGraphs, DecodeStep
+from lorafleet.engine.graphs import DecodeGraphs, DecodeStep, fill_pending
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
 from lorafleet.lora.batch import LoraBatch, group_shapes
@@ -70,7 +70,8 @@ class ModelRunner:
         the caches, so one call costs much less than they do, and steps measured faster."""
         kv = self.kv
         fast = self.model.kernels.decode_batch
-        if fast is not None and not all_logits and all(c.num_tokens == 1 and c.samples for c in chunks):
+        if (fast is not None and not all_logits
+                and all(c.num_tokens == 1 and c.samples and not c.request.num_pending for c in chunks)):
             reqs = [c.request for c in chunks]
             starts = [r.num_computed for r in reqs]
             return fast(kv.block_table, [kv.rows[r.request_id] for r in reqs], starts,
@@ -87,7 +88,7 @@ class ModelRunner:
         table = kv.block_table
         ids = []
         for r, s, k in zip(reqs, start.tolist(), ntok.tolist()):
-            ids.extend(r.token_at(s, s + k))
+            ids.extend(r.input_ids(s, s + k))
         meta = AttentionMetadata(
             slot_pages=torch.from_numpy(table[np.repeat(rows, ntok), pos // bs]).to(dev),
             slot_offsets=torch.from_numpy(pos % bs).to(dev))
@@ -124,7 +125,7 @@ class ModelRunner:
         reqs = [c.request for c in chunks]
         start = np.fromiter((r.num_computed for r in reqs), np.int64, n)
         rows = np.fromiter((kv.rows[r.request_id] for r in reqs), np.int64, n)
-        ids = np.fromiter((r.token_at(s, s + 1)[0] for r, s in zip(reqs, start.tolist())), np.int64, n)
+        ids = np.fromiter((r.input_ids(s, s + 1)[0] for r, s in zip(reqs, start.tolist())), np.int64, n)
         table = kv.block_table
         samples = np.fromiter((c.samples for c in chunks), bool, n)
         width = int(kv.num_blocks[rows].max())
@@ -132,9 +133,12 @@ class ModelRunner:
                           None if samples.all() else np.flatnonzero(samples))
 
     @torch.inference_mode()
-    def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False,
+                prev: torch.Tensor | None = None) -> torch.Tensor:
         """`chunks` must already be in `order()`. Returns logits [S, V] for the chunks that
-        sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests)."""
+        sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests). `prev`:
+        the tokens the last step drew on the device, which rows whose input is not read yet take
+        (`Request.input_ids`)."""
         step = None
         if self.graphs is not None and not all_logits and all(c.num_tokens == 1 for c in chunks):
             step = self.decode_step(chunks)
@@ -144,10 +148,13 @@ class ModelRunner:
             ids, positions, meta, rows = self.prepare(chunks, all_logits)
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # the forward's device time, read once the sampled tokens are
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
         if step is not None:
-            logits = self.graphs.run(step, lora)  # stages `lora`'s segments with the step's inputs
+            logits = self.graphs.run(step, lora, prev)  # stages `lora`'s segments with the step's inputs
         else:
+            if prev is not None:
+                ids = fill_pending(ids, prev)
             logits = self.model(ids, positions, meta, self.kv.cache, rows, lora and lora.to_device())
         if self.device.type == "cuda":
             self._events[1].record()
@@ -155,17 +162,20 @@ class ModelRunner:
             self._model_s = time.perf_counter() - t0
         return logits
 
-    @property
-    def last_model_s(self) -> float:
-        """The model's forward pass in the last `execute()`: on a GPU its device time, between two
-        events (no synchronization on the step's path: the engine asks after the sampled tokens
-        were read, when the forward has long finished)."""
-        if self.device.type == "cuda":
-            start, end = self._events
+    def model_time(self):
+        """The last `execute()`'s forward pass time, as a function to call later: on a GPU it
+        reads the pair of events that call recorded (once its step is done)."""
+        if self.device.type != "cuda":
+            return lambda s=self._model_s: s
+        start, end = self._events
+
+        def device_s() -> float:
             end.synchronize()
             return start.elapsed_time(end) / 1e3
-        return self._model_s
+        return device_s
+
 
 
 def _lora_key(c: Chunk) -> tuple:
     return c.request.lora_key
+

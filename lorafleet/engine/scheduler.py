@@ -167,6 +167,8 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if req.num_pending and self._ends_when_read(req):
+                continue  # its token not read yet ends it: nothing to compute past it
             n = min(req.num_tokens - req.num_computed, budget)
             if req.num_computed + n > self.kv.capacity(req.request_id):  # else its pages hold the chunk
                 if not self._make_room(req, req.num_computed + n, out):
@@ -180,6 +182,11 @@ class Scheduler:
             self.growth = max(GROWTH_MIN, self.growth - GROWTH_DECAY)
             self._admit(out, budget)
         return out
+
+    def _ends_when_read(self, req: Request) -> bool:
+        """Its tokens, those not read yet counted, reach its max_tokens or the context."""
+        return (len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
+                or (self.max_model_len is not None and req.num_tokens >= self.max_model_len))
 
     def _expected_pages(self, req: Request) -> int:
         """KV pages `req` is expected to still take: the rest of its known tokens (a prompt
@@ -269,14 +276,21 @@ class Scheduler:
         prefix cache. The scheduler is the one writer of `num_computed` (admission sets it to
         what the cache held, preemption to 0, this to what ran). Only a chunk that fills a block
         has one to name: the KV manager has named every full block before it (its `num_hashed`
-        never falls below `num_computed // block_size`)."""
+        never falls below `num_computed // block_size`). A chunk whose input was not read yet
+        (`Request.num_pending`) names its blocks once it is (`read`)."""
         bs = self.kv.block_size
         for c in chunks:
             req = c.request
             before = req.num_computed
             req.num_computed = before + c.num_tokens
-            if req.num_computed // bs != before // bs:
+            if req.num_computed // bs != before // bs and not req.num_pending:
                 self.kv.commit(req)
+
+    def read(self, req: Request) -> None:
+        """A token `req` drew in an earlier step is read (appended): the blocks its computed
+        positions fill are named now."""
+        if req.status is Status.RUNNING:
+            self.kv.commit(req)
 
     def preempt(self, req: Request) -> None:
         self._stop(req)

@@ -42,6 +42,7 @@ class EngineStats:
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
     num_preemptions: int = 0
+    num_discarded: int = 0              # drawn tokens dropped: their request ended before they were read
     step_times: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     step_batch_sizes: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     ttfts: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
@@ -95,6 +96,7 @@ class EngineStats:
             "num_requests_finished": self.num_requests_finished,
             "num_requests_aborted": self.num_requests_aborted,
             "num_preemptions": self.num_preemptions,
+            "num_discarded": self.num_discarded,
             "num_adapter_loads": self.num_adapter_loads,
             "queue_time_s": summary(self.queue_times),
             "adapter_wait_s": summary(self.adapter_waits),

@@ -68,7 +68,8 @@ def check_integrity(engine) -> None:
     """The pool's, the prefix cache's and the registry's own checks; then every request that
     names an adapter holds its entry, the registry's user and pin counts equal the requests'
     holds and the running ones' pins, block tables belong to running requests alone and hold
-    what they computed, every full block of it named for the prefix cache."""
+    what they computed, every full block of it named for the prefix cache, and only the step in
+    flight has tokens drawn and not read."""
     engine.pool.check_integrity()
     engine.kv.check_integrity()
     engine.adapters.check_integrity()
@@ -89,6 +90,9 @@ def check_integrity(engine) -> None:
     live = {r.request_id for r in engine.scheduler.running}
     assert live <= set(engine.kv.rows), "a running request has no block table"
     assert set(engine.kv.rows) <= live, "pages held by a request that is not running"
+    drawing = set(engine.steps.inflight.reqs) if engine.steps.inflight is not None else set()
+    for r in engine.requests.values():  # a token drawn and not read: only in the step in flight
+        assert r.num_pending == (r in drawing), f"{r.request_id}: {r.num_pending} tokens drawn and not read"
     kv = engine.kv
     for r in engine.scheduler.running:  # the scheduler names blocks only when a chunk fills one
         row = kv.rows[r.request_id]

@@ -84,6 +84,7 @@ class Prefetcher:
                                            initializer=_worker_start)
         device = residency.pool.tensor.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.fence = None  # CUDA event after the last step launched: copies into pages wait for it
         self._loading: list[AdapterEntry] = []
         self._copying: list[AdapterEntry] = []
         self._eager: dict[AdapterEntry, Future] = {}   # staged entry -> the caller's future
@@ -149,7 +150,7 @@ class Prefetcher:
             self._result.failed[entry] = str(e)
             return True
         r.load_started(entry, self.executor.submit(_load, r, entry.name, entry.path, entry.pages if with_pages else None,
-                                                   self.stream, entry.trusted_digest))
+                                                   self.stream, entry.trusted_digest, after=self.fence))
         self._loading.append(entry)
         return True
 
@@ -225,7 +226,8 @@ class Prefetcher:
     def _start_copy(self, entry: AdapterEntry) -> None:
         """Host copy -> the pages `entry` was just given, on a worker."""
         r = self.residency
-        r.copy_started(entry, self.executor.submit(_timed_copy, r.pool, entry.host, entry.pages, self.stream))
+        r.copy_started(entry, self.executor.submit(_timed_copy, r.pool, entry.host, entry.pages, self.stream,
+                                                   self.fence))
 
     def _eager_refused(self, entry: AdapterEntry, done: Future, error: Exception) -> None:
         self._eager_done(entry, done)
@@ -286,7 +288,7 @@ def _worker_start() -> None:
 
 
 def _load(residency: AdapterResidency, name: str, path, pages: list[int] | None, stream,
-          trusted_digest: str | None = None, eager: bool = False):
+          trusted_digest: str | None = None, eager: bool = False, after=None):
     """Worker: disk -> host (read, validate, hash, lay out; a stored adapter is read only, see
     `AdapterEntry.trusted_digest`), and into `pages` when given. Returns (host, seconds, what
     the inspection found: an eager load's entry was never registered, so it takes its
@@ -301,27 +303,31 @@ def _load(residency: AdapterResidency, name: str, path, pages: list[int] | None,
     if pages is not None:
         if host.layout.paged_numel(pool.tensor.element_size()) > len(pages) * pool.page_elems:
             raise AdapterError(f"{path}: the weights are larger than the file's header says")
-        copy_in(pool, host, pages, stream)
+        copy_in(pool, host, pages, stream, after)
     return host, time.perf_counter() - t0, inspected if eager else None
 
 
-def _timed_copy(pool: PagePool, host: HostAdapter, pages: list[int], stream=None) -> float:
+def _timed_copy(pool: PagePool, host: HostAdapter, pages: list[int], stream=None, after=None) -> float:
     """Worker: `copy_in`, returning its seconds."""
     t0 = time.perf_counter()
-    copy_in(pool, host, pages, stream)
+    copy_in(pool, host, pages, stream, after)
     return time.perf_counter() - t0
 
 
-def copy_in(pool: PagePool, host: HostAdapter, pages: list[int], stream=None) -> None:
+def copy_in(pool: PagePool, host: HostAdapter, pages: list[int], stream=None, after=None) -> None:
     """Worker: host buffer -> its (already allocated) device pages, then the row table built for
     those pages (`Layout.row_table`) after it. On CUDA the copies run on the side `stream` and
-    are complete when this returns, so the adapter is marked ready only after its bytes landed."""
+    are complete when this returns, so the adapter is marked ready only after its bytes landed;
+    they wait for `after` (the fence: the last step launched when the pages were given, which may
+    still write the KV of a request that has ended since)."""
     layout = host.layout
     start, words, _ = layout.row_table(pages, pool.tensor.element_size())
     # pageable: an asynchronous copy from it is staged before it returns, and it is a few KB
     table = torch.from_numpy(words).view(pool.tensor.dtype)
     assert start + table.numel() <= len(pages) * pool.page_elems, "adapter larger than its pages"
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        if after is not None and stream is not None:
+            stream.wait_event(after)
         _copy_logical(pool, pages, 0, host.buffer, stream is not None)
         _copy_logical(pool, pages, start, table, stream is not None)
     if stream is not None:

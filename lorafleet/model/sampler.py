@@ -150,29 +150,76 @@ def _run(x: torch.Tensor, draws: list[_Draw], cols: list[torch.Tensor]) -> tuple
     return tokens, complete
 
 
-def sample(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy,
-           shared: torch.Generator | None = None
-           ) -> tuple[list[int | None], list[dict | None], dict[int, str]]:
-    """logits: [S, V] float32; params[i]: SamplingParams; generators[i]: the row's own
-    torch.Generator (a seeded request) or None (it draws from `shared`); `greedy`: the model's
-    kernel for `reference.greedy` (every row's argmax and finiteness).
-    Returns the chosen token ids, for rows that asked their logprob dicts, and {row: why} for
-    rows that could not be sampled (their token is None; every other row is unaffected)."""
+class Drawn:
+    """A step's draws, launched: `tokens` [S] on the device (what the next step's rows may read
+    as their input before the host has them), read with `read()`. The results travel to the host
+    in one non-blocking copy (pinned, on a GPU) that `read()` waits for."""
+
+    def __init__(self, S: int, params: list, generators: list, shared, tokens: torch.Tensor,
+                 finite: torch.Tensor, complete: torch.Tensor | None, hot: list[int], x, lp_parts):
+        self.S, self.params, self.generators, self.shared = S, params, generators, shared
+        self.tokens, self.hot, self.x, self.lp_parts = tokens, hot, x, lp_parts
+        parts = [tokens, finite] + ([complete] if complete is not None else [])
+        if tokens.device.type == "cuda":
+            packed = torch.stack([p.long() for p in parts])
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = parts, None
+
+    def read(self) -> tuple[list[int | None], list[dict | None], dict[int, str]]:
+        """The chosen token ids, for rows that asked their logprob dicts, and {row: why} for rows
+        that could not be sampled (their token is None; every other row is unaffected)."""
+        if self._done is not None:
+            self._done.synchronize()  # the step's one wait
+        got, finite, *rest = [p.tolist() for p in self._host]
+        complete = rest[0] if rest else None
+        params, hot = self.params, self.hot
+        redo = [j for j, i in enumerate(hot) if finite[i] and not complete[i]] if complete is not None else []
+        if redo:  # a nucleus wider than its candidates (rare but for flat distributions): whole rows, sorted
+            up = _Upload()
+            at = up.add(redo)
+            again = _draws(up, list(range(len(redo))), [params[hot[j]] for j in redo],
+                           [self.generators[hot[j]] for j in redo], self.shared, self.x.shape[1], whole=True)
+            cols = up.send(self.x.device)
+            for j, t in zip(redo, _run(self.x.index_select(0, cols[at]), again, cols)[0].tolist()):
+                got[hot[j]] = t
+        tokens: list[int | None] = [t if ok else None for t, ok in zip(got, finite)]
+        errors = {i: NON_FINITE for i, ok in enumerate(finite) if not ok}
+        lps: list[dict | None] = [None] * self.S
+        if self.lp_parts is not None:
+            want_lp, lp, top_v, top_i = self.lp_parts
+            chosen = lp.gather(1, torch.tensor([got[i] for i in want_lp], device=lp.device)[:, None])[:, 0]
+            chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+            for j, i in enumerate(want_lp):
+                if tokens[i] is not None:
+                    n = params[i].logprobs
+                    lps[i] = {tokens[i]: chosen[j], **dict(zip(top_i[j][:n], top_v[j][:n]))}
+        return tokens, lps, errors
+
+
+def launch(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy,
+           shared: torch.Generator | None = None, exact: bool = False) -> Drawn:
+    """The draws of every row of logits [S, V] float32, queued on the device; params[i]:
+    SamplingParams; generators[i]: the row's own torch.Generator (a seeded request) or None (it
+    draws from `shared`); `greedy`: the model's kernel for `reference.greedy` (every row's argmax
+    and finiteness). `exact`: filtering rows sort their whole rows at once (their `tokens` final
+    on the device, never drawn again once read: a next step may already have read them)."""
     S, V = logits.shape
     dev = logits.device
     tokens_dev, finite = greedy(logits)  # one batched call covers greedy rows
     hot = [i for i, p in enumerate(params) if not p.greedy]
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not hot and not want_lp:  # every row greedy: the argmax alone
-        got, finite = tokens_dev.tolist(), finite.tolist()  # the second read finds the device done
-        return ([t if ok else None for t, ok in zip(got, finite)], [None] * S,
-                {i: NON_FINITE for i, ok in enumerate(finite) if not ok})
+        return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1), finite, None, hot, None, None)
     up = _Upload()
     hot_at, inv_at, lp_at = up.add(hot), up.add([1.0 / params[i].temperature for i in hot], logits.dtype), up.add(want_lp)
-    hot_params, hot_gens = [params[i] for i in hot], [generators[i] for i in hot]
-    draws = _draws(up, list(range(len(hot))), hot_params, hot_gens, shared, V, whole=False)
+    draws = _draws(up, list(range(len(hot))), [params[i] for i in hot], [generators[i] for i in hot], shared, V,
+                   whole=exact)
     cols = up.send(dev)
-    complete = torch.ones(S, dtype=torch.bool, device=dev)
+    complete, x = torch.ones(S, dtype=torch.bool, device=dev), None
     if hot:
         rows, inv = cols[hot_at], cols[inv_at]
         every = len(hot) == S
@@ -187,30 +234,17 @@ def sample(logits: torch.Tensor, params: list, generators: list, greedy=referenc
         tokens_dev = tokens_dev.index_copy(0, rows, drawn)
         finite = finite.index_copy(0, rows, ok)
         complete = complete.index_copy(0, rows, done)
+    lp_parts = None
     if want_lp:
         lp = logits.index_select(0, cols[lp_at]).log_softmax(-1)
-        n = min(max(params[i].logprobs for i in want_lp), V)
-        top_v, top_i = torch.topk(lp, n, dim=-1)
-        chosen = lp.gather(1, tokens_dev.index_select(0, cols[lp_at]).clamp(0, V - 1)[:, None])[:, 0]
-    got, finite, complete = torch.stack([tokens_dev, finite.long(), complete.long()]).tolist()  # the one read
-    redo = [j for j, i in enumerate(hot) if finite[i] and not complete[i]]
-    if redo:  # a nucleus wider than its candidates (rare but for flat distributions): whole rows, sorted
-        up = _Upload()
-        at = up.add(redo)
-        again = _draws(up, list(range(len(redo))), [hot_params[j] for j in redo], [hot_gens[j] for j in redo],
-                       shared, V, whole=True)
-        cols = up.send(dev)
-        for j, t in zip(redo, _run(x.index_select(0, cols[at]), again, cols)[0].tolist()):
-            got[hot[j]] = t
-        if want_lp:
-            chosen = lp.gather(1, torch.tensor([got[i] for i in want_lp], device=dev)[:, None])[:, 0]
-    tokens: list[int | None] = [t if ok else None for t, ok in zip(got, finite)]
-    errors = {i: NON_FINITE for i, ok in enumerate(finite) if not ok}
-    lps: list[dict | None] = [None] * len(params)
-    if want_lp:
-        chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(want_lp):
-            if tokens[i] is not None:
-                n = params[i].logprobs
-                lps[i] = {tokens[i]: chosen[j], **dict(zip(top_i[j][:n], top_v[j][:n]))}
-    return tokens, lps, errors
+        top_v, top_i = torch.topk(lp, min(max(params[i].logprobs for i in want_lp), V), dim=-1)
+        lp_parts = (want_lp, lp, top_v, top_i)
+    return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1), finite, complete, hot, x, lp_parts)
+
+
+def sample(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy,
+           shared: torch.Generator | None = None
+           ) -> tuple[list[int | None], list[dict | None], dict[int, str]]:
+    """`launch`, then `Drawn.read`: the chosen token ids, for rows that asked their logprob dicts,
+    and {row: why} for rows that could not be sampled."""
+    return launch(logits, params, generators, greedy, shared).read()

@@ -17,15 +17,17 @@ def test_the_gpu_bench_reports_kernels_engine_cases_and_ratios(tmp_path):
     assert all(k["error"] < 1e-5 for k in kernels)  # the C++ kernels against the references
     run = report["engine"]["batches"][4]
     cases = run["cases"]
-    assert set(cases) == {"no adapter", "1 adapter r16", "8 adapters r8-64", "4 distinct adapters r8-64",
-                          "10 registered r8-64", "mixed ranks 8-256", "uniform rank 30"}
+    assert set(cases) == {"no adapter", "1 adapter r16", "1 adapter r16, async_decode", "8 adapters r8-64",
+                          "4 distinct adapters r8-64", "10 registered r8-64", "mixed ranks 8-256", "uniform rank 30"}
     assert all(c["tokens_per_s"] > 0 and c["kernels"] == "cpu" and 0 < c["host_share"] < 1 for c in cases.values())
     assert cases["4 distinct adapters r8-64"]["bound_ms"] > 0
-    assert set(run["ratios"]) == {"1 adapter r16 / no adapter", "10 registered / 8 adapters",
-                                  "mixed ranks / uniform rank", "4 distinct adapters r8-64 step / its bound",
-                                  "4 distinct adapters r8-64 step: host share"}
+    assert set(run["ratios"]) == {"1 adapter r16 / no adapter", "1 adapter r16: async_decode / off",
+                                  "10 registered / 8 adapters", "mixed ranks / uniform rank",
+                                  "4 distinct adapters r8-64 step / its bound",
+                                  "4 distinct adapters r8-64 step: host share",
+                                  "1 adapter r16, async_decode step: host share"}
     assert run["recaptures"] == 0
-    assert gpu_table([report]).row_count == 4 + len(cases) + 5
+    assert gpu_table([report]).row_count == 4 + len(cases) + 7
 
 
 def test_the_gpu_bench_on_a_quantized_base_at_batch_8(tmp_path):

@@ -24,9 +24,10 @@ def fleet():
     return default_fleet()
 
 
-@pytest.fixture(scope="module")
-def engine(fleet):
-    engine = Engine(fleet.model, pool_bytes=8 << 20)
+@pytest.fixture(scope="module", params=["off", "on"])
+def engine(fleet, request):
+    """Steps read at once, and one step late (`async_decode`): every end the same."""
+    engine = Engine(fleet.model, pool_bytes=8 << 20, async_decode=request.param)
     engine.load_adapter("upper", fleet.adapters["upper"])
     yield engine
     engine.close()
