@@ -72,3 +72,47 @@ def test_the_pool_size_matches(served, engine):
     """The comparison above is like for like: the daemon's pool is the engine's."""
     assert POOL == "64M"
     assert served.stats()["engine"]["pool"]["total_pages"] == engine.pool.num_pages
+
+
+@pytest.fixture(scope="module")
+def served_async(chat_model_dir, adapter_dirs, tmp_path_factory):
+    """A daemon reading each step's tokens after launching the next (`--async-decode on`)."""
+    import signal
+
+    from tests.daemons import Daemon
+
+    daemon = Daemon.start(tmp_path_factory.mktemp("d-async"), "--served-model-name", "base", "--async-decode", "on",
+                          model=chat_model_dir, env={"LORAFLEET_DEBUG_CHECKS": "1"})
+    for name, path in adapter_dirs.items():
+        daemon.load(name, path)
+    yield daemon
+    daemon.signal(signal.SIGTERM)
+    try:
+        daemon.wait(30)
+    finally:
+        daemon.kill()
+
+
+def test_a_daemon_reading_steps_late_streams_the_engines_tokens(served_async, engine):
+    """Every request of REQUESTS at once, streamed, from the async daemon: each one's text and
+    logprobs are the in-process engine's (which reads each step at once)."""
+    import asyncio
+
+    from tests.daemons import sse_events
+
+    async def one(http, model, prompt, sampling):
+        body = {"model": model, "prompt": prompt, "max_tokens": 10, "ignore_eos": True, "logprobs": 0,
+                "stream": True, **sampling}
+        chunks = [e async for e in sse_events(http, "/v1/completions", body)]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        lps = [lp for c in chunks for lp in (c["choices"][0].get("logprobs") or {}).get("token_logprobs", [])]
+        return text, lps
+
+    async def all_at_once():
+        async with served_async.async_http() as http:
+            return await asyncio.gather(*(one(http, *r) for r in REQUESTS))
+
+    for (model, prompt, sampling), (text, lps) in zip(REQUESTS, asyncio.run(all_at_once())):
+        want = expected(engine, prompt, sampling, model)
+        assert text == want.text, model
+        assert lps == pytest.approx([lp[t] for t, lp in zip(want.token_ids, want.logprobs)], abs=1e-4)
