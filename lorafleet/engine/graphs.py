@@ -164,6 +164,7 @@ class DecodeGraphs:
             self._staged.synchronize()  # the last step's copy has read the staging buffer
         scratch = self.kv.pool.scratch_page
         self._ids[:n] = step.ids
+        self._ids[n:b] = 0  # a padding row's id: any token, but never a pending one's -1 - j
         self._positions[:n] = step.positions
         self._slot_pages[:n] = step.slot_pages
         self._slot_pages[n:b] = scratch

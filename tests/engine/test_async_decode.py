@@ -133,3 +133,24 @@ def test_outputs_come_one_step_late_and_the_last_step_is_read(fleet):
         assert engine.steps.inflight is None and len(engine.step_records()) == 3
     finally:
         engine.close()
+
+
+def test_a_captured_step_never_reads_a_pending_id_in_its_padding(fleet):
+    """The fixed-shape path: as requests end, steps shrink inside their bucket, and the rows
+    past the batch keep whatever ids they held; none may be a pending row's -1 - j (a negative
+    index into the embedding, which a GPU does not forgive)."""
+    engine = Engine(fleet.model, pool_bytes=8 << 20, async_decode="on", decode_graphs="fixed", max_num_seqs=8)
+    try:
+        for i, text in enumerate(("hello world", "the quick brown fox", "abc", "one two three five")):
+            engine.add_request(chat_prompt(engine, None, text), SamplingParams(max_tokens=3 + 4 * i, temperature=0,
+                                                                              ignore_eos=True))
+        sizes = set()
+        graphs = engine.runner.graphs
+        for _ in stepping(engine, timeout=60):
+            step = engine.steps.inflight
+            if step is not None and all(c.num_tokens == 1 for c in step.chunks):  # the rows its graph read
+                assert int(graphs.ids[:graphs.bucket(len(step.chunks))].min()) >= 0
+                sizes.add(len(step.chunks))
+        assert len(sizes) >= 3 and graphs.replays > 0  # the batch shrank within its bucket
+    finally:
+        engine.close()
