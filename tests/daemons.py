@@ -8,6 +8,7 @@ session on that model, with debug checks (pool integrity after every step) on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -120,6 +121,14 @@ class Daemon:
             self.proc.kill()
             self.proc.wait(10)
 
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM, the drain waited for; killed if it outlives `timeout` (or the wait fails)."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.wait(timeout)
+        finally:
+            self.kill()
+
 
 async def sse_events(http: httpx.AsyncClient, path: str, body: dict):
     """The events of one streamed request, parsed, as they arrive (200 and no error event asserted).
@@ -149,16 +158,22 @@ def adapter_dirs(chat_model_dir, tmp_path_factory):
             for i, name in enumerate(ADAPTERS)}
 
 
-@pytest.fixture(scope="session")
-def served(chat_model_dir, adapter_dirs, tmp_path_factory):
-    """The session's daemon on the chat model, its five adapters loaded under their names."""
-    daemon = Daemon.start(tmp_path_factory.mktemp("d"), "--served-model-name", "base", model=chat_model_dir,
+@contextlib.contextmanager
+def chat_daemon(root: Path, chat_model_dir, adapter_dirs, *args: str):
+    """A daemon on the chat model (served as "base", integrity checked after every step, `args`
+    added to its command line), its adapters loaded under their names; stopped at the end."""
+    daemon = Daemon.start(root, "--served-model-name", "base", *args, model=chat_model_dir,
                           env={"LORAFLEET_DEBUG_CHECKS": "1"})
     for name, path in adapter_dirs.items():
         daemon.load(name, path)
-    yield daemon
-    daemon.signal(signal.SIGTERM)
     try:
-        daemon.wait(30)
+        yield daemon
     finally:
-        daemon.kill()
+        daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def served(chat_model_dir, adapter_dirs, tmp_path_factory):
+    """The session's daemon on the chat model, its five adapters loaded under their names."""
+    with chat_daemon(tmp_path_factory.mktemp("d"), chat_model_dir, adapter_dirs) as daemon:
+        yield daemon

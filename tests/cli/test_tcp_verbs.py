@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -37,11 +36,7 @@ def tcp_daemon(tmp_path_factory, chat_model_dir, adapter_dirs):
         daemon.load(ADAPTER, adapter_dirs[ADAPTER])
         yield daemon
     finally:
-        daemon.signal(signal.SIGTERM)
-        try:
-            daemon.wait(30)
-        finally:
-            daemon.kill()
+        daemon.stop()
 
 
 @pytest.fixture(scope="module")

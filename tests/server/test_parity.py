@@ -77,20 +77,10 @@ def test_the_pool_size_matches(served, engine):
 @pytest.fixture(scope="module")
 def served_async(chat_model_dir, adapter_dirs, tmp_path_factory):
     """A daemon reading each step's tokens after launching the next (`--async-decode on`)."""
-    import signal
+    from tests.daemons import chat_daemon
 
-    from tests.daemons import Daemon
-
-    daemon = Daemon.start(tmp_path_factory.mktemp("d-async"), "--served-model-name", "base", "--async-decode", "on",
-                          model=chat_model_dir, env={"LORAFLEET_DEBUG_CHECKS": "1"})
-    for name, path in adapter_dirs.items():
-        daemon.load(name, path)
-    yield daemon
-    daemon.signal(signal.SIGTERM)
-    try:
-        daemon.wait(30)
-    finally:
-        daemon.kill()
+    with chat_daemon(tmp_path_factory.mktemp("d-async"), chat_model_dir, adapter_dirs, "--async-decode", "on") as d:
+        yield d
 
 
 def test_a_daemon_reading_steps_late_streams_the_engines_tokens(served_async, engine):
