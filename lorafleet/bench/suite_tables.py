@@ -82,7 +82,8 @@ def overhead_table(results: list[dict]) -> Table:
         shape = r["shape"] + (f" {r['quantization']}" if r.get("quantization") else "")
         sampled = (f", T {r['temperature']:g}" + (f" top-p {r['top_p']:g}" if r["top_p"] < 1 else "")
                    if r.get("temperature") else "")
-        table.add_row(shape, f"host share of a decode step\n{r['running']} requests, {r['num_adapters']} adapters{sampled}",
+        setting = f"{r['running']} requests, {r['num_adapters']} adapters{sampled}"
+        table.add_row(shape, f"host share of a decode step\n{setting}",
                       f"{d['host_share']:.1%}", f"host {d['mean_host_ms']:.2f} of {d['mean_time_ms']:.2f} ms mean"
                       f"\np50 {d['p50_host_ms']:.2f} of {d['p50_time_ms']:.2f} ms", f"<= {d['target']:.0%}",
                       verdict(d["target_met"]))

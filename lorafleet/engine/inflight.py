@@ -2,12 +2,13 @@
 they are read.
 
 Synchronous (`async_decode` off, the default): a step is read as soon as it is launched.
-Asynchronous (`async_decode` on; `auto`: on with CUDA): the step stays in flight until the engine's next `step()` has
-scheduled and launched the step after it, then it is read. Its drawn tokens stay on the device
-(`Drawn.tokens`), and the next step's rows whose input they are read them there
-(`Request.input_ids`, `graphs.fill_pending`). So the host schedules, builds and launches step k+1
-and processes step k's outputs while the device runs them: the host's work of a step hides
-behind the device's instead of adding to it (vLLM's async scheduling; the rule here is ours).
+Asynchronous (`async_decode` on; `auto`: on with CUDA): the step stays in flight until the
+engine's next `step()` has scheduled and launched the step after it, then it is read. Its drawn
+tokens stay on the device (`Drawn.tokens`), and the next step's rows whose input they are read
+them there (`Request.input_ids`, `graphs.fill_pending`). So the host schedules, builds and
+launches step k+1 and processes step k's outputs while the device runs them: the host's work of
+a step hides behind the device's instead of adding to it (vLLM's async scheduling; the rule
+here is ours).
 
 What reading one step late costs, and how each is kept right:
 - a request that ends by a token read late (a stop token or string, an error) was given a row in
@@ -88,19 +89,20 @@ class Steps:
 
     def read(self, step: Launched) -> list[RequestOutput]:
         """The step's tokens read: each request's appended (or its error), those of requests that
-        ended meanwhile dropped; then the step's record."""
+        ended meanwhile dropped; then the step's record (its tokens generated: those appended)."""
         e = self.engine
         tokens, lps, errors = step.drawn.read()
-        outputs = []
+        outputs, generated = [], 0
         for i, (req, token, lp) in enumerate(zip(step.reqs, tokens, lps)):
             req.num_pending -= 1
             if req.status is Status.FINISHED:  # ended while its token was drawn (pipelined)
                 e.counters.num_discarded += 1
                 continue
+            generated += i not in errors
             outputs.append(e._fail(req, errors[i]) if i in errors else e._append(req, token, lp))
             if self.pipelined:
                 e.scheduler.read(req)
-        self._record(step, len(step.reqs) - len(errors))
+        self._record(step, generated)
         return outputs
 
     def _record(self, step: Launched, generated: int) -> None:

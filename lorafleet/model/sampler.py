@@ -215,7 +215,8 @@ def launch(logits: torch.Tensor, params: list, generators: list, greedy=referenc
     if not hot and not want_lp:  # every row greedy: the argmax alone
         return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1), finite, None, hot, None, None)
     up = _Upload()
-    hot_at, inv_at, lp_at = up.add(hot), up.add([1.0 / params[i].temperature for i in hot], logits.dtype), up.add(want_lp)
+    hot_at, lp_at = up.add(hot), up.add(want_lp)
+    inv_at = up.add([1.0 / params[i].temperature for i in hot], logits.dtype)
     draws = _draws(up, list(range(len(hot))), [params[i] for i in hot], [generators[i] for i in hot], shared, V,
                    whole=exact)
     cols = up.send(dev)
