@@ -89,34 +89,32 @@ class ModelRunner:
         ids = []
         for r, s, k in zip(reqs, start.tolist(), ntok.tolist()):
             ids.extend(r.input_ids(s, s + k))
-        meta = AttentionMetadata(
-            slot_pages=torch.from_numpy(table[np.repeat(rows, ntok), pos // bs]).to(dev),
-            slot_offsets=torch.from_numpy(pos % bs).to(dev))
+        host = {"ids": np.array(ids, dtype=np.int64), "pos": pos, "slot_pages": table[np.repeat(rows, ntok), pos // bs],
+                "slot_offsets": pos % bs}
         nd = int(np.searchsorted(ntok > 1, True))                       # decode rows come first
         if nd:
             drows = rows[:nd]
-            width = int(kv.num_blocks[drows].max())
-            lens = torch.from_numpy(start[:nd] + 1).to(dev)
-            meta.num_decode = nd
-            meta.decode_block_tables = torch.from_numpy(table[drows, :width]).to(dev)
-            meta.decode_context_lens = lens
+            host["lens"], host["decode_tables"] = start[:nd] + 1, table[drows, :int(kv.num_blocks[drows].max())]
         if nd < n:
             prow = rows[nd:]
-            ptable = table[prow, :int(kv.num_blocks[prow].max())]
-            meta.prefill_starts = torch.from_numpy(first[nd:]).to(dev)
-            meta.prefill_lens = torch.from_numpy(ntok[nd:]).to(dev)
-            meta.prefill_positions = torch.from_numpy(start[nd:]).to(dev)
-            meta.prefill_block_tables = torch.from_numpy(ptable).to(dev)
+            host.update(prefill_starts=first[nd:], prefill_lens=ntok[nd:], prefill_positions=start[nd:],
+                        prefill_tables=table[prow, :int(kv.num_blocks[prow].max())])
+        if not all_logits:
+            host["out_rows"] = (first + ntok - 1)[np.fromiter((c.samples for c in chunks), bool, n)]
+        t = dict(zip(host, to_device(dev, list(host.values()))))
+        meta = AttentionMetadata(slot_pages=t["slot_pages"], slot_offsets=t["slot_offsets"])
+        if nd:
+            meta.num_decode = nd
+            meta.decode_block_tables, meta.decode_context_lens = t["decode_tables"], t["lens"]
+        if nd < n:
+            meta.prefill_starts, meta.prefill_lens = t["prefill_starts"], t["prefill_lens"]
+            meta.prefill_positions, meta.prefill_block_tables = t["prefill_positions"], t["prefill_tables"]
             meta.max_prefill_len = int(ntok[nd:].max())
             for i in range(nd, n):
                 pages = meta.prefill_block_tables[i - nd, :kv.num_blocks[rows[i]]]
                 meta.prefills.append(PrefillSeq(int(first[i]), int(ntok[i]), int(start[i]), pages))
-        if all_logits:
-            out_rows = torch.arange(total, device=dev)
-        else:
-            samples = np.fromiter((c.samples for c in chunks), bool, n)
-            out_rows = torch.from_numpy((first + ntok - 1)[samples]).to(dev)
-        return torch.tensor(ids, dtype=torch.long, device=dev), torch.from_numpy(pos).to(dev), meta, out_rows
+        out_rows = torch.arange(total, device=dev) if all_logits else t["out_rows"]
+        return t["ids"], t["pos"], meta, out_rows
 
     def decode_step(self, chunks: list[Chunk]) -> DecodeStep:
         """A step of single-token chunks as host arrays, for the fixed-shape path (`DecodeGraphs`),
@@ -179,3 +177,16 @@ class ModelRunner:
 def _lora_key(c: Chunk) -> tuple:
     return c.request.lora_key
 
+
+def to_device(dev: torch.device, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+    """int64 arrays as tensors on `dev`: on a GPU in one copy, pinned and non-blocking (each
+    `.to(device)` of pageable memory waits for the device: with `async_decode`, for the step in
+    flight); on the CPU, views of the arrays themselves."""
+    if dev.type != "cuda":
+        return [torch.from_numpy(a) for a in arrays]
+    flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).pin_memory().to(dev, non_blocking=True)
+    out, at = [], 0
+    for a in arrays:
+        out.append(flat[at:at + a.size].view(a.shape))
+        at += a.size
+    return out
