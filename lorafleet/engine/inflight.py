@@ -68,12 +68,13 @@ class Steps:
         drawn = launch(logits, [r.params for r in reqs], [r.generator for r in reqs], e.model.kernels.greedy,
                        shared=e._generator, exact=self.pipelined)
         e.scheduler.computed(chunks)
-        for j, req in enumerate(reqs):
-            req.num_pending += 1
-            req.pending_row = j
-        if self.pipelined and e.device.type == "cuda":
-            e.prefetcher.fence = torch.cuda.Event()
-            e.prefetcher.fence.record()
+        if self.pipelined:  # read at once, a step's tokens are never pending between calls
+            for j, req in enumerate(reqs):
+                req.num_pending += 1
+                req.pending_row = j
+            if e.device.type == "cuda":
+                e.prefetcher.fence = torch.cuda.Event()
+                e.prefetcher.fence.record()
         return Launched(chunks, reqs, drawn, t0, loaded, e.runner.model_time())
 
     def settle(self, launched: Launched | None) -> list[RequestOutput]:
@@ -93,14 +94,16 @@ class Steps:
         e = self.engine
         tokens, lps, errors = step.drawn.read()
         outputs, generated = [], 0
+        pipelined = self.pipelined
         for i, (req, token, lp) in enumerate(zip(step.reqs, tokens, lps)):
-            req.num_pending -= 1
-            if req.status is Status.FINISHED:  # ended while its token was drawn (pipelined)
-                e.counters.num_discarded += 1
-                continue
+            if pipelined:
+                req.num_pending -= 1
+                if req.status is Status.FINISHED:  # ended while its token was drawn
+                    e.counters.num_discarded += 1
+                    continue
             generated += i not in errors
             outputs.append(e._fail(req, errors[i]) if i in errors else e._append(req, token, lp))
-            if self.pipelined:
+            if pipelined:
                 e.scheduler.read(req)
         self._record(step, generated)
         return outputs

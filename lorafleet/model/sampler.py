@@ -205,15 +205,17 @@ def launch(logits: torch.Tensor, params: list, generators: list, greedy=referenc
     """The draws of every row of logits [S, V] float32, queued on the device; params[i]:
     SamplingParams; generators[i]: the row's own torch.Generator (a seeded request) or None (it
     draws from `shared`); `greedy`: the model's kernel for `reference.greedy` (every row's argmax
-    and finiteness). `exact`: filtering rows sort their whole rows at once (their `tokens` final
-    on the device, never drawn again once read: a next step may already have read them)."""
+    and finiteness). `exact` (a next step may read `tokens` before the host does): filtering rows
+    sort their whole rows at once, so a token is never drawn again once read, and a failed row's
+    token is clamped into the vocabulary, a valid input."""
     S, V = logits.shape
     dev = logits.device
     tokens_dev, finite = greedy(logits)  # one batched call covers greedy rows
     hot = [i for i, p in enumerate(params) if not p.greedy]
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not hot and not want_lp:  # every row greedy: the argmax alone
-        return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1), finite, None, hot, None, None)
+        return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1) if exact else tokens_dev, finite, None,
+                     hot, None, None)
     up = _Upload()
     hot_at, lp_at = up.add(hot), up.add(want_lp)
     inv_at = up.add([1.0 / params[i].temperature for i in hot], logits.dtype)
@@ -240,7 +242,8 @@ def launch(logits: torch.Tensor, params: list, generators: list, greedy=referenc
         lp = logits.index_select(0, cols[lp_at]).log_softmax(-1)
         top_v, top_i = torch.topk(lp, min(max(params[i].logprobs for i in want_lp), V), dim=-1)
         lp_parts = (want_lp, lp, top_v, top_i)
-    return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1), finite, complete, hot, x, lp_parts)
+    return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1) if exact else tokens_dev, finite, complete,
+                 hot, x, lp_parts)
 
 
 def sample(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy,
