@@ -89,8 +89,8 @@ class ModelRunner:
         ids = []
         for r, s, k in zip(reqs, start.tolist(), ntok.tolist()):
             ids.extend(r.input_ids(s, s + k))
-        host = {"ids": np.array(ids, dtype=np.int64), "pos": pos, "slot_pages": table[np.repeat(rows, ntok), pos // bs],
-                "slot_offsets": pos % bs}
+        host = {"ids": np.array(ids, dtype=np.int64), "pos": pos,
+                "slot_pages": table[np.repeat(rows, ntok), pos // bs], "slot_offsets": pos % bs}
         nd = int(np.searchsorted(ntok > 1, True))                       # decode rows come first
         if nd:
             drows = rows[:nd]
@@ -171,7 +171,6 @@ class ModelRunner:
             end.synchronize()
             return start.elapsed_time(end) / 1e3
         return device_s
-
 
 
 def _lora_key(c: Chunk) -> tuple:
