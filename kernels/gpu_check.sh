@@ -42,8 +42,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under its deadline, logged; a
 for s in "${stages[@]}"; do
     case "$s" in
         micro) stage micro 300 python3 -m lorafleet.kernels.gpu_micro --out "$out" --deadline 270 ;;
-        tests) stage tests 200 python3 -m pytest -q -p no:cacheprovider --maxfail=8 tests/kernels/test_triton_kernels.py \
-                   tests/kernels/test_quant_triton.py tests/engine/test_triton_path.py ;;
+        tests) stage tests 240 python3 -m pytest -q -p no:cacheprovider --maxfail=8 tests/kernels/test_triton_kernels.py \
+                   tests/kernels/test_quant_triton.py tests/engine/test_triton_path.py tests/engine/test_async_decode.py ;;
         quant)
             if ! python3 -c 'import torchao' 2>/dev/null && ls build/wheels/torchao-*.whl >/dev/null 2>&1; then
                 python3 -m pip install -q --no-deps --target build/pydeps build/wheels/torchao-*.whl \
