@@ -41,8 +41,7 @@ class OutputProcessor:
             return "stop"
         if p.stop and self._cut_at_stop_string(req, old_len):
             return "stop"
-        known = len(req.prompt_token_ids) + len(req.output_token_ids)  # not those drawn since (async_decode)
-        if len(req.output_token_ids) >= p.max_tokens or known >= self.max_model_len:
+        if len(req.output_token_ids) >= p.max_tokens or req.num_known >= self.max_model_len:  # not those drawn since
             return "length"
         return None
 

@@ -140,11 +140,16 @@ class Request:
         """Its tokens: prompt, output, and those drawn but not read yet (`num_pending`)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
+    @property
+    def num_known(self) -> int:
+        """Its tokens the host has: prompt and output, not those drawn and not read yet."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
     def input_ids(self, start: int, end: int) -> list[int]:
         """The ids of positions [start, end) as a step's input: a position whose token is drawn
         but not read yet (the last one) as -1 - its row among its step's drawn tokens, which the
         runner replaces on the device (`fill_pending`)."""
-        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        known = self.num_known
         if end <= known:
             return self.token_at(start, end)
         return self.token_at(start, known) + [-1 - self.pending_row]

@@ -98,7 +98,7 @@ class _Draw:
 
     def __init__(self, up: _Upload, pos: list[int], params: list, generator, V: int, whole: bool):
         self.generator, self.size = generator, len(pos)
-        self.filters = any(0 < p.top_k < V or p.top_p < 1.0 for p in params)
+        self.filters = any(_filters(p, V) for p in params)
         self.pos = up.add(pos)
         self.min_p = up.add([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None
         if self.filters:
@@ -123,13 +123,18 @@ class _Draw:
         return ids.gather(1, _pick(probs, self.generator)[:, None])[:, 0], complete
 
 
+def _filters(p, V: int) -> bool:
+    """Whether SamplingParams `p` filter a vocabulary of V tokens: a top-k below V, or a top-p."""
+    return 0 < p.top_k < V or p.top_p < 1.0
+
+
 def _draws(up: _Upload, pos: list[int], params: list, generators: list, shared, V: int, whole: bool) -> list[_Draw]:
     """The draws for sampled rows at positions `pos`: those without a generator of their own
     together from `shared` (those that filter apart from those that do not), a seeded one alone."""
     draws = []
     common = [j for j in pos if generators[j] is None]
     for filters in (False, True):
-        sel = [j for j in common if (0 < params[j].top_k < V or params[j].top_p < 1.0) == filters]
+        sel = [j for j in common if _filters(params[j], V) == filters]
         if sel:
             draws.append(_Draw(up, sel, [params[j] for j in sel], shared, V, whole))
     draws += [_Draw(up, [j], [params[j]], generators[j], V, whole) for j in pos if generators[j] is not None]
@@ -190,8 +195,9 @@ class Drawn:
         errors = {i: NON_FINITE for i, ok in enumerate(finite) if not ok}
         lps: list[dict | None] = [None] * self.S
         if self.lp_parts is not None:
-            want_lp, lp, top_v, top_i = self.lp_parts
-            chosen = lp.gather(1, torch.tensor([got[i] for i in want_lp], device=lp.device)[:, None])[:, 0]
+            want_lp, lp, chosen, top_v, top_i = self.lp_parts
+            if redo:  # some tokens drawn again: their logprobs looked up again
+                chosen = lp.gather(1, torch.tensor([got[i] for i in want_lp], device=lp.device)[:, None])[:, 0]
             chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
             for j, i in enumerate(want_lp):
                 if tokens[i] is not None:
@@ -241,7 +247,8 @@ def launch(logits: torch.Tensor, params: list, generators: list, greedy=referenc
     if want_lp:
         lp = logits.index_select(0, cols[lp_at]).log_softmax(-1)
         top_v, top_i = torch.topk(lp, min(max(params[i].logprobs for i in want_lp), V), dim=-1)
-        lp_parts = (want_lp, lp, top_v, top_i)
+        chosen = lp.gather(1, tokens_dev.index_select(0, cols[lp_at]).clamp(0, V - 1)[:, None])[:, 0]
+        lp_parts = (want_lp, lp, chosen, top_v, top_i)
     return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1) if exact else tokens_dev, finite, complete,
                  hot, x, lp_parts)
 

@@ -37,7 +37,7 @@ def batched_kept(x: torch.Tensor, params: list, whole: bool) -> torch.Tensor:
     V = x.shape[1]
     k = torch.tensor([p.top_k if 0 < p.top_k < V else 0 for p in params])
     K = V if whole else min(V, max(sampler.CANDIDATES, int(k.max()) + 1))
-    probs, ids, complete = sampler._filtered(x, k, torch.tensor([p.top_p if p.top_p < 1 else NEG_INF * -1
+    probs, ids, complete = sampler._filtered(x, k, torch.tensor([p.top_p if p.top_p < 1 else float("inf")
                                                                  for p in params]),
                                              torch.tensor([p.min_p for p in params]), K)
     kept = torch.zeros_like(x, dtype=torch.bool).scatter(1, ids, probs > 0)
@@ -205,3 +205,17 @@ def test_more_logprobs_than_the_vocabulary_returns_the_whole_vocabulary():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     tokens, lps, _ = sample(logits, [SamplingParams(temperature=0, logprobs=20)], [None])
     assert set(lps[0]) == {0, 1, 2}
+
+
+def test_a_token_drawn_again_over_its_whole_row_has_its_own_logprob(monkeypatch):
+    """One candidate: every top-p row is drawn again after the read, and the logprob it reports
+    is that of the token it ends with."""
+    monkeypatch.setattr(sampler, "CANDIDATES", 1)
+    torch.manual_seed(0)
+    logits = torch.randn(8, 30)
+    params = [SamplingParams(temperature=1.0, top_p=0.95, logprobs=1)] * 8
+    tokens, lps, errors = sample(logits, params, [None] * 8, shared=torch.Generator().manual_seed(2))
+    raw = logits.log_softmax(-1)
+    assert not errors and len(set(tokens)) > 1
+    for i, t in enumerate(tokens):
+        assert lps[i][t] == pytest.approx(raw[i, t].item())
