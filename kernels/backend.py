@@ -5,9 +5,11 @@ kernel cannot serve: a dtype it lacks, a build that failed, triton missing). A f
 `Kernels` and read what it can do (`graphs`: its launches can be captured in a CUDA graph);
 nothing else in lorafleet asks which device it runs on to pick a kernel.
 
-`LORAFLEET_KERNELS` overrides the choice: `auto` (default), `triton`, `cpu`, `torch`. `triton` on
-a CPU tensor needs `TRITON_INTERPRET=1` (the interpreter: how CI runs the Triton path against the
-references, slow but exact).
+`LORAFLEET_KERNELS` overrides the choice (an engine's `kernels` option overrides that): `auto`
+(default), `triton`, `cpu` (the C++ kernels' variant for this CPU), a CPU variant by name (`avx2`,
+`avx512`, `avx512-panels`, `amx`: `cpu_module`'s, the code a CPU feature selects, forced on any
+CPU that can execute it), `torch`. `triton` on a CPU tensor needs `TRITON_INTERPRET=1` (the
+interpreter: how CI runs the Triton path against the references, slow but exact).
 
 Every op keeps the semantics of its reference in `reference.py`:
 - `linear(x, w, bias, scales)`: `reference.linear` (`F.linear`), the base model's projections;
@@ -54,7 +56,8 @@ from lorafleet.kernels import reference
 from lorafleet.kernels.reference import AttentionMetadata
 
 log = logging.getLogger("lorafleet.kernels")
-CHOICES = ("auto", "triton", "cpu", "torch")
+CPU_VARIANTS = ("avx2", "avx512", "avx512-panels", "amx")  # cpu_module.VARIANTS (a test keeps them equal)
+CHOICES = ("auto", "triton", "cpu", *CPU_VARIANTS, "torch")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,12 @@ class Kernels:
     rows: Callable = reference.rows        # the embedding's rows, w[ids], in either layout `pack` leaves
     graphs: bool = False                   # a decode step's launches can be captured as a CUDA graph
     why: str = ""                          # a fallback's reason (the torch reference serving where one was wanted)
+    variant: str = ""                      # the CPU kernels' variant (cpu_module.VARIANTS), "" for the others
+
+    @property
+    def label(self) -> str:
+        """The name, with the CPU variant: "cpu/avx512-panels", "torch", "triton"."""
+        return f"{self.name}/{self.variant}" if self.variant else self.name
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -114,16 +123,18 @@ def torch_kernels(why: str = "") -> Kernels:
                    decode=reference.paged_decode, prefill=reference.paged_prefill, why=why, **REFERENCE_ROW_OPS)
 
 
-def cpu_kernels(dtype: torch.dtype) -> Kernels:
-    """The C++ kernels where they serve (built: `cpu_module`; fp32 and bf16), with the reference
-    for prefill attention; the torch reference, saying why, where they do not."""
+def cpu_kernels(dtype: torch.dtype, variant: str | None = None) -> Kernels:
+    """The C++ kernels of `variant` (default: the process's, `cpu_module.current`) where they serve
+    (built; fp32 and bf16), with the reference for prefill attention; the torch reference, saying
+    why, where they do not. The variant becomes the process's (`cpu_module.use`)."""
     from lorafleet.kernels import (build, cpu_module, decode_layers_cpu, linear_cpu, lora_cpu, paged_attention_cpu,
                                    panels_cpu, pointwise_cpu)
 
     if dtype not in (torch.float32, torch.bfloat16):
         return torch_kernels(f"the C++ CPU kernels take float32 and bfloat16, not {str(dtype).removeprefix('torch.')}")
-    if cpu_module.load() is None:
-        return torch_kernels(f"the C++ CPU kernels are unavailable ({build.why_not(cpu_module.NAME)})")
+    variant = cpu_module.use(variant or cpu_module.current())
+    if cpu_module.load(variant) is None:
+        return torch_kernels(f"the C++ CPU kernels ({variant}) are unavailable ({build.why_not(cpu_module.name(variant))})")
 
     def lora(x, out, w, seg, entry, slots, max_rows=None, max_rank=None, max_n_out=None, out_align=1):
         lora_cpu.lora(x, out, w, seg, entry, slots)
@@ -131,7 +142,8 @@ def cpu_kernels(dtype: torch.dtype) -> Kernels:
     return Kernels("cpu", linear_cpu.linear, lora=lora, write_kv=pointwise_cpu.write_kv,
                    decode=paged_attention_cpu.paged_decode, prefill=reference.paged_prefill,
                    decode_forward=decode_layers_cpu.decode_forward, decode_batch=decode_layers_cpu.decode_batch,
-                   pack=panels_cpu.pack, rows=panels_cpu.rows, **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
+                   pack=panels_cpu.pack, rows=panels_cpu.rows, variant=variant,
+                   **{op: getattr(pointwise_cpu, op) for op in ROW_OPS})
 
 
 def triton_kernels() -> Kernels:
@@ -156,11 +168,12 @@ def triton_available() -> bool:
     return True
 
 
-def select(device: torch.device, dtype: torch.dtype) -> Kernels:
-    """The kernels for a model on `device` at `dtype` (see the module doc for LORAFLEET_KERNELS)."""
-    want = os.environ.get("LORAFLEET_KERNELS", "auto")
+def select(device: torch.device, dtype: torch.dtype, want: str | None = None) -> Kernels:
+    """The kernels for a model on `device` at `dtype`: `want` (one of CHOICES), else
+    LORAFLEET_KERNELS, else auto (the module doc)."""
+    want = want or os.environ.get("LORAFLEET_KERNELS") or "auto"
     if want not in CHOICES:
-        raise ConfigError(f"LORAFLEET_KERNELS={want!r}: use one of {', '.join(CHOICES)}")
+        raise ConfigError(f"kernels {want!r} (LORAFLEET_KERNELS or the engine's kernels): use one of {', '.join(CHOICES)}")
     if want == "auto":
         if device.type == "cuda":
             if triton_available():
@@ -173,8 +186,8 @@ def select(device: torch.device, dtype: torch.dtype) -> Kernels:
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError("LORAFLEET_KERNELS=triton on the CPU needs TRITON_INTERPRET=1 (the interpreter)")
         return triton_kernels()
-    if want == "cpu":
+    if want == "cpu" or want in CPU_VARIANTS:
         if device.type != "cpu":
-            raise ConfigError(f"LORAFLEET_KERNELS=cpu but the model runs on {device.type}")
-        return cpu_kernels(dtype)
+            raise ConfigError(f"kernels {want} but the model runs on {device.type}")
+        return cpu_kernels(dtype, None if want == "cpu" else want)
     return torch_kernels()

@@ -72,9 +72,6 @@ log = logging.getLogger("lorafleet.kernels")
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-# extra flags for a build without AVX-512 on a CPU that has it (`load_kernel(avx2=True)`): the tests
-# run the AVX2 code of every CPU kernel (`kernels/cpu/vector.h`'s `vw` of 8 lanes) wherever they run
-NO_AVX512 = ("-mno-avx512f",)
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 STAMP = "lorafleet-built.json"
 TORCH_BATON = "lock"  # torch's FileBaton in the build directory
@@ -129,14 +126,6 @@ def why_not(name: str) -> str:
     """Why the kernel `name` did not load (its build error's first line), or "" where it did."""
     why = _why_not.get(name)
     return "" if why is None else _first_line(why)
-
-
-def load_kernel(name: str, source: str, function: str | Sequence[str], avx2: bool = False):
-    """`compile_inline` for this CPU, or with `avx2` a build without AVX-512 (`NO_AVX512`, its own
-    module `name`_avx2) even where the CPU has it, so that tests cover the AVX2 code too."""
-    if avx2:
-        return compile_inline(f"{name}_avx2", source, function, cflags=NO_AVX512)
-    return compile_inline(name, source, function)
 
 
 def cache_dir() -> Path:

@@ -19,7 +19,27 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from lorafleet.kernels import cpu_module  # noqa: E402
 from tests.fixtures import build_model  # noqa: E402
+
+
+def _variants():
+    """Every CPU kernel variant this CPU can execute: its own (auto's) in the default tier, the
+    others heavy (a build each)."""
+    host = cpu_module.host_variant()
+    return [v if v == host else pytest.param(v, marks=pytest.mark.heavy) for v in cpu_module.runnable()]
+
+
+@pytest.fixture(params=_variants())
+def variant(request, monkeypatch):
+    """A test that takes this runs on every CPU kernel variant this CPU can execute
+    (`cpu_module.VARIANTS`: AVX2, AVX-512 in Intel's and AMD's layouts, AMX), each forced as
+    LORAFLEET_KERNELS forces it: the process's variant (`cpu_module.use`) and the variable that
+    engines and daemons started meanwhile read. So an AVX-512 host checks the code an AVX2 or an
+    AMD CPU runs, whichever CPU CI lands on."""
+    monkeypatch.setattr(cpu_module, "_current", request.param)
+    monkeypatch.setenv("LORAFLEET_KERNELS", request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")
@@ -37,15 +57,16 @@ def pytest_configure(config):
     LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) a kernel that does not build stops the run here, with
     the build error, before any test could skip or quietly take the torch path. Not where the
     tests run on a GPU (LORAFLEET_DEVICE=cuda: kernels/gpu_check.sh) or on the torch or Triton
-    kernels alone (LORAFLEET_KERNELS). The build without AVX-512 (`isa`'s "avx2", heavy tests)
-    is built by the first test that asks for it."""
+    kernels alone (LORAFLEET_KERNELS). The other variants (`variant`'s heavy ones) are built by the
+    first test that asks for each."""
     if os.environ.get("LORAFLEET_DEVICE", "cpu").startswith("cuda") or \
             os.environ.get("LORAFLEET_KERNELS", "auto") in ("torch", "triton"):
         return
-    from lorafleet.kernels import build, cpu_module
+    from lorafleet.kernels import build
 
+    forced = os.environ.get("LORAFLEET_KERNELS")
     try:
-        cpu_module.load()
+        cpu_module.load(forced if forced in cpu_module.VARIANTS else None)
     except build.KernelUnavailableError as e:
         pytest.exit(f"{e}\n(unset LORAFLEET_REQUIRE_CPU_KERNELS to test the torch fallback instead)",
                     returncode=pytest.ExitCode.INTERNAL_ERROR)

@@ -282,7 +282,7 @@ static void dispatch(const Args& a) {
   // one row on an AMD CPU with AVX-512: one weight row at a time, no software prefetch, one
   // sequential stream (there faster than the (6, 4) tile in fp32 and bf16, at the rate a plain
   // sum reads, and than (2, 1) to (16, 1)). Intel keeps the tile measured there
-  if (a.T == 1 && amd_cpu()) run<S, 1, 1, false>(a);
+  if (a.T == 1 && amd_layout()) run<S, 1, 1, false>(a);
   else if (a.T <= 4) run<S, 6, 4>(a);
   else run<S, 3, 8>(a);
 #else
@@ -317,7 +317,7 @@ int64_t max_rows(bool bf16) {
   if (bf16 && amx) return 12;
 #endif
 #if defined(__AVX512F__)
-  return !bf16 && amd_cpu() ? 64 : 24;
+  return !bf16 && amd_layout() ? 64 : 24;
 #else
   return 64;
 #endif
@@ -328,7 +328,7 @@ int64_t max_rows(bool bf16) {
 // (faster there: the module doc); at::linear where the op is missing (torch built without oneDNN)
 static torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-  if (!op || x.scalar_type() != at::kFloat || !amd_cpu()) return at::linear(x, w, bias);
+  if (!op || x.scalar_type() != at::kFloat || !amd_layout()) return at::linear(x, w, bias);
   torch::jit::Stack stack{x.contiguous(), w.contiguous(), bias, std::string("none"),
                           c10::List<c10::optional<at::Scalar>>(), c10::optional<std::string>()};
   op->callBoxed(&stack);

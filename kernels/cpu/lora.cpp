@@ -114,7 +114,7 @@ static void shrink(const Item& it, int64_t k0, const S* wp, const S* xp, int64_t
   // one x row on an AMD CPU with AVX-512: one A row at a time (the loop below), one sequential
   // stream, as `linear_cpu` reads a weight for one row there (faster than KR rows side by side
   // for a step's LoRA over 2-8 adapters of one row each, the pool on huge pages or not)
-  tile = tile && !(it.n == 1 && amd_cpu());
+  tile = tile && !(it.n == 1 && amd_layout());
 #endif
   if (tile) {
     shrink_rows<S, KR>(a, xp, ldx, it.row0, it.n, in, tk, it.r);

@@ -153,10 +153,10 @@ torch::Tensor rows(torch::Tensor w, torch::Tensor ids) {
 }
 
 // the panel width `pack` uses, 0 where weights stay [N, K]: panels pay on AVX2 and, with AVX-512,
-// on AMD CPUs; on Intel they did not (module doc)
+// on AMD CPUs (AMD's layout, `amd_layout()`); on Intel they did not (module doc)
 int64_t panel_width() {
 #if defined(__AVX512F__)
-  return amd_cpu() ? PW : 0;
+  return amd_layout() ? PW : 0;
 #elif defined(__AVX2__)
   return PW;
 #else

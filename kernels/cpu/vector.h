@@ -1,6 +1,6 @@
 // What the CPU kernels share: the vector type every loop runs on, `vw`, one register of the widest
 // set the CPU has (16 fp32 lanes with AVX-512, 8 with AVX2), its fp32/bf16 loads and stores, bf16
-// rounding, the horizontal sum and exp, and `amd_cpu()`.
+// rounding, the horizontal sum and exp, and `amd_layout()`.
 // Decisions: GCC vector types, not `#pragma omp simd` (under it the compiler left exp, RoPE and the
 // argmax scalar); never a vector wider than a register (the matmul tiles' accumulators must all
 // fit in the register file, and on AVX2 GCC lowers a wider vector's comparisons, selects and
@@ -96,15 +96,15 @@ static inline iw lane_ids() {
   return v;
 }
 
-// An AMD CPU: with AVX-512 (Zen 4) its hardware prefetcher streams one weight row at a time
-// best, where Intel's keeps up with several side by side (`linear_cpu`, `lora_cpu`)
-static inline bool amd_cpu() {
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return bool(__builtin_cpu_is("amd"));
-  }();
-  return amd;
-}
+// AMD's layout (the build's variant, `kernels/cpu_module.py`; LF_AMD_LAYOUT): with AVX-512 (Zen 4)
+// its hardware prefetcher streams one weight row at a time best, where Intel's keeps up with
+// several side by side (`linear_cpu`, `lora_cpu`), fp32 weights go in panels (`panels_cpu`) and
+// torch's fp32 GEMM is oneDNN's. A compile-time choice, not the CPU's vendor read at run time, so
+// that every layout can be built and tested on any CPU that runs its instructions
+#ifndef LF_AMD_LAYOUT
+#error "LF_AMD_LAYOUT (0 or 1) is set by the variant's flags (kernels/cpu_module.py)"
+#endif
+constexpr bool amd_layout() { return LF_AMD_LAYOUT != 0; }
 
 // A chunk of K's sum for one output (the matmuls that go by chunks of K): `v`, this chunk's sum,
 // plus the chunks before it (kept in `part`); true at the last chunk (v is then the whole sum),

@@ -91,7 +91,8 @@ class LlamaModel(torch.nn.Module):
     activations, norms, the KV cache and adapters keep.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int, kernels: str | None = None):
+        """`kernels`: `backend.select`'s choice (None: LORAFLEET_KERNELS, else auto)."""
         super().__init__()
         self.cfg = cfg
         self.w = weights
@@ -100,9 +101,9 @@ class LlamaModel(torch.nn.Module):
         self.quantization = quant_scheme(weights)
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
-        self.kernels = backend.select(t.device, t.dtype)  # every op of the forward pass, for this device
+        self.kernels = backend.select(t.device, t.dtype, kernels)  # every op of the forward pass, for this device
         if self.kernels.pack is not None and self.quantization is None:  # the projections laid out for the kernels' `linear`, in place
-            tied = weights["lm_head"].data_ptr() == t.data_ptr()
+            tied = weights["lm_head"].data_ptr() == weights["embed"].data_ptr()  # one storage: packed once, as the head
             for name in ["embed" if tied else "lm_head"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
                                                             for n in PROJECTIONS]:
                 weights[name] = self.kernels.pack(weights[name])

@@ -58,7 +58,7 @@ def test_a_fallback_names_itself_torch_and_says_why(monkeypatch, caplog):
 
     for dtype, why in ((torch.float16, "not float16"), (torch.float32, "unavailable")):
         if dtype == torch.float32:
-            monkeypatch.setattr("lorafleet.kernels.cpu_module.load", lambda avx2=False: None)
+            monkeypatch.setattr("lorafleet.kernels.cpu_module.load", lambda variant=None: None)
         with caplog.at_level("WARNING", logger="lorafleet.kernels"):
             ops = backend.cpu_kernels(dtype)
         assert ops.name == "torch" and why in ops.why

@@ -81,7 +81,7 @@ def start(model_dir, adapters: dict, dtype: str, names: list) -> Engine:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_call_equals_the_python_loop_bit_for_bit(family_dirs, family, dtype, isa):
+def test_one_call_equals_the_python_loop_bit_for_bit(family_dirs, family, dtype, variant):
     model_dir, adapters = family_dirs[family]
     names = ["r4", None, "r16", "r4", None]
     engine = start(model_dir, adapters, dtype, names)

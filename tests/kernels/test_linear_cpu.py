@@ -1,7 +1,7 @@
 """The CPU decode matmul computes `F.linear`: within 1e-5 relative in fp32 and within bf16's
 rounding in bf16, on odd shapes, every tile remainder, x rows wide enough to go by chunks of K,
-strided rows and with biases, in the build for this CPU and in one without AVX-512 (`isa`:
-other tile shapes); past `max_rows()` rows it is torch's GEMM itself; and the engine on it gives
+strided rows and with biases, on every CPU kernel variant this CPU can execute (`variant`:
+other tile shapes and layouts); past `max_rows()` rows it is torch's GEMM itself; and the engine on it gives
 the torch path's greedy tokens on every parity family and on the demo fleet. (Weights packed
 into panels: `test_panels_cpu.py`.)"""
 
@@ -25,10 +25,7 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 24, 31, 64]  # every tile and rem
 SHAPES = [(1, 1), (5, 15), (7, 16), (13, 17), (97, 33), (64, 100), (33, 513), (200, 1536), (37, 4100), (9, 6000)]
 
 
-def amd_cpu() -> bool:
-    """What the kernels' `amd_cpu()` (`kernels/cpu/vector.h`) answers, read here off /proc/cpuinfo's vendor."""
-    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-        return "AuthenticAMD" in f.read()
+AMD_LAYOUT = ("avx2", "avx512-panels")  # the variants built with AMD's layout (`cpu_module.FLAGS`)
 
 
 def exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -38,7 +35,7 @@ def exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp32_equals_the_exact_product_within_1e_5(n, k, bias, isa):
+def test_fp32_equals_the_exact_product_within_1e_5(n, k, bias, variant):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -53,7 +50,7 @@ def test_fp32_equals_the_exact_product_within_1e_5(n, k, bias, isa):
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_bf16_rounds_the_fp32_sum_once(n, k, isa):
+def test_bf16_rounds_the_fp32_sum_once(n, k, variant):
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
@@ -67,7 +64,7 @@ def test_bf16_rounds_the_fp32_sum_once(n, k, isa):
         assert ((got.double() - ref).abs() <= ref.abs() * 2 ** -8 + slack).all(), (t, n, k)
 
 
-def test_rows_with_a_stride_and_columns_with_one(isa):
+def test_rows_with_a_stride_and_columns_with_one(variant):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g)
     wide = torch.randn(6, 50, generator=g)
@@ -79,10 +76,10 @@ def test_rows_with_a_stride_and_columns_with_one(isa):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_past_max_rows_it_is_torchs_gemm_onednns_in_fp32_on_an_amd_cpu(isa, dtype):
-    """Past `max_rows()` rows (prefill): torch's `linear`, or in fp32 on an AMD CPU oneDNN's GEMM
+def test_past_max_rows_it_is_torchs_gemm_onednns_in_fp32_in_amds_layout(variant, dtype):
+    """Past `max_rows()` rows (prefill): torch's `linear`, or in fp32 in AMD's layout oneDNN's GEMM
     (faster there than torch's MKL), which gives the product within 1e-5 relative."""
-    onednn = amd_cpu() and dtype == torch.float32
+    onednn = variant in AMD_LAYOUT and dtype == torch.float32
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(40, 96, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
     x = torch.randn(linear_cpu.max_rows(dtype) + 3, 96, generator=g).to(dtype)
@@ -98,17 +95,14 @@ def test_past_max_rows_it_is_torchs_gemm_onednns_in_fp32_on_an_amd_cpu(isa, dtyp
             assert torch.equal(y, F.linear(x, w, bias))
 
 
-@pytest.mark.heavy  # the build without AVX-512
-def test_where_torchs_gemm_takes_over_per_build_and_cpu():
-    """Where torch's GEMM takes over, per build: 64 rows where it has no AVX-512 (on the AMD host
-    it was measured on, torch's GEMM ran at about half the kernel's rate up to there), and in fp32
-    on an AMD CPU with AVX-512 (the same there); in bf16, 12 where the CPU has AMX (torch's bf16
-    GEMM runs on its tiles)."""
-    has_avx512, has_amx = " avx512f" in build.cpu_identity(), " amx_bf16" in build.cpu_identity()
-    assert linear_cpu.load().max_rows(False) == linear_cpu.max_rows() == (24 if has_avx512 and not amd_cpu() else 64)
-    assert linear_cpu.load(avx2=True).max_rows(False) == 64
-    assert linear_cpu.max_rows(torch.bfloat16) == (12 if has_amx else 24 if has_avx512 else 64)
-    assert linear_cpu.load(avx2=True).max_rows(True) == (12 if has_amx else 64)
+def test_where_torchs_gemm_takes_over_per_variant(variant):
+    """Where torch's GEMM takes over, per variant: 64 rows without AVX-512 (on the AMD host it was
+    measured on, torch's GEMM ran at about half the kernel's rate up to there), and in fp32 in
+    AMD's layout with AVX-512 (the same there), else 24; in bf16, 12 with AMX (torch's bf16 GEMM
+    runs on its tiles, where the kernel grants this process their state)."""
+    amx = variant == "amx" and linear_cpu.max_rows(torch.bfloat16) == 12
+    assert linear_cpu.max_rows() == {"avx2": 64, "avx512": 24, "avx512-panels": 64, "amx": 24}[variant]
+    assert linear_cpu.max_rows(torch.bfloat16) == (12 if amx else 64 if variant == "avx2" else 24)
 
 
 def test_mismatched_inputs_are_refused_with_the_reason():

@@ -1,6 +1,6 @@
 """The CPU LoRA kernel and the torch reference compute the same LoRA through row tables, and both
 equal the dense computation (tests/kernels/lora_cases.py); the kernel in the build for this CPU
-and in one without AVX-512 (`isa`: other tile shapes)."""
+and on every other variant this CPU can execute (`variant`: other tile shapes)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ from tests.kernels.lora_cases import lora_case
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(lora_cpu.load() is None, reason="the kernel does not build here")
-OPS = {"cpu": lora_cpu.lora, "cpu-avx2": lambda *args: lora_cpu.load(avx2=True).lora(*args),
-       "reference": reference.lora}
+OPS = {"cpu": lora_cpu.lora, "reference": reference.lora}  # "cpu": on every variant (`variant`)
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.heavy) if o == "cpu-avx2" else o for o in OPS])
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("seed", range(6))
-def test_random_heterogeneous_segments_on_scattered_pages(op, seed):
+def test_random_heterogeneous_segments_on_scattered_pages(op, variant, seed):
     rng = random.Random(seed)
     outs = [rng.choice([8, 24, 96]) for _ in range(3)]
     n_seg = rng.randint(1, 12)
@@ -34,7 +33,7 @@ def test_random_heterogeneous_segments_on_scattered_pages(op, seed):
 
 
 @pytest.mark.parametrize("rank", [1, 3, 8, 24, 64, 128, 256])
-def test_every_rank_with_matrices_across_page_boundaries(rank, isa):
+def test_every_rank_with_matrices_across_page_boundaries(rank, variant):
     case = lora_case(rank, 48, [32, 16, 16], [[rank, rank, 0], [0, 0, rank]], [1, 7], page_elems=528)
     got = case.base.clone()
     lora_cpu.lora(*case.args(got))
@@ -53,7 +52,7 @@ def test_no_segments_and_empty_segments_change_nothing():
     assert torch.equal(got, case.base)
 
 
-def test_writes_into_a_wider_output_through_its_row_stride(isa):
+def test_writes_into_a_wider_output_through_its_row_stride(variant):
     case = lora_case(3, 32, [16, 8, 8], [[4, 2, 0], [1, 0, 7]], [1, 6])
     wide = torch.randn(case.x.shape[0], 64)
     view = wide[:, :32]             # the group's output inside a larger buffer
@@ -63,7 +62,7 @@ def test_writes_into_a_wider_output_through_its_row_stride(isa):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
+def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, variant):
     rng = random.Random(seed)
     n_seg = rng.randint(1, 8)
     ranks = [[rng.choice([0, 1, 8, 24, 64]) for _ in range(3)] for _ in range(n_seg)]
@@ -79,8 +78,8 @@ def test_bf16_pools_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
     assert torch.equal(got[~case.covered], case.base[~case.covered])
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.heavy) if o == "cpu-avx2" else o for o in OPS])
-def test_each_layer_and_group_reads_its_own_fields_of_the_row_tables(op):
+@pytest.mark.parametrize("op", OPS)
+def test_each_layer_and_group_reads_its_own_fields_of_the_row_tables(op, variant):
     # two slots (gate_up) in layer 2 of 3, then one slot (o) in layer 0: the entry picks the fields
     for slots, layer in ((2, 2), (1, 0)):
         case = lora_case(4, 40, [16, 24][:slots], [[4, 2][:slots], [0, 7][:slots], [9, 9][:slots]], [1, 5, 2],
@@ -97,9 +96,9 @@ def _random_mixes(rng: random.Random, adapters: int, n_mix: int) -> tuple[list[l
     return mixes, [rng.choice([0, 1, 1, 2, 5, 9]) for _ in range(n_mix)]
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.heavy) if o == "cpu-avx2" else o for o in OPS])
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("seed", range(6))
-def test_mixes_sum_their_adapters_deltas_times_their_scales(op, seed):
+def test_mixes_sum_their_adapters_deltas_times_their_scales(op, variant, seed):
     # mixes of several adapters of mixed ranks (some lacking modules), beside lone segments
     rng = random.Random(seed)
     ranks = [[rng.choice([0, 1, 3, 8, 24, 64]) for _ in range(3)] for _ in range(6)]
@@ -113,7 +112,7 @@ def test_mixes_sum_their_adapters_deltas_times_their_scales(op, seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_bf16_mixes_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
+def test_bf16_mixes_sum_in_fp32_and_round_once_like_the_reference(seed, variant):
     rng = random.Random(seed)
     ranks = [[rng.choice([0, 1, 8, 24, 64]) for _ in range(3)] for _ in range(5)]
     mixes, rows = _random_mixes(rng, len(ranks), rng.randint(1, 6))
@@ -126,7 +125,7 @@ def test_bf16_mixes_sum_in_fp32_and_round_once_like_the_reference(seed, isa):
     assert torch.equal(got[~case.covered], case.base[~case.covered])
 
 
-def test_a_mix_of_one_adapter_at_scale_one_is_that_adapter_bit_for_bit(isa):
+def test_a_mix_of_one_adapter_at_scale_one_is_that_adapter_bit_for_bit(variant):
     # and a zero-scale partner changes nothing: each delta joins the output once, in fp32
     ranks = [[8, 24, 3], [64, 0, 8]]
     alone = lora_case(7, 40, [24, 8, 96], ranks, [1, 6], dtype=torch.bfloat16, mixes=[[(0, 1.0)], [(0, 1.0)]])
@@ -138,9 +137,9 @@ def test_a_mix_of_one_adapter_at_scale_one_is_that_adapter_bit_for_bit(isa):
     assert torch.equal(a, b) and not torch.equal(a, alone.base)
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, marks=pytest.mark.heavy) if o == "cpu-avx2" else o for o in OPS])
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_epilogues_of_dora_and_lora_bias_beside_plain_adapters(op, dtype):
+def test_epilogues_of_dora_and_lora_bias_beside_plain_adapters(op, variant, dtype):
     # decode and prefill segments (the one-row and the column expands), widths off the column block
     ranks = [[8, 0, 3], [4, 16, 0], [5, 5, 5], [24, 1, 0]]
     case = lora_case(11, 40, [24, 8, 136], ranks, [1, 6, 1, 9], dtype=dtype, posts=["dora", "bias", None, "dora"])

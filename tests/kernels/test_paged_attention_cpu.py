@@ -35,7 +35,7 @@ def scattered_case(seed: int, heads: int, kv_heads: int, dim: int, block: int, l
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim, block", [(4, 2, 16, 16), (9, 3, 64, 16), (8, 8, 8, 4), (6, 1, 24, 8)])
-def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, block, isa):
+def test_kernel_matches_the_reference_on_scattered_pages(heads, kv_heads, dim, block, variant):
     q, kv, tables, lens = scattered_case(heads * 100 + dim, heads, kv_heads, dim, block,
                                          [1, block, block + 1, 3 * block - 2, 5])
     ref = reference.paged_decode(q, kv, tables, lens, dim ** -0.5)
@@ -59,7 +59,7 @@ def test_slots_past_a_sequences_end_never_reach_its_output_even_as_nan(op):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q_is_read_in_place_from_the_qkv_rows(dtype, isa):
+def test_q_is_read_in_place_from_the_qkv_rows(dtype, variant):
     """The decode driver hands the kernel q as the qkv projection leaves it: [B, H, D] cut from
     [B, H + 2 KVH, D], rows strided, no copy; it gives what a contiguous q gives. A q whose heads
     are not side by side is refused by name (the Python wrapper copies such a q first)."""
@@ -88,7 +88,7 @@ def two_threads():
 
 @pytest.mark.parametrize("batch", [1, 2, 3])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 4), (16, 8), (6, 2), (6, 3)])
-def test_a_small_batch_splits_its_kv_heads_between_tasks(batch, heads, kv_heads, isa, two_threads):
+def test_a_small_batch_splits_its_kv_heads_between_tasks(batch, heads, kv_heads, variant, two_threads):
     """Below two sequences a thread, a task takes only some of a sequence's kv heads (halved
     while even: 4 -> 2 -> 1 for one sequence on 2 threads); every split gives the reference."""
     block, dim = 8, 16
@@ -100,7 +100,7 @@ def test_a_small_batch_splits_its_kv_heads_between_tasks(batch, heads, kv_heads,
 
 
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 4, 64), (6, 3, 24), (4, 4, 8)])
-def test_bf16_pages_give_the_fp32_reference_rounded_once(heads, kv_heads, dim, isa):
+def test_bf16_pages_give_the_fp32_reference_rounded_once(heads, kv_heads, dim, variant):
     """bf16 q and pages, fp32 scores, softmax and sums: each output element is the fp32 reference
     on the same values, rounded once to bf16 (half a bf16 step, 2^-9 relative; 2^-8 allowed)."""
     block = 16

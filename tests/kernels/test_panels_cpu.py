@@ -9,20 +9,19 @@ import pytest
 import torch
 
 from lorafleet import Engine
-from lorafleet.kernels import build, linear_cpu, panels_cpu
+from lorafleet.kernels import cpu_module, linear_cpu, panels_cpu
 from tests.fixtures import build_model
-from tests.kernels.test_linear_cpu import ROWS, amd_cpu, exact
+from tests.kernels.test_linear_cpu import ROWS, exact
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
 pytestmark = pytest.mark.skipif(panels_cpu.load() is None, reason="the kernels do not build here")
 
 
-def test_pack_lays_a_weight_out_as_panels_in_its_own_storage(isa):
-    """Panels of 16 outputs with AVX2, of 32 with AVX-512 on an AMD CPU; none with AVX-512 on an
-    Intel one, where they did not pay (the weight stays [N, K])."""
+def test_pack_lays_a_weight_out_as_panels_in_its_own_storage(variant):
+    """Panels of 16 outputs with AVX2, of 32 with AVX-512 in AMD's layout; none in Intel's, where
+    they did not pay (the weight stays [N, K])."""
     pw = panels_cpu.load().panel_width()
-    avx512 = isa == "native" and " avx512f" in build.cpu_identity()
-    assert pw == ((32 if amd_cpu() else 0) if avx512 else 16)
+    assert pw == {"avx2": 16, "avx512-panels": 32}.get(variant, 0)
     w = torch.randn(96, 37)
     before, ptr = w.clone(), w.data_ptr()
     packed = panels_cpu.pack(w)
@@ -40,7 +39,7 @@ GEMMS = {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_li
 
 @pytest.mark.parametrize("n, k", [(32, 1), (32, 33), (96, 100), (64, 513), (224, 1536), (32, 4100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_panels_equal_the_exact_product_within_1e_5_at_every_row_count(n, k, bias, isa):
+def test_packed_panels_equal_the_exact_product_within_1e_5_at_every_row_count(n, k, bias, variant):
     """Every pass shape and its rest (4, 6 or 8 rows), then past `max_rows()` and past a block of
     64 rows (prefill): still the kernel on the panels, never torch's GEMM on a copy."""
     g = torch.Generator().manual_seed(n * 7 + k)
@@ -60,7 +59,7 @@ def test_packed_panels_equal_the_exact_product_within_1e_5_at_every_row_count(n,
 
 @pytest.mark.heavy  # the build without AVX-512
 def test_packed_weights_refuse_what_they_cannot_serve():
-    mod = panels_cpu.load(avx2=True)  # the build with panels, whatever this CPU has
+    mod = cpu_module.load("avx2")  # a build with panels of 16, whatever this CPU has
     packed = torch.randn(32, 16).view(2, 16, 16).transpose(1, 2).contiguous()
     with pytest.raises(RuntimeError, match="packed w"):
         mod.linear(torch.randn(2, 15), packed, None, None)
@@ -73,11 +72,9 @@ def test_packed_weights_refuse_what_they_cannot_serve():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_an_fp32_model_packs_its_projections_and_head_and_the_embedding_only_as_its_head(tmp_path, monkeypatch,
-                                                                                        tied):
+def test_an_fp32_model_packs_its_projections_and_head_and_the_embedding_only_as_its_head(tmp_path, variant, tied):
     """The projections and the LM head are packed; the embedding too where it is the head (one
     storage), read by rows out of the panels (`rows`); an untied embedding stays [V, H]."""
-    monkeypatch.setenv("LORAFLEET_KERNELS", "cpu")
     engine = Engine(build_model(tmp_path, "llama", tie_word_embeddings=tied), pool_bytes=4 << 20)
     w, dim = engine.model.w, 3 if panels_cpu.load().panel_width() else 2  # every N here is a multiple of 32
     assert [w[f"layers.{i}.{n}"].dim() for i in range(2) for n in ("qkv", "o", "gate_up", "down")] == [dim] * 8
@@ -86,7 +83,7 @@ def test_an_fp32_model_packs_its_projections_and_head_and_the_embedding_only_as_
     assert engine.model.kernels.rows is panels_cpu.rows
 
 
-def test_rows_reads_an_embedding_out_of_its_panels(isa):
+def test_rows_reads_an_embedding_out_of_its_panels(variant):
     """`rows` is `w[ids]` whether w is [N, K] or packed (a tied embedding); an id out of range is
     refused with it, as indexing refuses it."""
     w = torch.randn(96, 37)

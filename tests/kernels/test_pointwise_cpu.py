@@ -26,7 +26,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [1, 15, 64, 577])
-def test_rms_norm_and_the_residual_add_before_it(dtype, hidden, isa):
+def test_rms_norm_and_the_residual_add_before_it(dtype, hidden, variant):
     g = torch.Generator().manual_seed(hidden)
     for t in ROWS:
         wide = torch.randn(t, hidden + 5, generator=g).to(dtype)
@@ -42,7 +42,7 @@ def test_rms_norm_and_the_residual_add_before_it(dtype, hidden, isa):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 8), (9, 3, 64), (2, 2, 2)])
-def test_rope_in_place_on_views_of_the_fused_qkv(dtype, heads, kv_heads, dim, isa):
+def test_rope_in_place_on_views_of_the_fused_qkv(dtype, heads, kv_heads, dim, variant):
     g = torch.Generator().manual_seed(heads * dim)
     positions_max = 50
     angles = torch.rand(positions_max, dim // 2, generator=g) * 6
@@ -65,7 +65,7 @@ def test_rope_in_place_on_views_of_the_fused_qkv(dtype, heads, kv_heads, dim, is
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_times_up(dtype, isa):
+def test_silu_times_up(dtype, variant):
     g = torch.Generator().manual_seed(7)
     for t in ROWS:
         for inter in (1, 33, 1536):
@@ -88,7 +88,7 @@ def test_bad_inputs_are_refused_with_the_reason():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kv_rows_land_in_their_slots_and_nowhere_else(dtype, isa):
+def test_kv_rows_land_in_their_slots_and_nowhere_else(dtype, variant):
     g = torch.Generator().manual_seed(11)
     pages, layers, block, kvh, dim, t = 6, 3, 4, 2, 8, 5
     pool = torch.randn(pages, layers, 2, block, kvh, dim, generator=g).to(dtype)
@@ -105,7 +105,7 @@ def test_kv_rows_land_in_their_slots_and_nowhere_else(dtype, isa):
         pointwise_cpu.write_kv(kv, k, v, torch.tensor([6, 0, 0, 0, 0]), slot_offsets)
 
 
-def test_greedy_takes_the_first_largest_and_flags_non_finite_rows(isa):
+def test_greedy_takes_the_first_largest_and_flags_non_finite_rows(variant):
     g = torch.Generator().manual_seed(12)
     logits = torch.randn(7, 1000, generator=g)
     logits[1, [17, 400]] = 50.0                  # a tie: the first wins
@@ -124,7 +124,7 @@ def test_greedy_takes_the_first_largest_and_flags_non_finite_rows(isa):
     assert torch.equal(pointwise_cpu.greedy(big)[0], torch.argmax(big, -1))
 
 
-def test_greedy_over_pieces_of_a_row_keeps_the_first_largest(isa):
+def test_greedy_over_pieces_of_a_row_keeps_the_first_largest(variant):
     """On 2 threads a row of 5,000 goes as two pieces of 2,500 (each with a tail past its last full
     vector): a tie across the pieces, across lanes or within a lane goes to the first index; a
     NaN or an infinity in either piece flags the row."""

@@ -4,7 +4,7 @@ bf16, with and without a bias, on every tile remainder of 1-70 rows (the kernel'
 `max_rows()`, the GEMM on blocks of dequantized rows beyond), odd N, K from one run to wide
 (chunks of K); the embedding's rows bit for bit; a quantized model's decode step in one C++ call
 equals the Python loop bit for bit, and its greedy tokens equal the torch reference's. In the
-native build and the build without AVX-512 (`isa`).
+native build and the build without AVX-512 (`variant`).
 
 Tolerances, per output element, of the sum of the terms' magnitudes S = |x| @ |dequantize(q)|^T:
 fp32 1e-5 S (the same fp32 products summed in another order); bf16 2^-7 S (the reference rounds
@@ -68,7 +68,7 @@ def test_groups_on_the_amx_tiles_from_two_rows(scheme, group, shape):
 
 @pytest.mark.parametrize("scheme,group", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_equals_the_reference_at_every_row_count(scheme, group, dtype, isa):
+def test_linear_equals_the_reference_at_every_row_count(scheme, group, dtype, variant):
     n, k = 67, 384
     q, scales = quantized(n, k, scheme, group)
     g = torch.Generator().manual_seed(1)
@@ -83,7 +83,7 @@ def test_linear_equals_the_reference_at_every_row_count(scheme, group, dtype, is
 @pytest.mark.parametrize("scheme,group,shape", [(s, g, shape) for s, g in LAYOUTS
                                                  for shape in [(1, 32), (5, 64), (129, 4096), (33, 8192)]
                                                  if not g or shape[1] % g == 0])  # groups that divide K
-def test_linear_on_narrow_and_wide_k(scheme, group, shape, isa):
+def test_linear_on_narrow_and_wide_k(scheme, group, shape, variant):
     """One run of K, and K wide enough that the x rows go by chunks of K (x of more than 32 KB)."""
     n, k = shape
     q, scales = quantized(n, k, scheme, group, seed=n)
@@ -108,7 +108,7 @@ def test_linear_takes_strided_rows_and_refuses_bad_shapes():
 
 @pytest.mark.parametrize("scheme,group", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_equal_the_reference_bit_for_bit(scheme, group, dtype, isa):
+def test_rows_equal_the_reference_bit_for_bit(scheme, group, dtype, variant):
     q, scales = quantized(51, 256, scheme, group)
     ids = torch.tensor([0, 50, 7, 7, 23])
     got = quant_cpu.rows(q, ids, scales, dtype)
@@ -138,7 +138,7 @@ def start(model_dir, scheme: str, dtype: str, rows: int) -> Engine:
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("scheme", quant.SCHEMES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_forward_equals_the_python_forward_bit_for_bit(model_dirs, family, scheme, dtype, isa):
+def test_decode_forward_equals_the_python_forward_bit_for_bit(model_dirs, family, scheme, dtype, variant):
     """A quantized model's decode step in one C++ call (quantized projections, LM head, and the
     embedding's rows, tied to the head or not) gives the Python forward's logits and KV pages bit for bit."""
     engine = start(model_dirs[family], scheme, dtype, 5)
