@@ -2,8 +2,10 @@
 tokenizer_config (`tokenizer_parts`), without transformers: "gpt2" (byte-level BPE: tokens and
 merges, its pre-tokenizer named by `tokenizer.ggml.pre`) or "llama" (SentencePiece BPE: tokens and
 scores, the merges ranked by the merged piece's score, byte fallback); control and user-defined
-tokens as added tokens, the chat template from `tokenizer.chat_template`. Other tokenizer models
-and pre-tokenizers are refused, named. The file itself is `gguf.GGUFFile`'s."""
+tokens as added tokens, the chat template from `tokenizer.chat_template`. Each pre-tokenizer name
+stands for its model's Hugging Face tokenizer.json (normalizer, split, BPE flags), so ids are that
+tokenizer's. Other tokenizer models and pre-tokenizers, and a byte-level BPE naming none ("default"),
+are refused, named. The file itself is `gguf.GGUFFile`'s."""
 
 from __future__ import annotations
 
@@ -16,12 +18,22 @@ from lorafleet.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from lorafleet.model.gguf import GGUFFile
 
-# tokenizer.ggml.pre -> the pre-tokenizer of a byte-level BPE ("gpt2") vocabulary
+# The splits of the Hugging Face tokenizer.json files llama.cpp's pre-tokenizer names stand for.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = ("gpt2", "gpt-2", "default", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen", "smollm")
+# tokenizer.ggml.pre (llama.cpp's names and aliases for the families lorafleet serves) -> that model's
+# pipeline. Llama 3: whole-word hits first (ignore_merges), a BOS unless the file says otherwise, as in
+# llama.cpp. Qwen2/2.5/3 and DeepSeek-R1-Distill-Qwen (Qwen's tokenizer.json): NFC first. "gpt2" is
+# lorafleet's own spelling of "gpt-2", kept for the files it wrote before.
+_LLAMA3 = {"split": _LLAMA3_SPLIT, "ignore_merges": True, "add_bos": True}
+_QWEN2 = {"split": _QWEN2_SPLIT, "nfc": True}
+PRE_TOKENIZERS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "qwen2": _QWEN2,
+                  "deepseek-r1-qwen": _QWEN2, "smollm": {"digits": True}, "gpt-2": {}, "gpt2": {}}
+# llama.cpp's "default" split (and what a file without tokenizer.ggml.pre gets) is no model's own:
+# such a file does not say how its model splits text, so it is refused rather than guessed.
+_UNNAMED = "default"
 TOKENIZER_MODELS = ("gpt2", "llama")
 _CONTROL, _USER, _UNKNOWN, _BYTE = (int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED),
                                     int(gguf.TokenType.UNKNOWN), int(gguf.TokenType.BYTE))
@@ -49,25 +61,31 @@ def tokenizer_parts(f: GGUFFile):
     ids = {k: f.field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
     name = {k: tokens[i] if i is not None and 0 <= i < len(tokens) else None for k, i in ids.items()}
     if kind == "gpt2":
-        pre = f.field("tokenizer.ggml.pre", "default")
+        pre = f.field("tokenizer.ggml.pre", _UNNAMED)
+        known = ", ".join(PRE_TOKENIZERS)
+        if pre == _UNNAMED:
+            raise UnsupportedModelError(f"{f.path}: GGUF byte-level BPE tokenizer names no pre-tokenizer "
+                                        f"(tokenizer.ggml.pre {pre!r}, llama.cpp's fallback split, no model's own); "
+                                        f"re-convert the model with a current llama.cpp; lorafleet reads {known}")
         if pre not in PRE_TOKENIZERS:
-            raise UnsupportedModelError(f"{f.path}: GGUF pre-tokenizer {pre!r} is not supported; lorafleet reads "
-                                        f"{', '.join(PRE_TOKENIZERS)}")
+            raise UnsupportedModelError(f"{f.path}: GGUF pre-tokenizer {pre!r} is not supported; "
+                                        f"lorafleet reads {known}")
+        spec = PRE_TOKENIZERS[pre]
         merges = [tuple(m.split(" ", 1)) for m in f.field("tokenizer.ggml.merges") or []]
-        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        if pre in ("llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen"):
-            split = tokenizers.Regex(_LLAMA3_SPLIT if pre in ("llama-bpe", "llama3") else _QWEN2_SPLIT)
-            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, "isolated"), byte_level])
-        elif pre == "smollm":
+        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=spec.get("ignore_merges", False)))
+        if "split" in spec:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(tokenizers.Regex(spec["split"]), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif spec.get("digits"):
             backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                              pre_tokenizers.ByteLevel(add_prefix_space=False)])
         else:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        if pre in ("qwen2", "deepseek-r1-qwen"):
+        if spec.get("nfc"):
             backend.normalizer = normalizers.NFC()
         backend.decoder = decoders.ByteLevel()
-        add_bos = f.field("tokenizer.ggml.add_bos_token", False)
+        add_bos = f.field("tokenizer.ggml.add_bos_token", spec.get("add_bos", False))
         add_eos = f.field("tokenizer.ggml.add_eos_token", False)
     else:
         scores = f.field("tokenizer.ggml.scores") or [0.0] * len(tokens)
