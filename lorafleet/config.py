@@ -14,6 +14,8 @@ from pathlib import Path
 from lorafleet.errors import ConfigError
 
 DEFAULT_CPU_POOL_BYTES = 1 << 30
+# `kernels.backend.CHOICES`, spelt here so that the config stays free of torch (a test keeps them equal)
+KERNELS = ("auto", "triton", "cpu", "avx2", "avx512", "avx512-panels", "amx", "torch")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class EngineConfig:
                                         # launching the next (engine/inflight.py)
     prefix_cache: bool = True           # reuse the KV of full blocks of earlier prompts (memory/kv.py)
     eviction: str = "cost"              # cached KV and idle adapters: cost (memory/eviction.py) or lru
+    kernels: str | None = None          # one of KERNELS (`kernels.backend.select`); None: LORAFLEET_KERNELS, else auto
+    self_check: bool = False            # the kernels' logits against the torch reference's on one prompt
+                                        # at start (engine/selfcheck.py); `lorafleet serve` turns it on
 
     def __post_init__(self):
         if self.policy not in ("vtc", "fcfs"):
@@ -62,6 +67,10 @@ class EngineConfig:
             raise ConfigError(f"async_decode must be auto, on or off, got {self.async_decode!r}")
         if self.decode_graphs not in ("auto", "on", "off", "fixed"):
             raise ConfigError(f"decode_graphs must be auto, on, off or fixed, got {self.decode_graphs!r}")
+        if self.kernels is not None and self.kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if not isinstance(self.self_check, bool):
+            raise ConfigError(f"self_check must be True or False, got {self.self_check!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

@@ -36,6 +36,13 @@ class ModelLoadError(LorafleetError):
     code = "model_load_error"
 
 
+class SelfCheckError(LorafleetError):
+    """The served kernels disagree with the torch reference on the same weights at start
+    (`engine/selfcheck.py`): the message names the kernels and the difference."""
+
+    code = "self_check_failed"
+
+
 class InvalidRequestError(LorafleetError):
     """A request is malformed: bad sampling values, prompt too long, empty prompt..."""
 

@@ -93,10 +93,11 @@ class LorafleetDaemon(System):
 
 def serve_command(job: Job, sock: Path, device: str, dtype: str, pool: int) -> list[str]:
     """`lorafleet serve` for the job's base: this Python, the bench's device, dtype and pool, and
-    the job's `--quantize` (the base quantized as it loads)."""
+    the job's `--quantize` (the base quantized as it loads). No self-check: it would hold a second
+    copy of the weights, which the bench's large random bases may not have room for."""
     return [sys.executable, "-m", "lorafleet.cli.main", "serve", job.model_dir, "--socket", str(sock),
             "--device", device, "--dtype", dtype, "--pool-bytes", str(pool), "--max-num-seqs", "256",
-            "--max-pending", "100000", *(["--quantize", job.quantize] if job.quantize else [])]
+            "--max-pending", "100000", "--no-self-check", *(["--quantize", job.quantize] if job.quantize else [])]
 
 
 async def _replay(sock: Path, job: Job) -> tuple[float, list[dict]]:

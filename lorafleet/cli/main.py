@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from lorafleet import __version__
-from lorafleet.cli import adapters, bench, chat, deploy, logs, ps, serve, service, status, store, top
+from lorafleet.cli import adapters, bench, chat, deploy, logs, ps, serve, service, status, store, top, verify
 from lorafleet.cli.serve_config import ServeCommand
 from lorafleet.cli.common import fail
 from lorafleet.errors import LorafleetError
@@ -34,6 +34,7 @@ app.command("stop")(status.stop)
 app.command("chat")(chat.chat)
 app.command("top")(top.top)
 app.command("pull")(store.pull)
+app.command("verify")(verify.verify)
 app.add_typer(adapters.app, name="adapters")
 app.add_typer(store.models_app, name="models")
 app.add_typer(store.store_app, name="store")

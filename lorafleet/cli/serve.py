@@ -125,6 +125,11 @@ def serve(
     async_decode: Annotated[str, typer.Option(
         "--async-decode", metavar="auto|on|off", help="Read each step's tokens after launching the next, "
         "so the host's work hides behind the GPU's (auto: on with CUDA).")] = "off",
+    self_check: Annotated[bool, typer.Option(
+        "--self-check/--no-self-check", help="Before serving, compare the kernels' logits on one short prompt with "
+                                             "the torch reference's on the same weights, and refuse to start when they "
+                                             "disagree (a second copy of the weights while it runs; `lorafleet verify` "
+                                             "checks more).")] = True,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Start the daemon in the background and return once it answers.")] = False,
     log_file: Annotated[Path | None, typer.Option(
         "--log-file", metavar="PATH", help="With --detach: where the daemon logs. Default: $LORAFLEET_HOME/logs/"
@@ -155,7 +160,7 @@ def serve(
                               idle_timeout=idle_timeout, max_tcp_connections=max_tcp_connections)
         engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
                           "quantize": quantize, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-                          "prefix_cache": prefix_cache, "async_decode": async_decode}
+                          "prefix_cache": prefix_cache, "async_decode": async_decode, "self_check": self_check}
         adapters = parse_adapters(adapter)
         if detach:
             argv = _rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),

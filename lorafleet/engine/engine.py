@@ -26,6 +26,7 @@ from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Sta
 from lorafleet.engine.policy import POLICIES
 from lorafleet.engine.runner import ModelRunner
 from lorafleet.engine.scheduler import Scheduler
+from lorafleet.engine.selfcheck import self_check
 from lorafleet.engine.stats import EngineStats
 from lorafleet.engine import views
 from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, RequestFailedError,
@@ -52,7 +53,9 @@ class Engine:
         self.config = cfg = EngineConfig.from_kwargs(**options)
         self.device = resolve_device(cfg.device)
         self.model_path = Path(model)
-        self.model = load_model(self.model_path, self.device, cfg.dtype, quantize=cfg.quantize)
+        self.model = load_model(self.model_path, self.device, cfg.dtype, quantize=cfg.quantize, kernels=cfg.kernels)
+        # before the pool is sized: the check holds a second copy of the weights while it runs
+        self.self_check = self_check(self.model, self.model_path, cfg) if cfg.self_check else None
         mc = self.model.cfg
         self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
         self.model.cos, self.model.sin = self.model.cos[:self.max_model_len], self.model.sin[:self.max_model_len]

@@ -59,6 +59,8 @@ def stats(engine) -> dict:
         "mixes": {**engine.counters.mixes(), "running": sum(r.mix is not None for r in engine.scheduler.running),
                   "waiting": sum(r.mix is not None for r in engine.scheduler.waiting)},
         "kernels": engine.model.kernels.name,
+        "kernels_label": engine.model.kernels.label,  # with the CPU variant: what `lorafleet verify --socket` checks
+        "self_check": engine.self_check,  # engine/selfcheck.py's finding at start, None where it did not run
         "decode_graphs": engine.runner.graphs.stats() if engine.runner.graphs else {"enabled": False},
         **engine.counters.snapshot(),
     }

@@ -83,9 +83,7 @@ def _tensor(key: str) -> str:
     if m is None:
         return f"a tensor whose name is not a LoRA weight of a supported module (expected {_EXPECTED_KEY})"
     for group in ("name", "mname", "ename"):
-        if group not in m.re.groupindex:
-            continue
-        if m.group(group) is not None:
+        if group in m.re.groupindex and m.group(group) is not None:
             key = f"{key[:m.start(group)]}<adapter name>{key[m.end(group):]}"
     return f"tensor {key!r}"
 
@@ -121,6 +119,7 @@ class LoraAdapter:
     weights: dict[tuple[int, str], LoraWeights]
     heads: dict[str, HeadWeights] = field(default_factory=dict)  # "model.embed_tokens" / "lm_head" -> (`lora/heads.py`)
     vocab_size: int = 0            # the vocabulary its requests see: its copies' rows, else the base's
+    used: frozenset[str] = frozenset()  # the file's tensor keys it serves (`lorafleet verify` names the others)
 
     @property
     def num_params(self) -> int:
@@ -390,9 +389,10 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         key = _pattern_key(rank_pattern, full, match)
         return rank_pattern[key] if key is not None else cfg["r"]
 
+    used = {key for slot in slots.values() for key, _ in slot.values()}  # every part of a targeted module serves
     heads = read_heads(head_tensors, cfg, lora_heads, base, st_path,
-                       lambda full, r: _scale(cfg, full, r, match), rank_of)
+                       lambda full, r: _scale(cfg, full, r, match), rank_of, used)
     if not weights and not heads:
         raise AdapterError(f"{st_path}: holds no LoRA tensors for the modules {CONFIG_NAME} targets")
     return LoraAdapter(path=folder, digest=digest, config=cfg, weights=weights, heads=heads,
-                       vocab_size=vocab_of(heads, base.vocab_size))
+                       vocab_size=vocab_of(heads, base.vocab_size), used=frozenset(used))

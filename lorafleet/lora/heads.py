@@ -178,16 +178,18 @@ def header_parts(header: dict) -> dict[str, tuple[int, int]]:
 
 
 def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_targets: set[str], base,
-               source, scale_of, rank_of) -> dict[str, HeadWeights]:
+               source, scale_of, rank_of, used: set[str] | None = None) -> dict[str, HeadWeights]:
     """The modules' weights from `tensors` (head key -> (its quoted form, tensor), already finite
     floating point), checked against the config: `lora_targets`, the full names target_modules
     selects; `saved_modules(cfg)`, those saved whole. `scale_of(full, r)` and `rank_of(full)` are
     the adapter's PEFT rules; `base` its `BaseShapes`. Returns kind -> HeadWeights (float32; a
-    norm's copy [layers or 1, H])."""
+    norm's copy [layers or 1, H]). `used` gains the keys of the tensors served (not the others:
+    an `original_module` copy, a second copy of the same weight)."""
     hidden, base_vocab, num_layers = base.hidden_size, base.vocab_size, base.num_layers
     saved = saved_modules(cfg, num_layers, base.qk_norm)
     found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     norms: dict[str, dict[int, torch.Tensor]] = {}
+    keys: dict[tuple, str] = {}  # (kind, what or layer) -> the key it was read from (the first one: the one served)
     for key, (quoted, t) in tensors.items():
         m = HEAD_KEY_RE.fullmatch(key)
         full = kind_of(m.group("module"))
@@ -214,13 +216,19 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             if t.dim() != 1 or t.shape[0] != hidden:
                 raise AdapterError(f"{source}: {quoted}: expected a vector of the base's hidden size ([{hidden}])")
             if what != "original":
-                norms.setdefault(full, {}).setdefault(int(m.group("nlayer") or 0), t)
+                layer = int(m.group("nlayer") or 0)
+                norms.setdefault(full, {}).setdefault(layer, t)
+                keys.setdefault((full, layer), key)
             continue
         if t.dim() != 2:
             raise AdapterError(f"{source}: {quoted} is not a 2-D matrix")
         found.setdefault(full, {})[what] = (quoted, t)
+        keys[(full, what)] = key
+    served = {(full, what) for full, got in found.items() for what in got if what in ("A", "B")}
     for full, got in found.items():  # the copy served: .weight, else the wrapper's, else the base layer's
-        copies = [got.pop(k) for k in ("copy", "wrapped", "base") if k in got]
+        copies = [k for k in ("copy", "wrapped", "base") if k in got]
+        served |= {(full, copies[0])} if copies else set()
+        copies = [got.pop(k) for k in copies]
         got.pop("original", None)
         if copies:
             got["copy"] = copies[0]
@@ -233,6 +241,7 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             raise AdapterError(f"{source}: modules_to_save names {HEAD_MODULES[kind]!r}, but the weights hold it "
                                f"for {len(layers)} of the base's {want} {'layers' if want > 1 else 'norm'}")
         heads[kind] = HeadWeights(copy=torch.stack([layers[i] for i in range(want)]).float())
+        served |= {(kind, i) for i in range(want)}
     for full in (EMBED, LM_HEAD):
         got, short = found.get(full, {}), HEAD_MODULES[full]
         if full in saved and "copy" not in got:
@@ -274,6 +283,8 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
         raise AdapterError(f"{source}: the saved {next(iter(vocabs))} has {next(iter(own))} rows, the base's "
                            f"vocabulary {base_vocab}: an adapter with its own vocabulary saves {kept} too "
                            "(modules_to_save)")
+    if used is not None:
+        used.update(keys[s] for s in served if s in keys)
     return heads
 
 
