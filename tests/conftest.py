@@ -20,26 +20,17 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from lorafleet.kernels import cpu_module  # noqa: E402
-from tests.fixtures import build_model  # noqa: E402
+from tests.fixtures import build_model, force_kernels, variant_params  # noqa: E402
 
 
-def _variants():
-    """Every CPU kernel variant this CPU can execute: its own (auto's) in the default tier, the
-    others heavy (a build each)."""
-    host = cpu_module.host_variant()
-    return [v if v == host else pytest.param(v, marks=pytest.mark.heavy) for v in cpu_module.runnable()]
-
-
-@pytest.fixture(params=_variants())
+@pytest.fixture(params=variant_params())
 def variant(request, monkeypatch):
     """A test that takes this runs on every CPU kernel variant this CPU can execute
-    (`cpu_module.VARIANTS`: AVX2, AVX-512 in Intel's and AMD's layouts, AMX), each forced as
-    LORAFLEET_KERNELS forces it: the process's variant (`cpu_module.use`) and the variable that
-    engines and daemons started meanwhile read. So an AVX-512 host checks the code an AVX2 or an
-    AMD CPU runs, whichever CPU CI lands on."""
-    monkeypatch.setattr(cpu_module, "_current", request.param)
-    monkeypatch.setenv("LORAFLEET_KERNELS", request.param)
-    return request.param
+    (`cpu_module.VARIANTS`: AVX2, AVX-512 in Intel's and AMD's layouts, AMX; this CPU's own in the
+    default tier, the others heavy: a build each), each forced as LORAFLEET_KERNELS forces it
+    (`force_kernels`). So an AVX-512 host checks the code an AVX2 or an AMD CPU runs, whichever
+    CPU CI lands on."""
+    return force_kernels(monkeypatch, request.param)
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,27 @@ def build_model(folder: Path, family: str = "llama", seed: int = 0, dtype=torch.
     return Path(folder)
 
 
+def variant_params() -> list:
+    """Every CPU kernel variant this CPU can execute: its own (auto's) plain, the others heavy."""
+    import pytest
+
+    from lorafleet.kernels import cpu_module
+
+    host = cpu_module.host_variant()
+    return [v if v == host else pytest.param(v, marks=pytest.mark.heavy) for v in cpu_module.runnable()]
+
+
+def force_kernels(monkeypatch, name: str) -> str:
+    """Serve with the kernels `name` (a CPU variant, or torch) as LORAFLEET_KERNELS forces them: the
+    process's CPU variant (`cpu_module.use`'s) and the variable engines and daemons read."""
+    from lorafleet.kernels import cpu_module
+
+    if name in cpu_module.VARIANTS:
+        monkeypatch.setattr(cpu_module, "_current", name)
+    monkeypatch.setenv("LORAFLEET_KERNELS", name)
+    return name
+
+
 def load_hf(folder: Path):
     import transformers
 
