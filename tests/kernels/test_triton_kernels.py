@@ -362,12 +362,16 @@ def test_lora_epilogue_adapters_in_a_mix_are_summed_plainly(design, dtype):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_lora_epilogue_in_bf16_is_rounded_once(design):
     # g * (out + delta) + c in fp32, rounded into out once: the reference's bits (as the kernels
-    # store them), which rounding out + delta before the epilogue does not give
+    # store them), which rounding out + delta before the epilogue does not give. The kernel's fp32
+    # sums and the reference's run in other orders (the interpreter's matmul is numpy's BLAS, whose
+    # kernel depends on the CPU: bit-equal on some hosts, not on an AMD EPYC): a value on a bf16
+    # boundary may round either way, one bf16 step apart, in a few elements; rounding twice moves many
     case = lora_case(54, 48, POST_OUTS, POST_RANKS, [1, 3, 1, 5, 2], dtype=torch.bfloat16, posts=POSTS)
     got = case.base.clone()
     lora_triton.lora(*case.args(got), config=DESIGNS[design])
     once = rounded_once(case)
-    assert torch.equal(got, once)
+    off = got != once
+    assert off.sum() <= 4 and (bf16_steps(got, once)[off] <= 1).all()
     # out + delta rounded first, then the epilogue (the reference's, on a plain copy of the tables)
     twice = case.base.clone()
     reference.lora(case.x, twice, _plain(case), case.seg, case.entry, case.slots)
@@ -381,6 +385,11 @@ def test_lora_epilogue_in_bf16_is_rounded_once(design):
                 o = twice32[start:end, col:col + n_out]
                 o.copy_(case.w[g_row:g_row + n_out].float() * o + case.w[c_row:c_row + n_out].float())
     assert (stored(twice32, torch.bfloat16) != once).sum() > 20
+
+
+def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values apart a and b are, element by element (of one sign: their bits' distance)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
 def _plain(case):
