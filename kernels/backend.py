@@ -34,8 +34,8 @@ Every op keeps the semantics of its reference in `reference.py`:
   step (every row one token that samples) in one call where a backend has it (the CPU:
   `decode_layers_cpu.decode_batch`), else None;
 - `pack(w)`: a base weight [N, K] laid out again in its own storage for `linear`, which reads
-  either layout (the CPU: `panels_cpu.pack`'s panels, fp32 on AVX2 and on AMD CPUs with
-  AVX-512), else None (weights stay [N, K]). The model packs its projections once, at load,
+  either layout (the CPU: `panels_cpu.pack`'s panels, fp32 in AMD's layout: the
+  `avx2` and `avx512-panels` variants, `cpu_module`), else None (weights stay [N, K]). The model packs its projections once, at load,
   and its LM head, the embedding's storage where they are tied;
 - `rows(w, ids, scales, dtype)`: the embedding's rows `w[ids]`, in either layout (the CPU:
   `panels_cpu.rows`, which reads them out of a tied head's panels), else `reference.rows`;

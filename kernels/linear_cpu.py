@@ -55,7 +55,7 @@ on the weight as it is) instead of at::linear's MKL: faster there, on projection
 whole prefills, equal to it within 1e-6 relative (Intel keeps at::linear). The kernel at 16-64
 rows is about even with oneDNN: `max_rows` stays.
 
-fp32 weights packed into panels (AVX2, and AVX-512 on AMD CPUs) are `panels_cpu`'s: `linear`
+fp32 weights packed into panels (AMD's layout: the `avx2` and `avx512-panels` variants) are `panels_cpu`'s: `linear`
 sends them there (`pn::linear_packed`), at every row count.
 
 Semantics: those of `F.linear` (the reference in `reference.linear`), fp32 accumulation in a
@@ -76,8 +76,8 @@ FUNCTIONS = ["linear", "max_rows"]
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
     """Rows up to which `linear` runs the kernel on x of `dtype` and w [N, K], torch's GEMM beyond
     (prefill; weights packed by `panels_cpu.pack` stay on the kernel at every row count):
-    24 where the build has AVX-512 (64 in fp32 on an AMD CPU), 64 with AVX2; bf16 12 where the
-    CPU has AMX, whose tiles torch's bf16 GEMM uses (why: the C++ `max_rows`)."""
+    24 where the build has AVX-512 (64 in fp32 in AMD's layout, `avx512-panels`), 64 with AVX2;
+    bf16 12 in the `amx` variant, whose tiles torch's bf16 GEMM uses (why: the C++ `max_rows`)."""
     return load().max_rows(dtype == torch.bfloat16)
 
 

@@ -11,7 +11,7 @@ broadcast against them and the sums are PW lanes wide: no horizontal sums, and 2
 per 2 x rows FMAs.
 
 Packed panels (`pack`, `Kernels.pack`: the model packs its projections and LM head once, at
-load, in place; fp32 only, in builds for AVX2 and, with AVX-512, on AMD CPUs (on Intel they did
+load, in place; fp32 only, in AMD's layout (the `avx2` and `avx512-panels` variants, auto's on AMD CPUs; on Intel they did
 not pay, below); an N that the panel width does not divide and bf16 stay [N, K]; a tied LM head
 is packed too, its embedding then read by rows out of the panels, `rows`: slower than
 index_select, but far less than the head's matmul gains on panels).
@@ -64,7 +64,7 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     """A base weight [N, K] laid out for `linear_cpu.linear` as panels [N / PW, K, PW] (PW: the build's
     `panel_width`), in its own storage: the values move, no memory is added, and the tensor given
     must not be read as [N, K] again. Returned as is where it stays [N, K]: not float32, N not a
-    multiple of PW, or a build without panels (AVX-512 on an Intel CPU: they did not pay there)."""
+    multiple of PW, or a variant without panels (`avx512`, `amx`: on Intel CPUs they did not pay)."""
     pw = load().panel_width()
     if not pw or w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] % pw or not w.is_contiguous():
         return w

@@ -80,8 +80,8 @@ class LlamaModel(torch.nn.Module):
     embed [V, H]; per layer: in_norm [H], qkv [Q+2K, H] (+qkv_b), q_norm/k_norm [D] (Qwen3),
     o [H, Q] (+o_b), post_norm [H], gate_up [2I, H] (+gate_up_b), down [H, I] (+down_b);
     norm [H]; lm_head [V, H] (the embedding itself when tied). Where the kernels lay weights
-    out for their `linear` (`Kernels.pack`: the CPU's panels in fp32 on AVX2 and on AMD CPUs
-    with AVX-512), the projections and the LM head are packed here, once, in their own storage:
+    out for their `linear` (`Kernels.pack`: the CPU's panels in fp32 in AMD's layout, the `avx2`
+    and `avx512-panels` variants), the projections and the LM head are packed here, once, in their own storage:
     read them through `Kernels.linear` only, and a tied embedding (the LM head's storage, so
     packed with it) through `Kernels.rows`.
 
