@@ -7,6 +7,8 @@ the name of the field, so a model never runs with silently different maths.
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Decoder layers: several times the deepest published model's; a config naming more is refused
+# before anything is built per layer (tensor names, shapes).
+MAX_LAYERS = 1 << 10
+# Positions served at most (the rope cache holds one row each, built at load): the longest contexts
+# published; a model declaring more is served this many, a longer --max-model-len is cut to it.
+MAX_CONTEXT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -62,9 +70,10 @@ class ModelConfig:
     @property
     def max_model_len(self) -> int:
         """Longest sequence served: the position limit, or the sliding window when one is active
-        (we serve full attention only, which equals sliding attention up to the window)."""
+        (we serve full attention only, which equals sliding attention up to the window), at most
+        MAX_CONTEXT."""
         window = _active_sliding_window(self.raw)
-        return min(self.max_position_embeddings, window) if window else self.max_position_embeddings
+        return min(self.max_position_embeddings, window or MAX_CONTEXT, MAX_CONTEXT)
 
     def linear_features(self) -> dict[str, tuple[int, int]]:
         """Projection name -> (in_features, out_features), the shapes adapters are checked against."""
@@ -90,23 +99,27 @@ class ModelConfig:
         if act != "silu":
             raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
         try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            hidden, heads = _count(cfg["hidden_size"], "hidden_size", source), \
+                _count(cfg["num_attention_heads"], "num_attention_heads", source)
             conf = dict(
                 family=family,
-                vocab_size=int(cfg["vocab_size"]),
+                vocab_size=_count(cfg["vocab_size"], "vocab_size", source),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=_count(cfg["intermediate_size"], "intermediate_size", source),
+                num_layers=_count(cfg["num_hidden_layers"], "num_hidden_layers", source, MAX_LAYERS),
                 num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                num_kv_heads=_count(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", source),
+                head_dim=_count(cfg.get("head_dim") or hidden // heads, "head_dim", source),
+                rms_norm_eps=_positive(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+                max_position_embeddings=_count(cfg.get("max_position_embeddings", 4096), "max_position_embeddings",
+                                               source),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelLoadError(f"{source}: missing or invalid field {e}") from None
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: missing field {e}") from None
+        if cfg.get("sliding_window"):  # `max_model_len` reads it
+            _count(cfg["sliding_window"], "sliding_window", source)
         rope_theta, rope_scaling = _parse_rope(cfg, source)
         attention_bias = bool(cfg.get("attention_bias", False))
         if family == "qwen2":
@@ -131,6 +144,8 @@ class ModelConfig:
             cfg = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ModelLoadError(f"{path}: not a config.json (nested too deeply to read)") from None
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{path}: expected a JSON object")
         return cls.from_dict(cfg, source=str(path))
@@ -141,7 +156,9 @@ def _parse_rope(cfg: dict, source: str) -> tuple[float, dict | None]:
     transformers 5 (`rope_parameters` holding both)."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or None
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if not isinstance(params, dict) or not isinstance(scaling, (dict, type(None))):
+        raise ModelLoadError(f"{source}: rope_parameters and rope_scaling must be JSON objects")
+    theta = _positive(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta", source)
     if scaling is None and params:
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     if scaling:
@@ -152,8 +169,38 @@ def _parse_rope(cfg: dict, source: str) -> tuple[float, dict | None]:
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         if rope_type == "default":
             return theta, None
+        numbers = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        checked = {k: _positive(scaling.get(k), f"rope_scaling.{k}", source)
+                   for k in numbers[:1 if rope_type == "linear" else None]}
+        if rope_type == "llama3" and checked["high_freq_factor"] <= checked["low_freq_factor"]:
+            raise ModelLoadError(f"{source}: rope_scaling.high_freq_factor must be above low_freq_factor (the "
+                                 "blend divides by their difference)")
         return theta, {**scaling, "rope_type": rope_type}
     return theta, None
+
+
+def _count(value, key: str, source: str, bound: int | None = None) -> int:
+    """`value` of field `key` as an integer from 1 to `bound`, else a ModelLoadError naming it."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        number = 0
+    if isinstance(value, bool) or number < 1 or (bound is not None and number > bound):
+        within = f"from 1 to {bound}" if bound else "a positive integer"
+        raise ModelLoadError(f"{source}: {key} is {reprlib.repr(value)}; it must be {within}")
+    return number
+
+
+def _positive(value, name: str, source: str) -> float:
+    """`value` as a finite number > 0 (a norm's epsilon, a rope's base or factor), else a
+    ModelLoadError naming it: NaN or 0 there gives NaN logits on every request."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not (math.isfinite(number) and number > 0):
+        raise ModelLoadError(f"{source}: {name} is {reprlib.repr(value)}; it must be a finite number > 0")
+    return number
 
 
 def _active_sliding_window(cfg: dict) -> int | None:

@@ -26,12 +26,15 @@ What a GGUF file gives, and what becomes of it:
   looks up); in a float model it is dequantized at load, exactly. Norms and biases must be float.
   Every other type (K-quants, IQ, Q5_0...) is refused, naming it.
 - **The tokenizer** (`tokenizer.ggml.*`): `gguf_tokenizer.tokenizer_parts`.
+- **The header** is walked first with every count and length bounded (`gguf_header`): the reader
+  believes them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -41,7 +44,7 @@ import numpy as np
 import torch
 
 from lorafleet.errors import ModelLoadError, UnsupportedModelError
-from lorafleet.model import quant
+from lorafleet.model import gguf_header, quant
 from lorafleet.model.config import ModelConfig
 
 T = gguf.GGMLQuantizationType
@@ -99,6 +102,7 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        gguf_header.check(self.path)  # the reader believes every count the file declares: each is bounded first
         try:
             self.reader = gguf.GGUFReader(self.path)
         except (ValueError, OSError, KeyError, IndexError) as e:  # an unknown type is a ValueError
@@ -133,12 +137,22 @@ class GGUFFile:
         return value
 
     def _hp(self, key: str, default=None, kind=int):
+        """A hyperparameter: a positive integer (`kind` int: every size and count) or a finite number
+        > 0 (float: the norm's epsilon, the rope's base); anything else is refused, named."""
         value = self.field(f"{self.arch}.{key}", default)
         if value is None:
             raise ModelLoadError(f"{self.path}: GGUF metadata {self.arch}.{key} missing")
         if isinstance(value, list):
             raise UnsupportedModelError(f"{self.path}: {self.arch}.{key} varies by layer; lorafleet serves one value")
-        return float(str(np.float32(value))) if kind is float else kind(value)  # 1e-06, not 9.99999997e-07
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind is float and number:
+            value = float(str(np.float32(value)))  # 1e-06, not 9.99999997e-07
+        if not (number and (isinstance(value, int) and value >= 1 if kind is int else
+                            math.isfinite(value) and value > 0)):
+            want = "a positive integer" if kind is int else "a finite number > 0"
+            raise ModelLoadError(f"{self.path}: GGUF metadata {self.arch}.{key} is {reprlib.repr(value)}; it must "
+                                 f"be {want}")
+        return value
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -151,7 +165,12 @@ class GGUFFile:
     def config(self) -> dict:
         """The model's Hugging Face config.json, as `ModelConfig.from_dict` reads it."""
         hidden, heads = self._hp("embedding_length"), self._hp("attention.head_count")
-        head_dim = self._hp("attention.key_length", hidden // heads)
+        head_dim = self._hp("attention.key_length", max(1, hidden // heads))
+        layers, held = self._hp("block_count"), len({t.gguf_name.split(".")[1] for t in self.tensors.values()
+                                                      if t.gguf_name.startswith("blk.")})
+        if layers > held:  # before any layer's tensor names are built from it
+            raise ModelLoadError(f"{self.path}: GGUF metadata {self.arch}.block_count is {layers}; the file holds the "
+                                 f"tensors of {held} layers")
         if self._hp("attention.value_length", head_dim) != head_dim:
             raise UnsupportedModelError(f"{self.path}: key and value head sizes differ; lorafleet serves equal ones")
         if self._hp("rope.dimension_count", head_dim) != head_dim:
@@ -163,7 +182,7 @@ class GGUFFile:
         cfg = {
             "architectures": [ARCHITECTURES[self.arch]], "model_type": self.arch, "hidden_act": "silu",
             "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": self._hp("feed_forward_length"),
-            "num_hidden_layers": self._hp("block_count"), "num_attention_heads": heads,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": self._hp("attention.head_count_kv", heads), "head_dim": head_dim,
             "rms_norm_eps": self._hp("attention.layer_norm_rms_epsilon", kind=float), "rope_theta": theta,
             "rope_scaling": self._rope_scaling(theta, head_dim),

@@ -9,11 +9,13 @@ are refused, named. The file itself is `gguf.GGUFFile`'s."""
 
 from __future__ import annotations
 
+import reprlib
 from typing import TYPE_CHECKING
 
 import gguf
 
-from lorafleet.errors import UnsupportedModelError
+from lorafleet.errors import ModelLoadError, UnsupportedModelError
+from lorafleet.model.gguf_header import MAX_MERGES
 
 if TYPE_CHECKING:
     from lorafleet.model.gguf import GGUFFile
@@ -45,7 +47,7 @@ def tokenizer_parts(f: GGUFFile):
     None when it has none. The config names bos/eos/unk/pad, add_bos_token/add_eos_token and the
     chat template, as a Hub model's tokenizer_config.json does."""
     import tokenizers
-    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
     kind = f.field("tokenizer.ggml.model")
     if kind is None:
@@ -53,12 +55,16 @@ def tokenizer_parts(f: GGUFFile):
     if kind not in TOKENIZER_MODELS:
         raise UnsupportedModelError(f"{f.path}: GGUF tokenizer model {kind!r} is not supported; lorafleet reads "
                                     f"{', '.join(TOKENIZER_MODELS)}")
-    tokens: list[str] = f.field("tokenizer.ggml.tokens") or []
-    types: list[int] = f.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens: list[str] = _array(f, "tokens", str) or []
+    types: list[int] = _array(f, "token_type", int, len(tokens)) or [1] * len(tokens)
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)
     ids = {k: f.field(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
+    for k, i in ids.items():
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int)):
+            raise ModelLoadError(f"{f.path}: GGUF metadata tokenizer.ggml.{k}_token_id is {reprlib.repr(i)}, "
+                                 "not a token id")
     name = {k: tokens[i] if i is not None and 0 <= i < len(tokens) else None for k, i in ids.items()}
     if kind == "gpt2":
         pre = f.field("tokenizer.ggml.pre", _UNNAMED)
@@ -71,8 +77,8 @@ def tokenizer_parts(f: GGUFFile):
             raise UnsupportedModelError(f"{f.path}: GGUF pre-tokenizer {pre!r} is not supported; "
                                         f"lorafleet reads {known}")
         spec = PRE_TOKENIZERS[pre]
-        merges = [tuple(m.split(" ", 1)) for m in f.field("tokenizer.ggml.merges") or []]
-        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=spec.get("ignore_merges", False)))
+        merges = _merges(f, vocab)
+        backend = _bpe(f, vocab, merges, ignore_merges=spec.get("ignore_merges", False))
         if "split" in spec:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(tokenizers.Regex(spec["split"]), "isolated"),
@@ -88,10 +94,9 @@ def tokenizer_parts(f: GGUFFile):
         add_bos = f.field("tokenizer.ggml.add_bos_token", spec.get("add_bos", False))
         add_eos = f.field("tokenizer.ggml.add_eos_token", False)
     else:
-        scores = f.field("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        merges = _merges_by_score(tokens, scores, vocab)
-        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=name["unknown"], fuse_unk=True,
-                                                  byte_fallback=True))
+        scores = _array(f, "scores", float, len(tokens)) or [0.0] * len(tokens)
+        merges = _merges_by_score(tokens, scores, vocab, str(f.path))
+        backend = _bpe(f, vocab, merges, unk_token=name["unknown"], fuse_unk=True, byte_fallback=True)
         if f.field("tokenizer.ggml.add_space_prefix", True):  # before each piece of text, as llama.cpp does
             backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
                                                        normalizers.Replace(" ", "\u2581")])
@@ -123,10 +128,55 @@ def tokenizer_parts(f: GGUFFile):
     return backend, cfg
 
 
-def _merges_by_score(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+def _array(f: GGUFFile, key: str, kind: type, count: int | None = None) -> list | None:
+    """tokenizer.ggml.`key`: a list of `kind` (float: any number), `count` long where given (one
+    item per token), None where absent; else refused, naming it. Its length is bounded by
+    `gguf_header` before the file is read."""
+    value = f.field(f"tokenizer.ggml.{key}")
+    if value is None:
+        return None
+    kinds = (int, float) if kind is float else kind
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, kinds) for v in value):
+        raise ModelLoadError(f"{f.path}: GGUF metadata tokenizer.ggml.{key} must be an array of "
+                             f"{'numbers' if kind is float else kind.__name__}")
+    if count is not None and len(value) != count:
+        raise ModelLoadError(f"{f.path}: GGUF metadata tokenizer.ggml.{key} has {len(value)} items for "
+                             f"{count} tokens")
+    return value
+
+
+def _merges(f: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """tokenizer.ggml.merges as pairs, each two tokens of the vocabulary whose join is one too,
+    else refused, naming the first that is not."""
+    merges = []
+    for i, m in enumerate(_array(f, "merges", str) or []):
+        left, sep, right = m.partition(" ")
+        problem = ("is not two pieces separated by a space" if not (sep and left and right) else
+                   "names a piece that is not a token" if left not in vocab or right not in vocab else
+                   "joins two tokens into one that is not a token" if left + right not in vocab else None)
+        if problem:
+            raise ModelLoadError(f"{f.path}: GGUF metadata tokenizer.ggml.merges[{i}] {reprlib.repr(m)} "
+                                 f"{problem}")
+        merges.append((left, right))
+    return merges
+
+
+def _bpe(f: GGUFFile, vocab: dict[str, int], merges: list[tuple[str, str]], **options):
+    import tokenizers
+    from tokenizers import models
+
+    try:
+        return tokenizers.Tokenizer(models.BPE(vocab, merges, **options))
+    except Exception as e:  # the tokenizers library raises plain Exceptions; what it refuses, it names
+        raise ModelLoadError(f"{f.path}: GGUF tokenizer not readable as BPE ({e})") from None
+
+
+def _merges_by_score(tokens: list[str], scores: list[float], vocab: dict[str, int],
+                     source: str = "") -> list[tuple[str, str]]:
     """A SentencePiece vocabulary's BPE merges: every split of a piece into two pieces of the
     vocabulary, ranked by the merged piece's score (higher first: SentencePiece merges the pair
-    whose result scores highest), ties by the pieces' lengths and ids."""
+    whose result scores highest), ties by the pieces' lengths and ids. At most MAX_MERGES, as a
+    byte-level BPE's list is bounded (`gguf_header`), else refused."""
     found = []
     for i, tok in enumerate(tokens):
         if vocab.get(tok) != i:
@@ -135,5 +185,8 @@ def _merges_by_score(tokens: list[str], scores: list[float], vocab: dict[str, in
             left, right = tok[:cut], tok[cut:]
             if left in vocab and right in vocab:
                 found.append((-scores[i], -len(left), -len(right), vocab[left], vocab[right], left, right))
+        if len(found) > MAX_MERGES:
+            raise ModelLoadError(f"{source}: the GGUF tokenizer.ggml.tokens split into over {MAX_MERGES} merges "
+                                 f"(at token {i}), more than a tokenizer holds")
     found.sort()
     return [(m[5], m[6]) for m in found]
