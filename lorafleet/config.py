@@ -16,6 +16,8 @@ from lorafleet.errors import ConfigError
 DEFAULT_CPU_POOL_BYTES = 1 << 30
 # `kernels.backend.CHOICES`, spelt here so that the config stays free of torch (a test keeps them equal)
 KERNELS = ("auto", "triton", "cpu", "avx2", "avx512", "avx512-panels", "amx", "torch")
+# `model.loader.DTYPES`' names (and "auto"), spelt here for the same reason (a test keeps them equal)
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len!r}")
         if not isinstance(self.prefix_cache, bool):
             raise ConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPES:  # a torch.dtype passes as it is
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES[1:])}, got {self.dtype!r}")
         if self.quantize not in (None, "int8", "int4"):
             raise ConfigError(f"quantize must be int8 or int4, got {self.quantize!r}")
         if self.eviction not in ("cost", "lru"):
@@ -127,6 +131,7 @@ class ServerConfig:
             raise ConfigError(f"max_tcp_connections must be a positive integer, got {self.max_tcp_connections!r}")
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file's size: settings take a few lines, so more is not one (read whole)
 CONFIG_TABLES = ("serve",)  # what $LORAFLEET_HOME/config.toml may hold: one table per verb it sets defaults of
 
 
@@ -136,13 +141,18 @@ def read_config_file(path: Path) -> dict[str, dict]:
     table must not be ignored in silence."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: over {MAX_CONFIG_BYTES} bytes; a config file holds a table of settings")
+        data = tomllib.loads(text.decode("utf-8"))
     except FileNotFoundError:
         return {}
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(f"{path}: its values nest too deeply to read (arrays or inline tables)") from None
     for key, value in data.items():
         if key not in CONFIG_TABLES or not isinstance(value, dict):
             raise ConfigError(f"{path}: unknown {'table' if isinstance(value, dict) else 'key'} {key!r} "

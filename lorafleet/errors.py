@@ -6,6 +6,26 @@ Invariants raise (asserts, our bugs); boundaries answer (these classes, the user
 
 from __future__ import annotations
 
+import reprlib
+
+SHOWN_CHARS = 64  # of a client's value quoted in a message (`shown`)
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = SHOWN_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+_REPR.maxlevel = 3
+
+
+def shown(value: object) -> str:
+    """A client's value as a message quotes it: its repr, but of a long string only the first
+    SHOWN_CHARS characters, then "…" and its length (an error must not echo a 200,000-character
+    name back whole); other values bounded the same way (`reprlib`, then cut)."""
+    if isinstance(value, str):
+        if len(value) <= SHOWN_CHARS:
+            return repr(value)
+        return f"{value[:SHOWN_CHARS]!r}… ({len(value)} characters)"
+    text = _REPR.repr(value)
+    return text if len(text) <= 2 * SHOWN_CHARS else text[:2 * SHOWN_CHARS] + "…"
+
 
 class LorafleetError(Exception):
     """Base of every error lorafleet raises on purpose."""

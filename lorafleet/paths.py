@@ -51,8 +51,13 @@ def socket_path(override: str | os.PathLike | None = None) -> Path:
     return home() / "run" / SOCKET_NAME
 
 
+# what a daemon writes in its pid file once it holds the file's lock: anything else is not one
+PID_FILE = re.compile(rb"[1-9][0-9]*\n")
+
+
 def pidfile_path(socket: Path) -> Path:
-    """The daemon's lock and pid file, beside its socket."""
+    """The daemon's lock and pid file, beside its socket (`server.daemon.PidLock` holds it;
+    `cli.ours` proves a pid is the daemon's with it)."""
     return socket.with_name(socket.name + ".pid")
 
 

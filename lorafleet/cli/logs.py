@@ -10,7 +10,9 @@ start, one cut shorter (truncation) is read again from its new end's start.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -53,6 +55,8 @@ def logs(
             follow_file(path, f, lambda data: write(out, data), threading.Event())
         except KeyboardInterrupt:  # Ctrl-C is how -f ends
             pass
+        except OSError as e:  # the path became a folder, or a file we may not read
+            raise fail(f"stopped following {path}: {e.strerror or e}") from None
 
 
 def find_log(sock: Path) -> Path:
@@ -99,7 +103,8 @@ def follow_file(path: Path, f: BinaryIO, emit: Callable[[bytes], None], stop: th
     """Emit what is appended to `path` from `f`'s position on, until `stop` is set. When the file
     at `path` is another one (rotated: renamed away, a new one created) the rest of the old one is
     read, then the new one from its start; when it is shorter than what was read (truncated), it
-    is read again from its start."""
+    is read again from its start. When `path` becomes something that is no log (a folder, a
+    pipe) or a file it cannot open, raise OSError saying so."""
     try:
         while not stop.is_set():
             data = f.read()
@@ -114,8 +119,17 @@ def follow_file(path: Path, f: BinaryIO, emit: Callable[[bytes], None], stop: th
                 mine = os.fstat(f.fileno())
                 if (st.st_ino, st.st_dev) != (mine.st_ino, mine.st_dev):
                     emit(f.read())  # what the old file got after the last read
+                    if not stat.S_ISREG(st.st_mode):  # opening a pipe would block; a folder fails
+                        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+                        raise OSError(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL,
+                                      f"it is {kind} now")
+                    try:
+                        new = open(path, "rb")
+                    except FileNotFoundError:  # renamed away again meanwhile: wait for the next one
+                        stop.wait(interval)
+                        continue
                     f.close()
-                    f = open(path, "rb")
+                    f = new
                     continue
                 if st.st_size < f.tell():
                     f.seek(0)

@@ -20,9 +20,10 @@ def ps(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption
         where = c.where
     try:
         view = snapshot(stats)
-    except (KeyError, TypeError, ValueError, AttributeError):  # stats of something else than lorafleet
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # stats of something else than lorafleet
+        why = f"no {e.args[0]!r} in it" if isinstance(e, KeyError) else str(e)
         raise fail(f"what answers at {where} is not a lorafleet daemon (its /v1/stats lacks what a daemon "
-                   "reports)", 3) from None
+                   f"reports: {why[:120]})", 3) from None
     if as_json:
         return print_json(view)
     _print(view)
@@ -30,24 +31,56 @@ def ps(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption
 
 def snapshot(stats: dict) -> dict:
     """{"model": the base and the pool, "adapters": rows (device, host, then disk; by name),
-    "other_adapters": how many more the daemon knows, idle on disk}."""
-    srv, eng = stats["server"], stats["engine"]
-    pool, lora = eng["pool"], eng.get("lora") or {}
-    running, waiting = lora.get("running") or {}, lora.get("waiting") or {}
+    "other_adapters": how many more the daemon knows, idle on disk}. Every value is checked to be
+    of the kind a daemon reports (ValueError, TypeError or KeyError otherwise), so that what is
+    printed or summed later cannot fail on a foreign answer of another shape."""
+    srv, eng = _object(stats["server"]), _object(stats["engine"])
+    pool, lora = _object(eng["pool"]), _object(eng.get("lora") or {})
+    running, waiting = _counts(lora.get("running") or {}), _counts(lora.get("waiting") or {})
+    page_bytes = _count(pool["page_bytes"])
     rows = []
-    for name, a in eng["adapter_details"].items():
-        run, wait = running.get(name, 0), waiting.get(name, 0)
-        if a["tier"] not in ("device", "host") and not (run or wait):
+    for name, a in _object(eng["adapter_details"]).items():
+        a = _object(a)
+        run, wait, tier = running.get(name, 0), waiting.get(name, 0), _text(a["tier"])
+        if tier not in ("device", "host") and not (run or wait):
             continue
-        rows.append({"name": name, "tier": a["tier"], "rank": max(a["ranks"].values(), default=None),
-                     "ranks": a["ranks"], "pages": a["pages"], "bytes": a["pages"] * pool["page_bytes"],
-                     "running": run, "waiting": wait, "in_use": bool(a["users"] or run),
-                     "idle_s": a.get("idle_s"), "error": a.get("error")})
+        ranks, pages = _counts(a["ranks"]), _count(a["pages"])
+        idle_s, error = a.get("idle_s"), a.get("error")
+        if idle_s is not None and (isinstance(idle_s, bool) or not isinstance(idle_s, (int, float))
+                                   or not idle_s >= 0):
+            raise ValueError(f"idle_s {repr(idle_s)[:60]}")
+        rows.append({"name": name, "tier": tier, "rank": max(ranks.values(), default=None),
+                     "ranks": ranks, "pages": pages, "bytes": pages * page_bytes,
+                     "running": run, "waiting": wait, "in_use": bool(_count(a["users"]) or run),
+                     "idle_s": idle_s, "error": None if error is None else _text(error)})
     rows.sort(key=lambda r: (TIERS.index(r["tier"]) if r["tier"] in TIERS else len(TIERS), r["name"]))
-    model = {"name": srv["model"], "path": srv["model_path"], "device": eng["device"], "pid": srv["pid"],
-             "pool": {k: pool[k] for k in ("total_pages", "page_bytes", "kv_pages", "cached_pages",
-                                           "adapter_pages", "free_pages")}}
-    return {"model": model, "adapters": rows, "other_adapters": eng["num_adapters"] - len(rows)}
+    model = {"name": _text(srv["model"]), "path": _text(srv["model_path"]), "device": _text(eng["device"]),
+             "pid": _count(srv["pid"]),
+             "pool": {k: _count(pool[k]) for k in ("total_pages", "page_bytes", "kv_pages", "cached_pages",
+                                                   "adapter_pages", "free_pages")}}
+    return {"model": model, "adapters": rows, "other_adapters": _count(eng["num_adapters"]) - len(rows)}
+
+
+def _object(value) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"{type(value).__name__} where an object belongs")
+    return value
+
+
+def _count(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(f"{repr(value)[:60]} where a count belongs")
+    return value
+
+
+def _counts(value) -> dict[str, int]:
+    return {name: _count(n) for name, n in _object(value).items()}
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{type(value).__name__} where a string belongs")
+    return value
 
 
 def last_used(row: dict) -> str:

@@ -143,8 +143,6 @@ def serve(
     Defaults come from the [serve] table of $LORAFLEET_HOME/config.toml; flags win.
     SIGTERM or Ctrl-C drains in-flight requests (up to --drain-timeout seconds), then exits 0.
     """
-    from lorafleet.config import ServerConfig
-
     with user_errors():
         sock = paths.socket_path(socket)
         if print_config:
@@ -153,15 +151,8 @@ def serve(
             return show(ctx, sock, log_file or paths.log_file(sock))
         model, stored_name = model_folder(model)
         served_model_name = served_model_name or stored_name
-        config = ServerConfig(socket=str(sock), host=host, port=port, api_key=api_key,
-                              served_model_name=served_model_name, max_pending=max_pending,
-                              max_body_bytes=parse_size(max_body_bytes, "--max-body-bytes"),
-                              drain_timeout=drain_timeout, access_log=access_log, header_timeout=header_timeout,
-                              idle_timeout=idle_timeout, max_tcp_connections=max_tcp_connections)
-        engine_options = {"device": device, "pool_bytes": parse_size(pool_bytes), "dtype": dtype,
-                          "quantize": quantize, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-                          "prefix_cache": prefix_cache, "async_decode": async_decode, "self_check": self_check}
-        adapters = parse_adapters(adapter)
+        config, engine_options, adapters = checked_settings({**ctx.params, "served_model_name": served_model_name},
+                                                            sock)
         if detach:
             argv = _rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),
                                  served_model_name=served_model_name)
@@ -174,6 +165,27 @@ def serve(
             _run(model, config, engine_options, adapters, resolve)
         except KeyboardInterrupt:  # before the daemon took over the signals: nothing to drain
             raise fail("interrupted before the daemon started") from None
+
+
+def checked_settings(params: dict, sock: Path) -> tuple:
+    """(ServerConfig, the engine's options, the start-up adapters) from `serve`'s parsed parameters
+    (`params`, by name), checked as the daemon checks them (sizes, ranges, choices; nothing here
+    imports torch), so that a bad value fails the command at once. `service install` checks its
+    arguments with this too. A usage error (typer.BadParameter) or a ConfigError names the problem."""
+    from lorafleet.config import EngineConfig, ServerConfig
+
+    config = ServerConfig(socket=str(paths.check_socket_path(sock)), host=params["host"], port=params["port"],
+                          api_key=params["api_key"], served_model_name=params["served_model_name"],
+                          max_pending=params["max_pending"],
+                          max_body_bytes=parse_size(params["max_body_bytes"], "--max-body-bytes"),
+                          drain_timeout=params["drain_timeout"], access_log=params["access_log"],
+                          header_timeout=params["header_timeout"], idle_timeout=params["idle_timeout"],
+                          max_tcp_connections=params["max_tcp_connections"])
+    engine_options = {name: params[name] for name in ("device", "dtype", "quantize", "max_num_seqs", "max_model_len",
+                                                      "prefix_cache", "async_decode", "self_check")}
+    engine_options["pool_bytes"] = parse_size(params["pool_bytes"])
+    EngineConfig(**{k: v for k, v in engine_options.items() if v is not None})  # raises what the engine would
+    return config, engine_options, parse_adapters(params["adapter"])
 
 
 def model_folder(model: Path | None) -> tuple[Path | None, str | None]:

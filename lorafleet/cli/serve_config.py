@@ -113,10 +113,30 @@ def file_defaults(command, path: Path) -> dict:
         try:
             value = _typed(param, hints[param.name], value)
             param.process_value(ctx, value)  # ranges (--max-num-seqs >= 1, ...) as on the command line
-        except (TypeError, typer.BadParameter) as e:
+            _check_alone(param.name, value, key)
+        except (TypeError, typer.BadParameter, ConfigError) as e:
             raise fail(f"{path}: [serve] {key}: {getattr(e, 'message', None) or e}", 2) from None
         out[param.name] = value
     return out
+
+
+def _check_alone(name: str, value, key: str) -> None:
+    """The checks `serve` makes of this one value once the command is parsed (sizes, adapters, the
+    engine's and the server's settings), made here so that their error names the file and the key.
+    What holds between values (--host with --port) is checked with the command line's."""
+    from lorafleet.cli.serve import parse_adapters, parse_size
+    from lorafleet.config import EngineConfig, ServerConfig
+
+    if name in ("pool_bytes", "max_body_bytes"):
+        value = parse_size(value, key)
+    if name == "adapter":
+        parse_adapters(value)
+    elif name in EngineConfig.__dataclass_fields__:
+        EngineConfig(**{name: value})
+    elif name == "port":
+        ServerConfig(socket="-", host="localhost", port=value, api_key="-")
+    elif name in ServerConfig.__dataclass_fields__ and name not in ("socket", "host", "api_key"):
+        ServerConfig(socket="-", **{name: value})
 
 
 def _typed(param, hint, value):

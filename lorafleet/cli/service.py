@@ -25,6 +25,7 @@ import typer
 
 from lorafleet import paths
 from lorafleet.cli.common import JsonOption, err_console, fail, print_json
+from lorafleet.errors import LorafleetError
 
 UNIT = "lorafleet.service"
 # the variables the service inherits from the shell that installs it; not the API key (a
@@ -47,11 +48,15 @@ def _checked(text: str, what: str) -> str:
     return text
 
 
-def quote(arg: str) -> str:
-    """One argument as systemd's ExecStart reads it back: specifiers (%) and variables ($)
-    escaped, quoted where it holds anything but plain characters."""
+def quote(arg: str, variables: bool = True) -> str:
+    """One word as systemd reads it back: specifiers (%) escaped, and with `variables` (ExecStart=,
+    which expands $VAR) variables ($) too; quoted where it holds anything but plain characters.
+    An Environment= assignment takes `variables=False`: systemd expands no variable there, so
+    `$` is itself and `$$` would stay two of them (systemd.exec(5), Environment=)."""
     _checked(arg, "the argument")
-    escaped = arg.replace("%", "%%").replace("$", "$$")
+    escaped = arg.replace("%", "%%")
+    if variables:
+        escaped = escaped.replace("$", "$$")
     if _BARE.match(arg):
         return escaped
     return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -60,7 +65,7 @@ def quote(arg: str) -> str:
 def unit_text(serve_args: list[str], env: dict[str, str], log_file: Path, cwd: Path, stop_timeout_s: float,
               python: str = sys.executable) -> str:
     exec_start = " ".join(quote(a) for a in [python, "-m", "lorafleet.cli.main", "serve", *serve_args])
-    environment = "".join(f"Environment={quote(f'{k}={v}')}\n" for k, v in sorted(env.items()))
+    environment = "".join(f"Environment={quote(f'{k}={v}', variables=False)}\n" for k, v in sorted(env.items()))
     for what, path in (("the log file", log_file), ("the working directory", cwd)):
         _checked(str(path), what)
     return f"""# written by `lorafleet service install`; `lorafleet service uninstall` removes it
@@ -85,17 +90,32 @@ WantedBy=default.target
 
 
 def _serve_context(serve_args: list[str]):
-    """`serve`'s parsed parameters for these arguments (with config.toml's defaults), or a usage
-    error naming the problem."""
+    """`serve`'s parsed parameters for these arguments, as the service will see them (with
+    config.toml's defaults, and without the variables it does not inherit), checked as `serve`
+    checks them before it starts (`serve.checked_settings`), or a usage error naming the problem."""
     from lorafleet.cli.main import app as root
+    from lorafleet.cli.serve import checked_settings
 
     command = typer.main.get_command(root).commands["serve"]
+    hidden = {k: os.environ.pop(k) for k in NOT_INHERITED if k in os.environ}
     try:
-        return command.make_context("serve", list(serve_args))
+        ctx = command.make_context("serve", list(serve_args))
+        checked_settings(ctx.params, paths.socket_path(ctx.params["socket"]))
+        return ctx
+    except LorafleetError as e:
+        raise fail(f"`serve {shlex.join(serve_args)}`: {e}", 2) from None
     except Exception as e:  # click's usage errors (Typer's copy of them) carry format_message
         if not hasattr(e, "format_message"):
             raise
         raise fail(f"`serve {shlex.join(serve_args)}`: {e.format_message()}", 2) from None
+    finally:
+        os.environ.update(hidden)
+
+
+def _why(e: OSError) -> str:
+    """An OSError in words, naming the path at fault when it is another than the one tried."""
+    where = f" ({e.filename})" if e.filename else ""
+    return f"{e.strerror or e}{where}"
 
 
 def _systemctl() -> str | None:
@@ -139,10 +159,17 @@ def install(
     text = unit_text(serve_args, env, log_file, Path.cwd(), ctx.params["drain_timeout"])
 
     unit = unit_path()
-    old = unit.read_text() if unit.is_file() else None
-    unit.parent.mkdir(parents=True, exist_ok=True)
-    log_file.parent.mkdir(parents=True, exist_ok=True)  # systemd creates the file, not its folders
-    unit.write_text(text)
+    try:
+        old = unit.read_text() if unit.is_file() else None
+        unit.parent.mkdir(parents=True, exist_ok=True)
+        unit.write_text(text)
+    except OSError as e:  # XDG_CONFIG_HOME a file, a folder we may not write, ...
+        raise fail(f"cannot write the unit {unit}: {_why(e)}; check XDG_CONFIG_HOME "
+                   f"({os.environ.get('XDG_CONFIG_HOME') or 'unset: ~/.config'})") from None
+    try:
+        log_file.parent.mkdir(parents=True, exist_ok=True)  # systemd creates the file, not its folders
+    except OSError as e:
+        raise fail(f"cannot create the log's folder {log_file.parent}: {_why(e)}") from None
     err_console.print(f"{'replaced' if old is not None else 'wrote'} {unit}", highlight=False, soft_wrap=True)
     systemctl = _systemctl()
     steps = [("daemon-reload",), ("enable", "--now", UNIT)]

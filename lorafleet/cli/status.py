@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from typing import Annotated
 
@@ -66,35 +64,25 @@ def stop(
         "--timeout", min=0, help="Seconds to wait for the daemon to drain and exit.")] = 60.0,
 ) -> None:
     """Stop the daemon: in-flight requests finish first (SIGTERM), then it exits. Socket only
-    (no --url): it signals the daemon's pid, so the daemon must run on this machine."""
+    (no --url): it signals the daemon's pid, so the daemon must run on this machine. Only a
+    process proven to be the socket's daemon is signalled (`cli/ours.py`)."""
+    from lorafleet.cli.ours import proven_daemon
     from lorafleet.errors import DaemonStartingError
 
     with user_errors(), client(socket) as c:
         try:
-            pid, starting = c.stats()["server"]["pid"], False
-        except DaemonStartingError as e:  # it has no socket yet: its pid file names it
-            pid, starting = e.pid, True
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            raise fail(f"the daemon on {c.socket} reports pid {pid}, which is not running here") from None
-        except PermissionError:
-            raise fail(f"not allowed to signal the daemon (pid {pid})") from None
-        # gone once its socket is removed (the daemon's last step) or the process has ended
-        deadline = time.monotonic() + timeout
-        while _alive(pid) and (starting or c.socket.exists()):
-            if time.monotonic() > deadline:
-                raise fail(f"the daemon (pid {pid}) is still draining after {timeout:g}s; "
-                           f"`kill -INT {pid}` stops it without waiting")
-            time.sleep(0.1)
+            reported, starting = c.stats()["server"].get("pid"), False
+        except DaemonStartingError:  # it has no socket yet: its pid file names it
+            reported, starting = None, True
+        with proven_daemon(c.socket, answered=not starting, reported=reported) as daemon:
+            pid = daemon.pid
+            if not daemon.terminate():
+                err_console.print(f"the lorafleet daemon (pid {pid}) had exited already", highlight=False)
+                return
+            # gone once its socket is removed (the daemon's last step) or the process has ended
+            deadline = time.monotonic() + timeout
+            while not daemon.exited(wait=0.1) and (starting or c.socket.exists()):
+                if time.monotonic() > deadline:
+                    raise fail(f"the daemon (pid {pid}) is still draining after {timeout:g}s; "
+                               f"`kill -INT {pid}` stops it without waiting")
     err_console.print(f"stopped the lorafleet daemon (pid {pid})", highlight=False)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

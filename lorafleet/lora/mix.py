@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lorafleet.errors import InvalidRequestError
+from lorafleet.errors import InvalidRequestError, shown
 
 MAX_ADAPTERS = 16    # adapters in one mix: its segments are one task list per module
 MAX_SCALE = 4.0      # |scale|: beyond, a delta dwarfs the base (and fp16 pools overflow)
@@ -54,16 +54,16 @@ class Mix:
         for i, item in enumerate(items):
             at = f"{where}[{i}]"
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise _bad(f"{at} must be a (name, scale) pair, got {item!r}")
+                raise _bad(f"{at} must be a (name, scale) pair, got {shown(item)}")
             name, scale = item
             if not isinstance(name, str) or not name or len(name) > 128:
-                raise _bad(f"{at}.name must be an adapter's name (1-128 characters), got {name!r}")
+                raise _bad(f"{at}.name must be an adapter's name (1-128 characters), got {shown(name)}")
             if name in seen:
-                raise _bad(f"{at}.name: adapter {name!r} appears twice; each adapter of a mix is named once")
+                raise _bad(f"{at}.name: adapter {shown(name)} appears twice; each adapter of a mix is named once")
             seen.add(name)
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
                     or abs(scale) > MAX_SCALE:
-                raise _bad(f"{at}.scale must be a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}], got {scale!r}")
+                raise _bad(f"{at}.scale must be a finite number in [-{MAX_SCALE:g}, {MAX_SCALE:g}], got {shown(scale)}")
             out.append((name, float(scale)))
         return cls(tuple(sorted(out)))
 
@@ -79,7 +79,7 @@ class Mix:
         pairs = []
         for i, entry in enumerate(value):
             if not isinstance(entry, dict):
-                raise _bad(f"{where}[{i}] must be an object {{\"name\": ..., \"scale\": ...}}, got {entry!r}")
+                raise _bad(f"{where}[{i}] must be an object {{\"name\": ..., \"scale\": ...}}, got {shown(entry)}")
             extra = sorted(set(entry) - {"name", "scale"})
             if extra:
                 raise _bad(f"{where}[{i}] has unknown field(s) {', '.join(map(repr, extra))}: only name and scale")

@@ -45,7 +45,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Container
 
-from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError
+from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError, shown
 from lorafleet.lora.batch import HeadParts
 from lorafleet.lora.heads import own_tokenizer
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config
@@ -93,7 +93,7 @@ class AdapterResidency:
         try:
             return self.entries[name]
         except KeyError:
-            e = AdapterNotFoundError(f"adapter {name!r} is not registered")
+            e = AdapterNotFoundError(f"adapter {shown(name)} is not registered")
             e.adapter = name  # which one, for a front end to name (a mix names several)
             raise e from None
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from lorafleet import __version__
-from lorafleet.errors import AdapterError, LorafleetError, UnauthorizedError
+from lorafleet.errors import AdapterError, LorafleetError, UnauthorizedError, shown
 from lorafleet.memory.residency import check_name
 from lorafleet.server import metrics
 from lorafleet.server.completions import pull_hint, read_json, router as completions_router, state_of
@@ -93,7 +93,7 @@ async def show_model(request: Request, name: str):
     for a in await all_adapters(request, st):
         if a["name"] == name:
             return model_card(st, name, a)
-    e = LorafleetError(f"model {name!r} does not exist (GET /v1/models lists them){pull_hint(st, name)}")
+    e = LorafleetError(f"model {shown(name)} does not exist (GET /v1/models lists them){pull_hint(st, name)}")
     e.http_status, e.code, e.param = 404, "model_not_found", "model"
     raise e
 

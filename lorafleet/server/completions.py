@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lorafleet.errors import (AdapterError, AdapterNotFoundError, InvalidRequestError, LorafleetError,
-                              RequestFailedError)
+                              RequestFailedError, shown)
 from lorafleet.lora.mix import Mix
 from lorafleet.server import responses
 from lorafleet.server.errors import error_body
@@ -67,7 +67,9 @@ async def chat_completions(request: Request):
 
 
 def pull_hint(st: ServerState, name: str) -> str:
-    """How an adapter of that name could come to exist here."""
+    """How an adapter of that name could come to exist here (nothing for a name no adapter can have)."""
+    if len(name) > 128:
+        return ""
     if st.worker.resolver is not None:
         return (f"; to serve an adapter under that name, store it with `lorafleet pull SOURCE --name {name}` "
                 "(the daemon serves stored adapters on their first request)")
@@ -90,11 +92,11 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
         store = ", nor in the store" if st.worker.resolver is not None else ""
         if isinstance(gen.adapter, Mix):
             name = getattr(missing, "adapter", None) or gen.adapter.label
-            e = AdapterNotFoundError(f"adapters: adapter {name!r} is not a loaded adapter{store} "
+            e = AdapterNotFoundError(f"adapters: adapter {shown(name)} is not a loaded adapter{store} "
                                      f"(GET /v1/models lists them){pull_hint(st, name)}")
             e.code, e.param = "model_not_found", "adapters"
         else:
-            e = AdapterNotFoundError(f"model {gen.model!r} does not exist: it is neither the base "
+            e = AdapterNotFoundError(f"model {shown(gen.model)} does not exist: it is neither the base "
                                      f"({st.base_name!r}) nor a loaded adapter{store} (GET /v1/models lists them)"
                                      f"{pull_hint(st, gen.model)}")
             e.code, e.param = "model_not_found", "model"

@@ -2,9 +2,9 @@
 
 1. Claim: the pid file beside the socket is created exclusively and locked (flock) for the
    daemon's whole life, so a second daemon on the same socket refuses at once, naming the first
-   one's pid. An existing pid file is replaced only when it is a dead daemon's (see `PidLock`);
-   anything else there is refused, never overwritten. A socket file nobody answers on is stale
-   (its daemon died) and is removed.
+   one's pid. An existing pid file is replaced only when it is a dead daemon's: a pid file whose
+   lock nobody holds (see `PidLock`); anything else there is refused, never overwritten. A socket
+   file nobody answers on is stale (its daemon died) and is removed.
 2. Build the engine, load the start-up adapters, then bind: directories created for the socket
    are 0700, an existing one keeps its mode if safe (`paths.socket_dir`), and the socket is
    created 0600 (under a umask, so it is never briefly open to others).
@@ -27,7 +27,6 @@ import fcntl
 import gc
 import logging
 import os
-import re
 import signal
 import socket
 import stat
@@ -40,7 +39,7 @@ from lorafleet import openmp
 from lorafleet.config import ServerConfig
 from lorafleet.errors import ConfigError, DaemonRunningError
 from lorafleet.model.config import generation_defaults
-from lorafleet.paths import check_socket_path, command_for, pidfile_path, socket_dir
+from lorafleet.paths import PID_FILE, check_socket_path, command_for, pidfile_path, socket_dir
 from lorafleet.server.app import create_app
 from lorafleet.server.connections import guarded_protocol, raise_fd_limit
 from lorafleet.server.state import ServerState
@@ -50,13 +49,11 @@ log = logging.getLogger("lorafleet.server")
 FLUSH_TIMEOUT = 5.0  # after the drain: seconds for the last answers to reach their clients
 
 
-PID_FILE = re.compile(rb"[1-9][0-9]*\n")  # what acquire() writes; anything else is not ours
-
-
 class PidLock:
     """The daemon's pid file: created exclusively and flock'ed while the daemon lives (the kernel
     drops the lock if it dies). An existing file is replaced only when it is a dead daemon's: a
-    regular file holding just a pid and a newline, unlocked, with no process of that pid. Anything
+    regular file holding just a pid and a newline, whose lock nobody holds. The lock decides, not
+    whether a process of that pid runs: a dead daemon's pid may be reused by any process. Anything
     else is refused, so a typo'd --socket never clobbers someone's file."""
 
     FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -112,28 +109,15 @@ class PidLock:
                                          f"stop it with `{command_for(socket_path, 'stop')}` or choose another --socket")
             if not PID_FILE.fullmatch(content):
                 raise not_ours
-            pid = int(content)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                pass  # dead: stale
-            except PermissionError:  # alive, someone else's
-                raise self._alive(pid, socket_path) from None
-            else:
-                raise self._alive(pid, socket_path)
             now = os.lstat(self.path)
             if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
                 raise DaemonRunningError(f"{self.path} changed while lorafleet inspected it; "
                                          "check with `lorafleet status` or choose another --socket")
-            log.info("removing stale pid file %s (pid %d is gone)", self.path, pid)
+            log.info("removing stale pid file %s (its daemon, pid %d, is gone: nobody holds its lock)",
+                     self.path, int(content))
             self.path.unlink()
         finally:
             os.close(fd)
-
-    def _alive(self, pid: int, socket_path: Path) -> DaemonRunningError:
-        return DaemonRunningError(f"{self.path} names pid {pid}, which is running but does not hold the "
-                                  f"lock; if no lorafleet daemon serves {socket_path}, remove the file, "
-                                  "or choose another --socket")
 
     def release(self) -> None:
         """Delete the pid file only if it is still the one we created (someone may have replaced
@@ -248,12 +232,13 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
     `resolver`: serves store adapters on their first request (`store.resolver`), or None."""
     sock_path = check_socket_path(Path(config.socket))
     socket_dir(sock_path.parent)
+    # SIGTERM while starting (`lorafleet stop` of a daemon not answering yet) unwinds through the
+    # `finally` below, so the pid file goes with it; the server's own handlers replace this one.
+    # Set before the pid file names this process, which is when `stop` may signal it.
+    signal.signal(signal.SIGTERM, _stop_starting)
     lock = PidLock(pidfile_path(sock_path)).acquire(sock_path)
     worker = engine = None
     sockets: list[socket.socket] = []
-    # SIGTERM while starting (`lorafleet stop` of a daemon not answering yet) unwinds through the
-    # `finally` below, so the pid file goes with it; the server's own handlers replace this one
-    signal.signal(signal.SIGTERM, _stop_starting)
     try:
         clear_stale_socket(sock_path)
         engine = engine_factory()

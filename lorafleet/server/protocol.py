@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from lorafleet.engine.request import SamplingParams
-from lorafleet.errors import InvalidRequestError
+from lorafleet.errors import InvalidRequestError, shown
 from lorafleet.lora.mix import FIELD as MIX_FIELD
 from lorafleet.lora.mix import Mix
 
@@ -124,10 +124,10 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(name, f"{name} must be a number, got {v!r}")
+        raise bad(name, f"{name} must be a number, got {shown(v)}")
     if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
         span = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
-        raise bad(name, f"{name} must be in {span}, got {v!r}")
+        raise bad(name, f"{name} must be in {span}, got {shown(v)}")
     return float(v)
 
 
@@ -137,9 +137,9 @@ def _integer(body: dict, name: str, default: int | None, lo: int | None = None,
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(name, f"{name} must be an integer, got {v!r}")
+        raise bad(name, f"{name} must be an integer, got {shown(v)}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad(name, f"{name} must be an integer in [{lo}, {hi if hi is not None else 'inf'}], got {v!r}")
+        raise bad(name, f"{name} must be an integer in [{lo}, {hi if hi is not None else 'inf'}], got {shown(v)}")
     return v
 
 
@@ -148,7 +148,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(name, f"{name} must be true or false, got {v!r}")
+        raise bad(name, f"{name} must be true or false, got {shown(v)}")
     return v
 
 
@@ -185,13 +185,13 @@ def _model(body: dict, base_name: str) -> tuple[str, str | Mix | None]:
     mix = body.get(MIX_FIELD)
     if mix is not None:
         if model is not None and model != base_name:
-            raise bad(MIX_FIELD, f"model names {model!r} and adapters names a mix: with adapters, model names the "
+            raise bad(MIX_FIELD, f"model names {shown(model)} and adapters names a mix: with adapters, model names the "
                                  f"base ({base_name!r}) or is left out")
         return base_name, Mix.from_json(mix)  # a 400 naming the entry at fault (lora/mix.py)
     if model is None or model == base_name:
         return base_name, None
     if not isinstance(model, str) or not model:
-        raise bad("model", f"model must be a string naming the base or an adapter, got {model!r}")
+        raise bad("model", f"model must be a string naming the base or an adapter, got {shown(model)}")
     return model, model
 
 

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from lorafleet import paths
-from lorafleet.errors import StoreError, StoreNotFoundError
+from lorafleet.errors import StoreError, StoreNotFoundError, shown
 from lorafleet.store.partials import SHA256_RE, Partials, flock
 
 KINDS = ("models", "adapters")
@@ -57,7 +57,7 @@ FORMAT = 1
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
-        raise StoreError(f"invalid name {name!r}: use 1-128 letters, digits and . _ -, starting with a "
+        raise StoreError(f"invalid name {shown(name)}: use 1-128 letters, digits and . _ -, starting with a "
                          "letter or digit, without '..'")
     return name
 

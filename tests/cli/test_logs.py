@@ -155,3 +155,49 @@ def test_logs_f_follows_until_ctrl_c(tmp_path):
         proc.kill()
     assert seen == b"line 7 [not markup]\nappended while following\n"
     assert b"Traceback" not in proc.stderr.read()
+
+
+def test_follow_raises_when_the_path_becomes_a_directory(tmp_path):
+    path = tmp_path / "daemon.log"
+    path.write_bytes(b"before\n")
+    f = open(path, "rb")
+    f.seek(0, os.SEEK_END)
+    got, stop, failed = Collected(), threading.Event(), []
+
+    def follow():
+        try:
+            logs_cli.follow_file(path, f, got.emit, stop, 0.005)
+        except OSError as e:
+            failed.append(e)
+    follower = threading.Thread(target=follow)
+    follower.start()
+    try:
+        with open(path, "ab") as log:
+            log.write(b"one\n")
+        got.wait_for(b"one\n")
+        path.rename(tmp_path / "daemon.log.1")
+        path.mkdir()
+        follower.join(30)
+    finally:
+        stop.set()
+        follower.join(30)
+    assert not follower.is_alive() and f.closed
+    assert len(failed) == 1 and "a directory" in str(failed[0])
+
+
+def test_logs_f_says_in_one_line_when_the_log_becomes_a_directory(tmp_path):
+    path = tmp_path / "daemon.log"
+    path.write_bytes(LINES)
+    proc = subprocess.Popen([sys.executable, "-m", "lorafleet.cli.main", "logs", "-f", "-n", "1", "--log-file", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)  # it printed the last line: it follows now
+        assert ready and b"line 7" in os.read(proc.stdout.fileno(), 4096)
+        path.rename(tmp_path / "daemon.log.1")
+        path.mkdir()
+        assert proc.wait(60) == 1
+    finally:
+        proc.kill()
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        f"error: stopped following {path}: it is a directory now"]

@@ -1,8 +1,10 @@
 """`lorafleet ps`: what the daemon holds where, against a real daemon (an adapter a chat went
-through is on the device tier with its rank) and on a made-up snapshot (tiers, queues, order)."""
+through is on the device tier with its rank), on a made-up snapshot (tiers, queues, order), and
+against a foreign server whose /v1/stats has another shape (one line, no traceback)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -11,6 +13,7 @@ from typer.testing import CliRunner
 from lorafleet.cli import ps as ps_cli
 from lorafleet.cli.main import app
 from lorafleet.client import Client
+from tests.cli.test_odd_daemons import OddServer, http
 
 runner = CliRunner()
 
@@ -81,3 +84,38 @@ def test_rows_are_the_resident_and_the_wanted_device_first():
     assert ps_cli.last_used(idle) == "5s ago" and ps_cli.last_used(host) == "30s ago"
     assert (cold["waiting"], ps_cli.last_used(cold)) == (1, "-")
     assert view["other_adapters"] == 2  # "evicted" and "never"
+
+
+def foreign_stats(**engine) -> dict:
+    """STATS with a daemon's top-level parts (the client checks those), and an engine part of
+    another shape: `engine` replaces some of its values, or of its adapters' (`adapter=`)."""
+    stats = copy.deepcopy(STATS)
+    stats["version"] = "9.9"
+    for key, value in engine.pop("adapter", {}).items():
+        stats["engine"]["adapter_details"]["dev-idle"][key] = value
+    stats["engine"].update(engine)
+    return stats
+
+
+WRONG_SHAPES = {
+    "idle_s a string": foreign_stats(adapter={"idle_s": "yesterday"}),
+    "pages a string": foreign_stats(adapter={"pages": "ab"}),
+    "ranks a list": foreign_stats(adapter={"ranks": [8]}),
+    "details a list": foreign_stats(adapter_details=["dev-idle"]),
+    "a huge count": foreign_stats(num_adapters=10 ** 400),
+    "pool missing": foreign_stats(pool=None),
+}
+
+
+@pytest.mark.parametrize("args", [[], ["--json"]])
+@pytest.mark.parametrize("shape", list(WRONG_SHAPES))
+def test_a_foreign_stats_of_the_wrong_shape_is_one_line_as_status_says(tmp_path, shape, args):
+    sock = tmp_path / "foreign.sock"
+    server = OddServer(sock, http(200, "application/json", json.dumps(WRONG_SHAPES[shape]).encode()))
+    try:
+        out = runner.invoke(app, ["ps", "--socket", str(sock), *args], catch_exceptions=False)
+    finally:
+        server.close()
+    assert out.exit_code == 3, out.output  # what status answers for what is not a daemon
+    assert len(out.stderr.strip().splitlines()) == 1 and "is not a lorafleet daemon" in out.stderr
+    assert "Traceback" not in out.output and out.stdout == ""

@@ -139,3 +139,69 @@ def test_systemd_analyze_verifies_the_unit(env):
     done = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--pool-bytes", "-3"], "--pool-bytes"), (["--pool-bytes", "0"], "pool_bytes"),
+    (["--max-body-bytes", "12"], "max_body_bytes"), (["--device", "tpu"], "device"),
+    (["--quantize", "int3"], "quantize"), (["--async-decode", "maybe"], "async_decode"),
+    (["--dtype", "float8"], "dtype"), (["--port", "8000"], "--host and --port"),
+    (["-a", "no-path"], "NAME=PATH"), (["--max-num-seqs", "0"], "--max-num-seqs"),
+    # the key of the shell that installs is not the service's: a TCP listener needs it in config.toml
+    (["--host", "127.0.0.1", "--port", "8000"], "API key")])
+def test_serve_values_serve_would_refuse_are_refused_before_the_unit_is_written(env, args, named):
+    out = lf("service", "install", "--", "/models/llama", *args)
+    assert out.exit_code == 2, out.output
+    assert named in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.output
+    assert not (env / "config" / "systemd" / "user" / UNIT).exists() and calls(env) == []
+
+
+def test_a_bad_value_from_config_toml_is_refused_too(env):
+    (env / "home").mkdir()
+    (env / "home" / "config.toml").write_text('[serve]\npool-bytes = "0"\n')  # a size, but no pool
+    out = lf("service", "install", "--", "/models/llama")
+    assert out.exit_code == 2 and "pool_bytes must be a positive integer, got 0" in out.stderr
+    assert not (env / "config" / "systemd" / "user" / UNIT).exists() and calls(env) == []
+
+
+@pytest.mark.parametrize("args", [["--pool-bytes", "0"], ["--device", "tpu"], ["--dtype", "float8"]])
+def test_serve_refuses_the_same_values_before_it_starts(env, monkeypatch, args):
+    from lorafleet.cli import serve as serve_cli
+
+    monkeypatch.setattr(serve_cli, "_run", lambda *a, **k: pytest.fail("serve started with a bad value"))
+    out = lf("serve", *args)
+    assert out.exit_code == 1 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.output
+
+
+def systemd_environment(value: str) -> str:
+    """An Environment= value as systemd reads it: one word, unquoted with C escapes, specifiers
+    (%%) undone, and `$` left as it is (systemd.exec(5): no variable expansion there)."""
+    words = shlex.split(value)  # for the quotes and escapes `quote` writes, as systemd's
+    assert len(words) == 1
+    return words[0].replace("%%", "%")
+
+
+def test_environment_values_round_trip_with_dollars_and_percents(env, monkeypatch):
+    home = str(env / 'h $HOME $$x 50% "q" \\')
+    monkeypatch.setenv("LORAFLEET_HOME", home)
+    assert lf("service", "install", "--no-start", "/models/llama").exit_code == 0
+    environment = [systemd_environment(v) for v in value(unit_lines(env), "Environment")]
+    assert f"LORAFLEET_HOME={home}" in environment
+    assert service_cli.quote("A=$x 50%", variables=False) == '"A=$x 50%%"'
+
+
+def test_an_xdg_config_home_that_is_a_file_is_one_line(env, monkeypatch):
+    (env / "not-a-dir").write_text("")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(env / "not-a-dir"))
+    out = lf("service", "install", "/models/llama")
+    assert out.exit_code == 1 and "Traceback" not in out.output, out.output
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot write the unit" in lines[0] and "XDG_CONFIG_HOME" in lines[0]
+    assert calls(env) == []
+
+
+def test_config_spells_the_loaders_dtypes():
+    from lorafleet.config import DTYPES
+    from lorafleet.model.loader import DTYPES as LOADER
+
+    assert set(DTYPES) == {"auto", *LOADER}

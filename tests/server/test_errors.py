@@ -114,6 +114,29 @@ def test_unloading_an_unknown_adapter_is_404(served):
     assert r.status_code == 404 and "never-loaded" in r.json()["error"]["message"]
 
 
+LONG = "n" * 200_000
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path,body,status", [
+    ("/v1/chat/completions", {"model": "base", "adapters": [{"name": LONG}], **CHAT}, 400),  # a mix's entry
+    ("/v1/chat/completions", {"model": LONG, "adapters": [{"name": "all-r8"}], **CHAT}, 400),
+    ("/v1/chat/completions", {"model": LONG, **CHAT}, 404),
+    ("/v1/completions", {"model": "base", "prompt": "hi", "temperature": LONG}, 400),
+    ("/v1/unload_lora_adapter", {"lora_name": LONG}, 404),
+    ("/v1/load_lora_adapter", {"lora_name": LONG, "lora_path": "/nowhere"}, 400),
+], ids=["mix entry", "model beside a mix", "model", "temperature", "unload", "load"])
+def test_a_200000_character_name_is_not_echoed_whole(served, path, body, status):
+    with served.http() as c:
+        r = c.post(path, json=body)
+    assert r.status_code == status, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert len(message) < 600, message[:300]
+    assert "n" * 65 not in message  # at most its first 64 characters
+    if "n" * 64 in message:
+        assert "… (200000 characters)" in message
+
+
 def test_unknown_routes_and_methods_answer_openai_errors(served):
     with served.http() as c:
         assert_error(c.get("/v1/nothing-here"), 404, "/v1/nothing-here")

@@ -1,5 +1,6 @@
-"""The pid file beside the socket: created exclusively, replaced only when a dead daemon left it,
-deleted on stop only if it is still ours. Anything else there is refused and left as it was."""
+"""The pid file beside the socket: created exclusively, replaced only when a dead daemon left it
+(its lock free, whatever process has its pid now), deleted on stop only if it is still ours.
+Anything else there is refused and left as it was."""
 
 from __future__ import annotations
 
@@ -76,12 +77,21 @@ def test_a_dead_daemons_pid_file_is_replaced(sock, pidfile):
         lock.release()
 
 
-def test_a_live_pid_without_the_lock_is_refused_and_left_unchanged(sock, pidfile):
-    pidfile.write_text(f"{os.getpid()}\n")
-    with pytest.raises(DaemonRunningError, match=f"pid {os.getpid()}") as e:
-        PidLock(pidfile).acquire(sock)
-    assert "\n" not in str(e.value)
-    assert pidfile.read_text() == f"{os.getpid()}\n"
+def test_a_reused_pid_without_the_lock_is_a_dead_daemons_file_and_replaced(sock, pidfile):
+    """The daemon that wrote it died (the lock is free) and its pid went to another process: the
+    lock decides, so the file is taken over, and that process is left alone."""
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        pidfile.write_text(f"{other.pid}\n")
+        lock = PidLock(pidfile).acquire(sock)
+        try:
+            assert pidfile.read_text() == f"{os.getpid()}\n"
+        finally:
+            lock.release()
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_locked_pid_file_means_a_daemon_runs(sock, pidfile):
@@ -112,17 +122,25 @@ def test_serve_refuses_a_foreign_pid_file_in_one_line_and_leaves_it(sock, pidfil
     assert pidfile.read_text() == "not a pid\n"
 
 
-def test_serve_replaces_a_stale_pid_file_and_removes_its_own_on_stop(tmp_path, chat_model_dir):
+@pytest.mark.parametrize("left_by", ["a dead pid", "a pid reused by another process"])
+def test_serve_replaces_a_stale_pid_file_and_removes_its_own_on_stop(tmp_path, chat_model_dir, left_by):
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     pidfile = run / "d.sock.pid"
-    pidfile.write_text(f"{dead_pid()}\n")
-    d = Daemon.start(tmp_path, model=chat_model_dir)
+    other = subprocess.Popen(["sleep", "600"]) if left_by.endswith("process") else None
+    pidfile.write_text(f"{other.pid if other else dead_pid()}\n")
     try:
-        assert pidfile.read_text() == f"{d.proc.pid}\n"
-        assert "removing stale pid file" in d.log()
-        d.signal(signal.SIGTERM)
-        assert d.wait(60) == 0
+        d = Daemon.start(tmp_path, model=chat_model_dir)
+        try:
+            assert pidfile.read_text() == f"{d.proc.pid}\n"
+            assert "removing stale pid file" in d.log()
+            d.signal(signal.SIGTERM)
+            assert d.wait(60) == 0
+        finally:
+            d.kill()
+        assert other is None or other.poll() is None  # the process that got the pid is left alone
     finally:
-        d.kill()
+        if other:
+            other.kill()
+            other.wait()
     assert not pidfile.exists()
