@@ -28,6 +28,7 @@ def report():
     return run_decode_bound("micro", batches=(1, 4), steps=3, rounds=3, threads=1)
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_the_report_sets_each_rounds_steps_against_that_rounds_bound(report):
     nbytes, bws = report["weight_bytes"], report["round_bandwidths_gb_s"]
     assert nbytes > 0 and len(bws) == 3 and all(bw > 0 for bw in bws)
@@ -59,6 +60,7 @@ def test_the_report_sets_each_rounds_steps_against_that_rounds_bound(report):
     assert len(others) == 3 and all(o is None or o >= 0 for o in others)
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_a_round_beside_other_work_is_named_under_the_table(monkeypatch):
     from rich.console import Console
 
@@ -80,6 +82,7 @@ def test_a_round_beside_other_work_is_named_under_the_table(monkeypatch):
     assert "noisy: micro: other work" in text and "kept 0.8 cores busy in its busiest round" in text
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_the_cli_runs_it_and_writes_the_report(tmp_path):
     from lorafleet.cli.main import app
 
@@ -103,6 +106,7 @@ def test_the_matmuls_timed_are_each_weight_matrix_once_and_no_embedding():
     assert [t.data_ptr() for t, _ in matmul_weights(tied)] == [qkv.data_ptr(), embed.data_ptr()]
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_bf16_halves_the_bytes_a_step_reads(report):
     bf16 = run_decode_bound("micro", batches=(1,), steps=2, rounds=1, threads=1, dtype="bfloat16")
     assert bf16["dtype"] == "bfloat16" and report["dtype"] == "float32"
@@ -181,6 +185,7 @@ def test_the_matmuls_of_a_quantized_model_pass_each_weight_with_its_scales_at_it
     assert {s[:4] for s in seen} == {(64, torch.float32, torch.uint8, True), (128, torch.float32, torch.uint8, True)}
 
 
+@pytest.mark.heavy  # a whole benchmark run
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_a_quantized_base_is_measured_against_its_quantized_bytes_and_its_memory_against_fp32(scheme, report):
     q = run_decode_bound("micro", batches=(1,), steps=2, rounds=1, threads=1, quantize=scheme)

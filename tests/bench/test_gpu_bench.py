@@ -3,10 +3,13 @@ kernels/gpu_check.sh's third part): every figure it reports is there and sane.""
 
 from __future__ import annotations
 
+import pytest
+
 from lorafleet.bench.gpu import run_gpu_bench
 from lorafleet.bench.suite_tables import gpu_table
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_the_gpu_bench_reports_kernels_engine_cases_and_ratios(tmp_path):
     report = run_gpu_bench("micro", "cpu", batches=[4], max_tokens=3, many=10, context=32, root=tmp_path)
     copy, *kernels = report["kernels"]
@@ -30,6 +33,7 @@ def test_the_gpu_bench_reports_kernels_engine_cases_and_ratios(tmp_path):
     assert gpu_table([report]).row_count == 4 + len(cases) + 7
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_the_gpu_bench_on_a_quantized_base_at_batch_8(tmp_path):
     """`--quantize int4` reaches the engine (what gpu_check.sh's 8b-int4 stage compares with bf16),
     and batch 8, --quick's, keeps its 8 distinct adapters apart from the 8-adapter case."""

@@ -3,6 +3,8 @@ of each phase write a base and adapters that lorafleet, transformers and peft al
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from lorafleet import Engine, SamplingParams
@@ -10,6 +12,7 @@ from lorafleet.demo.skills import SKILLS
 from lorafleet.demo.train import main
 
 
+@pytest.mark.heavy  # a whole training run (short)
 def test_the_training_script_writes_a_loadable_fleet(tmp_path, capsys):
     main(["--out", str(tmp_path), "--base-steps", "2", "--adapter-steps", "2", "--batch", "4",
           "--adapters", "upper", "reverse"])
