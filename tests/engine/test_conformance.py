@@ -42,13 +42,14 @@ FAST_QUANTIZED = ("SmolLM2-135M",)  # quantized bases in the default tier (tied,
 
 def _cases():
     """(config, case, kernels): every config in every case on every CPU variant this CPU runs, and
-    on the torch path for FAST's configs (elsewhere its parity is tests/engine/test_parity.py's).
+    on the torch path for FAST's configs in fp32 and bf16 (elsewhere its parity is
+    tests/engine/test_parity.py's and tests/engine/test_quantized.py's).
     The default tier: FAST in fp32 and bf16, FAST_QUANTIZED quantized too, on this CPU's variant."""
     host = cpu_module.host_variant()
     out = []
     for n in CONFIGS:
         for c in CASES:
-            for k in (*cpu_module.runnable(), *(("torch",) if n in FAST else ())):
+            for k in (*cpu_module.runnable(), *(("torch",) if n in FAST and not c.startswith("int") else ())):
                 fast = k == host and n in FAST and (not c.startswith("int") or n in FAST_QUANTIZED)
                 out.append(pytest.param(n, c, k, marks=() if fast else pytest.mark.heavy))
     return out
