@@ -4,9 +4,11 @@ mixed. Read only: the registry (`memory.residency`) stays the owner of the adapt
 
 DoRA and lora_bias adapters serve alone: DoRA's magnitude rescales its module's whole output,
 which has no meaning beside another adapter's delta (nor at another scale), and both are read
-only on a lone segment (`kernels/reference.py`). So does an adapter with its own embedding or
-LM head (a copy: `lora/heads.py`): it replaces the base's, beside which another's delta has no
-meaning (LoRA on them mixes as any LoRA does). At scale 0 any adapter contributes nothing and
+only on a lone segment (`kernels/reference.py`). So does an adapter with its own embedding,
+LM head or norms (a copy: `lora/heads.py`): it replaces the base's, beside which another's delta
+has no meaning (LoRA on them mixes as any LoRA does, and so does an adapter whose copies equal the
+base's: dropped at load, as PEFT's default `save_embedding_layers` writes them; its mix waits for
+its load to know, like its kind). At scale 0 any adapter contributes nothing and
 the LoRA op never reads it (`ModelRunner.lora_batch`), so one may be named there. An adapter's
 kind is known once it was loaded: a mix naming one that was not is watched, and refused once
 every kind is known, before it can be admitted (a mix is admitted only once all its adapters are
@@ -71,13 +73,27 @@ class MixChecks:
 
 def mixable(entry, scale: float, mix: Mix) -> None:
     """InvalidRequestError (on `adapters`) when `entry` at `scale` may not be in `mix`: a variant
-    that serves alone, beside another adapter of nonzero scale or itself at a scale other than 0
-    or 1 (nothing while its kind is unknown)."""
+    that serves alone, or one with copies it serves, beside another adapter of nonzero scale or
+    itself at a scale other than 0 or 1 (nothing while that is unknown)."""
     others = sum(s != 0.0 for s in mix.scales) - 1
-    alone = (ALONE.get(entry.variant) or (f"its own {' and '.join(entry.saved)} (modules_to_save)" if entry.saved
-                                          else None))
+    copies = alone_copies(entry)
+    alone = ALONE.get(entry.variant) or (f"its own {' and '.join(copies)} (saved whole: modules_to_save, or "
+                                         "an embedding LoRA's base_layer unlike the base's)" if copies else None)
     if alone and scale != 0.0 and (others or scale != 1.0):
         e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {alone}, which serves "
                                 "alone (as `model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")
         e.param = "adapters"
         raise e
+
+
+def alone_copies(entry) -> tuple[str, ...]:
+    """The copies that make `entry` serve alone, as far as known: once loaded, those it serves;
+    before, those its files declare unless each may yet be dropped (an embedding / LM head of the
+    base's vocabulary: `memory/finish.py` drops one equal to the base's), then none until its load
+    lands (the mix is watched: `MixChecks.watch`). Why: PEFT saves both layers whole beside any
+    embedding LoRA, usually unchanged, and such an adapter mixes as any LoRA."""
+    if entry.copies is not None:
+        return entry.copies
+    if entry.vocab_size is None and set(entry.saved) <= {"embed_tokens", "lm_head"}:
+        return ()
+    return entry.saved

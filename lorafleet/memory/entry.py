@@ -46,6 +46,7 @@ class AdapterEntry:
     max_rank: int = 0                    # its largest rank, once loaded
     posts: dict | None = None            # (layer, module) -> "dora" | "bias", its epilogues, once loaded
     saved: tuple = ()                    # the modules it has its own copy of (embed_tokens, lm_head, norms): known at registration
+    copies: tuple | None = None          # those it serves its copy of, once loaded (copies equal to the base's dropped)
     heads: object = None                 # lora.batch.HeadParts: its own embedding / LM head / norms in its pages, while ready
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
     loading: object = None               # Future of the disk -> host load
@@ -81,7 +82,8 @@ class AdapterEntry:
     def info(self) -> dict:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
                 "ranks": self.ranks, "modules": sorted(self.ranks), "variant": self.variant,
-                "saved_modules": list(self.saved), "vocab_size": self.vocab_size, "params": self.num_params,
+                "saved_modules": list(self.saved if self.copies is None else self.copies),  # once loaded: those served
+                "vocab_size": self.vocab_size, "params": self.num_params,
                 "pages": len(self.pages or ()), "users": self.users,
                 "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
                 "loads": self.disk_loads, "device_loads": self.device_loads,

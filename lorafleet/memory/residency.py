@@ -48,6 +48,7 @@ from typing import Container
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError, shown
 from lorafleet.lora.batch import HeadParts
 from lorafleet.lora.heads import own_tokenizer
+from lorafleet.model.tokenizer import check_adapter_tokenizer_size
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config
 from lorafleet.lora.headers import read_plan
 from lorafleet.memory.entry import AdapterEntry, Inspected
@@ -115,6 +116,8 @@ class AdapterResidency:
         copy = layout.parts.get("embed") or layout.parts.get("lm_head")
         if copy is None or copy.rows == self.base.vocab_size:
             return Inspected(numel, saved=layout.saved)
+        if tokenizer:
+            check_adapter_tokenizer_size(path)
         return Inspected(numel, copy.rows, own_tokenizer(path, copy.rows, self.base.vocab_size) if tokenizer else None,
                          layout.saved)
 
@@ -300,7 +303,8 @@ class AdapterResidency:
         entry.ranks, entry.num_params = host.ranks, host.num_params
         entry.row_table = host.layout.table_index(entry.pages, self.itemsize)
         entry.max_rank = max((m.r for m in host.layout.modules), default=0)  # the LoRA op's bound: projections only
-        entry.posts = host.layout.posts  # (`saved` stays what the files declare: copies equal to the base are dropped)
+        entry.posts = host.layout.posts
+        entry.copies = host.layout.saved  # the copies served: those equal to the base's were dropped (`finish.py`)
         entry.heads = (HeadParts(host.layout.parts, entry.pages, self.pool.page_elems, self.pool.tensor.device)
                        if host.layout.parts else None)
         entry.kv_salt = kv_salt(host.layout.targets(), host.digest, self.base.num_layers)

@@ -210,3 +210,35 @@ def test_vtc_charges_a_mix_once_split_among_its_adapters():
     mix.first_scheduled_time = 0.0
     policy.on_finish(mix)  # nothing generated: each adapter refunded its half of the unused output
     assert policy.counters["b"] == pytest.approx(c / 2 - W_OUTPUT * 10 / 2)
+
+
+def test_an_embedding_lora_saved_with_pefts_defaults_mixes_a_trained_copy_serves_alone(fleet, tmp_path):
+    """PEFT saves the embedding and LM head whole beside LoRA on them (`save_embedding_layers`):
+    copies equal to the base's are dropped at load, so the adapter mixes as any LoRA (before its
+    load too: the mix waits for it to land), as PEFT's cat merge; a trained copy serves alone."""
+    base, adapters, engine = fleet
+    lora = build_adapter(base, tmp_path / "defaults", seed=7, r=4, lora_alpha=8,
+                         target_modules=["q_proj", "embed_tokens", "lm_head"])
+    trained = build_adapter(base, tmp_path / "trained", seed=8, r=2, lora_alpha=4, target_modules=["q_proj"],
+                            modules_to_save=["lm_head"])
+    engine.register_adapter("defaults", lora)
+    engine.register_adapter("trained", trained)
+    mix = {"defaults": 1.5, "attn-r3": 0.5}
+    prompt = prompts_of_lengths([7], seed=31)[0]
+    model = peft_cat(base, {**adapters, "defaults": lora}, mix)
+    assert model.base_model.model.model.embed_tokens.lora_embedding_A["merged"].abs().sum() > 0  # cat merges it
+    ref = hf_greedy(model, prompt, GREEDY.max_tokens)
+    assert ref != engine.generate([prompt], GREEDY, adapters=[Mix.of({"attn-r3": 0.5})])[0].token_ids
+    before = engine.generate([prompt], GREEDY, adapters=[Mix.of(mix)])[0]  # not loaded yet
+    after = engine.generate([prompt], GREEDY, adapters=[Mix.of(mix)])[0]
+    assert before.token_ids == after.token_ids == ref
+    assert engine.adapters.get("defaults").info()["saved_modules"] == []  # its copies were dropped
+    rid = engine.add_request(prompt, GREEDY, adapter=Mix.of({"trained": 1.0, "attn-r3": 0.5}))
+    ends = []
+    while engine.has_unfinished():
+        ends += [o for o in engine.step() if o.request_id == rid and o.finished]
+    assert ends[0].finish_reason == "error" and "'trained' uses its own lm_head (saved whole: modules_to_save" \
+        in ends[0].error
+    with pytest.raises(InvalidRequestError, match="'trained' uses its own lm_head .*modules_to_save.*serves alone"):
+        engine.add_request(prompt, GREEDY, adapter=Mix.of({"trained": 1.0, "defaults": 0.5}))  # loaded: at once
+    assert engine.adapters.get("trained").info()["saved_modules"] == ["lm_head"]
