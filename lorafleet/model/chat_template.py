@@ -5,14 +5,19 @@ and `strftime_now`; the template found in `chat_template.jinja`, `tokenizer_conf
 
 from __future__ import annotations
 
+import ctypes
 import json
+import threading
+from collections.abc import Sized
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 from lorafleet.errors import InvalidRequestError, ModelLoadError
@@ -79,13 +84,168 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# -- bounded rendering -----------------------------------------------------------------------------
+# A template is foreign code that renders on the server's threads: its time and output are bounded,
+# so a hostile one fails its own request with a 400 instead of holding a thread, a core or memory.
+
+RENDER_TIMEOUT_S = 2.0  # real templates render in milliseconds; a render past this is refused
+
+
+class RenderBoundError(Exception):
+    """A render went past its time or size bound (the message names which)."""
+
+
+_bounds = threading.local()  # the running render's output bound, for the operators below
+
+
+def _limit() -> int | None:
+    return getattr(_bounds, "max_chars", None)
+
+
+def _check_size(size: int, what: str) -> None:
+    limit = _limit()
+    if limit is not None and size > limit:
+        raise RenderBoundError(f"the chat template's {what} would be {size:,} characters, over the "
+                               f"{limit:,} this request's context can hold")
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (str, list, tuple)) else 0
+
+
+def _check_ints(args: tuple, kwargs: dict) -> None:
+    """Widths and counts (`ljust`, `center`, `indent`...) past the bound would allocate in one call."""
+    limit = _limit()
+    for v in (*args, *kwargs.values()):
+        if limit is not None and isinstance(v, int) and not isinstance(v, bool) and abs(v) > limit:
+            raise RenderBoundError(f"the chat template passed {v:,} to a function, over the {limit:,} "
+                                   "characters this request's context can hold")
+
+
+def _bounded_filter(f):
+    def bounded(*args, **kwargs):
+        _check_ints(args[1:], kwargs)  # args[0] is the value (or the context / environment)
+        result = f(*args, **kwargs)
+        _check_size(_size(result), "filter result")
+        return result
+    for flag in ("jinja_pass_arg",):  # keep pass_context / pass_environment markers
+        if hasattr(f, flag):
+            setattr(bounded, flag, getattr(f, flag))
+    return bounded
+
+
+class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
+    """`a ~ b` joins through the environment, so that its size is checked before it is built; and
+    only literal text is computed at compile time (Jinja folds constant output expressions),
+    everything else at render time, within the render's bounds."""
+
+    def _output_child_to_const(self, node, frame, finalize):
+        if not isinstance(node, jinja2.nodes.TemplateData):
+            raise jinja2.nodes.Impossible()
+        return super()._output_child_to_const(node, frame, finalize)
+
+    def visit_Concat(self, node, frame) -> None:
+        self.write("environment.bounded_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `*`, `+`, `**`, `~` and calls checked against the render's bound
+    before they allocate (the sandbox's `range` is already capped)."""
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset({"*", "+", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, Sized) and _size(seq) and isinstance(n, int):
+                    _check_size(_size(seq) * max(n, 0), "repetition")
+        elif operator == "+":
+            _check_size(_size(left) + _size(right), "concatenation")
+        elif operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise RenderBoundError(f"the chat template raises to the power {right:,}")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's signature)
+        if __obj is not jinja2.sandbox.safe_range:  # the sandbox caps range's length itself
+            _check_ints(args, kwargs)
+        result = super().call(__context, __obj, *args, **kwargs)
+        _check_size(_size(result), "call result")
+        return result
+
+    def bounded_join(self, parts: tuple) -> str:
+        parts = tuple(map(str, parts))
+        _check_size(sum(map(len, parts)), "concatenation")
+        return "".join(parts)
+
+
+class _Deadline:
+    """Raises RenderBoundError in the rendering thread once `seconds` pass, wherever it is in the
+    template's Python code (a loop that writes nothing included), so the thread is freed rather
+    than left spinning. Asynchronous exceptions are delivered between bytecodes only; the size
+    checks keep any single C call (a repetition, a join) small."""
+
+    def __init__(self, seconds: float):
+        self._seconds, self._lock, self._done = seconds, threading.Lock(), False
+        self._thread = threading.get_ident()
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._done:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread),
+                                                           ctypes.py_object(_RenderTimeout))
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+
+
+class _RenderTimeout(RenderBoundError):
+    pass
+
+
+def render_bounded(template: jinja2.Template, variables: dict, max_chars: int | None,
+                   timeout_s: float | None = None) -> str:
+    """`template.render(**variables)`, streamed and counted: RenderBoundError once the output passes
+    `max_chars` or the render passes `timeout_s`."""
+    timeout_s = RENDER_TIMEOUT_S if timeout_s is None else timeout_s
+    _bounds.max_chars, chunks, total = max_chars, [], 0
+    try:
+        with _Deadline(timeout_s):
+            for chunk in template.generate(**variables):
+                total += len(chunk)
+                if max_chars is not None and total > max_chars:
+                    raise RenderBoundError(f"the chat template's output passed {max_chars:,} characters, "
+                                           "more than this request's context can hold")
+                chunks.append(chunk)
+    except _RenderTimeout:  # a late delivery lands here too, never outside this function
+        raise RenderBoundError(f"the chat template took over {timeout_s:g} s to render") from None
+    finally:
+        _bounds.max_chars = None
+    return "".join(chunks)
+
+
 @lru_cache(maxsize=1)
 def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     # Sandboxed and immutable: templates come from downloaded model folders.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    # Not optimized: constant folding would run a template's constant expressions at compile time,
+    # outside the render's bounds.
+    env = _BoundedSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols], optimized=False
     )
-    env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+    env.filters["tojson"] = _bounded_filter(_tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

@@ -11,6 +11,8 @@ globals), so a prompt built here is byte-for-byte the prompt the model was tuned
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,12 +20,29 @@ from typing import Any
 import tokenizers
 
 from lorafleet.errors import InvalidRequestError, ModelLoadError
-from lorafleet.model.chat_template import _check_messages, _compile_template, _find_chat_template, _read_json
+from lorafleet.model.chat_template import (RenderBoundError, _check_messages, _compile_template, _find_chat_template,
+                                           _read_json, render_bounded)
 
 # The named special tokens transformers passes to every chat template (when set).
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Decoded text ending in this is an unfinished UTF-8 sequence (or, rarely, a real U+FFFD).
 _REPLACEMENT = "\ufffd"
+# A text's size is checked against the context before it is encoded, by the longest token's bytes
+# with this floor: no real token is longer, so no text that fits is refused.
+MIN_BYTES_PER_TOKEN = 64
+# An adapter's own tokenizer.json is parsed while the daemon serves, and the parse holds the
+# interpreter's lock (every thread waits): capped at what the largest real vocabularies need.
+MAX_ADAPTER_TOKENIZER_BYTES = 36 << 20
+
+
+def check_adapter_tokenizer_size(folder: str | Path) -> None:
+    """Refuse an adapter's tokenizer.json over MAX_ADAPTER_TOKENIZER_BYTES before it is parsed."""
+    path = Path(folder) / "tokenizer.json"
+    if path.is_file() and (size := path.stat().st_size) > MAX_ADAPTER_TOKENIZER_BYTES:
+        from lorafleet.errors import AdapterError
+
+        raise AdapterError(f"{path}: {size:,} bytes, over the {MAX_ADAPTER_TOKENIZER_BYTES >> 20} MiB an "
+                           "adapter's tokenizer.json may take (the largest real vocabularies need less)")
 
 
 class Tokenizer:
@@ -142,6 +161,17 @@ class Tokenizer:
         """The Jinja source of the chat template, or None when the model has none."""
         return self._template_text
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any one token's text takes (at least MIN_BYTES_PER_TOKEN): text longer
+        than `max_model_len` times this cannot fit the context, whatever it encodes to."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max(MIN_BYTES_PER_TOKEN, max((len(t.encode("utf-8")) for t in vocab), default=0))
+
+    def max_text_bytes(self, max_model_len: int) -> int:
+        """The longest text (in UTF-8 bytes) that could encode to at most `max_model_len` tokens."""
+        return max_model_len * self.max_token_bytes
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -172,13 +202,15 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        max_chars: int | None = None,
         **extra: Any,
     ) -> str | list[int]:
         """Render `messages` with the model's chat template; the text, or its ids when `tokenize`.
 
         `extra` becomes template variables (`tools=[...]`, `enable_thinking=False`...). Raises
         `InvalidRequestError` when the model has no template, the messages are malformed or the
-        template refuses them (its `raise_exception`, or any failure while rendering)."""
+        template refuses them (its `raise_exception`, or any failure while rendering), and when the
+        render passes `max_chars` characters or its time bound (`chat_template.render_bounded`)."""
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
         variables = {
@@ -190,9 +222,11 @@ class Tokenizer:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            text = self._template.render(**variables)
+            text = render_bounded(self._template, variables, max_chars)
         except InvalidRequestError:
             raise
+        except RenderBoundError as e:
+            raise InvalidRequestError(str(e)) from None
         except Exception as e:  # the template is foreign code: any failure means "these messages don't fit"
             message = f"chat template failed on these messages: {type(e).__name__}: {e}"
             raise InvalidRequestError(message) from e

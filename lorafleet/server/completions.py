@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lorafleet.errors import (AdapterError, AdapterNotFoundError, InvalidRequestError, LorafleetError,
                               RequestFailedError, shown)
 from lorafleet.lora.mix import Mix
-from lorafleet.server import responses
+from lorafleet.server import renders, responses
 from lorafleet.server.errors import error_body
 from lorafleet.server.protocol import (DECODE_ON_WORKER, Generation, bad, decode_body, parse_chat, parse_completion,
-                                       tokenize)
+                                       render_chat, tokenize)
 from lorafleet.server.state import ServerState
 from lorafleet.server.worker import Sink
 
@@ -83,7 +83,8 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
     try:
         tokenizer = await tokenizer_of(st, gen)
         run.text, run.with_ids = responses.token_text_of(tokenizer), tokenizer is None
-        gen = run.gen = await asyncio.to_thread(tokenize, gen, tokenizer, st.max_model_len)
+        rendered = await renders.render(render_chat, gen, tokenizer, st.max_model_len) if gen.kind == "chat" else None
+        gen = run.gen = await asyncio.to_thread(tokenize, gen, tokenizer, st.max_model_len, rendered)
         for rid, prompt in zip(run.ids, gen.prompts):
             run.unfinished.add(rid)  # before the await: if we are cancelled there, close() aborts it
             await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink))

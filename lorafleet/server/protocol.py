@@ -315,16 +315,37 @@ def parse_chat(body: Any, base_name: str, defaults: dict | None = None) -> Gener
 
 # -- tokenization (a worker thread) ----------------------------------------------------------------
 
-def tokenize(gen: Generation, tokenizer, max_model_len: int) -> Generation:
-    """Text prompts and chat messages -> token ids. Chat without max_tokens may generate up to
-    the end of the context (the engine stops there with "length")."""
+def _check_text_size(text: str, tokenizer, max_model_len: int, param: str, what: str) -> None:
+    """Refuse, before encoding, a text longer than the context could hold whatever it encodes to
+    (encoding costs time and memory in proportion to the text)."""
+    bound = tokenizer.max_text_bytes(max_model_len)
+    if len(text) * 4 > bound and (size := len(text.encode("utf-8"))) > bound:
+        raise bad(param, f"{what} is {size:,} bytes; the context of {max_model_len:,} tokens holds at most "
+                         f"{bound:,} bytes of text ({tokenizer.max_token_bytes} bytes a token at most)")
+
+
+def render_chat(gen: Generation, tokenizer, max_model_len: int) -> str:
+    """The chat's prompt text, rendered with the tokenizer's template, bounded in time and in size by
+    what the context can hold (`chat_template.render_bounded`)."""
+    if tokenizer is None:
+        raise bad("messages", "the served model has no tokenizer; use /v1/completions with token ids")
+    try:
+        return tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True,
+                                             max_chars=tokenizer.max_text_bytes(max_model_len))
+    except InvalidRequestError as e:
+        raise bad("messages", str(e)) from None
+
+
+def tokenize(gen: Generation, tokenizer, max_model_len: int, rendered: str | None = None) -> Generation:
+    """Text prompts and chat messages -> token ids (a chat's `rendered` text when it is given).
+    Chat without max_tokens may generate up to the end of the context (the engine stops there
+    with "length")."""
     if gen.kind == "chat":
-        if tokenizer is None:
-            raise bad("messages", "the served model has no tokenizer; use /v1/completions with token ids")
-        try:
-            ids = tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True, tokenize=True)
-        except InvalidRequestError as e:
-            raise bad("messages", str(e)) from None
+        text = render_chat(gen, tokenizer, max_model_len) if rendered is None else rendered
+        _check_text_size(text, tokenizer, max_model_len, "messages", "the rendered chat")
+        # The template already wrote every special token the model needs; adding them again would
+        # double the BOS.
+        ids = tokenizer.encode(text, add_special_tokens=False)
         params = gen.params
         if not gen.max_tokens_given:
             params = dataclasses.replace(params, max_tokens=max(1, max_model_len - len(ids)))
@@ -332,6 +353,10 @@ def tokenize(gen: Generation, tokenizer, max_model_len: int) -> Generation:
     if any(isinstance(p, str) for p in gen.prompts):
         if tokenizer is None:
             raise bad("prompt", "the served model has no tokenizer.json: send token ids")
+        for i, p in enumerate(gen.prompts):
+            if isinstance(p, str):
+                _check_text_size(p, tokenizer, max_model_len, "prompt",
+                                 "the prompt" if len(gen.prompts) == 1 else f"prompt[{i}]")
         return dataclasses.replace(gen, prompts=[tokenizer.encode(p) if isinstance(p, str) else p
                                                  for p in gen.prompts])
     return gen
