@@ -139,6 +139,7 @@ def test_the_serve_command_line_the_daemon_system_builds_parses(tmp_path, monkey
     assert 'quantize = "int4"' in result.output
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_decode_bound_quick_with_quantize_reports_the_bound_and_the_memory(tmp_path):
     out = tmp_path / "r.json"
     result = runner.invoke(app, ["bench", "decode-bound", "-m", "micro", "--quick", "--batch", "1", "--threads", "1",

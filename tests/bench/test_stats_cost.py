@@ -79,6 +79,7 @@ def test_a_poll_is_the_snapshot_and_its_json():
                                                                    "sized_adapters": 0, "basis": "max_num_seqs"}}))
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_the_subcommand_writes_the_json_report_and_prints_the_table(micro_dir, tmp_path, monkeypatch):
     (tmp_path / "home" / "bench").mkdir(parents=True)
     (tmp_path / "home" / "bench" / micro_dir.name).symlink_to(micro_dir)  # the session's micro model, no rebuild

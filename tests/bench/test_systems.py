@@ -178,6 +178,7 @@ def test_other_cores_is_the_machines_busy_time_less_ours_over_the_wall_time():
         child.wait()
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_the_prefix_cache_variants_serve_the_same_requests_and_say_what_they_ran(micro_dir):
     """Shared system prompts: lorafleet finds them cached (each replay starts with the cache
     empty, so the hits are the replay's own); the cacheless variant finds nothing; the LRU one

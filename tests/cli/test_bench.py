@@ -129,6 +129,7 @@ def test_bench_quick_runs_every_system_warmed_up_and_writes_the_json_report_and_
     assert report["plots"].get("switch") or any("same shape" in n for n in report["plots"]["notes"])
 
 
+@pytest.mark.heavy  # a whole benchmark run
 def test_the_tables_render_a_quick_report_for_people(home, tmp_path, monkeypatch):
     """Also: --out naming a directory (here a new one, ending in /) gets the report and PNGs inside."""
     monkeypatch.setenv("LORAFLEET_HOME", str(home))

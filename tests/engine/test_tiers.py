@@ -45,6 +45,7 @@ def test_registering_costs_no_device_memory(llama_dir, thousand):
     assert engine.stats()["adapters"]["tiers"] == {"device": 0, "host": 0, "disk": 200}
 
 
+@pytest.mark.heavy  # a thousand adapters: a whole run
 def test_a_thousand_adapters_through_a_pool_that_holds_thirty(llama_dir, thousand):
     probe = Engine(llama_dir, pool_bytes=8 << 20)
     sizes = [probe.load_adapter(n, thousand[n])["pages"] for n in list(thousand)[:50]]

@@ -30,6 +30,7 @@ def test_every_family_gives_the_torch_paths_tokens(family, tmp_path, monkeypatch
     assert greedy("triton", monkeypatch, folder)[0] == greedy("torch", monkeypatch, folder)[0]
 
 
+@pytest.mark.heavy  # an engine under the Triton interpreter, slow
 def test_mixed_ranks_eager_and_at_fixed_decode_shapes(llama_dir, tmp_path, monkeypatch):
     adapters = {f"r{r}": build_adapter(llama_dir, tmp_path / f"r{r}", seed=r, r=r, lora_alpha=2 * r,
                                        target_modules=ALL7) for r in (3, 8)}

@@ -317,6 +317,7 @@ MAX_OTHER_CORES = 0.1  # beside more other work, a load's gaps are the host's as
 NOISY_BOUND = 10       # gaps, in medians, beside more: still far below a load on the engine thread
 
 
+@pytest.mark.heavy  # timing beside a 200 MB load
 def test_an_eager_200_mb_load_does_not_stall_running_streams(tmp_path_factory, big_adapter):
     """No gap between two chunks of a stream during the load exceeds 3 median gaps. On a virtual
     machine whose host takes its CPUs now and then, for minutes at a time (seen here, on 2
