@@ -109,6 +109,8 @@ def _separators(raw: bytes) -> int:
 
 
 def _unicode(s: str, param: str | None) -> None:
+    if s.isascii():  # no surrogate; a scan, not a copy (the check holds the GIL through a large prompt)
+        return
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
@@ -319,8 +321,10 @@ def _check_text_size(text: str, tokenizer, max_model_len: int, param: str, what:
     """Refuse, before encoding, a text longer than the context could hold whatever it encodes to
     (encoding costs time and memory in proportion to the text)."""
     bound = tokenizer.max_text_bytes(max_model_len)
-    if len(text) * 4 > bound and (size := len(text.encode("utf-8"))) > bound:
-        raise bad(param, f"{what} is {size:,} bytes; the context of {max_model_len:,} tokens holds at most "
+    # a character is 1-4 bytes: its count alone decides but between bound / 4 and bound (no copy)
+    size = len(text) if len(text) > bound or text.isascii() else len(text.encode("utf-8")) if len(text) * 4 > bound else 0
+    if size > bound:
+        raise bad(param, f"{what} is {size:,} bytes or more; the context of {max_model_len:,} tokens holds at most "
                          f"{bound:,} bytes of text ({tokenizer.max_token_bytes} bytes a token at most)")
 
 
