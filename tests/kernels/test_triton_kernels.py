@@ -293,6 +293,7 @@ def test_lora_prefill_length_mixes(design, dtype):
     check_mix(case, design, dtype)
 
 
+@pytest.mark.heavy  # three interpreted runs of each mix (the default tier checks each mix once, above)
 @pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_mixes_under_static_bounds_larger_than_needed(design, dtype):
