@@ -288,7 +288,10 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
     return heads
 
 
-MAX_TOKENIZER_BYTES = 64 << 20  # a tokenizer.json of 150k tokens is ~10 MiB; parsing it holds a worker
+# An adapter's tokenizer.json is parsed while the daemon serves, and the parse holds the interpreter's
+# lock (every thread waits): capped at what the largest real vocabularies need
+MAX_TOKENIZER_BYTES = 36 << 20
+MAX_SIDE_FILE_BYTES = 4 << 20  # the files `Tokenizer.from_pretrained` reads beside it (a few KiB each)
 
 
 def own_tokenizer(folder: Path, vocab: int, base_vocab: int):
@@ -306,12 +309,13 @@ def own_tokenizer(folder: Path, vocab: int, base_vocab: int):
     if not os.path.isfile(path):
         raise AdapterError(f"{path}: missing; {need}")
     if os.path.getsize(path) > MAX_TOKENIZER_BYTES:
-        raise AdapterError(f"{path}: over {MAX_TOKENIZER_BYTES >> 20} MiB (a tokenizer is a few MiB)")
+        raise AdapterError(f"{path}: {os.path.getsize(path):,} bytes, over the {MAX_TOKENIZER_BYTES >> 20} MiB an "
+                           "adapter's tokenizer.json may take (the largest real vocabularies need less)")
     for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json", "config.json",
                  "generation_config.json"):  # what `Tokenizer.from_pretrained` reads beside it: parsed holding the GIL
         other = Path(folder) / name
-        if os.path.isfile(other) and os.path.getsize(other) > MAX_TOKENIZER_BYTES // 16:
-            raise AdapterError(f"{other}: over {MAX_TOKENIZER_BYTES >> 24} MiB (a tokenizer's files are a few KiB)")
+        if os.path.isfile(other) and os.path.getsize(other) > MAX_SIDE_FILE_BYTES:
+            raise AdapterError(f"{other}: over {MAX_SIDE_FILE_BYTES >> 20} MiB (a tokenizer's files are a few KiB)")
     try:
         tok = Tokenizer.from_pretrained(folder)
     except ModelLoadError as e:

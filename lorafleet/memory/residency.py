@@ -48,7 +48,6 @@ from typing import Container
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError, shown
 from lorafleet.lora.batch import HeadParts
 from lorafleet.lora.heads import own_tokenizer
-from lorafleet.model.tokenizer import check_adapter_tokenizer_size
 from lorafleet.lora.adapter import BaseShapes, read_adapter_config
 from lorafleet.lora.headers import read_plan
 from lorafleet.memory.entry import AdapterEntry, Inspected
@@ -116,8 +115,6 @@ class AdapterResidency:
         copy = layout.parts.get("embed") or layout.parts.get("lm_head")
         if copy is None or copy.rows == self.base.vocab_size:
             return Inspected(numel, saved=layout.saved)
-        if tokenizer:
-            check_adapter_tokenizer_size(path)
         return Inspected(numel, copy.rows, own_tokenizer(path, copy.rows, self.base.vocab_size) if tokenizer else None,
                          layout.saved)
 

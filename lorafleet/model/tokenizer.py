@@ -12,7 +12,6 @@ globals), so a prompt built here is byte-for-byte the prompt the model was tuned
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,19 +29,6 @@ _REPLACEMENT = "\ufffd"
 # A text's size is checked against the context before it is encoded, by the longest token's bytes
 # with this floor: no real token is longer, so no text that fits is refused.
 MIN_BYTES_PER_TOKEN = 64
-# An adapter's own tokenizer.json is parsed while the daemon serves, and the parse holds the
-# interpreter's lock (every thread waits): capped at what the largest real vocabularies need.
-MAX_ADAPTER_TOKENIZER_BYTES = 36 << 20
-
-
-def check_adapter_tokenizer_size(folder: str | Path) -> None:
-    """Refuse an adapter's tokenizer.json over MAX_ADAPTER_TOKENIZER_BYTES before it is parsed."""
-    path = Path(folder) / "tokenizer.json"
-    if path.is_file() and (size := path.stat().st_size) > MAX_ADAPTER_TOKENIZER_BYTES:
-        from lorafleet.errors import AdapterError
-
-        raise AdapterError(f"{path}: {size:,} bytes, over the {MAX_ADAPTER_TOKENIZER_BYTES >> 20} MiB an "
-                           "adapter's tokenizer.json may take (the largest real vocabularies need less)")
 
 
 class Tokenizer:

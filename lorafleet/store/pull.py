@@ -97,9 +97,6 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
     adapter = load_adapter(folder, shapes)  # AdapterError names what is wrong
     if adapter.vocab_size != shapes.vocab_size:  # its own vocabulary: its tokenizer must come with it
         from lorafleet.lora.heads import own_tokenizer
-        from lorafleet.model.tokenizer import check_adapter_tokenizer_size
-
-        check_adapter_tokenizer_size(folder)
         own_tokenizer(folder, adapter.vocab_size, shapes.vocab_size)
     wanted = cfg.get("base_model_name_or_path")
     if wanted and wanted not in (base["name"], _hub_id(base)):

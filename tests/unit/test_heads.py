@@ -141,3 +141,18 @@ def test_a_part_is_read_from_its_pages_as_it_was_written(made, scattered):
         assert torch.equal(heads.lookup(pool, name, ids), want[ids])
         if want.shape[1] == base.hidden_size:
             assert torch.allclose(heads.project(pool, name, x), x @ want.t(), atol=1e-5)
+
+
+def test_an_adapters_tokenizer_json_over_its_cap_is_refused_unparsed(tmp_path):
+    """Its parse would hold the interpreter's lock: a file over the cap is refused by its size alone
+    (a sparse file of garbage: at the cap it is parsed, and refused as malformed instead)."""
+    from lorafleet.lora import heads
+
+    with open(tmp_path / "tokenizer.json", "wb") as f:
+        f.truncate(heads.MAX_TOKENIZER_BYTES + 1)
+    with pytest.raises(AdapterError, match=r"over the 36 MiB an adapter's tokenizer.json may take"):
+        heads.own_tokenizer(tmp_path, 200, 160)
+    with open(tmp_path / "tokenizer.json", "wb") as f:
+        f.truncate(heads.MAX_TOKENIZER_BYTES)
+    with pytest.raises(AdapterError, match="malformed tokenizer.json"):
+        heads.own_tokenizer(tmp_path, 200, 160)
