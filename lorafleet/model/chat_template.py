@@ -10,7 +10,7 @@ import json
 import threading
 from collections.abc import Sized
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 from pathlib import Path
 from typing import Any
 
@@ -123,14 +123,12 @@ def _check_ints(args: tuple, kwargs: dict) -> None:
 
 
 def _bounded_filter(f):
+    @wraps(f)  # its __dict__ too: jinja's pass_context / pass_environment marker
     def bounded(*args, **kwargs):
         _check_ints(args[1:], kwargs)  # args[0] is the value (or the context / environment)
         result = f(*args, **kwargs)
         _check_size(_size(result), "filter result")
         return result
-    for flag in ("jinja_pass_arg",):  # keep pass_context / pass_environment markers
-        if hasattr(f, flag):
-            setattr(bounded, flag, getattr(f, flag))
     return bounded
 
 
