@@ -10,6 +10,7 @@ beside it is reported as such (`report.noise_warnings`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -47,6 +48,19 @@ def cpu_seconds(pids: tuple[int, ...] = ()) -> tuple[float, float] | None:
     tick = os.sysconf("SC_CLK_TCK")
     busy = sum(v for i, v in enumerate(fields) if i not in (3, 4))  # all but idle and iowait
     return busy / tick, ours / tick
+
+
+def process_tree(pid: int) -> tuple[int, ...]:
+    """`pid` and its descendants now (a daemon and its render processes); those gone meanwhile are
+    left out."""
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        with contextlib.suppress(OSError, ValueError):
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return tuple(tree)
 
 
 def other_cpu_seconds(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import json
 import threading
+import time
 from collections.abc import Sized
 from datetime import datetime
 from functools import lru_cache, wraps
@@ -88,7 +89,7 @@ def _strftime_now(fmt: str) -> str:
 # A template is foreign code that renders on the server's threads: its time and output are bounded,
 # so a hostile one fails its own request with a 400 instead of holding a thread, a core or memory.
 
-RENDER_TIMEOUT_S = 2.0  # real templates render in milliseconds; a render past this is refused
+RENDER_TIMEOUT_S = 1.0  # real templates render in milliseconds; a render past this is refused
 
 
 class RenderBoundError(Exception):
@@ -188,7 +189,7 @@ class _Deadline:
     checks keep any single C call (a repetition, a join) small."""
 
     def __init__(self, seconds: float):
-        self._seconds, self._lock, self._done = seconds, threading.Lock(), False
+        self.seconds, self._lock, self._done = seconds, threading.Lock(), False
         self._thread = threading.get_ident()
         self._timer = threading.Timer(seconds, self._fire)
         self._timer.daemon = True
@@ -209,18 +210,48 @@ class _Deadline:
         self._timer.cancel()
 
 
+class CpuDeadline(_Deadline):
+    """A deadline on the rendering thread's CPU time, watched every POLL_S, with `on_slow()` called
+    once that time passes `slow_s`: a render process given little CPU is not refused for waiting
+    (`template_worker`)."""
+
+    POLL_S = 0.005
+
+    def __init__(self, seconds: float, slow_s: float, on_slow):
+        super().__init__(seconds)
+        self._slow_s, self._on_slow, self._stop = slow_s, on_slow, threading.Event()
+        self._clock = time.pthread_getcpuclockid(self._thread)
+        self._timer = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        start, slow = time.clock_gettime(self._clock), True
+        while not self._stop.wait(self.POLL_S):
+            used = time.clock_gettime(self._clock) - start
+            if slow and used > self._slow_s:
+                slow = False
+                self._on_slow()
+            if used > self.seconds:
+                self._fire()
+                return
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._done = True
+        self._stop.set()
+
+
 class _RenderTimeout(RenderBoundError):
     pass
 
 
 def render_bounded(template: jinja2.Template, variables: dict, max_chars: int | None,
-                   timeout_s: float | None = None) -> str:
+                   deadline: _Deadline | None = None) -> str:
     """`template.render(**variables)`, streamed and counted: RenderBoundError once the output passes
-    `max_chars` or the render passes `timeout_s`."""
-    timeout_s = RENDER_TIMEOUT_S if timeout_s is None else timeout_s
+    `max_chars` or the render passes its `deadline` (RENDER_TIMEOUT_S from now by default)."""
+    deadline = deadline or _Deadline(RENDER_TIMEOUT_S)
     _bounds.max_chars, chunks, total = max_chars, [], 0
     try:
-        with _Deadline(timeout_s):
+        with deadline:
             for chunk in template.generate(**variables):
                 total += len(chunk)
                 if max_chars is not None and total > max_chars:
@@ -228,7 +259,7 @@ def render_bounded(template: jinja2.Template, variables: dict, max_chars: int | 
                                            "more than this request's context can hold")
                 chunks.append(chunk)
     except _RenderTimeout:  # a late delivery lands here too, never outside this function
-        raise RenderBoundError(f"the chat template took over {timeout_s:g} s to render") from None
+        raise RenderBoundError(f"the chat template took over {deadline.seconds:g} s to render") from None
     finally:
         _bounds.max_chars = None
     return "".join(chunks)

@@ -183,6 +183,21 @@ class Tokenizer:
 
     # -- chat ------------------------------------------------------------------------------------
 
+    def chat_variables(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> dict:
+        """The variables the chat template renders `messages` with; `extra` adds template variables
+        (`tools=[...]`, `enable_thinking=False`...). Raises `InvalidRequestError` when the model has
+        no template or the messages are malformed."""
+        if self._template is None:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        return {
+            **self._special,
+            "tools": None,  # defined, as transformers does, so `tools is none` tests work
+            "documents": None,
+            **extra,
+            "messages": _check_messages(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -191,22 +206,13 @@ class Tokenizer:
         max_chars: int | None = None,
         **extra: Any,
     ) -> str | list[int]:
-        """Render `messages` with the model's chat template; the text, or its ids when `tokenize`.
+        """Render `messages` with the model's chat template, in this thread; the text, or its ids
+        when `tokenize` (the daemon renders in processes of its own: `server/renders.py`).
 
-        `extra` becomes template variables (`tools=[...]`, `enable_thinking=False`...). Raises
-        `InvalidRequestError` when the model has no template, the messages are malformed or the
-        template refuses them (its `raise_exception`, or any failure while rendering), and when the
-        render passes `max_chars` characters or its time bound (`chat_template.render_bounded`)."""
-        if self._template is None:
-            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
-        variables = {
-            **self._special,
-            "tools": None,  # defined, as transformers does, so `tools is none` tests work
-            "documents": None,
-            **extra,
-            "messages": _check_messages(messages),
-            "add_generation_prompt": add_generation_prompt,
-        }
+        Raises `InvalidRequestError` as `chat_variables` does, when the template refuses the
+        messages (its `raise_exception`, or any failure while rendering), and when the render passes
+        `max_chars` characters or its time bound (`chat_template.render_bounded`)."""
+        variables = self.chat_variables(messages, add_generation_prompt, **extra)
         try:
             text = render_bounded(self._template, variables, max_chars)
         except InvalidRequestError:

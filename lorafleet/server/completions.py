@@ -27,20 +27,21 @@ from lorafleet.lora.mix import Mix
 from lorafleet.server import renders, responses
 from lorafleet.server.errors import error_body
 from lorafleet.server.protocol import (DECODE_ON_WORKER, Generation, bad, decode_body, parse_chat, parse_completion,
-                                       render_chat, tokenize)
+                                       tokenize)
 from lorafleet.server.state import ServerState
 from lorafleet.server.worker import Sink
 
 router = APIRouter()
 
 
-async def read_json(request: Request, parse=None, *args):
+async def read_json(request: Request, parse=None, *args, max_text_bytes: int | None = None):
     """The body as JSON (its size is capped by server/body.py before it gets here), or `parse(json,
     *args)` of it: decoded and parsed on a worker thread when it is over DECODE_ON_WORKER bytes,
-    so that a large body never holds the event loop."""
+    so that a large body never holds the event loop; a string longer than `max_text_bytes` of
+    text is refused unparsed."""
     raw = await request.body()
     def work():
-        body = decode_body(raw)
+        body = decode_body(raw, max_text_bytes)
         return parse(body, *args) if parse is not None else body
     return await asyncio.to_thread(work) if len(raw) > DECODE_ON_WORKER else work()
 
@@ -52,7 +53,8 @@ def state_of(request: Request) -> ServerState:
 @router.post("/v1/completions")
 async def completions(request: Request):
     st = state_of(request)
-    gen = await read_json(request, parse_completion, st.base_name, st.sampling_defaults)
+    gen = await read_json(request, parse_completion, st.base_name, st.sampling_defaults,
+                          max_text_bytes=st.max_text_bytes)
     if len(gen.prompts) > st.config.max_pending:
         raise bad("prompt", f"{len(gen.prompts)} prompts in one request; the daemon admits at most "
                             f"{st.config.max_pending} at once (`serve --max-pending`): split the request")
@@ -62,7 +64,7 @@ async def completions(request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     st = state_of(request)
-    gen = await read_json(request, parse_chat, st.base_name, st.sampling_defaults)
+    gen = await read_json(request, parse_chat, st.base_name, st.sampling_defaults, max_text_bytes=st.max_text_bytes)
     return await generate(request, st, gen, "chatcmpl")
 
 
@@ -83,7 +85,7 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
     try:
         tokenizer = await tokenizer_of(st, gen)
         run.text, run.with_ids = responses.token_text_of(tokenizer), tokenizer is None
-        rendered = await renders.render(render_chat, gen, tokenizer, st.max_model_len) if gen.kind == "chat" else None
+        rendered = await renders.render_chat(gen, tokenizer, st.max_model_len) if gen.kind == "chat" else None
         gen = run.gen = await asyncio.to_thread(tokenize, gen, tokenizer, st.max_model_len, rendered)
         for rid, prompt in zip(run.ids, gen.prompts):
             run.unfinished.add(rid)  # before the await: if we are cancelled there, close() aborts it

@@ -41,6 +41,7 @@ from lorafleet.errors import ConfigError, DaemonRunningError
 from lorafleet.model.config import generation_defaults
 from lorafleet.paths import PID_FILE, check_socket_path, command_for, pidfile_path, socket_dir
 from lorafleet.server.app import create_app
+from lorafleet.server import renders
 from lorafleet.server.connections import guarded_protocol, raise_fd_limit
 from lorafleet.server.state import ServerState
 from lorafleet.server.worker import EngineWorker
@@ -218,6 +219,7 @@ class DaemonServer(uvicorn.Server):
             log.warning("drain timeout: cutting %d request(s) short", self.state.pending)
             self.state.cut_short()
         await super().shutdown(sockets)
+        renders.pool().close()  # its zygote and idle render processes end with their sockets
 
 
 def _stop_starting(signum, frame) -> None:

@@ -46,6 +46,12 @@ MAX_MESSAGES = 4096     # chat turns in one request
 # a 128K-token prompt as ids
 MAX_JSON_ITEMS = 1 << 18
 DECODE_ON_WORKER = 64 << 10  # bodies larger than this are decoded and checked on a worker thread
+# A JSON string decodes to at least a sixth of its length ("\u0041" is one byte of text), so a
+# literal longer than ESCAPE_RATIO times the text a context can hold is refused unparsed
+ESCAPE_RATIO = 6
+# Bytes a token's text may take, for that bound before the request's tokenizer is known: above any
+# real vocabulary's longest token (each tokenizer's own bound applies after parsing)
+ANY_TOKEN_BYTES = 1024
 
 
 def bad(param: str | None, message: str) -> InvalidRequestError:
@@ -70,12 +76,19 @@ class Generation:
 
 # -- the body --------------------------------------------------------------------------------------
 
-def decode_body(raw: bytes) -> Any:
+def decode_body(raw: bytes, max_text_bytes: int | None = None) -> Any:
     """bytes -> JSON value; a 400 for anything that is not JSON made of valid Unicode strings
     nested at most MAX_DEPTH deep (a lone surrogate such as "\\ud800" is valid JSON but no
-    text: tokenizers and UTF-8 encoders refuse it), holding at most MAX_JSON_ITEMS values."""
+    text: tokenizers and UTF-8 encoders refuse it), holding at most MAX_JSON_ITEMS values, and, given
+    `max_text_bytes`, no string surely longer than that in UTF-8. Both counts are taken before the
+    body is parsed: parsing holds the GIL, the counts (numpy) do not."""
     if _separators(raw) > MAX_JSON_ITEMS:
         raise bad(None, f"the request body holds more than {MAX_JSON_ITEMS} JSON values")
+    if max_text_bytes is not None and len(raw) > ESCAPE_RATIO * max_text_bytes:
+        if (longest := _longest_string(raw)) > ESCAPE_RATIO * max_text_bytes:
+            raise bad(None, f"a string in the request body is {longest:,} bytes of JSON, {longest // ESCAPE_RATIO:,} "
+                            f"bytes of text or more; this daemon's context holds at most {max_text_bytes:,} bytes "
+                            "of text")
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
@@ -106,6 +119,25 @@ def _separators(raw: bytes) -> int:
         return raw.count(b",") + raw.count(b":")
     a = np.frombuffer(raw, dtype=np.uint8)
     return int(np.count_nonzero(a == ord(","))) + int(np.count_nonzero(a == ord(":")))
+
+
+def _longest_string(raw: bytes) -> int:
+    """The length in `raw` of its longest JSON string literal, quotes left out, found by numpy
+    (0 when the quotes do not pair: the parser then names the error). A quote after an odd run of
+    backslashes is escaped, inside a string."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    quotes = np.flatnonzero(a == ord('"'))
+    after = quotes[quotes > 0]
+    after = after[a[after - 1] == ord("\\")]
+    if len(after):
+        slash = a == ord("\\")
+        starts = np.flatnonzero(slash[1:] & ~slash[:-1]) + 1  # where each run of backslashes begins
+        if slash[0]:
+            starts = np.concatenate(([0], starts))
+        run = after - starts[np.searchsorted(starts, after - 1, side="right") - 1]
+        quotes = np.setdiff1d(quotes, after[run % 2 == 1], assume_unique=True)
+    n = len(quotes) // 2 * 2
+    return int((quotes[1:n:2] - quotes[0:n:2] - 1).max()) if n else 0
 
 
 def _unicode(s: str, param: str | None) -> None:

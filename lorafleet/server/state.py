@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from lorafleet.config import ServerConfig
 from lorafleet.errors import QueueFullError, ShuttingDownError
+from lorafleet.server.protocol import ANY_TOKEN_BYTES
 from lorafleet.server.worker import EngineWorker
 
 
@@ -56,6 +57,13 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.worker.engine.max_model_len
+
+    @property
+    def max_text_bytes(self) -> int:
+        """The most UTF-8 text any request's context could hold, whatever tokenizer it uses: longer
+        strings are refused before a body is parsed (`protocol.decode_body`)."""
+        tokenizer = self.tokenizer
+        return self.max_model_len * max(ANY_TOKEN_BYTES, tokenizer.max_token_bytes if tokenizer is not None else 0)
 
     def info(self) -> dict:
         return {"pid": self.pid, "socket": self.config.socket, "model": self.base_name,

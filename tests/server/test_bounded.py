@@ -59,13 +59,44 @@ def test_a_body_of_too_many_values_is_refused_before_it_is_parsed(server, monkey
     assert not any(n == len(raw) for n in parsed)
 
 
+def test_a_string_longer_than_any_context_text_is_refused_before_the_body_is_parsed(server, monkeypatch):
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(protocol.json, "loads", lambda raw, *a, **k: parsed.append(len(raw)) or real(raw, *a, **k))
+    bound = 256 * protocol.ANY_TOKEN_BYTES  # the demo base's context, 256 tokens
+    raw = json.dumps({"model": "upper", "prompt": "word " * (protocol.ESCAPE_RATIO * bound // 5 + 1)}).encode()
+    status, body = post(server, "/v1/completions", raw)
+    assert status == 400 and f"holds at most {bound:,} bytes of text" in body["error"]["message"], body
+    assert not any(n == len(raw) for n in parsed)
+
+
+@pytest.mark.parametrize("value, longest", [
+    ({"a": "x" * 100, "b": "yy"}, 100),
+    ({"p": 'ab\\"c' * 50}, len(json.dumps('ab\\"c' * 50)) - 2),  # escaped quotes are inside the string
+    ({"p": "q\\" * 30, "r": "z"}, 90),                         # a backslash run before the closing quote
+    ({"ids": list(range(100_000))}, 3),                           # numbers are no string, however many
+    ({"p": "é" * 10}, 60),                                        # as json.dumps escapes it: \u00e9
+])
+def test_the_longest_string_is_measured_without_parsing(value, longest):
+    assert protocol._longest_string(json.dumps(value).encode()) == longest
+
+
+def test_text_within_the_bound_passes_however_it_is_escaped():
+    bound = 4096
+    for text in ("é" * (bound // 2), "\n" * bound, "a" * bound):  # 2 bytes a character, 1, 1: `bound` bytes
+        raw = json.dumps({"prompt": text}).encode()
+        assert protocol.decode_body(raw, bound)["prompt"] == text
+    with pytest.raises(Exception, match="bytes of text or more"):
+        protocol.decode_body(json.dumps({"prompt": "a" * (protocol.ESCAPE_RATIO * bound + 1)}).encode(), bound)
+
+
 def test_large_bodies_are_decoded_on_a_worker_thread_small_ones_inline(server, monkeypatch):
     threads = []
     real = protocol.decode_body
 
-    def decode(raw):
+    def decode(raw, *args):
         threads.append(threading.current_thread().name)
-        return real(raw)
+        return real(raw, *args)
     monkeypatch.setattr("lorafleet.server.completions.decode_body", decode)
     small = {"model": "upper", "prompt": "hi", "max_tokens": 1}
     large = {**small, "junk": ["x" * 64] * 2000}  # ~140 KB, ignored
