@@ -62,17 +62,61 @@ def pidfile_path(socket: Path) -> Path:
 
 
 def starting_daemon(socket: Path) -> int | None:
-    """The pid of a lorafleet daemon that claimed `socket` (its pid file) and lives, or None. The
-    daemon writes that file before it loads its model and binds the socket, so a live one there
-    while nothing answers on the socket is a daemon still starting. Reads, never locks: a
-    starting daemon's own check of the file must not see a reader's lock."""
+    """The pid of a lorafleet daemon that claimed `socket` and lives, or None. The daemon writes its
+    pid file before it loads its model and binds the socket, and holds the file's flock for its
+    whole life, so a pid there whose process holds that lock (`/proc/locks` names the holder) and
+    runs `lorafleet serve`, while nothing answers on the socket, is a daemon still starting. A
+    stale file (its daemon died, the pid reused by anyone, lorafleet or not) names no holder.
+    Reads, never locks: a starting daemon's own check of the file must not see a reader's lock."""
     try:
-        content = pidfile_path(socket).read_bytes()[:32]
-        pid = int(content)
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError):
+        fd = os.open(pidfile_path(socket), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return None
-    return pid if pid > 0 and b"lorafleet" in cmdline else None
+    try:
+        st, content = os.fstat(fd), os.read(fd, 32)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not PID_FILE.fullmatch(content) or (pid := int(content)) <= 1:
+        return None
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return pid if pid in lock_holders(st) and is_daemon_command(argv) else None
+
+
+def lock_holders(st: os.stat_result) -> set[int]:
+    """The pids `/proc/locks` names as holding a flock on the file of `st`: empty where it names
+    none (or there is no /proc, or a file system whose inode numbers it shows otherwise)."""
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return set()
+    holders = set()
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2148334 0 EOF" (a waiter's: "1: -> FLOCK ...")
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        try:
+            major, minor, ino = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) == want:
+                holders.add(int(fields[4]))
+        except ValueError:
+            continue
+    return holders
+
+
+def is_daemon_command(argv: list[bytes]) -> bool:
+    """Whether a command line is lorafleet's `serve`: `python -m lorafleet.cli.main serve ...` (how
+    `--detach` and the service start it) or the `lorafleet serve ...` script (its interpreter first)."""
+    for i, arg in enumerate(argv):
+        if (arg == b"lorafleet.cli.main" and i > 0 and argv[i - 1] == b"-m") or os.path.basename(arg) == b"lorafleet":
+            rest = [a for a in argv[i + 1:] if a]
+            return rest[:1] == [b"serve"]
+    return False
 
 
 def logs_dir() -> Path:

@@ -27,7 +27,7 @@ import stat
 from pathlib import Path
 
 from lorafleet.errors import LorafleetError
-from lorafleet.paths import PID_FILE, pidfile_path
+from lorafleet.paths import PID_FILE, is_daemon_command, lock_holders, pidfile_path
 
 
 class NotOurDaemonError(LorafleetError):
@@ -110,7 +110,7 @@ def proven_daemon(sock: Path, answered: bool, reported: object = None) -> Daemon
             if not _locked(fd):
                 raise refuse("no process holds the pid file's lock, so the daemon that wrote it is gone (the "
                              "file is stale, and the pid may be another process's by now)")
-            holders = _lock_holders(st)
+            holders = lock_holders(st)
             if holders and pid not in holders:
                 raise refuse(f"the pid file's lock is held by pid {', '.join(map(str, sorted(holders)))}, not by it")
             why = _not_a_daemon_of_ours(pid)
@@ -144,28 +144,6 @@ def _locked(fd: int) -> bool:
     return False
 
 
-def _lock_holders(st: os.stat_result) -> set[int]:
-    """The pids `/proc/locks` names as holding a flock on the file of `st`: empty where it names
-    none (or there is no /proc, or a file system whose inode numbers it shows otherwise)."""
-    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    try:
-        lines = Path("/proc/locks").read_text().splitlines()
-    except OSError:
-        return set()
-    holders = set()
-    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2148334 0 EOF" (a waiter's: "1: -> FLOCK ...")
-        fields = line.split()
-        if len(fields) < 6 or fields[1] != "FLOCK":
-            continue
-        try:
-            major, minor, ino = fields[5].split(":")
-            if (int(major, 16), int(minor, 16), int(ino)) == want:
-                holders.add(int(fields[4]))
-        except ValueError:
-            continue
-    return holders
-
-
 def _not_a_daemon_of_ours(pid: int) -> str | None:
     """Why `pid` is not a lorafleet daemon of this user's, or None if it is one."""
     if pid == os.getpid():
@@ -192,16 +170,6 @@ def _not_a_daemon_of_ours(pid: int) -> str | None:
         shown = " ".join(a.decode(errors="replace") for a in argv if a)[:120]
         return f"its process is not `lorafleet serve` (it runs {shown!r})"
     return None
-
-
-def is_daemon_command(argv: list[bytes]) -> bool:
-    """Whether a command line is lorafleet's `serve`: `python -m lorafleet.cli.main serve ...` (how
-    `--detach` and the service start it) or the `lorafleet serve ...` script (its interpreter first)."""
-    for i, arg in enumerate(argv):
-        if (arg == b"lorafleet.cli.main" and i > 0 and argv[i - 1] == b"-m") or os.path.basename(arg) == b"lorafleet":
-            rest = [a for a in argv[i + 1:] if a]
-            return rest[:1] == [b"serve"]
-    return False
 
 
 def _short(value: object, limit: int = 40) -> str:

@@ -10,21 +10,37 @@ import time
 
 import pytest
 
+from typer.testing import CliRunner
+
+from lorafleet.cli.main import app
 from lorafleet.client import Client
 from lorafleet.errors import DaemonStartingError, DaemonUnreachableError
 from lorafleet.paths import pidfile_path
 from tests.daemons import Daemon
 
 
+# A process that looks like a starting daemon: its command line is `lorafleet serve`'s, and it holds
+# the flock of the pid file its last argument names ("-": none)
+FAKE_SERVE = ("import fcntl, sys\nif sys.argv[-1] != '-': fcntl.flock(f := open(sys.argv[-1], 'rb'), fcntl.LOCK_EX)\n"
+              "print('ready', flush=True)\nsys.stdin.read()")
+
+
+def fake_serve(pidfile, locked: bool = True) -> subprocess.Popen:
+    pidfile.write_bytes(b"")
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVE, "-m", "lorafleet.cli.main", "serve",
+                             str(pidfile) if locked else "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"ready\n"
+    pidfile.write_bytes(b"%d\n" % proc.pid)
+    return proc
+
+
 @pytest.fixture
 def claimed(tmp_path):
-    """A socket path whose pid file names a live process that looks like a starting daemon (its
-    command line names lorafleet), and nothing listening."""
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "lorafleet-serve"],
-                            stdin=subprocess.PIPE)
+    """A socket path whose pid file names a live process that looks like a starting daemon, and
+    nothing listening."""
     sock = tmp_path / "run" / "d.sock"
     sock.parent.mkdir()
-    pidfile_path(sock).write_text(f"{proc.pid}\n")
+    proc = fake_serve(pidfile_path(sock))
     yield sock, proc
     proc.kill()
     proc.wait()
@@ -36,6 +52,23 @@ def test_a_claimed_socket_with_a_live_daemon_is_starting(claimed):
         c.health()
     assert e.value.pid == proc.pid and f"(pid {proc.pid}) is still starting" in str(e.value)
     assert e.value.exit_code == 3  # still "unreachable" to scripts that test the code
+
+
+def test_a_pid_file_whose_lock_its_process_does_not_hold_is_no_daemon_starting(tmp_path):
+    """A stale pid file naming a live process whose command line is `lorafleet serve` (its pid
+    reused by another daemon, say): no daemon starting, as `status` says."""
+    sock = tmp_path / "run" / "d.sock"
+    sock.parent.mkdir()
+    proc = fake_serve(pidfile_path(sock), locked=False)
+    try:
+        with Client(sock) as c, pytest.raises(DaemonUnreachableError) as e:
+            c.health()
+        assert not isinstance(e.value, DaemonStartingError)
+        out = CliRunner().invoke(app, ["status", "--socket", str(sock)], catch_exceptions=False)
+        assert out.exit_code == 3 and "no lorafleet daemon is running" in out.stderr, out.output
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_pid_file_of_another_program_or_a_dead_one_is_no_daemon(tmp_path, claimed):

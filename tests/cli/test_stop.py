@@ -132,11 +132,13 @@ def test_pid_0_1_and_minus_1_or_no_pid_are_never_signalled(sock, sent, content):
 
 def test_a_stale_pid_file_naming_another_daemon_leaves_that_daemon_alone(served, sock, sent):
     """Socket A's pid file was left by a dead daemon; its pid is now daemon B's. Nothing answers on
-    A (so `stop` takes A for a daemon still starting), and B is not signalled."""
+    A, and B holds not A's pid file's lock: no daemon runs on A, and B is not signalled."""
     pidfile_path(sock).write_text(f"{served.proc.pid}\n")
     out = stop(sock)
-    refused(out, f"pid {served.proc.pid}", "no process holds the pid file's lock")
+    assert out.exit_code == 3 and out.stderr.startswith("error: no lorafleet daemon is running on"), out.output
     assert sent == [] and served.proc.poll() is None
+    with pytest.raises(ours.NotOurDaemonError, match="no process holds the pid file's lock"):
+        ours.proven_daemon(sock, answered=False)
     assert served.stats()["server"]["pid"] == served.proc.pid
 
 
@@ -190,3 +192,4 @@ def test_is_daemon_command():
     assert not ours.is_daemon_command([b"/venv/bin/python", b"/venv/bin/lorafleet", b"chat", b"serve", b""])
     assert not ours.is_daemon_command([b"sleep", b"600", b""])
     assert not ours.is_daemon_command([b"python", b"-c", b"pass", b"lorafleet-serve", b""])
+
