@@ -13,18 +13,19 @@ What a GGUF file gives, and what becomes of it:
   the rows of Q and K (and their biases) for the llama architecture, to its rope layout (the two
   halves of each head interleaved): the permutation is undone on whole rows (codes and scales
   move together, so quantized data stays exact). qwen2/qwen3 are written unpermuted.
-- **The types**: Q8_0 blocks (fp16 d, 32 int8) are int8 codes with groups of 32 and their fp16
-  scales; Q4_0 blocks (fp16 d, 16 bytes: byte i holds element i in its low nibble and i + 16 in
-  its high one, w = d * (q - 8)) are int4 codes as they are. F32, F16, BF16 tensors are read as
-  they are. One scheme per model (the scheme is the LM head's dtype in `LlamaModel`, so the
-  kernels have no per-tensor scheme): the weights lorafleet quantizes (`loader.quantized_names`:
-  the projections and the LM head, the embedding where tied) must all be Q8_0, all Q4_0 or all
-  float (then full precision, or quantized at load with `quantize=`); a file that mixes them (as
-  `llama-quantize Q4_0` does without `--pure`, its output.weight in Q6_K) is refused, naming the
-  tensor, its type and the supported ones. An untied embedding (only looked up) may be Q8_0 or
-  Q4_0 in any quantized model: its codes are kept (`Kernels.rows` dequantizes the rows a step
-  looks up); in a float model it is dequantized at load, exactly. Norms and biases must be float.
-  Every other type (K-quants, IQ, Q5_0...) is refused, naming it.
+- **The types, a scheme per tensor**: Q8_0 blocks (fp16 d, 32 int8) are int8 codes with groups
+  of 32 and their fp16 scales; Q4_0 blocks (fp16 d, 16 bytes: byte i holds element i in its low
+  nibble and i + 16 in its high one, w = d * (q - 8)) are int4 codes as they are: both read byte
+  for byte. The other block types llama.cpp's files use (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
+  Q5_K, Q6_K) are dequantized exactly (`gguf_quants`) and requantized at load to int8 with groups
+  of 32, Q8_0's layout: within half an int8 step of each group's largest value, a sixteenth of a
+  4-bit code's step, and twice the bytes of a 4-bit type (until kernels read those blocks in
+  place). Each weight keeps its own scheme, so llama-quantize's mixes (Q4_K_M: Q6_K on the output
+  and on half of attn_v / ffn_down) serve as they are; a float weight among quantized ones is
+  quantized to int8 a scale per channel. A float file is served in full precision, or quantized
+  at load with `quantize=`. An untied embedding (only looked up) keeps its codes (`Kernels.rows`
+  dequantizes the rows a step looks up); in a float model it is dequantized at load, exactly.
+  Norms and biases must be float. IQ and ternary types are refused, naming them.
 - **The tokenizer** (`tokenizer.ggml.*`): `gguf_tokenizer.tokenizer_parts`.
 - **The header** is walked first with every count and length bounded (`gguf_header`): the reader
   believes them.
@@ -44,16 +45,19 @@ import numpy as np
 import torch
 
 from lorafleet.errors import ModelLoadError, UnsupportedModelError
-from lorafleet.model import gguf_header, quant
+from lorafleet.model import gguf_header, gguf_quants, quant
 from lorafleet.model.config import ModelConfig
+from lorafleet.model.gguf_rope import ROPE_FREQS, llama3_rope
 
 T = gguf.GGMLQuantizationType
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED = {"llama"}  # the architectures whose Q and K rows llama.cpp's converter permutes
 FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}
-QUANT_TYPES = {T.Q8_0: "int8", T.Q4_0: "int4"}
-TYPE_OF_SCHEME = {v: k for k, v in QUANT_TYPES.items()}
-SUPPORTED = "F32, F16, BF16 (norms, biases, embedding), Q8_0, Q4_0"
+QUANT_TYPES = {T.Q8_0: "int8", T.Q4_0: "int4"}  # read byte for byte as lorafleet's codes
+CONVERTED = {t: "int8" for t in gguf_quants.BLOCK_TYPES if t not in QUANT_TYPES}  # dequantized, requantized
+CONVERTED_GROUP = 32
+SUPPORTED = ("F32, F16, BF16 (norms, biases, embedding), Q8_0, Q4_0, and converted to int8 at load: "
+             + ", ".join(t.name for t in CONVERTED))
 
 # GGUF tensor name -> Hugging Face name; "{i}" is the layer
 TENSOR_NAMES = {
@@ -71,7 +75,6 @@ TENSOR_NAMES = {
                               "ffn_down": ("mlp", "down_proj")}.items()
        for kind in ("weight", "bias")},
 }
-ROPE_FREQS = "rope_freqs.weight"
 
 def is_gguf(path: str | Path) -> bool:
     path = Path(path)
@@ -207,7 +210,7 @@ class GGUFFile:
                                         "llama3)")
         if self.rope_freqs is None:
             return None
-        return _llama3_rope(self.rope_freqs, theta, head_dim, str(self.path))
+        return llama3_rope(self.rope_freqs, theta, head_dim, str(self.path))
 
     @cached_property
     def model_config(self) -> ModelConfig:
@@ -216,28 +219,31 @@ class GGUFFile:
     # -- weights ---------------------------------------------------------------------------------
 
     def scheme(self, quantized: set[str]) -> str | None:
-        """The scheme of the weights in `quantized` (`loader.quantized_names`): int8 (all Q8_0), int4
-        (all Q4_0) or None (all float); a file that mixes them is refused, naming the tensor."""
+        """How the weights in `quantized` (`loader.quantized_names`) are served: None (all float),
+        int8 or int4 (all one scheme), or "mixed" (each its own: `read`); a type lorafleet cannot
+        read is refused, naming the tensor and the types it reads."""
         embed = "model.embed_tokens.weight"  # untied, only looked up: its own type (`read`)
         present = [n for n in sorted(quantized) if n in self.tensors
                    and (n != embed or "lm_head.weight" not in self.tensors)]
-        types = [self.tensors[n].type for n in present]
-        for name, t in zip(present, types):
-            if t not in QUANT_TYPES and t not in FLOAT_TYPES:
+        for name in present:
+            if self.tensors[name].type not in (*QUANT_TYPES, *CONVERTED, *FLOAT_TYPES):
                 raise UnsupportedModelError(self._unsupported(name))
-        if not types:
+        served = {QUANT_TYPES.get(t) or CONVERTED.get(t) for t in (self.tensors[n].type for n in present)}
+        schemes = served - {None}
+        if not schemes:
             return None
-        proj = [t for n, t in zip(present, types) if n.endswith("_proj.weight")] or types
-        main = max(set(proj), key=proj.count)  # the projections' type: the file's scheme
-        for name, t in zip(present, types):
-            if t != main:
-                want = main.name if main in QUANT_TYPES else "F32/F16/BF16"
-                raise UnsupportedModelError(
-                    f"{self.path}: {self.tensors[name].gguf_name} is {t.name} and the model's other quantized "
-                    f"weights are {want}; lorafleet serves one scheme per model (Q8_0 or Q4_0 throughout the "
-                    "projections and the output, or float): requantize with `llama-quantize --pure` (or "
-                    f"--output-tensor-type {main.name.lower()}); supported types: {SUPPORTED}")
-        return QUANT_TYPES.get(main)
+        if None in served:  # a float weight among quantized ones: int8, a scale per channel
+            schemes.add("int8")
+        return schemes.pop() if len(schemes) == 1 else "mixed"
+
+    @property
+    def file_type(self) -> str | None:
+        """The mix llama-quantize names the file (general.file_type): Q4_K_M, Q8_0, F16..."""
+        value = self.field("general.file_type")
+        try:
+            return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            return None
 
     def _unsupported(self, name: str) -> str:
         t = self.tensors[name]
@@ -260,22 +266,21 @@ class GGUFFile:
             if t.shape != tuple(shape):
                 raise ModelLoadError(f"{self.path}: tensor {t.gguf_name} has shape {list(t.shape)}, the file's "
                                      f"metadata implies {list(shape)}")
-            untied_embed = name == "model.embed_tokens.weight" and "lm_head.weight" in wanted
-            if t.type in QUANT_TYPES:
+            if t.type in QUANT_TYPES or t.type in CONVERTED:
                 if name not in quantized and name != "model.embed_tokens.weight":
                     raise UnsupportedModelError(f"{self.path}: {t.gguf_name} is {t.type.name}; norms and biases must "
                                                 "be F32, F16 or BF16")
-                q, scales = self._blocks(t)
-                if name in quantized:
-                    if QUANT_TYPES[t.type] != scheme and not untied_embed:  # only looked up: any scheme
-                        raise ModelLoadError(f"{self.path}: {t.gguf_name} is {t.type.name} in a {scheme} model")
+                q, scales = self._blocks(t) if t.type in QUANT_TYPES else self._converted(t)
+                if name in quantized or scheme:  # an untied embedding of a quantized model: only `rows` reads it
                     out[name], out[name + "_s"] = q.to(device), scales.to(device)
                 else:  # an embedding in a float model: dequantized (exactly, in fp32)
-                    out[name] = quant.dequantize(q, scales, dtype or torch.float32).to(device)
+                    out[name] = (quant.dequantize(q, scales, dtype or torch.float32) if t.type in QUANT_TYPES
+                                 else self._dequantized(t).to(dtype or torch.float32)).to(device)
             elif t.type in FLOAT_TYPES:
                 w = self._float(t)
                 if name in quantized:
-                    out[name], out[name + "_s"] = quant.quantize(w.to(device), scheme)
+                    out[name], out[name + "_s"] = quant.quantize(w.to(device), scheme if scheme in quant.SCHEMES
+                                                                 else "int8")
                 else:
                     out[name] = w.to(device=device, dtype=dtype or w.dtype)
             else:
@@ -301,6 +306,26 @@ class GGUFFile:
             w = torch.from_numpy(np.asarray(t.data, dtype=FLOAT_TYPES[t.type]).reshape(t.shape).copy())
         return self._unpermute(t.name, w).contiguous()
 
+    def _dequantized(self, t: _Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """A block-type tensor's rows in float32 (`gguf_quants`), in the file's row order."""
+        n, k = t.shape
+        block, size = gguf.GGML_QUANT_SIZES[t.type]
+        raw = np.asarray(t.data).reshape(n, k // block * size)[rows]
+        return gguf_quants.dequantize(torch.from_numpy(np.ascontiguousarray(raw)), t.type)
+
+    def _converted(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block type lorafleet's kernels do not read as int8 codes with groups of 32, rows
+        unpermuted: dequantized and requantized a few rows at a time (one tensor's fp32 copy is
+        never whole)."""
+        n, k = t.shape
+        q = torch.empty(n, k, dtype=torch.int8)
+        scales = torch.empty(n, k // CONVERTED_GROUP, dtype=torch.float16)
+        step = max(1, (1 << 22) // k)
+        for r in range(0, n, step):
+            q[r:r + step], scales[r:r + step] = quant.quantize(self._dequantized(t, slice(r, r + step)), "int8",
+                                                               CONVERTED_GROUP)
+        return self._unpermute(t.name, q).contiguous(), self._unpermute(t.name, scales).contiguous()
+
     def _blocks(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A Q8_0 or Q4_0 tensor's blocks as (codes, fp16 scales [N, K / 32]), rows unpermuted."""
         n, k = t.shape
@@ -315,58 +340,17 @@ class GGUFFile:
 
 
 def open_model(path: str | Path, quantize: str | None = None) -> tuple[GGUFFile, ModelConfig, str | None]:
-    """The file, its config and the scheme it is served in: the file's (`quantize` None or the same),
-    or, for a float file, `quantize`'s."""
+    """The file, its config and how it is served (`GGUFFile.scheme`): a quantized file in its own
+    schemes (`quantize` None, or the same single scheme), a float file in `quantize`'s."""
     from lorafleet.model.loader import quantized_names
 
     f = GGUFFile(path)
     cfg = f.model_config
     scheme = f.scheme(quantized_names(cfg))
     if scheme and quantize and quantize != scheme:
-        raise ModelLoadError(f"{path}: the GGUF file holds {TYPE_OF_SCHEME[scheme].name} ({scheme}); it cannot be "
-                             f"served in {quantize}")
+        raise ModelLoadError(f"{path}: the GGUF file is quantized ({f.file_type or scheme}, served as {scheme}); it "
+                             f"cannot be served in {quantize}")
     return f, cfg, scheme or (quant.check_scheme(quantize) if quantize else None)
-
-
-def _llama3_rope(freqs: np.ndarray, theta: float, head_dim: int, source: str) -> dict | None:
-    """Rope scaling from llama.cpp's rope_freqs tensor (each frequency's divisor): linear when they
-    are all one factor, else llama3's parameters, recovered and checked to give the same divisors.
-    In the blend, s = orig / ((high - low) * wavelen) - low / (high - low): only a = orig / (high -
-    low) and b = low / (high - low) matter, so low = 1 is taken."""
-    factor = float(freqs.max())
-    if len(freqs) != head_dim // 2:
-        raise UnsupportedModelError(f"{source}: {ROPE_FREQS} has {len(freqs)} values, not {head_dim // 2}")
-    if np.allclose(freqs, 1.0):
-        return None
-    if np.allclose(freqs, factor):
-        return {"rope_type": "linear", "factor": factor}
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float64) / head_dim))
-    x = inv / (2 * math.pi)  # 1 / wavelen
-    mid = (freqs > 1 + 1e-6) & (freqs < factor * (1 - 1e-6))
-    s = (1 / freqs[mid] - 1 / factor) / (1 - 1 / factor)
-    low, high, orig = 1.0, 4.0, 0.0  # with fewer than two blended frequencies: Llama 3's low and high
-    if mid.sum() >= 2:
-        a, c = np.polyfit(x[mid], s, 1)  # s = a x - b, b = -c
-        if c < 0:
-            high, orig = 1.0 - 1.0 / c, -a / c
-    elif mid.sum() == 1:
-        orig = (3 * s[0] + 1) / x[mid][0]
-    else:  # every wavelength below orig / 4 is kept, every one above orig slowed: orig between
-        ones, slow = x[freqs <= 1 + 1e-6], x[freqs >= factor * (1 - 1e-6)]
-        lo, hi = 4 / ones.min() if len(ones) else 0.0, 1 / slow.max() if len(slow) else math.inf
-        orig = 8192.0 if lo < 8192 < hi else math.sqrt(lo * hi) if lo and math.isfinite(hi) else 0.0
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-               "original_max_position_embeddings": orig}
-    if high > low and orig > 0:
-        from lorafleet.model.llama import rope_inv_freq
-
-        cfg = ModelConfig(family="llama", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
-                          num_heads=1, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=theta,
-                          rope_scaling=scaling)
-        got = rope_inv_freq(cfg).double().numpy()
-        if np.allclose(got, inv / freqs, rtol=1e-4, atol=0):
-            return scaling
-    raise UnsupportedModelError(f"{source}: {ROPE_FREQS} is not a rope scaling lorafleet reproduces (linear or llama3)")
 
 
 # -- the store's layout --------------------------------------------------------------------------
@@ -393,5 +377,6 @@ def write_folder(path: str | Path, out: Path, quantize: str | None = None) -> tu
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
         files += ["tokenizer.json", "tokenizer_config.json"]
     files += write_weights(out, (f.read({name: wanted[name]}, None, "cpu", quantized & {name}, scheme)
-                                 for name in wanted), quantized, scheme)
+                                 for name in wanted), quantized, scheme,
+                           {"gguf": f.file_type} if f.file_type and f.scheme(quantized) else None)
     return files, scheme

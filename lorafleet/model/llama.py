@@ -49,9 +49,12 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's weights that only `Ke
 
 
 def quant_scheme(weights: dict[str, torch.Tensor]) -> str | None:
-    """"int8" or "int4" where the weights are quantized (`lorafleet.model.quant`), else None."""
-    s = weights.get("lm_head_s")
-    return None if s is None else ("int8" if weights["lm_head"].dtype == torch.int8 else "int4")
+    """"int8" or "int4" where the weights a step reads through `Kernels.linear` (the projections and
+    the LM head) are quantized in that scheme (`lorafleet.model.quant`), "mixed" where they are in
+    both (a GGUF file's mix: each weight keeps its own), else None."""
+    schemes = {"int8" if weights[name[:-2]].dtype == torch.int8 else "int4"
+               for name in weights if name.endswith("_s") and name != "embed_s"}
+    return None if not schemes else schemes.pop() if len(schemes) == 1 else "mixed"
 
 
 class Layer(NamedTuple):

@@ -103,7 +103,8 @@ def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, dev
                         stem = name[:-len("weight")]
                         q, scales = f.get_tensor(stem + "qweight"), _scales(f, stem, path)
                         quant.check(q, scales, wanted[name], f"{path}: {stem}qweight")
-                        if quant.scheme_of(q) != scheme and name != "model.embed_tokens.weight":  # rows: any
+                        if quant.scheme_of(q) != scheme and scheme != quant.MIXED \
+                                and name != "model.embed_tokens.weight":  # rows: any
                             raise ModelLoadError(f"{path}: {stem}qweight holds {quant.scheme_of(q)} codes in an "
                                                  f"{scheme} model")
                         out[name], out[name + "_s"] = q.to(device), scales.to(device=device, dtype=torch.float16)
@@ -171,10 +172,12 @@ def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """Hugging Face names -> the fused names `LlamaModel` documents (a quantized weight's scales,
     `X.weight_s`, fused with its codes under `<name>_s`)."""
     def join(out: str, names: list[str]) -> None:
-        for suffix in ("", "_s"):
-            if names[0] + suffix in t:
-                parts = [t[n + suffix] for n in names]
-                w[out + suffix] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if names[0] + "_s" in t:  # quantized: in one scheme and group (a GGUF mix may differ by tensor)
+            parts = quant.fusable([(t[n], t[n + "_s"]) for n in names])
+            w[out], w[out + "_s"] = (torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
+        else:
+            parts = [t[n] for n in names]
+            w[out] = parts[0] if len(parts) == 1 else torch.cat(parts)
 
     w = {"norm": t["model.norm.weight"]}
     join("embed", ["model.embed_tokens.weight"])
@@ -244,7 +247,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=Non
     its own scheme (`quantize` None or the same). `kernels`: `backend.select`'s choice (None:
     LORAFLEET_KERNELS, else auto)."""
     folder = Path(folder)
-    if folder.suffix.lower() == ".gguf" and folder.is_file():  # a llama.cpp file: Q8_0, Q4_0 or float (model/gguf.py)
+    if folder.suffix.lower() == ".gguf" and folder.is_file():  # a llama.cpp file, a scheme per tensor (model/gguf.py)
         from lorafleet.model import gguf
 
         f, cfg, scheme = gguf.open_model(folder, quantize)
@@ -302,11 +305,12 @@ def write_quantized(folder: Path, out: Path, scheme: str) -> list[str]:
                                for name in wanted), quantized, scheme)
 
 
-def write_weights(out: Path, tensors, quantized: set[str], scheme: str | None) -> list[str]:
+def write_weights(out: Path, tensors, quantized: set[str], scheme: str | None, record: dict | None = None) -> list[str]:
     """Weights into `out` in the layout `load_model` reads: `tensors` yields dicts as `_read` gives
     them (a quantized X.weight's codes under X.weight, its scales under X.weight_s), written as
     X.qweight and X.scales, in safetensors shards of at most SHARD_BYTES (with their index where
-    there are several), and `quant.QUANT_FILE` where `scheme` is set. Returns the files written."""
+    there are several), and `quant.QUANT_FILE` where `scheme` is set (with `record`'s entries).
+    Returns the files written."""
     from safetensors.torch import save_file
 
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -331,6 +335,6 @@ def write_weights(out: Path, tensors, quantized: set[str], scheme: str | None) -
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         names.append("model.safetensors.index.json")
     if scheme:
-        (out / quant.QUANT_FILE).write_text(json.dumps({"scheme": scheme}) + "\n")
+        (out / quant.QUANT_FILE).write_text(json.dumps({"scheme": scheme, **(record or {})}) + "\n")
         names.append(quant.QUANT_FILE)
     return names

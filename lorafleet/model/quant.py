@@ -44,9 +44,11 @@ from lorafleet.errors import ModelLoadError
 from lorafleet.kernels.reference import codes, dequantize  # noqa: F401 (the layout's oracle, with the kernels)
 
 SCHEMES = ("int8", "int4")
+MIXED = "mixed"  # a stored model whose weights each keep their own scheme (a GGUF file's mix)
 INT4_GROUP = 32
 QUANT_ALIGN = 32  # every group (and so K) is a multiple of this: one SIMD run of int4 codes
-QUANT_FILE = "lorafleet-quantization.json"  # a quantized folder's record: {"scheme": "int8" | "int4"}
+# a quantized folder's record: {"scheme": "int8" | "int4" | "mixed"}, and a GGUF file's mix ("gguf": "Q4_K_M")
+QUANT_FILE = "lorafleet-quantization.json"
 
 
 def stored_scheme(folder: Path) -> str | None:
@@ -57,10 +59,20 @@ def stored_scheme(folder: Path) -> str | None:
     try:
         scheme = json.loads(path.read_text())["scheme"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise ModelLoadError(f"{path}: expected {{\"scheme\": \"int8\" | \"int4\"}}") from None
-    if scheme not in SCHEMES:
-        raise ModelLoadError(f"{path}: scheme {scheme!r} is not one lorafleet serves ({', '.join(SCHEMES)})")
+        raise ModelLoadError(f"{path}: expected {{\"scheme\": \"int8\" | \"int4\" | \"mixed\"}}") from None
+    if scheme not in (*SCHEMES, MIXED):
+        raise ModelLoadError(f"{path}: scheme {scheme!r} is not one lorafleet serves ({', '.join(SCHEMES)}, {MIXED})")
     return scheme
+
+
+def stored_label(folder: Path) -> str | None:
+    """How a stored model is quantized, for people: a GGUF file's mix (Q4_K_M) where it came from
+    one, else its scheme (`stored_scheme`)."""
+    scheme = stored_scheme(folder)
+    if scheme is None:
+        return None
+    gguf_type = json.loads((Path(folder) / QUANT_FILE).read_text()).get("gguf")
+    return gguf_type if isinstance(gguf_type, str) and gguf_type.isprintable() and len(gguf_type) <= 32 else scheme
 
 
 def scheme_of(q: torch.Tensor) -> str:
@@ -133,6 +145,28 @@ def quantize(w: torch.Tensor, scheme: str, group: int | None = None) -> tuple[to
             q[r:r + rows] = (c[:, :, 0] | (c[:, :, 1] << 4)).view(-1, k // 2)
         scales[r:r + rows] = d
     return q, scales
+
+
+def as_int8(q: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized weight as int8 codes with groups of `group` (dividing its own), exactly: int4's
+    codes q become q - 8 with the same scale, a scale repeated for each smaller group."""
+    if q.dtype == torch.uint8:
+        n = q.shape[0]
+        runs = q.view(n, -1, 16)
+        q = (torch.cat([runs & 0x0F, runs >> 4], -1).view(n, -1).to(torch.int16) - 8).to(torch.int8)
+    own = group_of(q, scales)
+    return q, scales.repeat_interleave(own // group, dim=1) if own != group else scales
+
+
+def fusable(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Quantized weights stacked along N into one (qkv, gate_up) in one scheme and group: as they
+    are where they agree, else each as int8 with the smallest group (a GGUF mix: Q4_0 q beside Q6_K
+    v), exactly."""
+    kinds = {(q.dtype, group_of(q, s)) for q, s in parts}
+    if len(kinds) == 1:
+        return parts
+    group = min(g for _, g in kinds)
+    return [as_int8(q, s, group) for q, s in parts]
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:

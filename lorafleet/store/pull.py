@@ -136,15 +136,15 @@ def _quantized(folder: Path, files: list[str], scheme: str, out: Path) -> tuple[
 
 def _gguf(path: Path, base: bool, quantize: str | None, revision: str | None, out: Path) -> Path:
     """A GGUF base file as a model folder in `out` (`model.gguf.write_folder`: config, tokenizer,
-    its Q8_0/Q4_0 blocks as quantized safetensors, byte for byte)."""
-    from lorafleet.model.gguf import QUANT_TYPES, GGUFFile, write_folder
+    its weights as quantized safetensors, each in its own scheme)."""
+    from lorafleet.model.gguf import CONVERTED, QUANT_TYPES, GGUFFile, write_folder
 
     if not base:
         raise StoreError(f"{path}: a GGUF file is a base model: pull it with --base (adapters are PEFT folders)")
     if revision is not None:
         raise StoreError("--revision is for Hub sources; SOURCE is a local file")
     if quantize is not None:
-        types = {t.type.name for t in GGUFFile(path).tensors.values() if t.type in QUANT_TYPES}
+        types = {t.type.name for t in GGUFFile(path).tensors.values() if t.type in QUANT_TYPES or t.type in CONVERTED}
         if types:
             raise StoreError(f"{path}: the GGUF file is quantized already ({', '.join(sorted(types))}); pull it "
                              "without --quantize")
@@ -153,9 +153,9 @@ def _gguf(path: Path, base: bool, quantize: str | None, revision: str | None, ou
 
 
 def _stored_scheme(folder: Path) -> str:
-    from lorafleet.model.quant import stored_scheme
+    from lorafleet.model.quant import stored_label
 
-    return stored_scheme(folder)
+    return stored_label(folder)
 
 
 def default_name(source: str) -> str:

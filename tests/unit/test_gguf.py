@@ -30,8 +30,10 @@ from lorafleet.store.pull import pull
 from lorafleet.store.store import Store
 from tests.engine.test_parity import engine_prefill_logits, hf_greedy, prompts_of_lengths
 from tests.fixtures import ALL7, FAMILIES, build_adapter, build_chat_model, build_model, load_hf
+from tests.unit.test_gguf_quants import weight_blocks
 
 Q = gguf.GGMLQuantizationType
+GGUF_PY_QUANTIZES = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}  # the rest: random blocks (`weight_blocks`)
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3"}
 GGUF_NAME = {}
@@ -101,7 +103,8 @@ def write_gguf(folder: Path, out: Path, qtype=Q.Q8_0, *, types: dict[str, Q] | N
           **(meta or {})}
     for key, value in hp.items():
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
-    w.add_file_type({Q.Q8_0: 7, Q.Q4_0: 2}.get(qtype, 0))
+    ft = gguf.LlamaFileType
+    w.add_file_type({Q.Q8_0: ft.MOSTLY_Q8_0, Q.Q4_0: ft.MOSTLY_Q4_0, Q.Q4_K: ft.MOSTLY_Q4_K_M}.get(qtype, ft.ALL_F32))
     if rope(cfg).get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
     if tokenizer and (folder / "tokenizer.json").is_file():
@@ -119,6 +122,8 @@ def write_gguf(folder: Path, out: Path, qtype=Q.Q8_0, *, types: dict[str, Q] | N
                                           (embed_type or qtype) if name == "model.embed_tokens.weight" else Q.F32)
         if kind in (Q.F32, Q.F16):
             w.add_tensor(gguf_name(name), a.astype(np.float32 if kind == Q.F32 else np.float16))
+        elif kind not in GGUF_PY_QUANTIZES:  # random blocks of a weight's size (the file's values are the oracle's)
+            w.add_tensor(gguf_name(name), weight_blocks(kind, a.shape, seed=len(name)), raw_dtype=kind)
         else:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(a, kind), raw_dtype=kind)
     w.write_header_to_file()
@@ -327,7 +332,7 @@ def test_pull_stores_the_gguf_in_the_stores_layout_and_serves_the_same_tokens(tm
     path = write_gguf(folder, tmp_path / "chat.gguf", QTYPES[qtype][0])
     store = Store(tmp_path / "store")
     m = pull(str(path), base=True, store=store)
-    assert m["name"] == "chat" and m["quantization"] == QTYPES[qtype][1] and m["format"] == "gguf"
+    assert m["name"] == "chat" and m["quantization"] == qtype and m["format"] == "gguf"  # the file's mix
     stored = store.folder(m)
     assert quant.stored_scheme(stored) == QTYPES[qtype][1]
     names = load_file(stored / "model.safetensors").keys()
@@ -386,18 +391,9 @@ def llama(tmp_path_factory):
 
 def test_an_unsupported_type_is_refused_naming_it_and_the_supported_ones(llama):
     folder, root = llama
-    path = write_gguf(folder, root / "q5.gguf", types={"model.layers.1.mlp.up_proj.weight": Q.Q5_0})
-    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight is of GGUF type Q5_0.*Q8_0, Q4_0"):
+    path = write_gguf(folder, root / "iq4.gguf", types={"model.layers.1.mlp.up_proj.weight": Q.IQ4_NL})
+    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight is of GGUF type IQ4_NL.*Q8_0, Q4_0.*Q4_K"):
         load_model(path)
-
-
-@pytest.mark.parametrize("odd", [Q.Q8_0, Q.F32])
-def test_a_file_mixing_schemes_is_refused_naming_the_tensor(llama, odd):
-    """`llama-quantize Q4_0` without --pure keeps the output in another type: one scheme per model."""
-    folder, root = llama
-    path = write_gguf(folder, root / f"mixed-{odd.name}.gguf", Q.Q4_0, types={"lm_head.weight": odd})
-    with pytest.raises(UnsupportedModelError, match=rf"output\.weight is {odd.name}.*Q4_0.*--pure"):
-        Engine(path, pool_bytes=4 << 20)
 
 
 def test_an_untied_embedding_may_be_float_or_quantized(llama):
@@ -433,7 +429,7 @@ def test_shapes_that_do_not_match_the_metadata_are_refused(llama):
 
 def test_another_scheme_than_the_files_is_refused_and_a_float_file_quantizes_at_load(llama):
     folder, root = llama
-    with pytest.raises(ModelLoadError, match="holds Q8_0 .int8.; it cannot be served in int4"):
+    with pytest.raises(ModelLoadError, match=r"quantized \(Q8_0, served as int8\); it cannot be served in int4"):
         load_model(write_gguf(folder, root / "q8.gguf"), quantize="int4")
     f32 = write_gguf(folder, root / "f32.gguf", Q.F32)
     assert load_model(f32).quantization is None

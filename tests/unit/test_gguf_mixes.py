@@ -1,0 +1,104 @@
+"""A GGUF file whose weights mix llama.cpp's block types, a scheme per tensor (issue 63): each of
+the types lorafleet reads on some weight, as llama-quantize's mixes put Q6_K on the output and
+half of attn_v / ffn_down beside Q4_K. Q8_0 and Q4_0 are served byte for byte; the other types are
+dequantized exactly and requantized to int8 in groups of 32, each value within half a step of its
+group's int8 grid of the file's value. The oracle is transformers on the same weights: the file's
+values (`gguf.quants.dequantize`), requantized as stated where the type is converted; greedy tokens
+equal and logits within 1e-4; against the file's own values, no further off than Q8_0 of every weight."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lorafleet import Engine, SamplingParams
+from lorafleet.model import quant
+from lorafleet.model.gguf import CONVERTED, GGUFFile
+from lorafleet.store.pull import pull
+from lorafleet.store.store import Store
+from tests.engine.test_parity import engine_prefill_logits, hf_greedy, prompts_of_lengths
+from tests.fixtures import build_model
+from tests.unit.test_gguf import dequantized_hf, write_gguf
+
+Q = gguf.GGMLQuantizationType
+# hidden and intermediate sizes multiples of 256: every K-quant's blocks fit a row
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 2}
+MIX = {  # by HF name: every block type once at least (the rest Q4_K, the file's main type)
+    "model.layers.0.self_attn.q_proj.weight": Q.Q4_0, "model.layers.0.self_attn.k_proj.weight": Q.Q8_0,
+    "model.layers.0.self_attn.v_proj.weight": Q.Q6_K, "model.layers.0.self_attn.o_proj.weight": Q.Q4_1,
+    "model.layers.0.mlp.gate_proj.weight": Q.Q5_0, "model.layers.0.mlp.up_proj.weight": Q.Q5_1,
+    "model.layers.0.mlp.down_proj.weight": Q.Q5_K, "model.layers.1.mlp.down_proj.weight": Q.Q6_K,
+    "model.layers.1.self_attn.v_proj.weight": Q.Q3_K, "model.layers.1.self_attn.o_proj.weight": Q.Q2_K,
+    "model.layers.1.mlp.gate_proj.weight": Q.Q4_0, "model.layers.1.mlp.up_proj.weight": Q.Q4_0,
+    "lm_head.weight": Q.Q6_K, "model.embed_tokens.weight": Q.Q4_K,
+}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-mix")
+    folder = build_model(root / "hf", "llama", **SHAPE)
+    return folder, write_gguf(folder, root / "mix.gguf", Q.Q4_K, types=MIX), root
+
+
+def requantized_hf(folder, path, every: bool = False):
+    """transformers on the file's values, the converted types' requantized as lorafleet serves them
+    (`every`: every weight's, Q8_0's error on the whole model, the yardstick)."""
+    hf = dequantized_hf(folder, path)
+    types = {t.name: t.type for t in GGUFFile(path).tensors.values()}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if (every or types.get(name) in CONVERTED) and p.dim() == 2:
+                q, s = quant.quantize(p.detach().float(), "int8", 32)
+                p.copy_(quant.dequantize(q, s, torch.float32))
+    return hf
+
+
+def test_each_converted_weight_is_within_half_a_step_of_the_files_values(mixed):
+    _, path, _ = mixed
+    f = GGUFFile(path)
+    for t in f.tensors.values():
+        if t.type not in CONVERTED:
+            continue
+        want = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.type))).reshape(t.shape)
+        if t.name.endswith(("q_proj.weight", "k_proj.weight")):
+            continue  # rows permuted by llama.cpp: `_converted` unpermutes them (the engine test covers it)
+        q, s = f._converted(t)
+        got = quant.dequantize(q, s, torch.float32)
+        step = s.float().repeat_interleave(32, dim=1)  # each value's group's int8 step
+        assert ((got - want).abs() <= step / 2 * (1 + 1e-3) + 1e-7).all(), t.gguf_name
+
+
+def test_a_file_mixing_every_type_serves_transformers_greedy_tokens_on_its_weights(mixed):
+    folder, path, _ = mixed
+    engine = Engine(path, pool_bytes=4 << 20)
+    w = engine.model.w
+    assert engine.model.quantization == "mixed"
+    assert w["layers.0.qkv"].dtype == torch.int8 and w["lm_head"].dtype == torch.int8  # Q4_0 fused with others: int8
+    assert w["layers.1.gate_up"].dtype == torch.uint8  # both Q4_0: int4, byte for byte
+    hf, exact, q8 = requantized_hf(folder, path), dequantized_hf(folder, path), requantized_hf(folder, path, True)
+    for prompt in prompts_of_lengths([1, 9, 30], seed=7):
+        ours = engine_prefill_logits(engine, prompt)
+        with torch.no_grad():
+            ref, raw, yard = (m(torch.tensor([prompt])).logits[0] for m in (hf, exact, q8))
+        assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+        # against the file's own values: no further off than Q8_0 of every weight would be
+        assert (ours - raw).abs().max().item() <= 1.5 * (yard - raw).abs().max().item()
+    prompts = prompts_of_lengths([4, 13], seed=8)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)
+
+
+def test_pull_stores_the_mix_and_names_it(mixed):
+    _, path, root = mixed
+    store = Store(root / "store")
+    m = pull(str(path), base=True, store=store)
+    assert m["quantization"] == "Q4_K_M" and quant.stored_scheme(store.folder(m)) == "mixed"
+    prompts = prompts_of_lengths([6], seed=9)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert Engine(store.folder(m), pool_bytes=4 << 20).generate(prompts, params)[0].token_ids == \
+        Engine(path, pool_bytes=4 << 20).generate(prompts, params)[0].token_ids
