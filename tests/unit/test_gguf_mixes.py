@@ -102,3 +102,34 @@ def test_pull_stores_the_mix_and_names_it(mixed):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert Engine(store.folder(m), pool_bytes=4 << 20).generate(prompts, params)[0].token_ids == \
         Engine(path, pool_bytes=4 << 20).generate(prompts, params)[0].token_ids
+
+
+# -- llama.cpp's own mixes (heavy: its converter and llama-quantize) -----------------------------
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_1"])
+def test_llama_quantizes_mixes_serve_transformers_greedy_tokens_on_their_weights(tmp_path, mix):
+    """convert_hf_to_gguf.py to f32, then llama-quantize to `mix` as a user runs it (no --pure: its
+    own choice of type per tensor)."""
+    import subprocess
+
+    from lorafleet.bench import llamacpp_build as lb, llamacpp_convert as lc
+    from tests.fixtures import build_model as build
+
+    folder = build(tmp_path / "hf", "llama", **SHAPE)
+    try:
+        conv, binary = lb.converters(), lb.quantize_binary()
+    except lb.LlamaCppUnavailable as e:
+        pytest.skip(f"llama.cpp's tools: {e}")
+    stage = lc._stage(folder, tmp_path / "stage")
+    lc._convert([conv / "convert_hf_to_gguf.py", stage, "--outtype", "f32", "--outfile", tmp_path / "f32.gguf"],
+                "converting")
+    out = tmp_path / f"model-{mix}.gguf"
+    subprocess.run([str(binary), str(tmp_path / "f32.gguf"), str(out), mix], check=True, capture_output=True)
+    f = GGUFFile(out)
+    assert f.file_type == mix
+    engine = Engine(out, pool_bytes=4 << 20)
+    hf = requantized_hf(folder, out)
+    for prompt in prompts_of_lengths([3, 11, 20], seed=5):
+        assert engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids \
+            == hf_greedy(hf, prompt, 12)
