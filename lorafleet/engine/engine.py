@@ -284,20 +284,28 @@ class Engine:
         (the store's resolver): the files were validated against this base and hashed when they
         were pulled, so their loads skip both. `inspected`: what `inspect_adapter` found, when the
         caller ran it on another thread (the daemon: the checks stay off the engine thread)."""
-        return self.adapters.register(name, path, trusted_digest, inspected).info()
+        return self.adapters.register(name, self.adapter_folder(path), trusted_digest, inspected).info()
 
     def inspect_adapter(self, name: str, path: str | Path) -> Inspected:
         """The checks of `register_adapter` (config, size against the pool, from the files' headers;
         the tokenizer of an adapter with its own vocabulary), safe to run on any thread; returns
         what `register_adapter(inspected=...)` takes."""
-        return self.adapters.inspect(name, path)
+        return self.adapters.inspect(name, self.adapter_folder(path))
+
+    def adapter_folder(self, path: str | Path) -> Path:
+        """The PEFT folder an adapter path names: itself, or, for a GGUF adapter file, its
+        conversion (`lora/gguf_adapter.py`: once, cached by content; call it off the engine thread
+        where the file may be large)."""
+        from lorafleet.lora.gguf_adapter import as_folder
+
+        return as_folder(path, (self.model.cfg.num_heads, self.model.cfg.num_kv_heads))
 
     def load_adapter_async(self, name: str, path: str | Path) -> Future:
         """Start an eager load: files are read, validated and hashed on a worker while steps go
         on; the adapter takes over `name` once its pages hold it (an adapter already under that
         name serves until then, and requests that already use it finish on it). The future
         resolves at a later step to the adapter's info, or to the AdapterError refusing it."""
-        return self.prefetcher.load_eager(name, path)
+        return self.prefetcher.load_eager(name, self.adapter_folder(path))
 
     def load_adapter(self, name: str, path: str | Path) -> dict:
         """Validate a PEFT adapter folder and copy it into pool pages now (the eager form). A

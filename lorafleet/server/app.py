@@ -120,6 +120,7 @@ async def load_lora_adapter(request: Request):
     name, path = _lora_body(body, need_path=True)
     if name == st.base_name:
         raise bad("lora_name", f"{name!r} is the base model's name; choose another adapter name")
+    path = await asyncio.to_thread(st.worker.engine.adapter_folder, path)  # a GGUF adapter, converted once
     if isinstance(body, dict) and body.get("lazy") is True:
         # the files' checks on a worker (a config's patterns and a header are the file's to make
         # expensive), then only the bookkeeping on the engine thread

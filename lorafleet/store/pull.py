@@ -86,13 +86,7 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
 
     cfg = read_adapter_config(folder)
     base = choose_base(store, cfg, for_model, served)
-    folder_or_file = store.base_folder(base)
-    if folder_or_file.suffix.lower() == ".gguf" and folder_or_file.is_file():  # a daemon serving a GGUF file
-        from lorafleet.model.gguf import GGUFFile
-
-        model = GGUFFile(folder_or_file).model_config
-    else:
-        model = ModelConfig.from_folder(folder_or_file)
+    model = _base_config(store, base)
     shapes = BaseShapes.from_model_config(model)
     adapter = load_adapter(folder, shapes)  # AdapterError names what is wrong
     if adapter.vocab_size != shapes.vocab_size:  # its own vocabulary: its tokenizer must come with it
@@ -111,6 +105,28 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
     where = {"snapshot": base["snapshot"]} if base["snapshot"] else {"snapshot": None, "folder": base["folder"]}
     return {"digest": adapter.digest, "base": {"name": base["name"], **where},
             "ranks": ranks, "modules": sorted(ranks), "params": adapter.num_params}
+
+
+def _base_config(store: Store, base: dict):
+    """The ModelConfig of a base `choose_base` chose."""
+    from lorafleet.model.config import ModelConfig
+
+    folder_or_file = store.base_folder(base)
+    if folder_or_file.suffix.lower() == ".gguf" and folder_or_file.is_file():  # a daemon serving a GGUF file
+        from lorafleet.model.gguf import GGUFFile
+
+        return GGUFFile(folder_or_file).model_config
+    return ModelConfig.from_folder(folder_or_file)
+
+
+def _gguf_adapter(store: Store, path: Path, for_model: str | None, served, out: Path) -> Path:
+    """A GGUF LoRA adapter as the PEFT folder it came from, in `out` (`lora/gguf_adapter.py`), its
+    Q/K rows put back with the head counts of the base it will be validated against."""
+    from lorafleet.lora import gguf_adapter
+
+    model = _base_config(store, choose_base(store, gguf_adapter.config_hint(path), for_model, served))
+    gguf_adapter.convert(path, out, (model.num_heads, model.num_kv_heads))
+    return out
 
 
 def _validate_model(folder: Path) -> dict:
@@ -150,6 +166,12 @@ def _gguf(path: Path, base: bool, quantize: str | None, revision: str | None, ou
                              "without --quantize")
     write_folder(path, out, quantize)
     return out
+
+
+def _is_gguf_adapter(path: Path) -> bool:
+    from lorafleet.lora.gguf_adapter import is_adapter
+
+    return is_adapter(path)
 
 
 def _stored_scheme(folder: Path) -> str:
@@ -231,6 +253,9 @@ def _pull(source: str, name: str | None, base: bool, quantize: str | None, revis
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lorafleet-pull-")))
         take: list[Path] = []
+        if path.is_file() and path.suffix.lower() == ".gguf" and not base and _is_gguf_adapter(path):
+            origin.update(source=str(path.resolve()), format="gguf")
+            path = _gguf_adapter(store, path, for_model, served, tmp / "gguf-adapter")  # then as a PEFT folder
         if path.is_file() and path.suffix.lower() == ".gguf":  # a llama.cpp file, converted to the store's layout
             folder, origin["source"] = _gguf(path, base, quantize, revision, tmp / "gguf"), str(path.resolve())
             record = {**_validate_model(folder), "format": "gguf"}
@@ -240,7 +265,8 @@ def _pull(source: str, name: str | None, base: bool, quantize: str | None, revis
             with store.lock():
                 return store.install(kind, name, {f: folder / f for f in files}, {**record, **origin})
         if path.is_dir():
-            folder, origin["source"] = path, str(path.resolve())
+            folder = path
+            origin.setdefault("source", str(path.resolve()))
             if revision is not None:
                 raise StoreError("--revision is for Hub sources; SOURCE is a local folder")
         else:
