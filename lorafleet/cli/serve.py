@@ -149,8 +149,10 @@ def serve(
             from lorafleet.cli.serve_config import print_config as show
 
             return show(ctx, sock, log_file or paths.log_file(sock))
-        model, stored_name = model_folder(model)
+        model, stored_name, extra = model_folder(model)
         served_model_name = served_model_name or stored_name
+        if extra:  # an Ollama model's adapters, served beside its base
+            ctx.params["adapter"] = [*extra, *(ctx.params.get("adapter") or [])]
         config, engine_options, adapters = checked_settings({**ctx.params, "served_model_name": served_model_name},
                                                             sock)
         if detach:
@@ -188,20 +190,28 @@ def checked_settings(params: dict, sock: Path) -> tuple:
     return config, engine_options, parse_adapters(params["adapter"])
 
 
-def model_folder(model: Path | None) -> tuple[Path | None, str | None]:
+def model_folder(model: Path | None) -> tuple[Path | None, str | None, list[str]]:
     """MODEL as a folder: a path that exists (a folder, or a GGUF file: then its name less .gguf
-    is the default served name), else a base of the store by that name (then its name too, the
-    default served name); a path that is none of these is a clear error."""
+    is the default served name), else `ollama:NAME[:TAG]` (the local Ollama store's model: its GGUF
+    base, named NAME, or NAME-base with its adapters as NAME, NAME-2...: those are the third
+    item, as NAME=PATH), else a base of the store by that name (then its name too, the default
+    served name); a path that is none of these is a clear error."""
     if model is None:
-        return None, None
+        return None, None, []
+    from lorafleet.store import ollama
+
+    if ollama.is_ref(str(model)):
+        om = ollama.resolve(str(model))
+        adapters = [f"{om.name if i == 0 else f'{om.name}-{i + 1}'}={a}" for i, a in enumerate(om.adapters)]
+        return om.model, f"{om.name}-base" if adapters else om.name, adapters
     folder = model.expanduser()
     if folder.is_file():
         if folder.suffix.lower() != ".gguf":
             raise fail(f"{model}: a file, but not a GGUF model (*.gguf); MODEL is a model folder, a .gguf file or "
                        "the name of a stored base")
-        return folder.resolve(), folder.stem
+        return folder.resolve(), folder.stem, []
     if folder.exists():
-        return folder.resolve(), None
+        return folder.resolve(), None, []
     from lorafleet.errors import StoreError
     from lorafleet.store.store import Store
 
@@ -211,7 +221,7 @@ def model_folder(model: Path | None) -> tuple[Path | None, str | None]:
     except StoreError:
         raise fail(f"{model}: neither a model folder nor a base in the store ({store.root}); "
                    "pull one with `lorafleet pull SOURCE --base --name NAME`") from None
-    return store.folder(manifest).resolve(), manifest["name"]
+    return store.folder(manifest).resolve(), manifest["name"], []
 
 
 def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, Path], resolve: bool = True) -> None:

@@ -79,9 +79,13 @@ def pull(
                            served=None if base or for_model else _served(socket))
     if as_json:
         return print_json(manifest)
-    what = (f"base ({manifest['quantization']})" if manifest.get("quantization") else "base") if base else f"adapter (ranks {ranks_text(manifest)}, validated against {manifest['base']['name']})"
+    what = (f"base ({manifest['quantization']})" if manifest.get("quantization") else "base") \
+        if base or "ollama_adapters" in manifest or manifest.get("source", "").startswith("ollama:") else f"adapter (ranks {ranks_text(manifest)}, validated against {manifest['base']['name']})"
     err_console.print(f"pulled {manifest['name']}: {what}, {size(manifest['size'])}, from {manifest['source']}",
                       highlight=False)
+    for a in manifest.get("ollama_adapters", []):  # an Ollama model's adapters, pulled with its base
+        err_console.print(f"pulled {a['name']}: adapter (ranks {ranks_text(a)}, validated against "
+                          f"{a['base']['name']}), {size(a['size'])}", highlight=False)
 
 
 def _table(columns, rows) -> None:

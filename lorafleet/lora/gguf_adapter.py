@@ -41,8 +41,12 @@ CACHE = "gguf-adapters"  # under $LORAFLEET_HOME/cache
 
 
 def is_gguf(path: str | Path) -> bool:
+    """A GGUF file, by its magic (an Ollama blob has no .gguf in its name)."""
     path = Path(path)
-    return path.suffix.lower() == ".gguf" and path.is_file()
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _reader(path: Path) -> gguf.GGUFReader:

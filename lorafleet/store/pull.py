@@ -204,10 +204,28 @@ def pull(source: str, *, name: str | None = None, base: bool = False, quantize: 
     write_quantized`: its weights quantized once, tensor by tensor; the manifest records the
     scheme as `quantization`).
 
-    SOURCE may be a GGUF file (`*.gguf`, a base): stored converted (`model.gguf.write_folder`),
-    its Q8_0/Q4_0 blocks as the int8/int4 layout byte for byte, the manifest recording the
-    scheme, `format: gguf` and the file as `source`; `quantize` is refused for a quantized file."""
+    SOURCE may be a GGUF file (`*.gguf`): a base (`base`) stored converted (`model.gguf.
+    write_folder`), each weight in its scheme, the manifest recording the file's mix, `format: gguf`
+    and the file as `source` (`quantize` is refused for a quantized file); or a LoRA adapter,
+    stored as the PEFT folder it came from (`lora/gguf_adapter.py`).
+
+    SOURCE may be `ollama:NAME[:TAG]`, a model of the local Ollama store (`store/ollama.py`): its
+    base is stored under NAME (NAME-base where it has adapters), its adapters under NAME (NAME-2...),
+    validated against that base; the base's manifest is returned, its adapters' under
+    `ollama_adapters`."""
     store = store or Store()
+    from lorafleet.store import ollama
+
+    if ollama.is_ref(source):
+        om = ollama.resolve(source)
+        label = check_name(name or om.name)
+        base_name = f"{label}-base" if om.adapters else label
+        m = pull(str(om.model), name=base_name, base=True, quantize=quantize, store=store, progress=progress,
+                 warn=warn)
+        m = {**m, "source": source}
+        adapters = [pull(str(a), name=label if i == 0 else f"{label}-{i + 1}", for_model=base_name, store=store,
+                         progress=progress, warn=warn) for i, a in enumerate(om.adapters)]
+        return {**m, "ollama_adapters": adapters} if adapters else m
     if quantize is not None:
         if not base:
             raise StoreError("--quantize is for a base (--base); an adapter stays in full precision")
