@@ -36,7 +36,7 @@ from lorafleet.kernels.cpu_module import load
 from lorafleet.kernels.reference import AttentionMetadata
 
 FUNCTIONS = ["decode_layers", "decode_forward", "decode_batch"]
-FIELDS = 16  # tensors per layer, in `llama.Layer`'s order (the four projections' scales last)
+FIELDS = 20  # tensors per layer, in `llama.Layer`'s order (the four projections' scales, then offsets, last)
 
 
 
@@ -68,7 +68,7 @@ def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta
     Python forward around `decode_layers`, so the same logits bit for bit (why: the module doc)."""
     cfg, w = model.cfg, model.w
     return load().decode_forward(input_ids, logits_rows, w["embed"], w.get("embed_s"), model.flat_layers, w["norm"],
-                                 w["lm_head"], w.get("lm_head_s"),
+                                 w["lm_head"], w.get("lm_head_s"), w.get("lm_head_o"),
                                  *_step_args(kv, model.cos, model.sin, positions, meta, model.scale, cfg.rms_norm_eps,
                                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lora))
 

@@ -67,13 +67,20 @@ def rows(w: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor | None = None,
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           scales: torch.Tensor | None = None) -> torch.Tensor:
+           scales: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """A base projection: x [T, K] @ w[N, K]^T (+ bias [N]) -> [T, N], torch's GEMM. Quantized
-    (`scales` given, w the codes: `lorafleet.model.quant`'s layout): the weight dequantized in
-    x's dtype (`dequantize`), then the same GEMM."""
+    (`scales` given, w the codes: `lorafleet.model.quant`'s layout; `offsets` too for a GGUF
+    file's affine types): the weight dequantized in x's dtype (`dequantize`), then the same GEMM."""
     if scales is not None:
-        w = dequantize(w, scales, x.dtype)
+        w = dequantize(w, scales, x.dtype, offsets=offsets)
     return F.linear(x, w, bias)
+
+
+def offset_term(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """What a weight's group offsets add to x [T, K] @ w^T: each group's sum of x times its offset,
+    [T, N] in fp32 (offsets [N, K / G] float32): a GEMM a group's width smaller than the weight's."""
+    t, k = x.shape
+    return x.float().view(t, offsets.shape[1], k // offsets.shape[1]).sum(-1) @ offsets.t()
 
 
 def codes(q: torch.Tensor) -> torch.Tensor:
@@ -89,16 +96,21 @@ def codes(q: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
-               rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+               rows: slice | torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """A quantized weight's full-precision values [N, K] (or those of its `rows`) in `dtype`: each
-    code times its group's scale (scales [N, K / G], one per G elements), in fp32, rounded once.
-    The oracle every quantized kernel is tested against."""
+    code times its group's scale (scales [N, K / G], one per G elements), plus its group's offset
+    where there are `offsets` (float32 [N, K / G]), in fp32, rounded once. The oracle every
+    quantized kernel is tested against."""
     if rows is not None:
         q, scales = q[rows], scales[rows]
+        offsets = None if offsets is None else offsets[rows]
     c = codes(q).float()
     n, k = c.shape
     g = k // scales.shape[1]
-    return (c.view(n, -1, g) * scales.float()[..., None]).view(n, k).to(dtype)
+    v = c.view(n, -1, g) * scales.float()[..., None]
+    if offsets is not None:
+        v = v + offsets[..., None]
+    return v.view(n, k).to(dtype)
 
 
 @dataclass

@@ -6,6 +6,18 @@
 #include <vector>
 using OptT = c10::optional<torch::Tensor>;
 
+// A projection, plus the term of its group offsets where it has them (a GGUF file's affine types:
+// `reference.offset_term`, the same ops): each group's sum of x times its offset.
+static torch::Tensor linear_off(const torch::Tensor& x, const torch::Tensor& w, const OptT& b, const OptT& s,
+                                const OptT& o) {
+  torch::Tensor y = lin::linear(x, w, b, s);
+  if (o) {
+    const int64_t T = x.size(0), G = o->size(1);
+    y.add_(x.to(at::kFloat).view({T, G, x.size(1) / G}).sum(-1).mm(o->t()).to(y.scalar_type()));
+  }
+  return y;
+}
+
 // One decode step through every layer. x [T, H]: the embedded tokens, the residual stream
 // (updated in place); w: FIELDS tensors per layer (None where the family has none); kv: the pool
 // [pages, L, 2, block, KVH, D]; lora: empty, or (pool [n], seg [S, 5]): the row tables' fields
@@ -20,7 +32,7 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
                             const torch::Tensor& slot_pages, const torch::Tensor& slot_offsets,
                             const torch::Tensor& tables, const torch::Tensor& lens, double scale, double eps,
                             int64_t H, int64_t KVH, int64_t D, const std::vector<torch::Tensor>& lora) {
-  constexpr int64_t F = 16;  // tensors per layer: llama.Layer's fields (decode_layers_cpu.FIELDS)
+  constexpr int64_t F = 20;  // tensors per layer: llama.Layer's fields (decode_layers_cpu.FIELDS)
   TORCH_CHECK(w.size() % F == 0 && kv.dim() == 6 && int64_t(w.size() / F) == kv.size(1),
               "decode_layers: ", F, " tensors per layer of the pool's ", kv.size(1));
   TORCH_CHECK(lora.empty() || lora.size() == 2, "decode_layers: lora is (pool, seg) or empty");
@@ -32,9 +44,10 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
   torch::Tensor out;  // the previous layer's MLP output: it joins x as the next norm reads it
   for (int64_t i = 0; i < L; ++i) {
     const OptT* lw = w.data() + i * F;  // in_norm qkv qkv_b q_norm k_norm o o_b post_norm gate_up gate_up_b down down_b,
-    // then the four projections' scales (None where full precision): qkv_s o_s gate_up_s down_s
+    // then the four projections' scales (None where full precision): qkv_s o_s gate_up_s down_s,
+    // and their group offsets (None but for a GGUF file's affine types): qkv_o o_o gate_up_o down_o
     torch::Tensor h = out.defined() ? pw::add_rms_norm(x, out, *lw[0], eps) : pw::rms_norm(x, *lw[0], eps);
-    torch::Tensor qkv = lin::linear(h, *lw[1], lw[2], lw[12]);
+    torch::Tensor qkv = linear_off(h, *lw[1], lw[2], lw[12], lw[16]);
     delta(i, 0, h, qkv);
     const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D});
     torch::Tensor q = heads.narrow(1, 0, H), k = heads.narrow(1, H, KVH), v = heads.narrow(1, H + KVH, KVH);
@@ -48,13 +61,13 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
     torch::Tensor o = torch::empty({T, H, D}, x.options());
     att::paged_decode(q, layer_kv, tables, lens, scale, o);
     o = o.view({T, H * D});
-    out = lin::linear(o, *lw[5], lw[6], lw[13]);
+    out = linear_off(o, *lw[5], lw[6], lw[13], lw[17]);
     delta(i, 1, o, out);
     h = pw::add_rms_norm(x, out, *lw[7], eps);
-    torch::Tensor gu = lin::linear(h, *lw[8], lw[9], lw[14]);
+    torch::Tensor gu = linear_off(h, *lw[8], lw[9], lw[14], lw[18]);
     delta(i, 2, h, gu);
     const torch::Tensor a = pw::silu_mul(gu);
-    out = lin::linear(a, *lw[10], lw[11], lw[15]);
+    out = linear_off(a, *lw[10], lw[11], lw[15], lw[19]);
     delta(i, 3, a, out);
   }
   return out;
@@ -69,13 +82,13 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<OptT> w, torch::Tensor 
 }
 
 // `LlamaModel.forward` for a decode-only step (embed_s, lm_head_s: a quantized embedding's and LM
-// head's scales, or None): the tokens' embedding rows, `layers`, the last MLP output into the
+// head's scales, or None; lm_head_o: the head's group offsets, or None): the tokens' embedding rows, `layers`, the last MLP output into the
 // residual stream, then the final norm and the LM head on the rows that
 // sample (all of them where `rows` has every row); returns fp32 logits [S, V]. The ops of the
 // Python forward, in its order, so the logits are the same bit for bit.
 torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tensor embed, OptT embed_s,
                              std::vector<OptT> w, torch::Tensor norm, torch::Tensor lm_head, OptT lm_head_s,
-                             torch::Tensor kv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_pages,
+                             OptT lm_head_o, torch::Tensor kv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, torch::Tensor slot_pages,
                              torch::Tensor slot_offsets, torch::Tensor tables, torch::Tensor lens, double scale,
                              double eps, int64_t H, int64_t KVH, int64_t D, std::vector<torch::Tensor> lora) {
   pybind11::gil_scoped_release no_gil;
@@ -85,7 +98,7 @@ torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tenso
   x.add_(layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D,
                 lora));
   if (rows.size(0) != x.size(0)) x = x.index_select(0, rows);
-  return lin::linear(pw::rms_norm(x, norm, eps), lm_head, c10::nullopt, lm_head_s).to(at::kFloat);
+  return linear_off(pw::rms_norm(x, norm, eps), lm_head, c10::nullopt, lm_head_s, lm_head_o).to(at::kFloat);
 }
 
 // A pure decode step's batch tensors (`ModelRunner.prepare`'s, for rows that each decode one

@@ -152,14 +152,25 @@ def matmul_cached_time(model, rows: int, slice_bytes: int = 2 << 20, calls: int 
 
 def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, rounds: int = 3,
                      prompt_len: int = 16, threads: int | None = None, dtype: str = "float32",
-                     quantize: str | None = None, progress=None) -> dict:
+                     quantize: str | None = None, progress=None, gguf_type: str | None = None) -> dict:
+    """`gguf_type`: the base as llama-quantize writes it in that type (Q4_K_M...), served from the
+    file; the report gives its tensors' bytes beside those a step reads as served."""
     from lorafleet import Engine
 
     check_cpu_fit(shape, quantize)
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine(build_base(shape, on_device=shape in ON_DEVICE_ONLY), device="cpu", dtype=dtype,
-                    pool_bytes=1 << 30, quantize=quantize)
+    base = build_base(shape, on_device=shape in ON_DEVICE_ONLY)
+    file_bytes = None
+    if gguf_type:
+        from lorafleet.bench.llamacpp_convert import quantized_gguf
+        from lorafleet.model.gguf import GGUFFile
+
+        base = quantized_gguf(base, gguf_type, say=progress or (lambda m: None), threads=threads)
+        f = GGUFFile(base)  # a step reads each tensor once, the embedding's only where tied
+        file_bytes = sum(int(t.data.nbytes) for n, t in f.tensors.items()
+                         if n != "model.embed_tokens.weight" or "lm_head.weight" not in f.tensors)
+    engine = Engine(base, device="cpu", dtype=dtype, pool_bytes=1 << 30, quantize=quantize)
     vocab = engine.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(max(batches))]
@@ -199,10 +210,13 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
                      "cached_ms": statistics.median(cached[b]) * 1e3, "cached_ratio": statistics.median(cached_ratios),
                      "round_cached_ms": [t * 1e3 for t in cached[b]], "round_cached_ratios": cached_ratios,
                      "host_ms": statistics.median(hosts[b]) * 1e3, "round_host_ms": [t * 1e3 for t in hosts[b]],
-                     "tokens_per_s": b / step, "effective_gb_s": nbytes / step / 1e9})
+                     "tokens_per_s": b / step, "effective_gb_s": nbytes / step / 1e9,
+                     **({"file_ratio": statistics.median(t * bw / file_bytes for t, bw in zip(times[b], bandwidths))}
+                        if file_bytes else {})})
     return {"benchmark": "decode-bound", "shape": shape, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "steps": steps, "rounds": rounds,
-            "quantization": engine.model.quantization, "weight_bytes": nbytes,
+            "quantization": engine.model.quantization, "weight_bytes": nbytes, "gguf_type": gguf_type,
+            "file_bytes": file_bytes,
             "model_weight_bytes": held, "fp32_weight_bytes": fp32, "memory_ratio": held / fp32,
             "memory_target": MEMORY_TARGETS.get(engine.model.quantization), "bandwidth_gb_s": bandwidth / 1e9, "bound_ms": bound * 1e3,
             "round_bandwidths_gb_s": [bw / 1e9 for bw in bandwidths],

@@ -69,6 +69,24 @@ def convert_model(model_dir: Path, say: Callable[[str], None] = build.quiet, qua
     return out
 
 
+def quantized_gguf(model_dir: Path, gguf_type: str, say: Callable[[str], None] = build.quiet,
+                   threads: int | None = None) -> Path:
+    """The bench model as llama-quantize writes it in `gguf_type` (Q4_K_M, Q6_K, Q4_1...: its own
+    choice of type per tensor, as a user runs it), from the f32 conversion; cached beside it."""
+    if not gguf_type.replace("_", "").isalnum() or len(gguf_type) > 16:
+        raise ValueError(f"GGUF type {gguf_type!r}: a llama-quantize type such as Q4_K_M")
+    f32 = convert_model(model_dir, say)
+    out = f32.with_name(f32.name.replace("model-f32-", f"model-{gguf_type.lower()}-", 1))
+    if not out.is_file():
+        binary = build.quantize_binary(say)
+        say(f"quantizing {Path(model_dir).name}'s GGUF to {gguf_type}")
+        with tempfile.TemporaryDirectory(prefix=".quantize-", dir=out.parent) as tmp:
+            _run([binary, f32, Path(tmp) / "out.gguf", gguf_type, *([str(threads)] if threads else [])],
+                 f"quantizing {f32.name} to {gguf_type}")
+            os.replace(Path(tmp) / "out.gguf", out)
+    return out
+
+
 def convert_command(conv: Path, stage: Path, outtype: str, outfile: Path) -> list:
     """The converter's arguments (after the Python that runs it) for a model staged in `stage`."""
     return [conv / "convert_hf_to_gguf.py", stage, "--outtype", outtype, "--outfile", outfile]

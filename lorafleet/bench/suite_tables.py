@@ -31,7 +31,8 @@ def decode_bound_table(results: list[dict]) -> Table:
     quantized = [r for r in results if r.get("quantization")]
     memory = ("\nmemory: the base's weight bytes (every tensor, scales included) against the same model's in "
               "float32; target: " + ", ".join(f"{q} <= {t}x" for q, t in
-                                              dict((r["quantization"], r["memory_target"]) for r in quantized).items())
+                                              dict((r["quantization"], r["memory_target"]) for r in quantized).items()
+                                              if t is not None)
               if quantized else "")
     table = new_table("decode-bound: a base-model decode step against reading its weights once",
                    ["shape", "weights", "read GB/s", "batch", "step ms", "bound ms", "ratio", "tok/s", "matmuls ms",
@@ -49,12 +50,15 @@ def decode_bound_table(results: list[dict]) -> Table:
             first = i == 0
             mem = []
             if quantized:
-                mem = [f"{r['memory_ratio']:.3f}x fp32 {verdict(r['memory_ratio'] <= r['memory_target'])}"
+                target = r["memory_target"]
+                mem = [f"{r['memory_ratio']:.3f}x fp32" + (f" {verdict(r['memory_ratio'] <= target)}" if target else "")
                        if q and first else ""]
             table.add_row(f"{r['shape']} {r['dtype']}{' ' + q if q else ''}" if first else "",
                           f"{r['weight_bytes'] / 2**20:.0f} MiB" if first else "",
                           f"{r['bandwidth_gb_s']:.1f}" if first else "", str(row["batch"]), f"{row['step_ms']:.2f}",
-                          f"{row['bound_ms']:.2f}", f"{row['ratio']:.2f}x", f"{row['tokens_per_s']:.0f}",
+                          f"{row['bound_ms']:.2f}", f"{row['ratio']:.2f}x" + (
+                              f" ({row['file_ratio']:.2f}x the {r['gguf_type']} file's)" if row.get("file_ratio") else ""),
+                          f"{row['tokens_per_s']:.0f}",
                           f"{row['matmul_ms']:.2f} ({row['matmul_ratio']:.2f}x)",
                           f"{row['cached_ms']:.2f} ({row['cached_ratio']:.2f}x)", f"{row['host_ms']:.2f}", *mem)
     return table

@@ -251,6 +251,10 @@ def decode_bound(
         "--quantize", metavar="int8|int4",
         help="The base quantized as it loads (--dtype is then the activations'): the bound counts the codes and "
              "the fp16 scales a step reads; the report sets the base's bytes against fp32's.")] = None,
+    gguf_type: Annotated[str | None, typer.Option(
+        "--gguf-type", metavar="TYPE",
+        help="The base as llama-quantize writes it in TYPE (Q4_K_M, Q6_K, Q4_1...), served from that GGUF file; "
+             "the report gives the step against the file's bytes too.")] = None,
     quick: Quick = False, threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
     """A decode step of the base model (no adapters) at each batch size against its memory
@@ -264,7 +268,7 @@ def decode_bound(
 
         return run_decode_bound(shape, batches=tuple(batch or (1, 8, 32)), steps=4 if quick else 16,
                                 rounds=1 if quick else 3, threads=threads, dtype=dtype, quantize=quantize,
-                                progress=suites.say)
+                                progress=suites.say, gguf_type=gguf_type)
     shapes = model or (["micro"] if quick else ["tiny", "smol"])
     suites.check_shapes(shapes)
     suites.check_quantize(quantize, shapes, cpu=True)

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from lorafleet.errors import ModelLoadError, UnsupportedModelError
-from lorafleet.model import gguf_header, gguf_quants, quant
+from lorafleet.model import gguf_header, gguf_quants, gguf_weights, quant
 from lorafleet.model.config import ModelConfig
 from lorafleet.model.gguf_rope import ROPE_FREQS, llama3_rope
 
@@ -54,10 +54,15 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 PERMUTED = {"llama"}  # the architectures whose Q and K rows llama.cpp's converter permutes
 FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: None}
 QUANT_TYPES = {T.Q8_0: "int8", T.Q4_0: "int4"}  # read byte for byte as lorafleet's codes
-CONVERTED = {t: "int8" for t in gguf_quants.BLOCK_TYPES if t not in QUANT_TYPES}  # dequantized, requantized
+# affine in groups of 32 (`gguf_quants.affine`): codes q - shift in a scheme, a float16 scale and a
+# float32 offset a group (`quant.from_affine`); an offset needs the weight read by `linear`
+AFFINE = {T.Q4_1: ("int4", 8), T.Q4_K: ("int4", 8), T.Q5_0: ("int8", 0), T.Q5_1: ("int8", 16),
+          T.Q5_K: ("int8", 16)}
+REQUANTIZED = (T.Q2_K, T.Q3_K, T.Q6_K)  # groups of 16: dequantized, requantized to int8 in groups of 32
+CONVERTED = {**{t: scheme for t, (scheme, _) in AFFINE.items()}, **{t: "int8" for t in REQUANTIZED}}
 CONVERTED_GROUP = 32
-SUPPORTED = ("F32, F16, BF16 (norms, biases, embedding), Q8_0, Q4_0, and converted to int8 at load: "
-             + ", ".join(t.name for t in CONVERTED))
+SUPPORTED = ("F32, F16, BF16 (norms, biases, embedding), Q8_0, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, and "
+             "requantized to int8 at load: " + ", ".join(t.name for t in REQUANTIZED))
 
 # GGUF tensor name -> Hugging Face name; "{i}" is the layer
 TENSOR_NAMES = {
@@ -270,12 +275,20 @@ class GGUFFile:
                 if name not in quantized and name != "model.embed_tokens.weight":
                     raise UnsupportedModelError(f"{self.path}: {t.gguf_name} is {t.type.name}; norms and biases must "
                                                 "be F32, F16 or BF16")
-                q, scales = self._blocks(t) if t.type in QUANT_TYPES else self._converted(t)
-                if name in quantized or scheme:  # an untied embedding of a quantized model: only `rows` reads it
-                    out[name], out[name + "_s"] = q.to(device), scales.to(device)
-                else:  # an embedding in a float model: dequantized (exactly, in fp32)
-                    out[name] = (quant.dequantize(q, scales, dtype or torch.float32) if t.type in QUANT_TYPES
-                                 else self._dequantized(t).to(dtype or torch.float32)).to(device)
+                if name not in quantized and not scheme:  # an embedding in a float model: dequantized, exactly
+                    out[name] = self._dequantized(t).to(dtype=dtype or torch.float32, device=device)
+                    continue
+                read_by_linear = name.endswith("_proj.weight") or (name == "lm_head.weight" and name in quantized)
+                offsets = None
+                if t.type in QUANT_TYPES:
+                    q, scales = self._blocks(t)
+                elif t.type in AFFINE and (read_by_linear or AFFINE[t.type][1] == 0):
+                    q, scales, offsets = self._affine(t)
+                else:  # groups of 16, or offsets on a weight `rows` reads (the embedding): int8 of its values
+                    q, scales = self._converted(t)
+                out[name], out[name + "_s"] = q.to(device), scales.to(device)
+                if offsets is not None:
+                    out[name + "_o"] = offsets.to(device)
             elif t.type in FLOAT_TYPES:
                 w = self._float(t)
                 if name in quantized:
@@ -299,44 +312,20 @@ class GGUFFile:
         return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
     def _float(self, t: _Tensor) -> torch.Tensor:
-        if t.type == T.BF16:
-            bits = np.ascontiguousarray(t.data).view(np.int16).reshape(t.shape).copy()
-            w = torch.from_numpy(bits).view(torch.bfloat16)
-        else:
-            w = torch.from_numpy(np.asarray(t.data, dtype=FLOAT_TYPES[t.type]).reshape(t.shape).copy())
-        return self._unpermute(t.name, w).contiguous()
+        return self._unpermute(t.name, gguf_weights.float_tensor(t)).contiguous()
 
-    def _dequantized(self, t: _Tensor, rows: slice = slice(None)) -> torch.Tensor:
-        """A block-type tensor's rows in float32 (`gguf_quants`), in the file's row order."""
-        n, k = t.shape
-        block, size = gguf.GGML_QUANT_SIZES[t.type]
-        raw = np.asarray(t.data).reshape(n, k // block * size)[rows]
-        return gguf_quants.dequantize(torch.from_numpy(np.ascontiguousarray(raw)), t.type)
+    def _dequantized(self, t: _Tensor) -> torch.Tensor:
+        return gguf_weights.dequantized(t)  # an embedding's: never permuted
+
+    def _affine(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return tuple(None if x is None else self._unpermute(t.name, x).contiguous()
+                     for x in gguf_weights.affine(t, *AFFINE[t.type]))
 
     def _converted(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block type lorafleet's kernels do not read as int8 codes with groups of 32, rows
-        unpermuted: dequantized and requantized a few rows at a time (one tensor's fp32 copy is
-        never whole)."""
-        n, k = t.shape
-        q = torch.empty(n, k, dtype=torch.int8)
-        scales = torch.empty(n, k // CONVERTED_GROUP, dtype=torch.float16)
-        step = max(1, (1 << 22) // k)
-        for r in range(0, n, step):
-            q[r:r + step], scales[r:r + step] = quant.quantize(self._dequantized(t, slice(r, r + step)), "int8",
-                                                               CONVERTED_GROUP)
-        return self._unpermute(t.name, q).contiguous(), self._unpermute(t.name, scales).contiguous()
+        return tuple(self._unpermute(t.name, x).contiguous() for x in gguf_weights.requantized(t, CONVERTED_GROUP))
 
     def _blocks(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A Q8_0 or Q4_0 tensor's blocks as (codes, fp16 scales [N, K / 32]), rows unpermuted."""
-        n, k = t.shape
-        block, size = gguf.GGML_QUANT_SIZES[t.type]
-        b = np.asarray(t.data).reshape(n, k // block, size)
-        scales = torch.from_numpy(np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(n, k // block))
-        if t.type == T.Q8_0:
-            q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k))
-        else:  # Q4_0's 16 bytes a block are our int4 codes' layout already
-            q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).reshape(n, k // 2))
-        return self._unpermute(t.name, q).contiguous(), self._unpermute(t.name, scales).contiguous()
+        return tuple(self._unpermute(t.name, x).contiguous() for x in gguf_weights.blocks(t))
 
 
 def open_model(path: str | Path, quantize: str | None = None) -> tuple[GGUFFile, ModelConfig, str | None]:

@@ -73,21 +73,45 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def _blocks(raw: torch.Tensor, qtype: T) -> torch.Tensor:
-    """float32 [n, B] from blocks [n, S]."""
+# the types whose every 32 values are v = scale * q + offset, q small integers (`affine`): they map
+# onto lorafleet's int4 / int8 codes with a float16 scale, and an offset, per group of 32
+AFFINE = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K)
+
+
+def affine(raw: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Blocks [n, S] of an `AFFINE` type -> (q int16 [n, B], scale float32 [n, B / 32], offset float32
+    [n, B / 32] or None): each group of 32 values is scale * q + offset (as `dequantize` computes
+    them, bit for bit)."""
     n = raw.shape[0]
     if qtype == T.Q8_0:
-        return _f16(raw[:, :2]) * raw[:, 2:].contiguous().view(torch.int8).float()
+        return raw[:, 2:].contiguous().view(torch.int8).to(torch.int16), _f16(raw[:, :2]), None
     if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
         offset = 4 if qtype in (T.Q4_1, T.Q5_1) else 2       # d (and m)
         high = 4 if qtype in (T.Q5_0, T.Q5_1) else 0         # bytes of fifth bits
-        q = _nibbles(raw[:, offset + high:], 16).float()
+        q = _nibbles(raw[:, offset + high:], 16).to(torch.int16)
         if high:
-            q = q + 16 * _bits(raw[:, offset:offset + 4]).float()
-        d = _f16(raw[:, :2])
+            q = q + 16 * _bits(raw[:, offset:offset + 4]).to(torch.int16)
         if qtype in (T.Q4_1, T.Q5_1):
-            return d * q + _f16(raw[:, 2:4])
-        return d * (q - (16 if high else 8))
+            return q, _f16(raw[:, :2]), _f16(raw[:, 2:4])
+        return q - (16 if high else 8), _f16(raw[:, :2]), None
+    if qtype in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(raw[:, :2]), _f16(raw[:, 2:4])
+        sc, mn = _k_scales(raw[:, 4:16])
+        fifth = qtype == T.Q5_K
+        q = _nibbles(raw[:, 48 if fifth else 16:], 32).reshape(n, 8, 32).to(torch.int16)
+        if fifth:
+            q = q + 16 * _shifted(raw[:, 16:48], tuple(range(8)), 1).to(torch.int16)
+        return q.reshape(n, QK_K), d * sc, -(dmin * mn)
+    raise ValueError(f"GGUF type {qtype.name} is not affine in groups of 32")
+
+
+def _blocks(raw: torch.Tensor, qtype: T) -> torch.Tensor:
+    """float32 [n, B] from blocks [n, S]."""
+    n = raw.shape[0]
+    if qtype in AFFINE:
+        q, scale, offset = affine(raw, qtype)
+        v = q.float().view(n, -1, 32) * scale.view(n, -1, 1)
+        return (v if offset is None else v + offset.view(n, -1, 1)).view(n, -1)
     if qtype == T.Q2_K:
         scales, qs = raw[:, :16], raw[:, 16:80]
         d, dmin = _f16(raw[:, 80:82]), _f16(raw[:, 82:84])
@@ -102,14 +126,6 @@ def _blocks(raw: torch.Tensor, qtype: T) -> torch.Tensor:
         ql = _shifted(qs.reshape(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 16, 16).float()
         qh = _shifted(hmask, tuple(range(8)), 1).reshape(n, 16, 16).float()
         return (d.view(n, 1, 1) * sc.unsqueeze(-1) * (ql - 4 * (1 - qh))).reshape(n, QK_K)
-    if qtype in (T.Q4_K, T.Q5_K):
-        d, dmin = _f16(raw[:, :2]), _f16(raw[:, 2:4])
-        sc, mn = _k_scales(raw[:, 4:16])
-        fifth = qtype == T.Q5_K
-        q = _nibbles(raw[:, 48 if fifth else 16:], 32).reshape(n, 8, 32).float()
-        if fifth:
-            q = q + 16 * _shifted(raw[:, 16:48], tuple(range(8)), 1).float()
-        return (d.view(n, 1, 1) * sc.unsqueeze(-1) * q - dmin.view(n, 1, 1) * mn.unsqueeze(-1)).reshape(n, QK_K)
     if qtype == T.Q6_K:
         ql, qh, scales, d = raw[:, :128], raw[:, 128:192], raw[:, 192:208], _f16(raw[:, 208:210])
         low = _nibbles(ql, 64).reshape(n, 8, 32)

@@ -108,6 +108,12 @@ def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, dev
                             raise ModelLoadError(f"{path}: {stem}qweight holds {quant.scheme_of(q)} codes in an "
                                                  f"{scheme} model")
                         out[name], out[name + "_s"] = q.to(device), scales.to(device=device, dtype=torch.float16)
+                        if stem + "offsets" in f.keys():  # a GGUF file's affine types (`model/gguf.py`)
+                            offsets = f.get_tensor(stem + "offsets")
+                            if offsets.shape != scales.shape:
+                                raise ModelLoadError(f"{path}: {stem}offsets has shape {tuple(offsets.shape)}, its "
+                                                     f"scales {tuple(scales.shape)}")
+                            out[name + "_o"] = offsets.to(device=device, dtype=torch.float32)
                         continue
                     t = f.get_tensor(name)
                     if tuple(t.shape) != wanted[name]:
@@ -173,8 +179,11 @@ def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     `X.weight_s`, fused with its codes under `<name>_s`)."""
     def join(out: str, names: list[str]) -> None:
         if names[0] + "_s" in t:  # quantized: in one scheme and group (a GGUF mix may differ by tensor)
-            parts = quant.fusable([(t[n], t[n + "_s"]) for n in names])
-            w[out], w[out + "_s"] = (torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
+            parts = quant.fusable([(t[n], t[n + "_s"], t.get(n + "_o")) for n in names])
+            q, s, o = (None if p[0] is None else torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
+            w[out], w[out + "_s"] = q, s
+            if o is not None:  # a GGUF file's affine types: each group's offset
+                w[out + "_o"] = o
         else:
             parts = [t[n] for n in names]
             w[out] = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -209,6 +218,7 @@ def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         for name in (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight",
                      m + "gate_proj.weight", m + "up_proj.weight"):
             t.pop(name + "_s", None)
+            t.pop(name + "_o", None)
             del t[name]  # the fused copy replaces it: free the original layer by layer, not at the end
     return w
 
@@ -318,6 +328,7 @@ def write_weights(out: Path, tensors, quantized: set[str], scheme: str | None, r
     for t in tensors:
         for key, tensor in t.items():
             key = key[:-len("weight_s")] + "scales" if key.endswith("weight_s") else \
+                key[:-len("weight_o")] + "offsets" if key.endswith("weight_o") else \
                 key[:-len("weight")] + "qweight" if key in quantized else key
             nbytes = quant.nbytes(tensor)
             if size and size + nbytes > SHARD_BYTES:

@@ -147,6 +147,32 @@ def quantize(w: torch.Tensor, scheme: str, group: int | None = None) -> tuple[to
     return q, scales
 
 
+def pack_int4(c: torch.Tensor) -> torch.Tensor:
+    """int4 codes as integers 0..15 [N, K] -> the layout's bytes uint8 [N, K / 2] (in each run of
+    32, byte i: element i low, element i + 16 high)."""
+    n = c.shape[0]
+    runs = c.to(torch.uint8).view(n, -1, 2, 16)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).view(n, -1)
+
+
+def from_affine(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, scheme: str,
+                shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Groups of 32 values scale * q + offset (q integers, `gguf_quants.affine`) as the layout's
+    codes c = q - shift (int4: -8..7, int8: -128..127), float16 scales and float32 offsets
+    offset + shift * scale (None where both are 0): scale * c + those offsets. Exact but for the
+    scale's rounding to float16."""
+    s16 = scale.to(torch.float16)
+    c = q - shift
+    if scheme == "int4":
+        codes = pack_int4(c + 8)
+    else:
+        codes = c.to(torch.int8)
+    if offset is None and shift == 0:
+        return codes, s16, None
+    extra = shift * s16.float()
+    return codes, s16, extra if offset is None else offset + extra
+
+
 def as_int8(q: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A quantized weight as int8 codes with groups of `group` (dividing its own), exactly: int4's
     codes q become q - 8 with the same scale, a scale repeated for each smaller group."""
@@ -158,15 +184,18 @@ def as_int8(q: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[torch.Te
     return q, scales.repeat_interleave(own // group, dim=1) if own != group else scales
 
 
-def fusable(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Quantized weights stacked along N into one (qkv, gate_up) in one scheme and group: as they
-    are where they agree, else each as int8 with the smallest group (a GGUF mix: Q4_0 q beside Q6_K
-    v), exactly."""
-    kinds = {(q.dtype, group_of(q, s)) for q, s in parts}
-    if len(kinds) == 1:
-        return parts
-    group = min(g for _, g in kinds)
-    return [as_int8(q, s, group) for q, s in parts]
+def fusable(parts: list[tuple]) -> list[tuple]:
+    """Quantized weights (codes, scales, offsets or None) stacked along N into one (qkv, gate_up)
+    in one scheme and group: as they are where they agree, else each as int8 with the smallest
+    group (a GGUF mix: Q4_0 q beside Q6_K v), exactly; where any has offsets, all have (zeros)."""
+    kinds = {(q.dtype, group_of(q, s)) for q, s, _ in parts}
+    if len(kinds) > 1:
+        group = min(g for _, g in kinds)
+        parts = [(*as_int8(q, s, group), o) for q, s, o in parts]
+    if any(o is not None for *_, o in parts) and not all(o is not None for *_, o in parts):
+        parts = [(q, s, torch.zeros(s.shape, dtype=torch.float32, device=s.device) if o is None else o)
+                 for q, s, o in parts]
+    return parts
 
 
 def nbytes(*tensors: torch.Tensor | None) -> int:

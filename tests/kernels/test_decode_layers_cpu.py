@@ -38,7 +38,7 @@ def decode_step_both_ways(engine: Engine, requests: int) -> dict:
 
     def spy(input_ids, positions, attn, kv_cache, logits_rows, lora=None):
         if attn.num_decode == len(input_ids) == requests and not seen:
-            x = model.kernels.rows(model.w["embed"], input_ids)
+            x = model.kernels.rows(model.w["embed"], input_ids, model.w.get("embed_s"), model.dtype)
             cfg = model.cfg
             for way in ("loop", "call"):
                 xs, kv = x.clone(), kv_cache.clone()
@@ -240,3 +240,20 @@ def compare_decode_forward(engine, batch: int, subset: list[int] | None = None, 
         if compared:
             break
     return compared
+
+
+def test_a_gguf_mix_with_group_offsets_runs_the_same_both_ways(tmp_path):
+    """A GGUF file's affine types (Q4_K, Q4_1, Q5_K) hold group offsets: the call adds their term
+    as the loop does (`reference.offset_term`), bit for bit."""
+    from tests.unit.test_gguf import write_gguf
+    from tests.unit.test_gguf_mixes import MIX, SHAPE
+
+    import gguf
+
+    model = build_model(tmp_path / "hf", "llama", **SHAPE)
+    path = write_gguf(model, tmp_path / "mix.gguf", gguf.GGMLQuantizationType.Q4_K, types=MIX)
+    engine = start(path, {}, "float32", [None] * 3)
+    assert engine.model.offsets  # the mix has them
+    seen = decode_step_both_ways(engine, 3)
+    for a, b in zip(seen["loop"], seen["call"]):
+        assert same_bits(a, b)

@@ -15,7 +15,8 @@ import torch
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.model import quant
-from lorafleet.model.gguf import CONVERTED, GGUFFile
+from lorafleet.model import gguf_weights
+from lorafleet.model.gguf import AFFINE, CONVERTED, REQUANTIZED, GGUFFile
 from lorafleet.store.pull import pull
 from lorafleet.store.store import Store
 from tests.engine.test_parity import engine_prefill_logits, hf_greedy, prompts_of_lengths
@@ -44,32 +45,50 @@ def mixed(tmp_path_factory):
     return folder, write_gguf(folder, root / "mix.gguf", Q.Q4_K, types=MIX), root
 
 
+def served_values(t) -> torch.Tensor:
+    """What lorafleet serves for a weight's GGUF tensor `t`, in the file's row order, fp32: the
+    affine types from their codes, scales and offsets; the others requantized to int8."""
+    if t.type in AFFINE:
+        q, s, o = gguf_weights.affine(t, *AFFINE[t.type])
+        return quant.dequantize(q, s, torch.float32, offsets=o)
+    if t.type in REQUANTIZED:
+        return quant.dequantize(*gguf_weights.requantized(t, 32), torch.float32)
+    return torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.type))).reshape(t.shape).float()
+
+
 def requantized_hf(folder, path, every: bool = False):
-    """transformers on the file's values, the converted types' requantized as lorafleet serves them
-    (`every`: every weight's, Q8_0's error on the whole model, the yardstick)."""
+    """transformers on the file's values as lorafleet serves them (`every`: every weight's requantized
+    to int8 in groups of 32, Q8_0's error on the whole model, the yardstick)."""
     hf = dequantized_hf(folder, path)
-    types = {t.name: t.type for t in GGUFFile(path).tensors.values()}
+    f = GGUFFile(path)
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if (every or types.get(name) in CONVERTED) and p.dim() == 2:
+            t = f.tensors.get(name)
+            if t is None or p.dim() != 2:
+                continue
+            if every:
                 q, s = quant.quantize(p.detach().float(), "int8", 32)
                 p.copy_(quant.dequantize(q, s, torch.float32))
+            elif t.type in REQUANTIZED or (t.type in AFFINE and name != "model.embed_tokens.weight"):
+                p.copy_(f._unpermute(name, served_values(t)))
+            elif t.type in AFFINE:  # an embedding with offsets: requantized (only `rows` reads it)
+                p.copy_(quant.dequantize(*gguf_weights.requantized(t, 32), torch.float32))
     return hf
 
 
-def test_each_converted_weight_is_within_half_a_step_of_the_files_values(mixed):
+def test_each_converted_weight_is_within_its_bound_of_the_files_values(mixed):
+    """Requantized: half an int8 step of its group; affine: the float16 rounding of its scale."""
     _, path, _ = mixed
-    f = GGUFFile(path)
-    for t in f.tensors.values():
+    for t in GGUFFile(path).tensors.values():
         if t.type not in CONVERTED:
             continue
         want = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.type))).reshape(t.shape)
-        if t.name.endswith(("q_proj.weight", "k_proj.weight")):
-            continue  # rows permuted by llama.cpp: `_converted` unpermutes them (the engine test covers it)
-        q, s = f._converted(t)
-        got = quant.dequantize(q, s, torch.float32)
-        step = s.float().repeat_interleave(32, dim=1)  # each value's group's int8 step
-        assert ((got - want).abs() <= step / 2 * (1 + 1e-3) + 1e-7).all(), t.gguf_name
+        got = served_values(t)
+        if t.type in REQUANTIZED:
+            bound = gguf_weights.requantized(t, 32)[1].float().repeat_interleave(32, dim=1) / 2 * (1 + 1e-3) + 1e-7
+        else:
+            bound = want.abs().view(t.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1) * 2 ** -10 + 1e-7
+        assert ((got - want).abs() <= bound).all(), t.gguf_name
 
 
 def test_a_file_mixing_every_type_serves_transformers_greedy_tokens_on_its_weights(mixed):
@@ -79,6 +98,9 @@ def test_a_file_mixing_every_type_serves_transformers_greedy_tokens_on_its_weigh
     assert engine.model.quantization == "mixed"
     assert w["layers.0.qkv"].dtype == torch.int8 and w["lm_head"].dtype == torch.int8  # Q4_0 fused with others: int8
     assert w["layers.1.gate_up"].dtype == torch.uint8  # both Q4_0: int4, byte for byte
+    assert w["layers.1.qkv"].dtype == torch.int8 and "layers.1.qkv_o" in w  # Q4_K, Q4_K, Q3_K: int8, offsets
+    assert w["layers.0.o"].dtype == torch.uint8 and "layers.0.o_o" in w  # Q4_1: int4 with offsets
+    assert "layers.1.gate_up_o" not in w and "lm_head_o" not in w  # Q4_0; Q6_K requantized
     hf, exact, q8 = requantized_hf(folder, path), dequantized_hf(folder, path), requantized_hf(folder, path, True)
     for prompt in prompts_of_lengths([1, 9, 30], seed=7):
         ours = engine_prefill_logits(engine, prompt)
