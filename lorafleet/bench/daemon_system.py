@@ -53,7 +53,7 @@ class LorafleetDaemon(System):
                     raise RuntimeError(f"the daemon did not start: {(self.root / 'daemon.log').read_text()[-500:]}")
                 time.sleep(0.2)
         for name, path in job.adapters.items():
-            self.client.load_adapter(name, path, lazy=job.residency == "registered")
+            self.client.load_adapter(name, _adapter_file(job, path), lazy=job.residency == "registered")
         return {"pool_bytes": pool, "residency": job.residency, "command": cmd[1:], "quantization": job.quantize}
 
     def warm_up(self, job: Job) -> dict:
@@ -91,13 +91,36 @@ class LorafleetDaemon(System):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _file_type(job: Job) -> bool:
+    from lorafleet.bench.llamacpp_convert import FILE_TYPES
+
+    return job.quantize in FILE_TYPES
+
+
+def _adapter_file(job: Job, path) -> str:
+    """An adapter as the daemon loads it: the PEFT folder; with a GGUF file type (`bench llama-cpp
+    --quantize Q4_K_M`), the GGUF adapter llama-server is given too."""
+    if not _file_type(job):
+        return str(path)
+    from lorafleet.bench.llamacpp_convert import convert_adapter
+
+    return str(convert_adapter(Path(job.model_dir), Path(path)))
+
+
 def serve_command(job: Job, sock: Path, device: str, dtype: str, pool: int) -> list[str]:
     """`lorafleet serve` for the job's base: this Python, the bench's device, dtype and pool, and
-    the job's `--quantize` (the base quantized as it loads). No self-check: it would hold a second
-    copy of the weights, which the bench's large random bases may not have room for."""
-    return [sys.executable, "-m", "lorafleet.cli.main", "serve", job.model_dir, "--socket", str(sock),
+    the job's `--quantize` (the base quantized as it loads; a GGUF file type: the file llama-quantize
+    wrote, which llama-server is given too). No self-check: it would hold a second copy of the
+    weights, which the bench's large random bases may not have room for."""
+    model = job.model_dir
+    if _file_type(job):
+        from lorafleet.bench.llamacpp_convert import bench_gguf
+
+        model = str(bench_gguf(Path(job.model_dir), job.quantize))
+    return [sys.executable, "-m", "lorafleet.cli.main", "serve", model, "--socket", str(sock),
             "--device", device, "--dtype", dtype, "--pool-bytes", str(pool), "--max-num-seqs", "256",
-            "--max-pending", "100000", "--no-self-check", *(["--quantize", job.quantize] if job.quantize else [])]
+            "--max-pending", "100000", "--no-self-check",
+            *(["--quantize", job.quantize] if job.quantize and not _file_type(job) else [])]
 
 
 async def _replay(sock: Path, job: Job) -> tuple[float, list[dict]]:

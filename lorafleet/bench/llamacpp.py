@@ -39,7 +39,7 @@ from pathlib import Path
 from lorafleet.bench import http_replay
 from lorafleet.bench.jobs import WARM_UP_PROMPT, Job, Replayed, System
 from lorafleet.bench.llamacpp_build import SDIST_NAME, SDIST_VERSION, LlamaCppUnavailable, server_binary
-from lorafleet.bench.llamacpp_convert import GGUF_TYPES, convert_adapter, convert_model
+from lorafleet.bench.llamacpp_convert import GGUF_TYPES, bench_gguf, convert_adapter
 
 START_TIMEOUT_S = 300     # llama-server loading the model and adapters
 CTX_ROUND = 256           # each slot's context, rounded up to this (llama.cpp pads to it)
@@ -68,7 +68,7 @@ class LlamaCpp(System):
             return "llama-server loads every adapter at its start: it cannot start with adapters on disk"
         try:
             self.binary = server_binary()
-            self.model_gguf = convert_model(Path(job.model_dir), quantize=job.quantize, threads=self.threads)
+            self.model_gguf = bench_gguf(Path(job.model_dir), job.quantize, threads=self.threads)
             self.adapter_ggufs = {name: convert_adapter(Path(job.model_dir), Path(path))
                                   for name, path in job.adapters.items()}
             self.warm_up_gguf = (convert_adapter(Path(job.model_dir), Path(job.warm_up_adapter))
@@ -102,7 +102,8 @@ class LlamaCpp(System):
             # killed by a signal while it warmed up: on a host whose AMX tiles fault (ldtilecfg in
             # ggml_backend_amx_mul_mat), a quantized model dies so; without the extra buffer types
             # (AMX and the repacked layouts) it runs, slower than a sound llama.cpp would
-            fallback = (f"llama-server died by signal {-self.proc.returncode} on the {GGUF_TYPES[job.quantize]} model; "
+            fallback = (f"llama-server died by signal {-self.proc.returncode} on the "
+                        f"{GGUF_TYPES.get(job.quantize, job.quantize)} model; "
                         "run with --no-repack (no AMX, no repacked layouts: slower than it could be)")
             cmd.append("--no-repack")
             self.log.close()
@@ -120,7 +121,7 @@ class LlamaCpp(System):
         self.all_ids = sorted(ids.values())
         return {"server": str(self.binary), "command": cmd, "slots": slots, "ctx_per_slot": per_slot,
                 "fallback": self.fallback,
-                "model_gguf": str(self.model_gguf), "model_gguf_type": GGUF_TYPES[job.quantize],
+                "model_gguf": str(self.model_gguf), "model_gguf_type": GGUF_TYPES.get(job.quantize, job.quantize),
                 "sdist": f"{SDIST_NAME}=={SDIST_VERSION}"}
 
     def _start(self, cmd: list[str]) -> bool:

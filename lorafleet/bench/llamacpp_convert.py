@@ -34,6 +34,17 @@ from lorafleet.bench.fixtures import SPECIAL_TOKENS
 # `--quantize` -> the GGUF type llama-server is given: the converter writes f32 and Q8_0, the
 # quantize tool Q4_0 (from the f32 file, --pure: every tensor, the output one too, as lorafleet's int4)
 GGUF_TYPES = {None: "f32", "int8": "q8_0", "int4": "q4_0"}
+# `bench llama-cpp --quantize TYPE`: both servers given the one file llama-quantize writes in TYPE
+FILE_TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K_M",
+              "Q2_K")
+
+
+def bench_gguf(model_dir: Path, quantize: str | None, say: Callable[[str], None] = build.quiet,
+               threads: int | None = None) -> Path:
+    """The GGUF llama-server is given for `--quantize` (None, a scheme, or one of FILE_TYPES)."""
+    if quantize in FILE_TYPES:
+        return quantized_gguf(model_dir, quantize, say, threads)
+    return convert_model(model_dir, say, quantize, threads)
 STAGE_FORM = 1            # the staged tokenizer's form: a new one converts every model again
 CONVERT_TIMEOUT_S = 1800
 

@@ -49,15 +49,19 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
     """Run `systems` on `workload` for each model shape (and lorafleet on the workload over each
     number of adapters in `sweep`); write the JSON report to `out`, the plots next to it, and
     return the report. A system that fails or is not installed gets an "error" or "skipped" row.
-    `quantize` (int8 | int4): the base served quantized (`jobs.Job.quantize`); on the CPU, a
+    `quantize` (int8 | int4): the base served quantized (`jobs.Job.quantize`); or a GGUF file type
+    (`llamacpp_convert.FILE_TYPES`: the daemon and llama-server given the same file); on the CPU, a
     shape that fits only quantized (`fixtures.CPU_SCHEMES`) is refused otherwise, before anything runs."""
+    from lorafleet.bench.llamacpp_convert import FILE_TYPES
+
     started = time.perf_counter()
     models = {name: get_shape(name) for name in dict.fromkeys(shapes)}
-    if quantize not in (None, "int8", "int4"):
-        raise ConfigError(f"quantize must be int8 or int4, got {quantize!r}")
+    if quantize not in (None, "int8", "int4", *FILE_TYPES):
+        raise ConfigError(f"quantize must be int8, int4 or a GGUF file type ({', '.join(FILE_TYPES)}), "
+                          f"got {quantize!r}")
     if _on_cpu(device):
         for name in models:
-            check_cpu_fit(name, quantize)
+            check_cpu_fit(name, quantize if quantize in (None, "int8", "int4") else "int4")
     load = workload if isinstance(workload, Workload) else get_workload(workload)
     unknown = [s for s in systems if s not in SYSTEM_NAMES]
     if unknown or not systems:

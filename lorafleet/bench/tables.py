@@ -260,7 +260,8 @@ PEER_PRECISION = {None: "f32", "int8": "int8 against Q8_0", "int4": "int4 agains
 
 def _peer_table(suite: dict, model: str) -> Table:
     quantize = next((rep.get("options", {}).get("quantize") for rep in suite["reports"]), None)
-    table = new_table(f"{model}, {PEER_PRECISION[quantize]}: lorafleet (through its daemon) against llama.cpp's "
+    precision = PEER_PRECISION.get(quantize, f"the same {quantize} file (llama-quantize) on both sides")
+    table = new_table(f"{model}, {precision}: lorafleet (through its daemon) against llama.cpp's "
                    "llama-server",
                    ["workload", "in\nflight", "system", "tok/s", "TTFT p99\nms", "ratio", "target", ""],
                    "ratio: lorafleet's tokens/s over llama.cpp's; TTFT from when each request was sent", left=3)

@@ -172,11 +172,11 @@ def llama_cpp(
         "--threads", min=1, help="Threads of each system: lorafleet's torch threads, llama-server's -t and -tb. "
                                  "Default: all cores.")] = None,
     quantize: Annotated[str | None, typer.Option(
-        "--quantize", metavar="int8|int4",
+        "--quantize", metavar="int8|int4|TYPE",
         help="Both on the same base quantized: lorafleet quantizes it as it loads (`serve --quantize`), "
              "llama-server gets it as Q8_0 (int8: the converter's --outtype q8_0) or Q4_0 (int4: llama-quantize "
-             "--pure, every tensor Q4_0 as lorafleet's LM head is int4; the tool is built once beside the "
-             "server). Adapters stay f32.")] = None,
+             "--pure; the tool is built once beside the server); adapters stay f32. TYPE (Q4_K_M, Q6_K, Q4_1...): "
+             "both serve the one file llama-quantize writes, and the same GGUF adapters.")] = None,
     out: Out = None, as_json: AsJson = False,
 ) -> None:
     """lorafleet through its daemon against llama.cpp's llama-server, on the CPU in f32 (or both
@@ -194,7 +194,7 @@ def llama_cpp(
     suites.check_shapes(shapes)
     suites.check_choices("--workload", loads, PEER_WORKLOADS)
     suites.check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
-    suites.check_quantize(quantize, shapes, cpu=True)
+    suites.check_quantize(quantize, shapes, cpu=True, files=True)
     suites.require(shapes, names)
     if "llama.cpp" in names:
         suites.llama_server(quantize)

@@ -155,14 +155,18 @@ def check_shapes(shapes: list[str]) -> None:
 QUANTIZE_SCHEMES = ("int8", "int4")
 
 
-def check_quantize(quantize: str | None, shapes: list[str], cpu: bool) -> None:
-    """--quantize is a scheme lorafleet serves; on the CPU (`cpu`: the run's device is known to
-    be it), each shape fits in that precision (`fixtures.check_cpu_fit`: 8b only in int4)."""
+def check_quantize(quantize: str | None, shapes: list[str], cpu: bool, files: bool = False) -> None:
+    """--quantize is a scheme lorafleet serves (`files`: or a GGUF file type llama-quantize writes,
+    `bench llama-cpp`'s); on the CPU (`cpu`: the run's device is known to be it), each shape fits in
+    that precision (`fixtures.check_cpu_fit`: 8b only in int4)."""
     from lorafleet.bench.fixtures import check_cpu_fit
+    from lorafleet.bench.llamacpp_convert import FILE_TYPES
     from lorafleet.errors import ConfigError
 
     if quantize is not None:
-        check_choices("--quantize", [quantize], QUANTIZE_SCHEMES)
+        check_choices("--quantize", [quantize], (*QUANTIZE_SCHEMES, *(FILE_TYPES if files else ())))
+    if quantize in FILE_TYPES:
+        quantize = "int4" if quantize.startswith(("Q2", "Q3", "Q4")) else "int8"  # about its bytes
     if cpu:
         for shape in dict.fromkeys(shapes):
             try:
@@ -234,7 +238,7 @@ def llama_server(quantize: str | None = None) -> None:
 
     try:
         server_binary(say)
-        if quantize == "int4":
+        if quantize is not None and quantize != "int8":  # Q4_0, and every llama-quantize type
             quantize_binary(say)
     except LlamaCppUnavailable as e:
         raise fail(f"llama.cpp cannot run: {e}") from None
