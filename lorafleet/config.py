@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafleet.errors import ConfigError
@@ -110,6 +110,7 @@ class ServerConfig:
     header_timeout: float = 10.0          # seconds a connection has to send a request's headers
     idle_timeout: float = 30.0            # seconds a keep-alive connection may wait for its next request
     max_tcp_connections: int = 256        # TCP connections open at once; more are closed as they open
+    sampling: dict = field(default_factory=dict)  # sampling defaults over the model's (`serve --temperature`...)
 
     def __post_init__(self):
         if (self.host is None) != (self.port is None):

@@ -117,7 +117,7 @@ def serve_command(job: Job, sock: Path, device: str, dtype: str, pool: int) -> l
         from lorafleet.bench.llamacpp_convert import bench_gguf
 
         model = str(bench_gguf(Path(job.model_dir), job.quantize))
-    return [sys.executable, "-m", "lorafleet.cli.main", "serve", model, "--socket", str(sock),
+    return [sys.executable, "-P", "-m", "lorafleet.cli.main", "serve", model, "--socket", str(sock),
             "--device", device, "--dtype", dtype, "--pool-bytes", str(pool), "--max-num-seqs", "256",
             "--max-pending", "100000", "--no-self-check",
             *(["--quantize", job.quantize] if job.quantize and not _file_type(job) else [])]

@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lorafleet import openmp
@@ -206,18 +206,19 @@ def _plots(runs: list[dict], points: list[dict], workload: str, out: Path) -> di
     return {**made, "notes": notes}
 
 
-def _summary(label: str, run: dict) -> str:
+def _summary(label: str, run: dict) -> Text:
+    """One line a run, styled as rich Text (not markup: consoles may print markup literally)."""
     label = f"{label} · {run['system']}"
     if run["status"] != "ok":
-        return f"{label}: [yellow]{run['status']}[/] {escape(run['reason'])}"
+        return Text.assemble(f"{label}: ", (run["status"], "yellow"), f" {run['reason']}")
     if not run["seconds"]:
-        return f"{label}: {escape(run.get('reason') or 'ok')}"
+        return Text(f"{label}: {run.get('reason') or 'ok'}")
     tps, other = [r["tokens_per_s"] for r in run["details"].get("repeats", [])], run["details"].get("other_cores")
     replays = f" (median of {len(tps)} replays: {min(tps):.1f}-{max(tps):.1f})" if len(tps) > 1 else ""
-    if other is not None and other >= CONTENDED_CORES:
-        replays += f" [yellow]other processes busy on {other:.1f} cores[/]"
-    return (f"{label}: {run['generated_tokens']} tokens in {run['seconds']:.2f} s = "
-            f"[bold]{run['generated_tokens'] / run['seconds']:.1f} tokens/s[/]{replays}")
+    busy = (f" other processes busy on {other:.1f} cores", "yellow") if other is not None and other >= CONTENDED_CORES \
+        else ""
+    return Text.assemble(f"{label}: {run['generated_tokens']} tokens in {run['seconds']:.2f} s = ",
+                         (f"{run['generated_tokens'] / run['seconds']:.1f} tokens/s", "bold"), replays, busy)
 
 
 def _environment(device: str, dtype: str, threads: int) -> dict:

@@ -6,6 +6,7 @@ from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from lorafleet.bench.report import CONTENDED_CORES, SUBJECTS
 
@@ -58,8 +59,9 @@ def function_name(label: str) -> str:
     return label if label.startswith("<") else label.split(" (")[0]
 
 
-def verdict(met: bool | None) -> str:
-    return "-" if met is None else ("met" if met else "[bold]missed[/]")
+def verdict(met: bool | None) -> str | Text:
+    """A target's verdict, styled as rich Text (markup would print literally on a console without it)."""
+    return "-" if met is None else ("met" if met else Text("missed", style="bold"))
 
 
 def _ms(seconds: float | None) -> str:
@@ -93,7 +95,7 @@ def throughput_table(report: dict) -> Table:
     table = new_table(title, ["model", "system", "tokens", "seconds", "tokens/s", "req/s", "peak RSS"], "\n".join(notes))
     for row in report["results"]:
         if row["status"] != "ok":
-            table.add_row(row["model"], row["system"], f"[yellow]{row['status']}[/]")
+            table.add_row(row["model"], row["system"], Text(row["status"], style="yellow"))
         elif row["tokens_per_s"] is None:
             table.add_row(row["model"], row["system"], "memory only", "", "", "", _mib(row["peak_rss_bytes"]))
         else:
@@ -178,7 +180,7 @@ def sweep_table(report: dict) -> Table:
         each = [r["tokens_per_s"] for r in p.get("repeats", [])]
         spread = f"{min(each):.0f}-{max(each):.0f}" if len(each) > 1 else ""
         table.add_row(p["model"], p["system"], str(p["num_adapters"]),
-                      f"{tps:.1f}" if tps else f"[yellow]{p['status']}[/]", spread,
+                      f"{tps:.1f}" if tps else Text(p["status"], style="yellow"), spread,
                       f"{tps / ref:.2f}x" if ref else "", _mib(p["peak_rss_bytes"]))
     return table
 

@@ -71,8 +71,9 @@ def chat(
         c.wait_started(START_WAIT_S, lambda e: err_console.print(f"waiting: {e}", highlight=False, soft_wrap=True))
         if prompt is not None:
             messages = start + [{"role": "user", "content": prompt}]
-            if as_json:
-                return print_json(c.chat(messages, adapter, **params))
+            if as_json:  # a mix goes in the `adapters` field, as `answer` sends it
+                model, call_params = _call(adapter, params)
+                return print_json(c.chat(messages, model, **call_params))
             answer(c, messages, adapter, params, stream)
             return
         _repl(c, start, adapter, params, stream)

@@ -13,6 +13,8 @@ Nothing here imports torch, triton or the engine: `lorafleet --help` must answer
 from __future__ import annotations
 
 import json
+import os
+import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -24,12 +26,22 @@ from rich.text import Text
 
 from lorafleet.errors import LorafleetError
 
-err_console = Console(stderr=True, markup=False, highlight=False)
+# Off a terminal (a pipe, a file) rich lays out to 80 columns and cuts or wraps what is wider
+# (paths in `adapters ls | cat`): there, lines are as wide as what they hold
+UNBOUNDED = 100_000
+
+
+def _width(stream) -> int | None:
+    """None (the terminal's, or $COLUMNS) on a terminal; else as wide as a line needs."""
+    return None if stream.isatty() or os.environ.get("COLUMNS") else UNBOUNDED
+
+
+err_console = Console(stderr=True, markup=False, highlight=False, width=_width(sys.stderr), soft_wrap=True)
 
 
 def out_console() -> Console:
     """The console of a verb's answer on stdout (tables, status), literal as `err_console`."""
-    return Console(markup=False, highlight=False)
+    return Console(markup=False, highlight=False, width=_width(sys.stdout))
 
 
 def styled(label: str, style: str, message: str = "") -> Text:

@@ -54,7 +54,7 @@ def ray_(
 
     with user_errors():
         folders = parse_adapters(adapter)
-        folder, stored_name, _ = model_folder(model)
+        folder, stored_name, _, _ = model_folder(model)
         if folder is None:
             from lorafleet.demo import default_fleet
 

@@ -73,8 +73,8 @@ def _adapter_spec(spec: str) -> tuple[str, str]:
 def serve(
     ctx: typer.Context,
     model: Annotated[Path | None, typer.Argument(
-        help="A Hugging Face model folder (config.json, safetensors, tokenizer.json), a GGUF file (Q8_0, Q4_0 "
-             "or float), or the name of a base in the store (`lorafleet pull SOURCE --base`). Default: the bundled "
+        help="A Hugging Face model folder (config.json, safetensors, tokenizer.json), a GGUF file, ollama:NAME[:TAG] "
+             "(the local Ollama store's), or the name of a base in the store (`lorafleet pull SOURCE --base`). Default: the bundled "
              "demo fleet (a tiny echo model and its skill adapters: upper, reverse, ...).",
         show_default=False)] = None,
     socket: SocketOption = None,
@@ -98,6 +98,13 @@ def serve(
         "--quantize", metavar="int8|int4", help="Quantize a full-precision base's projections and LM head as it "
                                                 "loads (weight-only; activations, KV and adapters keep --dtype). A base "
                                                 "pulled with --quantize, or a GGUF file, is served in its own scheme.")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", min=0, help="The sampling defaults where a request names none (also --top-p, --top-k, "
+        "--min-p). Default: the model's generation_config.json; a GGUF file's: llama.cpp's (0.8, 0.95, 40, 0.05); "
+        "an Ollama model's: its params.")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", min=0, max=1)] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=-1)] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p", min=0, max=1)] = None,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="Sequences in one step.")] = 256,
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", min=2, help="Context length. Default: the model's.")] = None,
     max_pending: Annotated[int, typer.Option(
@@ -149,10 +156,13 @@ def serve(
             from lorafleet.cli.serve_config import print_config as show
 
             return show(ctx, sock, log_file or paths.log_file(sock))
-        model, stored_name, extra = model_folder(model)
+        model, stored_name, extra, sampling = model_folder(model)
         served_model_name = served_model_name or stored_name
         if extra:  # an Ollama model's adapters, served beside its base
             ctx.params["adapter"] = [*extra, *(ctx.params.get("adapter") or [])]
+        for field, value in sampling.items():  # an Ollama model's params, where the command line names none
+            if ctx.params.get(field) is None:
+                ctx.params[field] = value
         config, engine_options, adapters = checked_settings({**ctx.params, "served_model_name": served_model_name},
                                                             sock)
         if detach:
@@ -182,7 +192,10 @@ def checked_settings(params: dict, sock: Path) -> tuple:
                           max_body_bytes=parse_size(params["max_body_bytes"], "--max-body-bytes"),
                           drain_timeout=params["drain_timeout"], access_log=params["access_log"],
                           header_timeout=params["header_timeout"], idle_timeout=params["idle_timeout"],
-                          max_tcp_connections=params["max_tcp_connections"])
+                          max_tcp_connections=params["max_tcp_connections"],
+                          sampling={k: params[k] for k in SAMPLING if params.get(k) is not None})
+    if params.get("top_p") == 0:
+        raise typer.BadParameter("0 keeps no token; top-p is in (0, 1]", param_hint="--top-p")
     engine_options = {name: params[name] for name in ("device", "dtype", "quantize", "max_num_seqs", "max_model_len",
                                                       "prefix_cache", "async_decode", "self_check")}
     engine_options["pool_bytes"] = parse_size(params["pool_bytes"])
@@ -190,28 +203,33 @@ def checked_settings(params: dict, sock: Path) -> tuple:
     return config, engine_options, parse_adapters(params["adapter"])
 
 
-def model_folder(model: Path | None) -> tuple[Path | None, str | None, list[str]]:
+SAMPLING = ("temperature", "top_p", "top_k", "min_p")  # serve's sampling defaults, by request field
+
+
+def model_folder(model: Path | None) -> tuple[Path | None, str | None, list[str], dict]:
     """MODEL as a folder: a path that exists (a folder, or a GGUF file: then its name less .gguf
     is the default served name), else `ollama:NAME[:TAG]` (the local Ollama store's model: its GGUF
     base, named NAME, or NAME-base with its adapters as NAME, NAME-2...: those are the third
-    item, as NAME=PATH), else a base of the store by that name (then its name too, the default
-    served name); a path that is none of these is a clear error."""
+    item, as NAME=PATH, its params' sampling fields the fourth), else a base of the store by that
+    name (then its name too, the default served name); a path that is none of these is a clear error."""
     if model is None:
-        return None, None, []
+        return None, None, [], {}
     from lorafleet.store import ollama
 
     if ollama.is_ref(str(model)):
         om = ollama.resolve(str(model))
         adapters = [f"{om.name if i == 0 else f'{om.name}-{i + 1}'}={a}" for i, a in enumerate(om.adapters)]
-        return om.model, f"{om.name}-base" if adapters else om.name, adapters
+        from lorafleet.model.config import sampling_fields
+
+        return om.model, f"{om.name}-base" if adapters else om.name, adapters, sampling_fields(om.params)
     folder = model.expanduser()
     if folder.is_file():
         if folder.suffix.lower() != ".gguf":
             raise fail(f"{model}: a file, but not a GGUF model (*.gguf); MODEL is a model folder, a .gguf file or "
                        "the name of a stored base")
-        return folder.resolve(), folder.stem, []
+        return folder.resolve(), folder.stem, [], {}
     if folder.exists():
-        return folder.resolve(), None, []
+        return folder.resolve(), None, [], {}
     from lorafleet.errors import StoreError
     from lorafleet.store.store import Store
 
@@ -221,7 +239,7 @@ def model_folder(model: Path | None) -> tuple[Path | None, str | None, list[str]
     except StoreError:
         raise fail(f"{model}: neither a model folder nor a base in the store ({store.root}); "
                    "pull one with `lorafleet pull SOURCE --base --name NAME`") from None
-    return store.folder(manifest).resolve(), manifest["name"], []
+    return store.folder(manifest).resolve(), manifest["name"], [], {}
 
 
 def _run(model: Path | None, config, engine_options: dict, adapters: dict[str, Path], resolve: bool = True) -> None:
@@ -319,6 +337,20 @@ def _link_log(sock: Path, log_file: Path) -> None:
         pass
 
 
+def _echo_new_lines(log_file: Path, seen: int) -> int:
+    """The log's whole lines past byte `seen`, printed indented; returns the new position."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(seen)
+            data = f.read(1 << 16)
+    except OSError:
+        return seen
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].decode(errors="replace").splitlines():
+        err_console.print("  " + line, highlight=False, soft_wrap=True)
+    return seen + end
+
+
 def _detach(argv: list[str], sock: Path, log_file: Path | None, api_key: str | None,
             wait_s: float = 600.0) -> None:
     """Start `lorafleet <argv>` in a new session, logging to a file; return once it answers."""
@@ -336,11 +368,14 @@ def _detach(argv: list[str], sock: Path, log_file: Path | None, api_key: str | N
     if api_key:
         env["LORAFLEET_API_KEY"] = api_key
     with open(log_file, "ab") as log:
-        child = subprocess.Popen([sys.executable, "-m", "lorafleet.cli.main", *argv], stdin=subprocess.DEVNULL,
+        child = subprocess.Popen([sys.executable, "-P", "-m", "lorafleet.cli.main", *argv], stdin=subprocess.DEVNULL,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + wait_s
+    err_console.print(f"starting the lorafleet daemon (pid {child.pid}); what it does meanwhile:", highlight=False)
+    seen = log_file.stat().st_size if log_file.is_file() else 0
     with Client(sock) as c:
         while time.monotonic() < deadline:
+            seen = _echo_new_lines(log_file, seen)  # a first start builds the kernels for a minute: say so
             if child.poll() is not None:
                 tail = log_file.read_text(errors="replace").splitlines()[-5:]
                 raise fail(f"the daemon exited with status {child.returncode}; last lines of {log_file}:\n"

@@ -64,7 +64,7 @@ def quote(arg: str, variables: bool = True) -> str:
 
 def unit_text(serve_args: list[str], env: dict[str, str], log_file: Path, cwd: Path, stop_timeout_s: float,
               python: str = sys.executable) -> str:
-    exec_start = " ".join(quote(a) for a in [python, "-m", "lorafleet.cli.main", "serve", *serve_args])
+    exec_start = " ".join(quote(a) for a in [python, "-P", "-m", "lorafleet.cli.main", "serve", *serve_args])
     environment = "".join(f"Environment={quote(f'{k}={v}', variables=False)}\n" for k, v in sorted(env.items()))
     for what, path in (("the log file", log_file), ("the working directory", cwd)):
         _checked(str(path), what)

@@ -12,8 +12,17 @@ from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOpt
 
 
 def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
-           as_json: JsonOption = False) -> None:
+           as_json: JsonOption = False,
+           socket_path: Annotated[bool, typer.Option(
+               "--socket-path", help="Print the socket's path (as --socket, LORAFLEET_SOCKET or the default resolve "
+                                     "it) and exit, whether or not a daemon runs: for scripts and curl.")] = False,
+           ) -> None:
     """Show whether the daemon runs, what it serves, its queues and its page pool."""
+    if socket_path:
+        from lorafleet import paths
+
+        with user_errors():
+            return print(paths.socket_path(socket))
     with user_errors(), client(socket, url, api_key) as c:
         stats = c.stats()
         where = c.where

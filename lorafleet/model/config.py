@@ -212,16 +212,29 @@ def _active_sliding_window(cfg: dict) -> int | None:
     return int(window)
 
 
+# What llama.cpp's server samples with where a request names nothing (its common defaults): a GGUF
+# file carries no generation config, and its users expect these, not temperature 1 untruncated
+LLAMA_CPP_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
 def generation_defaults(folder: Path) -> dict:
     """The sampling defaults a model folder's generation_config.json asks for, as request fields
-    (temperature, top_p, top_k, min_p); {} without one. `do_sample: false` means greedy (temperature 0),
-    as `transformers.generate` reads it. A server applies these where a request names nothing,
-    like vLLM's default `--generation-config auto`. Unreadable or out-of-range values are ignored
-    (the request defaults stay), never fatal: the file is advice, not the model."""
+    (temperature, top_p, top_k, min_p); {} without one; for a GGUF file, llama.cpp's
+    (LLAMA_CPP_DEFAULTS). `do_sample: false` means greedy (temperature 0), as
+    `transformers.generate` reads it. A server applies these where a request names nothing, like
+    vLLM's default `--generation-config auto`. Unreadable or out-of-range values are ignored (the
+    request defaults stay), never fatal: the file is advice, not the model."""
+    if Path(folder).suffix.lower() == ".gguf" and Path(folder).is_file():
+        return dict(LLAMA_CPP_DEFAULTS)
     try:
         cfg = json.loads((Path(folder) / "generation_config.json").read_text())
     except (OSError, ValueError):
         return {}
+    return sampling_fields(cfg)
+
+
+def sampling_fields(cfg) -> dict:
+    """A generation config's (or Ollama's params') sampling fields, as request fields, the valid ones."""
     if not isinstance(cfg, dict):
         return {}
     out: dict = {}

@@ -256,9 +256,10 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
         # thread, which built the engine, serves HTTP from now on and gives its team up
         openmp.serial_thread()
         state = ServerState(worker, config, base_name, model_path,
-                            sampling_defaults=generation_defaults(Path(model_path)))
+                            sampling_defaults={**generation_defaults(Path(model_path)), **config.sampling})
         if state.sampling_defaults:
-            log.info("sampling defaults from the model's generation_config.json: %s", state.sampling_defaults)
+            log.info("sampling defaults where a request names none (the model's, then serve's flags): %s",
+                     state.sampling_defaults)
         files = raise_fd_limit()
         log.info("open files: up to %d; TCP connections: up to %d", files, config.max_tcp_connections)
         server = DaemonServer(uvicorn.Config(

@@ -107,13 +107,19 @@ def test_shell_completion_completes_verbs():
 
 
 def test_serve_detach_then_stop(chat_model_dir, tmp_path):
+    """Started from a folder holding a `lorafleet/` of its own (a clone's parent): the detached
+    daemon imports the installed package, not that folder; the terminal is told what it does meanwhile."""
     sock, home = tmp_path / "run" / "d.sock", tmp_path / "home"
     env = {**os.environ, "LORAFLEET_HOME": str(home), "LORAFLEET_SOCKET": str(sock), "COLUMNS": "200"}
-    lf = [sys.executable, "-m", "lorafleet.cli.main"]
+    lf = [sys.executable, "-P", "-m", "lorafleet.cli.main"]  # as the `lorafleet` script runs: the cwd not searched
+    shadow = tmp_path / "clones"
+    (shadow / "lorafleet").mkdir(parents=True)
+    (shadow / "lorafleet" / "__init__.py").write_text("raise ImportError('the shadow package was imported')\n")
     started = subprocess.run([*lf, "serve", str(chat_model_dir), "--detach", "--device", "cpu", "--pool-bytes", POOL,
-                              "--max-pending", "7"], env=env, capture_output=True, text=True, timeout=120)
+                              "--max-pending", "7"], env=env, capture_output=True, text=True, timeout=120, cwd=shadow)
     assert started.returncode == 0, started.stderr
     assert "started" in started.stderr and (home / "logs" / "daemon.log").is_file()
+    assert "starting the lorafleet daemon" in started.stderr and "  " in started.stderr and "loading" in started.stderr
     try:
         status = subprocess.run([*lf, "status", "--json"], env=env, capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
@@ -137,7 +143,7 @@ def sample_tokens(param, hint) -> list[str]:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     many = typing.get_origin(hint) is list
     kind = typing.get_args(hint)[0] if many else hint
-    samples = {bool: None, int: "7", float: "2.5", str: f"-{param.name}=x", Path: f"/somewhere/{param.name}"}
+    samples = {bool: None, int: "7", float: "0.5", str: f"-{param.name}=x", Path: f"/somewhere/{param.name}"}
     if kind not in samples:
         pytest.fail(f"serve's {param.name}: no sample value for {hint} here; add one")
     if kind is bool:  # the switch that sets it away from its default

@@ -57,7 +57,8 @@ def test_install_writes_the_unit_and_enables_it(env):
     out = lf("service", "install", "--", "/models/llama", "--pool-bytes", "4GiB", "--max-num-seqs", "8")
     assert out.exit_code == 0, out.output
     lines = unit_lines(env)
-    assert shlex.split(value(lines, "ExecStart")[0]) == [sys.executable, "-m", "lorafleet.cli.main", "serve",
+    # -P: the unit's WorkingDirectory (a clone's parent, say) never shadows the installed package
+    assert shlex.split(value(lines, "ExecStart")[0]) == [sys.executable, "-P", "-m", "lorafleet.cli.main", "serve",
                                                          "/models/llama", "--pool-bytes", "4GiB", "--max-num-seqs", "8"]
     assert value(lines, "Restart") == ["on-failure"] and value(lines, "WantedBy") == ["default.target"]
     environment = value(lines, "Environment")
@@ -76,7 +77,7 @@ def test_install_writes_the_unit_and_enables_it(env):
 def test_install_takes_serve_options_without_the_double_dash(env):
     assert lf("service", "install", "--no-start", "/models/llama", "-a", "sql=/a/sql", "--no-prefix-cache").exit_code == 0
     exec_start = shlex.split(value(unit_lines(env), "ExecStart")[0])
-    assert exec_start[4:] == ["/models/llama", "-a", "sql=/a/sql", "--no-prefix-cache"]
+    assert exec_start[5:] == ["/models/llama", "-a", "sql=/a/sql", "--no-prefix-cache"]
 
 
 def test_uninstall_disables_stops_and_removes_it(env):

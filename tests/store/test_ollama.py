@@ -103,8 +103,9 @@ def test_pull_stores_the_base_and_its_adapters(env, tmp_path):
 def test_the_command_line_serves_an_ollama_model_with_its_adapter(env, tmp_path):
     from lorafleet.cli.serve import model_folder
 
-    folder, name, adapters = model_folder(Path("ollama:me/sql-bot"))
+    folder, name, adapters, _ = model_folder(Path("ollama:me/sql-bot"))
     assert folder.suffix == ".gguf" and name == "sql-bot-base" and adapters[0].startswith("sql-bot=")
+    assert model_folder(Path("ollama:tiny:1b"))[3] == {"temperature": 0.2}  # its params: serve's defaults
 
 
 @pytest.mark.parametrize("ref, error, words", [

@@ -363,7 +363,7 @@ def test_the_command_line_serves_a_gguf_file_and_refuses_another_file(tmp_path, 
 
     folder = build_model(tmp_path / "hf", "llama")
     path = write_gguf(folder, tmp_path / "m.gguf")
-    assert model_folder(path) == (path.resolve(), "m", [])
+    assert model_folder(path) == (path.resolve(), "m", [], {})
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(typer.Exit):
         model_folder(tmp_path / "notes.txt")
