@@ -27,7 +27,7 @@ from rich.text import Text
 from lorafleet.errors import LorafleetError
 
 # Off a terminal (a pipe, a file) rich lays out to 80 columns and cuts or wraps what is wider
-# (paths in `adapters ls | cat`): there, lines are as wide as what they hold
+# (paths in `adapters ls | cat`): there, a verb's answer is as wide as what it holds
 UNBOUNDED = 100_000
 
 
@@ -36,7 +36,9 @@ def _width(stream) -> int | None:
     return None if stream.isatty() or os.environ.get("COLUMNS") else UNBOUNDED
 
 
-err_console = Console(stderr=True, markup=False, highlight=False, width=_width(sys.stderr), soft_wrap=True)
+# soft_wrap: a message is one line, however long (a path is never cut in two); the width stays the
+# terminal's (80 off one) for what fills it (rules, progress bars)
+err_console = Console(stderr=True, markup=False, highlight=False, soft_wrap=True)
 
 
 def out_console() -> Console:
