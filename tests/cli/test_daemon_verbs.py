@@ -16,6 +16,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from lorafleet.cli import detach
 from lorafleet.cli import serve as serve_cli
 from lorafleet.cli.main import app
 from tests.daemons import POOL
@@ -167,10 +168,10 @@ def test_every_serve_option_reaches_the_detached_daemon(monkeypatch):
     given = SERVE.make_context("serve", [*options, *arguments]).params
     assert [p.name for p in SERVE.params if given[p.name] in (p.default, None, ())] == []  # all set
 
-    argv = serve_cli._rebuild_argv(SERVE, given)
+    argv = detach._rebuild_argv(SERVE, given)
     assert argv[0] == "serve" and given["api_key"] not in " ".join(argv)
     back = SERVE.make_context("serve", argv[1:]).params
-    left_out = {p.name: p.default for p in SERVE.params if p.name in serve_cli._NOT_FORWARDED}
+    left_out = {p.name: p.default for p in SERVE.params if p.name in detach._NOT_FORWARDED}
     assert back == {**given, **left_out}
     assert left_out.keys() == {"detach", "log_file", "api_key"}
 

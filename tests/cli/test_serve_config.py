@@ -18,6 +18,7 @@ import typer
 from typer.testing import CliRunner
 
 from lorafleet import paths
+from lorafleet.cli import detach
 from lorafleet.cli import serve as serve_cli
 from lorafleet.cli.main import app
 from tests.daemons import POOL
@@ -143,10 +144,10 @@ def test_the_same_adapter_name_twice_is_refused():
 
 def test_the_started_line_names_the_commands_for_that_socket(home, tmp_path):
     default = paths.socket_path()
-    line = serve_cli.started_message(42, default, tmp_path / "d.log")
+    line = detach.started_message(42, default, tmp_path / "d.log")
     assert "stop it with `lorafleet stop`" in line and "`lorafleet logs -f`" in line
     other = tmp_path / "other dir" / "x.sock"
-    line = serve_cli.started_message(42, other, tmp_path / "d.log")
+    line = detach.started_message(42, other, tmp_path / "d.log")
     assert f"stop it with `lorafleet stop --socket {shlex.quote(str(other))}`" in line
     assert f"`lorafleet logs --socket {shlex.quote(str(other))} -f`" in line
     hint = paths.command_for(other, "chat", "--adapter", "reverse", "hello world")
