@@ -118,7 +118,9 @@ class ServerConfig:
         if self.port is not None and not (isinstance(self.port, int) and 0 < self.port < 65536):
             raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
         if self.host is not None and not self.api_key:
-            raise ConfigError("a TCP listener needs an API key: pass --api-key or set LORAFLEET_API_KEY")
+            raise ConfigError("a TCP listener needs an API key (anyone who can reach the port could use the daemon): "
+                              "pass --api-key KEY or set LORAFLEET_API_KEY; make one with "
+                              "`python3 -c 'import secrets; print(secrets.token_urlsafe(24))'`")
         if not isinstance(self.max_pending, int) or self.max_pending < 1:
             raise ConfigError(f"max_pending must be a positive integer, got {self.max_pending!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:

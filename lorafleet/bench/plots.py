@@ -25,7 +25,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise PlotUnavailable("matplotlib is not installed (pip install 'lorafleet[bench]')") from None
+        raise PlotUnavailable("matplotlib is not installed (pip install 'lorafleet[bench]', or from a clone pip install -e '.[bench]')") from None
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 

@@ -45,7 +45,7 @@ class StaticBatchSystem(System):
 
         missing = [m for m in self.needs if importlib.util.find_spec(m) is None]
         if missing:
-            return f"{', '.join(missing)} not installed (pip install 'lorafleet[bench]')"
+            return f"{', '.join(missing)} not installed (pip install 'lorafleet[bench]', or from a clone pip install -e '.[bench]')"
         return None
 
     def generate(self, batch: list[BenchRequest]) -> list[float]:

@@ -15,7 +15,8 @@ import typer
 
 from lorafleet.cli.common import err_console, fail, styled, user_errors
 
-BENCH_EXTRA = "pip install 'lorafleet[bench]'"  # pyproject's `bench` extra: every module below
+# pyproject's `bench` extra: every module below; from a clone, the editable form
+BENCH_EXTRA = "pip install 'lorafleet[bench]' (from a clone: pip install -e '.[bench]')"
 # the modules a system needs beyond lorafleet's own (llama.cpp's: its converters', beside the build)
 SYSTEM_MODULES = {"transformers": ("transformers",), "peft-groups": ("transformers", "peft"),
                   "peft-mixed": ("transformers", "peft"), "llama.cpp": ("gguf", "sentencepiece")}

@@ -32,7 +32,7 @@ COMMANDS = (  # (usage, what it does): what /help prints
     ("/adapter -, /base", "talk to the base model"),
     ("/clear", "forget the conversation (the --system message stays)"),
     ("/help", "this list"),
-    ("/exit, /quit", "leave (as Ctrl-D does)"),
+    ("/exit, /quit, /bye", "leave (as Ctrl-D does; /bye is Ollama's)"),
     ("//TEXT", "send /TEXT as a message"),
 )
 
@@ -66,15 +66,20 @@ def chat(
         stream = sys.stdout.isatty()
     if prompt is None and not sys.stdin.isatty():
         prompt = strip_line_end(sys.stdin.read())
+        if not prompt.strip():
+            raise typer.BadParameter("stdin held no message (it was empty); give one as PROMPT or on stdin",
+                                     param_hint="PROMPT")
     with user_errors(), client(socket, url, api_key) as c:
-        adapter = target(adapter)
+        given, adapter = adapter, target(adapter)
         c.wait_started(START_WAIT_S, lambda e: err_console.print(f"waiting: {e}", highlight=False, soft_wrap=True))
+        _check_scales(c, given, adapter)
         if prompt is not None:
             messages = start + [{"role": "user", "content": prompt}]
             if as_json:  # a mix goes in the `adapters` field, as `answer` sends it
                 model, call_params = _call(adapter, params)
                 return print_json(c.chat(messages, model, **call_params))
-            answer(c, messages, adapter, params, stream)
+            if isinstance(answer(c, messages, adapter, params, stream), _Stopped):
+                raise typer.Exit(130)  # as a shell reports a command Ctrl-C ended
             return
         _repl(c, start, adapter, params, stream)
 
@@ -107,8 +112,16 @@ def strip_line_end(text: str) -> str:
     return text
 
 
+class _Stopped(str):
+    """What Ctrl-C left of an answer (it compares as that text)."""
+
+
+STOPPED = _Stopped()  # `answer`'s result when Ctrl-C stopped an answer whole
+
+
 def answer(c, messages: list[dict], adapter: str | Mix | None, params: dict, stream: bool) -> str:
-    """Print the answer and its newline, streamed or whole; return it."""
+    """Print the answer and its newline, streamed or whole; return it: a `_Stopped` (STOPPED when
+    nothing came) where Ctrl-C stopped it."""
     if stream:
         return _stream_answer(c, messages, adapter, params)
     model, params = _call(adapter, params)
@@ -116,7 +129,7 @@ def answer(c, messages: list[dict], adapter: str | Mix | None, params: dict, str
         text = c.chat(messages, model, **params)["choices"][0]["message"]["content"] or ""
     except KeyboardInterrupt:  # the connection closes: the daemon aborts the request
         err_console.print(styled("(stopped)", "dim"))
-        return ""
+        return STOPPED
     sys.stdout.write(text + "\n")  # one write: the answer and its newline never part
     sys.stdout.flush()
     return text
@@ -125,7 +138,7 @@ def answer(c, messages: list[dict], adapter: str | Mix | None, params: dict, str
 def _stream_answer(c, messages: list[dict], adapter: str | Mix | None, params: dict) -> str:
     """Print the answer as it streams; returns it. Ctrl-C stops it (closing the stream aborts
     the request in the daemon) and keeps what came so far."""
-    parts = []
+    parts, stopped = [], False
     model, params = _call(adapter, params)
     chunks = c.chat_stream(messages, model, **params)
     try:
@@ -136,12 +149,13 @@ def _stream_answer(c, messages: list[dict], adapter: str | Mix | None, params: d
                 sys.stdout.write(text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
+        stopped = True
         err_console.print(styled("\n(stopped)", "dim"))
     finally:
         chunks.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    return "".join(parts)
+    return _Stopped("".join(parts)) if stopped else "".join(parts)
 
 
 def _repl(c, start: list[dict], adapter: str | Mix | None, params: dict, stream: bool) -> None:
@@ -184,6 +198,30 @@ def _load_history():
     return save
 
 
+def _check_scales(c, given: list[str] | None, adapter: str | Mix | None) -> None:
+    """A usage error (exit 2) for `-a NAME:X` whose X is no number, unless the daemon serves an
+    adapter of that whole name (names may hold ':'): `reverse:abc` is a mistyped scale."""
+    names = [n for n, _ in adapter.members] if isinstance(adapter, Mix) else [adapter] if adapter else []
+    odd = [n for n in names if n in (given or []) and ":" in n]
+    if odd and (missing := [n for n in odd if n not in {m["id"] for m in c.models()}]):
+        name, _, tail = missing[0].rpartition(":")
+        raise typer.BadParameter(f"{missing[0]!r}: {tail!r} after ':' is no scale (a number in [-4, 4], as in "
+                                 f"{name}:0.5), and no adapter has that whole name", param_hint="--adapter")
+
+
+def _check_served(c, adapter: str | Mix | None) -> None:
+    """AdapterNotFoundError naming each of `adapter`'s names the daemon does not list (`/v1/models`:
+    the base, loaded adapters and, where it serves the store, stored ones)."""
+    from lorafleet.errors import AdapterNotFoundError
+
+    names = [n for n, _ in adapter.members] if isinstance(adapter, Mix) else [adapter] if adapter else []
+    listed = {m["id"] for m in c.models()}
+    missing = [n for n in names if n not in listed]
+    if missing:
+        raise AdapterNotFoundError(f"no adapter named {', '.join(repr(n) for n in missing)} here "
+                                   "(`lorafleet adapters ls` lists them)")
+
+
 def _say(message: str) -> None:
     err_console.print(styled(message, "dim"), soft_wrap=True)
 
@@ -208,7 +246,7 @@ def converse(c, start: list[dict], adapter: str | Mix | None, params: dict, stre
         if command.startswith("/") and not command.startswith("//"):
             name, _, arg = command.partition(" ")
             arg = arg.strip()
-            if name in ("/exit", "/quit"):
+            if name in ("/exit", "/quit", "/bye"):
                 return
             if name in ("/clear", "/reset"):  # /reset: its name before /clear
                 messages = list(start)
@@ -225,10 +263,12 @@ def converse(c, start: list[dict], adapter: str | Mix | None, params: dict, stre
                     adapter = None
                 elif arg:
                     try:
-                        adapter = target(arg.split())
+                        chosen = target(arg.split())
+                        _check_served(c, chosen)  # now, not at the next message
                     except LorafleetError as e:
                         _say(f"({e}; nothing changed)")
                         continue
+                    adapter = chosen
                 _say(f"(talking to {_who(adapter)})")
             else:
                 _say(f"(unknown command {name}; /help lists them, //TEXT sends /TEXT)")

@@ -49,7 +49,7 @@ def ray_(
         import ray
         from ray import serve
     except ImportError:
-        raise fail("Ray Serve is not installed: pip install 'lorafleet[ray]'") from None
+        raise fail("Ray Serve is not installed: pip install 'lorafleet[ray]' (from a clone: pip install -e '.[ray]')") from None
     from lorafleet.deploy.ray import build_app
 
     with user_errors():

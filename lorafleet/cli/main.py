@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from lorafleet import __version__
-from lorafleet.cli import adapters, bench, chat, deploy, logs, ps, serve, service, status, store, top, verify
+from lorafleet.cli import adapters, bench, chat, deploy, logs, ollama_verbs, ps, serve, service, status, store, top, verify
 from lorafleet.cli.serve_config import ServeCommand
 from lorafleet.cli.common import fail
 from lorafleet.errors import LorafleetError
@@ -41,6 +41,7 @@ app.add_typer(store.store_app, name="store")
 app.add_typer(bench.app, name="bench")
 app.add_typer(deploy.app, name="deploy")
 app.add_typer(service.app, name="service")
+ollama_verbs.register(app)  # run, list, show, rm: Ollama's verbs, hidden
 
 
 def _print_version(value: bool) -> None:

@@ -86,7 +86,7 @@ def _text(value) -> str:
 def last_used(row: dict) -> str:
     if row["in_use"]:
         return "now"
-    if row["idle_s"] is None:  # never ran, or a daemon that does not report it
+    if row["idle_s"] is None:  # no request yet (a load is no use), or a daemon that does not report it
         return "-"
     return "<1s ago" if row["idle_s"] < 1 else f"{duration(row['idle_s'])} ago"
 
@@ -97,7 +97,7 @@ def _print(view: dict) -> None:
     m, pool = view["model"], view["model"]["pool"]
     console = out_console()
     console.print(f"base {m['name']} ({m['path']}) on {m['device']}, pid {m['pid']}; pool {pool['total_pages']} "
-                  f"pages x {human_bytes(pool['page_bytes'])}: {pool['adapter_pages']} adapters, {pool['kv_pages']} "
+                  f"pages x {human_bytes(pool['page_bytes'])}: {pool['adapter_pages']} adapter pages, {pool['kv_pages']} "
                   f"KV, {pool['cached_pages']} cached, {pool['free_pages']} free", soft_wrap=True)
     if not view["adapters"]:
         err_console.print(f"no adapter in the pool, the host cache or in use ({view['other_adapters']} registered, "

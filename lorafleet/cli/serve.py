@@ -76,7 +76,7 @@ def serve(
         show_default=False)] = None,
     socket: SocketOption = None,
     host: Annotated[str | None, typer.Option("--host", help="Also listen on TCP at this address (needs --port and --api-key).")] = None,
-    port: Annotated[int | None, typer.Option("--port", help="The TCP port for --host.")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Also listen on TCP at this port (on --host, else 127.0.0.1).")] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LORAFLEET_API_KEY",
         help="The key TCP clients send as `Authorization: Bearer KEY` on /v1 routes.")] = None,
@@ -138,6 +138,11 @@ def serve(
     log_file: Annotated[Path | None, typer.Option(
         "--log-file", metavar="PATH", help="With --detach: where the daemon logs. Default: $LORAFLEET_HOME/logs/"
                                            "daemon.log (for another socket than the default, a file of its own).")] = None,
+    enable_lora: Annotated[bool, typer.Option("--enable-lora", hidden=True)] = False,  # vLLM's launch flags: VLLM_FLAGS
+    max_loras: Annotated[int | None, typer.Option("--max-loras", hidden=True)] = None,
+    max_lora_rank: Annotated[int | None, typer.Option("--max-lora-rank", hidden=True)] = None,
+    max_cpu_loras: Annotated[int | None, typer.Option("--max-cpu-loras", hidden=True)] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option("--gpu-memory-utilization", hidden=True)] = None,
     print_config: Annotated[bool, typer.Option(
         "--print-config", help="Print the settings this command line would use (as TOML: each with where it came "
                                "from) and exit without starting.")] = False,
@@ -149,9 +154,10 @@ def serve(
     """
     with user_errors():
         sock = paths.socket_path(socket)
-        if print_config:
+        if print_config:  # checked as serve checks them: a value serve would refuse is refused here
             from lorafleet.cli.serve_config import print_config as show
 
+            checked_settings(ctx.params, sock)
             return show(ctx, sock, log_file or paths.log_file(sock))
         model, stored_name, extra, sampling = model_folder(model)
         served_model_name = served_model_name or stored_name
@@ -162,6 +168,8 @@ def serve(
                 ctx.params[field] = value
         config, engine_options, adapters = checked_settings({**ctx.params, "served_model_name": served_model_name},
                                                             sock)
+        if (ignored := vllm_flags_warning(ctx.params)) is not None:
+            err_console.print(f"warning: {ignored}", highlight=False)
         if detach:
             argv = _rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),
                                  served_model_name=served_model_name)
@@ -176,6 +184,20 @@ def serve(
             raise fail("interrupted before the daemon started") from None
 
 
+# vLLM's launch flags, taken so that its scripts start lorafleet unchanged, and ignored with one line
+# saying why (the pool has no slots or rank cap to set)
+VLLM_FLAGS = {"enable_lora": "--enable-lora", "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank",
+              "max_cpu_loras": "--max-cpu-loras", "gpu_memory_utilization": "--gpu-memory-utilization"}
+
+
+def vllm_flags_warning(params: dict) -> str | None:
+    given = [flag for name, flag in VLLM_FLAGS.items() if params.get(name) not in (None, False)]
+    if not given:
+        return None
+    return (f"ignored vLLM's {', '.join(given)}: lorafleet has no adapter slots nor rank cap (every adapter takes pool "
+            "pages by its rank, KV and adapters share the pool); size the pool with --pool-bytes")
+
+
 def checked_settings(params: dict, sock: Path) -> tuple:
     """(ServerConfig, the engine's options, the start-up adapters) from `serve`'s parsed parameters
     (`params`, by name), checked as the daemon checks them (sizes, ranges, choices; nothing here
@@ -183,7 +205,8 @@ def checked_settings(params: dict, sock: Path) -> tuple:
     arguments with this too. A usage error (typer.BadParameter) or a ConfigError names the problem."""
     from lorafleet.config import EngineConfig, ServerConfig
 
-    config = ServerConfig(socket=str(paths.check_socket_path(sock)), host=params["host"], port=params["port"],
+    host = params["host"] if params["host"] or params["port"] is None else "127.0.0.1"  # --port alone: loopback
+    config = ServerConfig(socket=str(paths.check_socket_path(sock)), host=host, port=params["port"],
                           api_key=params["api_key"], served_model_name=params["served_model_name"],
                           max_pending=params["max_pending"],
                           max_body_bytes=parse_size(params["max_body_bytes"], "--max-body-bytes"),

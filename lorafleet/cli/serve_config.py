@@ -11,6 +11,7 @@ imports torch.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import typing
 from pathlib import Path
@@ -210,7 +211,8 @@ def print_config(ctx: typer.Context, socket: Path, log_file: Path) -> None:
         if param.name == "api_key":
             lines.append(f"# {key}: {'set, not shown' if value else 'not set'}  ({where})")
         elif value is None or value == () or value == []:
-            lines.append(f"# {key}: not set  ({where})")
+            default = re.search(r"Default: ([^.]*(?:\.\d[^.]*)*)", param.help or "")  # what serve then uses
+            lines.append(f"# {key}: not set  ({where}{': ' + default.group(1) if default and where == 'default' else ''})")
         else:
             lines.append(f"{key} = {_toml(value)}  # {where}")
     typer.echo("\n".join(lines))

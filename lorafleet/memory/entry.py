@@ -54,7 +54,8 @@ class AdapterEntry:
     error: str | None = None             # the last load failed with this message
     users: int = 0
     pins: int = 0
-    last_used: float = 0.0
+    last_used: float = 0.0               # a request used it, or it became ready: the eviction order's clock
+    last_request: float = 0.0            # a request used it (0: none yet): what `ps` shows
     ready_step: int = 0
     served: bool = False                 # a request ran on it since it became ready
     ranks: dict[str, int] = field(default_factory=dict)
@@ -88,5 +89,5 @@ class AdapterEntry:
                 "pinned": self.pins > 0, "hits": self.hits, "misses": self.misses,
                 "loads": self.disk_loads, "device_loads": self.device_loads,
                 "evictions": self.evictions, "load_time_s": self.load_time_s, "error": self.error,
-                # seconds since a request last used it (or it became ready); None: never loaded
-                "idle_s": time.monotonic() - self.last_used if self.last_used else None}
+                # seconds since a request last used it; None: no request has yet (its load is not a use)
+                "idle_s": time.monotonic() - self.last_request if self.last_request else None}

@@ -230,13 +230,13 @@ class AdapterResidency:
         assert entry.ready, f"adapter {entry.name!r} pinned while not on the device"
         entry.pins += 1
         entry.served = True
-        entry.last_used = time.monotonic()
+        entry.last_used = entry.last_request = time.monotonic()
         self._from_idle(entry)
 
     def unpin(self, entry: AdapterEntry) -> None:
         assert entry.pins > 0, f"adapter {entry.name!r} unpinned more often than pinned"
         entry.pins -= 1
-        entry.last_used = time.monotonic()
+        entry.last_used = entry.last_request = time.monotonic()
         if not entry.pins:
             self._to_idle(entry)  # the most recently used end
 

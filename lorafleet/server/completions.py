@@ -69,9 +69,14 @@ async def chat_completions(request: Request):
 
 
 def pull_hint(st: ServerState, name: str) -> str:
-    """How an adapter of that name could come to exist here (nothing for a name no adapter can have)."""
+    """How an adapter of that name could come to exist here (nothing for a name no adapter can have,
+    and no pull for one the store cannot hold)."""
+    from lorafleet.store.store import NAME_RE
+
     if len(name) > 128:
         return ""
+    if not NAME_RE.match(name) or ".." in name:
+        return "; load one under that name with POST /v1/load_lora_adapter"
     if st.worker.resolver is not None:
         return (f"; to serve an adapter under that name, store it with `lorafleet pull SOURCE --name {name}` "
                 "(the daemon serves stored adapters on their first request)")

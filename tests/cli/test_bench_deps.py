@@ -18,7 +18,7 @@ from lorafleet.cli import bench_suites
 from lorafleet.cli.main import app
 
 runner = CliRunner()
-HINT = "pip install 'lorafleet[bench]'"
+HINT = "pip install 'lorafleet[bench]' (from a clone: pip install -e '.[bench]')"  # both forms (issue 64, 13)
 SUBCOMMANDS = [["run"], ["quick"], ["full"], ["llama-cpp"], ["lora-decode"], ["decode-bound"], ["switch"],
                ["overhead"], ["store-load"], ["stats-cost"], ["gpu"]]
 

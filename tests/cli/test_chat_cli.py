@@ -33,6 +33,9 @@ class FakeClient:
     def health(self):
         return {"status": "ok"}
 
+    def models(self):  # what `/v1/models` lists: the REPL checks an /adapter name against it
+        return [{"id": "base"}, *({"id": a} for a in self.answers if a)]
+
     starting_pid = None  # a daemon still starting: `wait_started` tells `waiting` once, then it answers
 
     def wait_started(self, timeout, waiting=lambda e: None, poll=0.5):
@@ -74,7 +77,7 @@ class Stdout:
 
 @pytest.fixture
 def fake(monkeypatch):
-    client = FakeClient({"upper": "HELLO THERE", None: "hello there"})
+    client = FakeClient({"upper": "HELLO THERE", "kebab": "hello-there", None: "hello there"})
     monkeypatch.setattr(chat_cli, "client", lambda *args: client)
     return client
 
@@ -186,10 +189,20 @@ def test_quit_ends_the_loop(monkeypatch):
 
 
 def test_a_refused_message_says_why_and_the_loop_goes_on_without_it(monkeypatch, capsys):
-    client = FakeClient({None: "ok"})
-    sent = converse(monkeypatch, ["/adapter ghost", "hello", "/base", "hello again"], client)
+    client = FakeClient({None: "ok", "ghost": "boo"})
+    client.models = lambda: [{"id": "base"}]  # listed when switched to, gone by the message
+    monkeypatch.setattr(chat_cli, "_check_served", lambda c, adapter: None)
+    sent = converse(monkeypatch, ["/adapter ghost", "hello", "/base", "hello again"], FakeClient({None: "ok"}))
     assert sent == [("ghost", ["hello"]), (None, ["hello again"])]  # the refused turn is not kept
     assert "error: no adapter 'ghost'" in capsys.readouterr().err
+
+
+def test_an_adapter_the_daemon_does_not_list_is_refused_when_switched_to(monkeypatch, capsys):
+    """Issue 64 (19): `/adapter nope` was accepted until the next message."""
+    client = FakeClient({None: "ok"})
+    sent = converse(monkeypatch, ["/adapter nope", "hello"], client)
+    assert sent == [(None, ["hello"])]  # still the base
+    assert "no adapter named 'nope'" in capsys.readouterr().err
 
 
 def test_a_daemon_that_went_away_ends_the_loop(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from pathlib import Path
 
 import pytest
 from rich.table import Table
@@ -87,3 +88,118 @@ def test_on_a_terminal_the_width_is_the_terminals(monkeypatch, isatty):
         def isatty(self):
             return isatty
     assert common._width(Tty()) is None
+
+
+def test_vllm_launch_flags_are_taken_and_port_alone_binds_loopback():
+    """(10) vLLM's scripts start lorafleet: its LoRA flags ignored with one line saying why; --port
+    alone listens on 127.0.0.1; a key stays required on TCP, the error says how to make one."""
+    from lorafleet.cli import serve as serve_cli
+    from lorafleet.errors import ConfigError
+
+    command = typer_command("serve")
+    params = command.make_context("serve", ["--port", "8000", "--api-key", "k", "--enable-lora", "--max-loras", "4",
+                                            "--max-lora-rank", "64", "--gpu-memory-utilization", "0.9"]).params
+    config, _, _ = serve_cli.checked_settings({**params, "served_model_name": None}, Path("/tmp/x.sock"))
+    assert (config.host, config.port) == ("127.0.0.1", 8000)
+    warning = serve_cli.vllm_flags_warning(params)
+    assert all(f in warning for f in ("--enable-lora", "--max-loras", "--max-lora-rank", "--gpu-memory-utilization"))
+    params = command.make_context("serve", ["--port", "8000"]).params
+    with pytest.raises(ConfigError, match="needs an API key.*secrets.token_urlsafe"):
+        serve_cli.checked_settings({**params, "api_key": None, "served_model_name": None}, Path("/tmp/x.sock"))
+
+
+def typer_command(name: str):
+    import typer
+
+    return typer.main.get_command(app).commands[name]
+
+
+@pytest.mark.parametrize("verb, words", [("list", "models ls"), ("show", "adapters show"), ("rm", "adapters rm")])
+def test_ollamas_verbs_say_which_verb_does_it(verb, words):
+    """(11)"""
+    out = runner.invoke(app, [verb, "something", "--flag"])
+    assert out.exit_code == 2 and words in out.stderr and "Ollama" in out.stderr
+
+
+def test_run_is_chat_with_an_adapter(served):
+    """(11) `run NAME PROMPT`, as `ollama run`."""
+    out = cli(served, "run", "attn-r3", "hello")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.strip()
+
+
+class FakeClient:
+    """What `chat` calls on a client, recorded; `answer` raises `raising` where given."""
+
+    where = "fake"
+
+    def __init__(self, raising=None):
+        self.raising, self.sent = raising, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def wait_started(self, timeout, waiting):
+        return None
+
+    def models(self):
+        return [{"id": "base"}, {"id": "sql"}, {"id": "tuned:v2"}]
+
+    def chat(self, messages, model, **params):
+        self.sent.append((messages, model))
+        if self.raising:
+            raise self.raising
+        return {"choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+
+
+def test_chat_stopped_by_ctrl_c_exits_130_and_empty_stdin_sends_nothing(monkeypatch):
+    """(19)"""
+    from lorafleet.cli import chat as chat_verb
+
+    fake = FakeClient(raising=KeyboardInterrupt())
+    monkeypatch.setattr(chat_verb, "client", lambda *a: fake)
+    out = runner.invoke(app, ["chat", "--no-stream", "hi"])
+    assert out.exit_code == 130, out.output
+    quiet = FakeClient()
+    monkeypatch.setattr(chat_verb, "client", lambda *a: quiet)
+    out = runner.invoke(app, ["chat", "--no-stream"], input="")
+    assert out.exit_code == 2 and "stdin held no message" in out.output and quiet.sent == []
+
+
+def test_the_repl_refuses_an_unknown_adapter_at_once_and_takes_bye(monkeypatch, capsys):
+    """(19, 11) `/adapter nope` is refused when typed, not at the next message; `/bye` leaves."""
+    from lorafleet.cli import chat as chat_verb
+
+    lines = iter(["/adapter nope", "/adapter sql", "hello", "/bye", "never read"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    fake = FakeClient()
+    chat_verb.converse(fake, [], None, {"max_tokens": 4}, stream=False)
+    err = capsys.readouterr().err
+    assert "no adapter named 'nope'" in err and "(talking to sql)" in err
+    assert [model for _, model in fake.sent] == ["sql"] and next(lines) == "never read"
+
+
+def test_a_scale_that_is_no_number_is_a_usage_error_unless_the_name_is_served(monkeypatch):
+    """(16) `-a reverse:abc` was taken for an adapter's name."""
+    from lorafleet.cli import chat as chat_verb
+
+    fake = FakeClient()
+    monkeypatch.setattr(chat_verb, "client", lambda *a: fake)
+    out = runner.invoke(app, ["chat", "--no-stream", "-a", "reverse:abc", "hi"])
+    assert out.exit_code == 2 and "'abc' after ':' is no scale" in out.output and fake.sent == []
+    out = runner.invoke(app, ["chat", "--no-stream", "-a", "tuned:v2", "hi"])  # a name with ':' it serves
+    assert out.exit_code == 0 and fake.sent[-1][1] == "tuned:v2"
+
+
+def test_the_not_found_hint_offers_no_pull_under_a_name_the_store_refuses():
+    """(16) the 404's hint suggested `pull --name reverse:abc`, which the store refuses."""
+    from types import SimpleNamespace
+
+    from lorafleet.server.completions import pull_hint
+
+    st = SimpleNamespace(worker=SimpleNamespace(resolver=object()))
+    assert "pull" not in pull_hint(st, "reverse:abc") and "load_lora_adapter" in pull_hint(st, "reverse:abc")
+    assert "lorafleet pull SOURCE --name sql" in pull_hint(st, "sql")

@@ -24,7 +24,8 @@ def plain(page: Path) -> str:
 
 
 def commands():
-    return sorted(ROOT.commands.items())
+    """The documented verbs; Ollama's, hidden, are named in lorafleet(1) and lorafleet-chat(1)."""
+    return sorted((n, c) for n, c in ROOT.commands.items() if not c.hidden)
 
 
 def documented_names(params, subcommands=None) -> list[str]:
@@ -64,14 +65,16 @@ def test_lorafleet_1_lists_every_command_and_root_option():
     text = plain(MAN / "lorafleet.1")
     commands_section = text.split(".SH COMMANDS", 1)[1].split(".SH ", 1)[0]
     listed = set(re.findall(r"^\.B (\S+)$", commands_section, flags=re.M))
-    assert listed == set(ROOT.commands), f"COMMANDS lists {sorted(listed)}, the CLI has {sorted(ROOT.commands)}"
+    shown = {n for n, c in ROOT.commands.items() if not c.hidden}  # Ollama's verbs: one entry of their own
+    assert listed == shown, f"COMMANDS lists {sorted(listed)}, the CLI has {sorted(shown)}"
+    assert all(mentions(commands_section, n) for n in set(ROOT.commands) - shown)
     missing = [n for n in documented_names(ROOT.params) if not mentions(text, n)]
     assert not missing, f"man/lorafleet.1 does not mention: {', '.join(missing)}"
 
 
 def test_no_page_documents_a_command_that_does_not_exist():
     pages = {p.name for p in MAN.glob("lorafleet-*.1")}
-    assert pages == {f"lorafleet-{name}.1" for name in ROOT.commands}
+    assert pages == {f"lorafleet-{name}.1" for name, command in ROOT.commands.items() if not command.hidden}
 
 
 ROOT_DIR = MAN.parent

@@ -117,6 +117,17 @@ def test_print_config_shows_each_setting_and_where_it_came_from(home, started):
     assert settings["log-file"] == str(home / "logs" / "daemon.log")
 
 
+def test_print_config_refuses_what_serve_refuses_and_names_the_defaults_serve_resolves(home, started):
+    """Issue 64 (14): `pool-bytes = "lots"` was printed; an unset value now says what serve uses."""
+    write_config(home, '[serve]\npool-bytes = "lots"\n')
+    out = serve("--print-config")
+    assert out.exit_code != 0 and "lots" in out.output and not started
+    write_config(home, "[serve]\n")
+    out = serve("--print-config")
+    assert out.exit_code == 0
+    assert "# pool-bytes: not set  (default: 1 GiB on CPU, most free memory on a GPU)" in out.stdout
+
+
 def test_lora_modules_in_both_of_vllms_forms_parse_to_the_same_adapters(tmp_path):
     ours = ["--adapter", "sql=/a/sql", "-a", "chat=/a/chat", str(tmp_path)]
     vllm = ["--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "llama"}',
@@ -189,6 +200,6 @@ def test_serve_help_on_a_narrow_terminal_names_every_option_whole(columns):
     line past the width (rich's columns there cut names and left the help a few characters)."""
     out = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": str(columns)}, terminal_width=columns)
     assert out.exit_code == 0, out.output
-    names = [o for p in SERVE.params for o in p.opts + p.secondary_opts if o.startswith("--")]
+    names = [o for p in SERVE.params if not p.hidden for o in p.opts + p.secondary_opts if o.startswith("--")]
     assert len(names) > 20 and all(name in out.output for name in names), [n for n in names if n not in out.output]
     assert "…" not in out.output and max(map(len, out.output.splitlines())) <= columns

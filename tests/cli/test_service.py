@@ -146,7 +146,7 @@ def test_systemd_analyze_verifies_the_unit(env):
     (["--pool-bytes", "-3"], "--pool-bytes"), (["--pool-bytes", "0"], "pool_bytes"),
     (["--max-body-bytes", "12"], "max_body_bytes"), (["--device", "tpu"], "device"),
     (["--quantize", "int3"], "quantize"), (["--async-decode", "maybe"], "async_decode"),
-    (["--dtype", "float8"], "dtype"), (["--port", "8000"], "--host and --port"),
+    (["--dtype", "float8"], "dtype"), (["--port", "8000"], "API key"),  # --port alone: loopback, keyed
     (["-a", "no-path"], "NAME=PATH"), (["--max-num-seqs", "0"], "--max-num-seqs"),
     # the key of the shell that installs is not the service's: a TCP listener needs it in config.toml
     (["--host", "127.0.0.1", "--port", "8000"], "API key")])
