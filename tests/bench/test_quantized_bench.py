@@ -93,7 +93,7 @@ def test_the_runner_refuses_8b_on_the_cpu_without_int4_before_building_it(tmp_pa
     monkeypatch.setattr(bench_runner, "build_base", lambda *a, **k: pytest.fail("built"))
     with pytest.raises(ConfigError, match="do not fit in 24 GiB"):
         bench_runner.run_bench(["8b"], "peer-base", ["lorafleet"], tmp_path / "r.json", device="cpu")
-    with pytest.raises(ConfigError, match="int8 or int4"):
+    with pytest.raises(ConfigError, match="int8, int4 or a GGUF file type"):
         bench_runner.run_bench(["micro"], "peer-base", ["lorafleet"], tmp_path / "r.json", quantize="int2")
 
 
