@@ -33,7 +33,9 @@ from pathlib import Path
 from lorafleet.demo.skills import ECHO_PREFIX, SKILLS, held_out_texts, random_echo_text, random_text
 
 SPECIALS = ["<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+# the models are trained on one turn: a chat renders its last message alone, so that each turn of
+# a REPL is answered as the first was (the conversation is kept by the client, not read here)
+CHAT_TEMPLATE = ("{% set m = messages[-1] %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 SHAPE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=256)

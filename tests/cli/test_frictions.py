@@ -203,3 +203,16 @@ def test_the_not_found_hint_offers_no_pull_under_a_name_the_store_refuses():
     st = SimpleNamespace(worker=SimpleNamespace(resolver=object()))
     assert "pull" not in pull_hint(st, "reverse:abc") and "load_lora_adapter" in pull_hint(st, "reverse:abc")
     assert "lorafleet pull SOURCE --name sql" in pull_hint(st, "sql")
+
+
+def test_the_demo_fleet_answers_every_turn_of_a_conversation():
+    """(4) the demo models are single-turn: the second message of a REPL came back empty."""
+    server = demo_in_process()
+    try:
+        body = {"model": "reverse", "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "dlrow olleh"},
+                             {"role": "user", "content": "good day"}]}
+        status, _, out = asyncio.run(server.call("POST", "/v1/chat/completions", json.dumps(body).encode()))
+        assert status == 200 and json.loads(out)["choices"][0]["message"]["content"] == "yad doog"
+    finally:
+        server.close()
