@@ -150,5 +150,17 @@ def test_every_verb_in_the_readme_table_is_a_real_command():
 
 
 def test_the_readme_table_lists_every_top_level_verb():
+    """Every verb lorafleet documents (Ollama's hidden ones are named in lorafleet(1))."""
     named = {path[0] for path in verb_paths()}
-    assert set(typer.main.get_command(app).commands) <= named
+    assert {n for n, c in typer.main.get_command(app).commands.items() if not c.hidden} <= named
+
+
+def test_a_cpu_install_does_not_pull_triton():
+    """Issue 64 (12): triton was a hard dependency, a gigabyte of a CPU-only venv; a CUDA torch
+    brings its own, the `gpu` extra names it, and the tests (its interpreter) install it."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    assert any(d.startswith("triton") for d in project["optional-dependencies"]["test"])
+    assert any(d.startswith("triton") for d in project["optional-dependencies"]["gpu"])
