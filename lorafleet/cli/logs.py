@@ -22,7 +22,7 @@ from typing import Annotated, BinaryIO
 import typer
 
 from lorafleet import paths
-from lorafleet.cli.common import SocketOption, fail
+from lorafleet.cli.common import JsonOption, SocketOption, fail
 
 POLL_S = 0.2  # how often -f looks for new lines: often enough to read as live, rare enough to cost nothing
 BLOCK = 1 << 16
@@ -36,8 +36,10 @@ def logs(
     socket: SocketOption = None,
     log_file: Annotated[Path | None, typer.Option(
         "--log-file", metavar="PATH", help="Read this file instead (what `serve --detach --log-file` wrote).")] = None,
+    as_json: JsonOption = False,
 ) -> None:
-    """Print the daemon's log: the file `lorafleet serve --detach` (or the service) writes."""
+    """Print the daemon's log: the file `lorafleet serve --detach` (or the service) writes. With
+    --json, one JSON object a line: {"log": PATH, "line": TEXT}."""
     path = log_file or find_log(paths.socket_path(socket))
     try:
         f = open(path, "rb")
@@ -47,9 +49,14 @@ def logs(
     except OSError as e:
         raise fail(f"cannot read {path}: {e.strerror}") from None
     out = sys.stdout.buffer
+    if as_json:
+        out = _JsonLines(out, str(path))
     with f:
         write(out, last_lines(f, tail) if tail is not None else f.read())
         if not follow:
+            if isinstance(out, _JsonLines):
+                out.write(b"\n") if out.held else None  # a last line without its newline is a line too
+                out.flush()
             return
         try:
             follow_file(path, f, lambda data: write(out, data), threading.Event())
@@ -57,6 +64,25 @@ def logs(
             pass
         except OSError as e:  # the path became a folder, or a file we may not read
             raise fail(f"stopped following {path}: {e.strerror or e}") from None
+
+
+class _JsonLines:
+    """`write`'s output as JSON lines, {"log": PATH, "line": TEXT} each (a part line held back)."""
+
+    def __init__(self, out: BinaryIO, path: str):
+        self.out, self.path, self.held = out, path, b""
+
+    def write(self, data: bytes) -> None:
+        import json
+
+        lines = (self.held + data).split(b"\n")
+        self.held = lines.pop()
+        for line in lines:
+            self.out.write(json.dumps({"log": self.path, "line": line.decode(errors="replace")},
+                                      ensure_ascii=False).encode() + b"\n")
+
+    def flush(self) -> None:
+        self.out.flush()
 
 
 def find_log(sock: Path) -> Path:

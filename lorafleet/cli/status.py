@@ -71,12 +71,19 @@ def stop(
     socket: SocketOption = None,
     timeout: Annotated[float, typer.Option(
         "--timeout", min=0, help="Seconds to wait for the daemon to drain and exit.")] = 60.0,
+    url: Annotated[str | None, typer.Option(  # no LORAFLEET_URL: set for the other verbs, it must not stop this one
+        "--url", metavar="URL", help="Refused: stop signals the daemon's process, so only by its socket.")] = None,
 ) -> None:
-    """Stop the daemon: in-flight requests finish first (SIGTERM), then it exits. Socket only
-    (no --url): it signals the daemon's pid, so the daemon must run on this machine. Only a
-    process proven to be the socket's daemon is signalled (`cli/ours.py`)."""
+    """Stop the daemon: in-flight requests finish first (SIGTERM), then it exits. Socket only:
+    it signals the daemon's pid, so the daemon must run on this machine (--url is refused, saying
+    so). Only a process proven to be the socket's daemon is signalled (`cli/ours.py`)."""
     from lorafleet.cli.ours import proven_daemon
     from lorafleet.errors import DaemonStartingError
+
+    if url:
+        raise typer.BadParameter("stop signals the daemon's process, so it stops a daemon of this machine, by its "
+                                 "socket (--socket); on the daemon's machine run `lorafleet stop` (or `lorafleet "
+                                 "service uninstall` for the service)", param_hint="--url")
 
     with user_errors(), client(socket) as c:
         try:

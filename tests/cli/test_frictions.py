@@ -216,3 +216,16 @@ def test_the_demo_fleet_answers_every_turn_of_a_conversation():
         assert status == 200 and json.loads(out)["choices"][0]["message"]["content"] == "yad doog"
     finally:
         server.close()
+
+
+def test_logs_json_and_stop_url(tmp_path):
+    """(18) `logs` had no --json; `stop --url` says why a remote stop is refused."""
+    log = tmp_path / "d.log"
+    log.write_text("2026-12-07 one [b]bracketed[/b]\nsecond line\nno newline at the end")
+    out = runner.invoke(app, ["logs", "--log-file", str(log), "--json"])
+    assert out.exit_code == 0, out.output
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [x["line"] for x in lines] == ["2026-12-07 one [b]bracketed[/b]", "second line", "no newline at the end"]
+    assert all(x["log"] == str(log) for x in lines)
+    out = runner.invoke(app, ["stop", "--url", "http://127.0.0.1:8000"])
+    assert out.exit_code == 2 and "signals the daemon's process" in out.output
