@@ -93,8 +93,9 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
         from lorafleet.lora.heads import own_tokenizer
         own_tokenizer(folder, adapter.vocab_size, shapes.vocab_size)
     wanted = cfg.get("base_model_name_or_path")
-    if wanted and wanted not in (base["name"], _hub_id(base)):
-        message = (f"the adapter says it was trained on {wanted!r}; validated against the stored base "
+    if wanted and wanted not in (base["name"], _hub_id(base)) and not _same_folder(wanted, store, base):
+        which = "the stored base" if base["snapshot"] else "the base the daemon serves,"
+        message = (f"the adapter says it was trained on {wanted!r}; validated against {which} "
                    f"{base['name']!r}, whose shapes it fits")
         if strict_base:
             raise StoreError(message + " (refused: --strict-base)")
@@ -127,6 +128,15 @@ def _gguf_adapter(store: Store, path: Path, for_model: str | None, served, out: 
     model = _base_config(store, choose_base(store, gguf_adapter.config_hint(path), for_model, served))
     gguf_adapter.convert(path, out, (model.num_heads, model.num_kv_heads))
     return out
+
+
+def _same_folder(wanted: str, store: Store, base: dict) -> bool:
+    """Whether base_model_name_or_path is a path to the very folder (or GGUF file) of `base`, as
+    a locally trained adapter names its base: no mismatch to warn of."""
+    try:
+        return Path(wanted).expanduser().resolve() == store.base_folder(base).resolve()
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 def _validate_model(folder: Path) -> dict:

@@ -229,3 +229,21 @@ def test_logs_json_and_stop_url(tmp_path):
     assert all(x["log"] == str(log) for x in lines)
     out = runner.invoke(app, ["stop", "--url", "http://127.0.0.1:8000"])
     assert out.exit_code == 2 and "signals the daemon's process" in out.output
+
+
+def test_an_adapter_trained_on_the_served_folder_is_not_warned_about(tmp_path):
+    """(15) every locally trained adapter got "validated against the stored base" with no base stored."""
+    from lorafleet.store.pull import pull
+    from lorafleet.store.store import Store
+    from tests.fixtures import build_adapter, build_model
+
+    base = build_model(tmp_path / "my-base", "llama")
+    adapter = build_adapter(base, tmp_path / "tuned", r=4, target_modules=["q_proj"])
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    for wanted, warned in ((str(base), False), ("someone/else", True)):
+        (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": wanted}))
+        warnings = []
+        pull(str(adapter), name=f"t{int(warned)}", store=Store(tmp_path / "store"), served=("served", base),
+             warn=warnings.append, progress=False)
+        assert bool(warnings) == warned, warnings
+        assert all("the base the daemon serves" in w and "stored base" not in w for w in warnings)
