@@ -10,11 +10,9 @@ Each function returns the path written, or raises `PlotUnavailable` saying why n
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from lorafleet.engine.regression import comparable_groups
-from lorafleet.engine.stats import percentile
+from lorafleet.engine.regression import adjusted_points
 
 
 class PlotUnavailable(Exception):
@@ -34,50 +32,48 @@ def _pyplot():
 
 def plot_switch(runs: list[dict], title: str, out: Path) -> Path:
     """`runs`: [{"model", "steps" (records), "regressions" (engine.regression.switch_regressions)}]. Per x,
-    per model, the steps of the one shape with the most steps among those whose steps differ in
-    x (a bigger batch mixes more adapters and costs less per token: across shapes the points
-    would draw batch size, not switches), the median per x, and the within-shape slope through
-    that shape's mean."""
+    per model: each step's per-token latency adjusted for its shape (`regression.adjusted_points`:
+    the shape's part of the joint fit taken off, so any traffic draws switches, not batch size),
+    the mean per x, and the headline slope (the step's shape accounted for) through them."""
     panels = []
     for x in dict.fromkeys(r["x"] for run in runs for r in run["regressions"]):
         series = []
         for i, run in enumerate(runs):
             reg = next((r for r in run["regressions"] if r["x"] == x), None)
-            groups = comparable_groups(run["steps"], x)
-            if reg is not None and groups:
-                series.append((i, run["model"], reg, max(groups.items(), key=lambda kv: len(kv[1]))))
+            points = adjusted_points(run["steps"], x)
+            if reg is not None and len(points) > 1:
+                series.append((i, run["model"], reg, points))
         if series:
             panels.append((x, series))
     if not panels:
-        raise PlotUnavailable("no two steps of the same shape (sequences, tokens) differ in adapters loaded "
-                              "or distinct adapters: nothing to compare like for like")
+        raise PlotUnavailable("adapters loaded and distinct adapters vary only with the steps' shape (or not at all): "
+                              "nothing to draw against them that is not batch size")
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    jitter = random.Random(0)
     for ax, (x, series) in zip(axes[0], panels):
-        tops = []  # the y range stops above the 95th percentile: a few stalls would flatten the rest
-        for i, model, reg, ((seqs, _), steps) in series:
+        tops = []
+        for i, model, reg, points in series:
             color = f"C{i}"
-            ys = [s["time_s"] / s["num_tokens"] * 1e3 for s in steps]
-            tokens = sorted({s["num_tokens"] for s in steps})
-            shape = "decode" if tokens == [seqs] else f"{tokens[0]}-{tokens[-1]} tokens"
-            ax.scatter([s[x] + jitter.uniform(-0.15, 0.15) for s in steps], ys, s=6, alpha=0.3, color=color,
-                       label=f"{model}: {len(steps)} steps of {seqs} sequences, {shape}")
-            values = sorted({s[x] for s in steps})
-            medians = [percentile([y for s, y in zip(steps, ys) if s[x] == v], 0.5) for v in values]
-            ax.plot(values, medians, "D", color=color, markeredgecolor="black", markersize=8, zorder=3)
-            tops.append(max(sorted(ys)[int(0.95 * (len(ys) - 1))], *medians))
+            values, means = [p[x] for p in points], [p["per_token_ms_mean"] for p in points]
+            sizes = [min(200, 10 + p["steps"]) for p in points]
+            ax.scatter(values, means, s=sizes, color=color, edgecolor="black", alpha=0.8, zorder=3,
+                       label=f"{model}: mean per x, shape-adjusted ({sum(p['steps'] for p in points)} steps)")
+            tops.append(max(means))
             if reg["slope_s"] is not None:
-                mx, my, ends = sum(s[x] for s in steps) / len(steps), sum(ys) / len(ys), (values[0], values[-1])
-                ax.plot(ends, [my + reg["slope_s"] * 1e3 * (v - mx) for v in ends], "-", color=color, linewidth=2,
-                        zorder=4, label=f"{model}: {reg['slope_s'] * 1e3:+.4f} ms/token per adapter "
-                              f"({reg['slope_fraction']:+.1%}) within shape")
+                w = [p["steps"] for p in points]
+                mx = sum(v * n for v, n in zip(values, w)) / sum(w)
+                my = sum(m * n for m, n in zip(means, w)) / sum(w)
+                lo, hi = reg["slope_ci_s"]
+                ax.plot((values[0], values[-1]), [my + reg["slope_s"] * 1e3 * (v - mx) for v in (values[0], values[-1])],
+                        "-", color=color, linewidth=2, zorder=4,
+                        label=f"{model}: {reg['slope_s'] * 1e3:+.4f} ms/token per adapter ({reg['slope_fraction']:+.1%}; "
+                              f"95%: {lo * 1e3:+.4f} to {hi * 1e3:+.4f})")
         ax.set_xlabel(x.replace("_", " ") + " in the step")
-        ax.set_ylabel("step time / tokens in the step (ms)")
+        ax.set_ylabel("per-token latency, the step's shape accounted for (ms)")
         ax.set_ylim(0, 1.5 * max(tops) if tops and max(tops) > 0 else None)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title + ": steps of one shape")
+    fig.suptitle(title + ": switches against per-token latency, shape-adjusted")
     return _save(fig, plt, out)
 
 

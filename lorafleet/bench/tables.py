@@ -145,19 +145,23 @@ def memory_table(report: dict) -> Table:
 
 
 def switch_table(entry: dict) -> Table:
-    """Per-token latency of steps by adapters per step, with the within-shape slope (the
-    headline) and the pooled one (confounded by batch shape) under it."""
+    """Per-token latency of steps by adapters per step, with the slope adjusted for the steps'
+    shape (the headline, with its 95% interval), the within-shape one where steps of one shape
+    differ, and the pooled one (confounded by batch shape) under it."""
     notes = []
     for reg in entry["regressions"]:
         label = reg["x"].replace("_", " ")
-        pooled = (f" (all steps pooled: {reg['slope_pooled_s'] * 1e3:+.4f}, confounded by batch shape)"
+        pooled = (f"; all steps pooled: {reg['slope_pooled_s'] * 1e3:+.4f}, confounded by batch shape"
                   if reg["slope_pooled_s"] is not None else "")
+        within = (f"; within shape: {reg['slope_within_s'] * 1e3:+.4f} among {reg['comparable_steps']} steps of "
+                  f"{reg['comparable_shapes']} shape(s)" if reg.get("slope_within_s") is not None else "")
         if reg["slope_s"] is None:
-            notes.append(f"{label}: {escape(reg.get('note', 'no slope'))}{pooled}")
+            notes.append(f"{label}: {escape(reg.get('note', 'no slope'))}{within}{pooled}")
         else:
+            lo, hi = reg["slope_ci_s"]
             notes.append(f"{label}: {reg['slope_s'] * 1e3:+.4f} ms/token per adapter ({reg['slope_fraction']:+.1%} "
-                         f"of the mean) among {reg['comparable_steps']} steps of {reg['comparable_shapes']} "
-                         f"shape(s){pooled}")
+                         f"of the mean; 95% interval {lo * 1e3:+.4f} to {hi * 1e3:+.4f}), the step's shape "
+                         f"accounted for over {reg['steps']} steps{within}{pooled}")
     table = new_table(f"switch regression, {entry['model']} · {entry['system']}",
                    ["x", "adapters\nper step", "steps", "decode\nsteps", "per-token\nms p50", "per-token\nms mean",
                     "mean\nseqs", "mean\ntokens"], "\n".join(notes), left=1)

@@ -209,7 +209,7 @@ def render(snapshot: dict, server: dict, model_name: str) -> bytes:
     reg = snapshot["switches"]["regression"] or {}
     if reg.get("slope_s") is not None:
         gauge("lorafleet_switch_cost_seconds_per_token", "Per-token latency one more adapter loaded in a step adds "
-              "(the switch regression within step shape, recent steps).", reg["slope_s"])
+              "(the switch regression, the step's shape accounted for, recent steps).", reg["slope_s"])
         gauge("lorafleet_switch_cost_fraction", "lorafleet_switch_cost_seconds_per_token over the mean per-token "
               "latency of the same steps.", reg["slope_fraction"])
     gauge("lorafleet_pool_pages_total", "Pages in the unified pool.", pool["total_pages"])

@@ -206,7 +206,9 @@ class SwitchPanel(Static):
             for row in reg["table"][:5]:
                 out.append(f"{row['adapters_loaded']:>2}  {row['per_token_ms_p50']:.3f} ms ({row['steps']} st)\n")
             if reg["slope_s"] is not None:
-                out.append(f"slope {reg['slope_s'] * 1e3:+.4f} ms/token\n", style="bold")
+                lo, hi = reg["slope_ci_s"]
+                out.append(f"slope {reg['slope_s'] * 1e3:+.4f} ms/token ({lo * 1e3:+.4f} to {hi * 1e3:+.4f})\n",
+                           style="bold")
                 out.append(f"per adapter: {100 * reg['slope_fraction']:+.1f}% of a token",
                            style="bold red" if reg["slope_fraction"] > 0.02 else "bold green")
             else:
