@@ -192,7 +192,7 @@ def sweep_table(report: dict) -> Table:
 def cold_start_table(rows: list[tuple[dict, dict]]) -> Table:
     table = new_table("cold start: TTFT (ms) of each adapter's first request against later ones",
                    ["model", "system", "cold p50", "cold p99", "warm p50", "warm p99", "cold ÷ warm\np50",
-                    "cold ÷ warm\np99"], "cold: the adapter was on disk when it arrived; issue 5 asks <= 1.2x")
+                    "cold ÷ warm\np99"], "cold: the adapter was on disk when it arrived; target: <= 1.2x")
     for row, c in rows:
         ratio = [f"{v:.2f}x" if (v := c[f"cold_over_warm_{q}"]) else "" for q in ("p50", "p99")]
         table.add_row(row["model"], row["system"], _ms(c["cold"]["p50"]), _ms(c["cold"]["p99"]),

@@ -182,7 +182,7 @@ def llama_cpp(
     """lorafleet through its daemon against llama.cpp's llama-server, on the CPU in f32 (or both
     quantized: --quantize): the same random model and PEFT adapters (converted to GGUF), 64
     requests of 64 + 64 tokens replayed as streaming HTTP calls with N in flight, greedy. Each
-    workload at each N, then one table: tokens/s, TTFT p99, the ratio and issue 18's target.
+    workload at each N, then one table: tokens/s, TTFT p99, the ratio and its target.
     llama-server is built once (minutes) from the llama.cpp that llama-cpp-python's sdist
     vendors, or taken from LORAFLEET_LLAMA_SERVER."""
     from lorafleet.bench.report import resolve_out_path

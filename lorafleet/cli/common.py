@@ -145,3 +145,22 @@ def duration(seconds: float) -> str:
 
 def print_json(obj) -> None:
     typer.echo(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+def _help_types() -> None:
+    """`--help`'s type column without the annotations' spelling: a switch shows none (not
+    `<bool>`), a repeatable option its element type once and `...` (not `<list[str]>`)."""
+    import re
+
+    from typer.core import TyperArgument, TyperOption
+
+    for cls in (TyperOption, TyperArgument):
+        def display_type_rich(self, ctx, shown=cls.display_type_rich):
+            if getattr(self, "is_flag", False):
+                return None
+            text = shown(self, ctx)
+            return re.sub(r"^<list\[(\w+)\]>(\.\.\.)?$", r"<\1>...", text) if isinstance(text, str) else text
+        cls.display_type_rich = display_type_rich
+
+
+_help_types()

@@ -247,3 +247,19 @@ def test_an_adapter_trained_on_the_served_folder_is_not_warned_about(tmp_path):
              warn=warnings.append, progress=False)
         assert bool(warnings) == warned, warnings
         assert all("the base the daemon serves" in w and "stored base" not in w for w in warnings)
+
+
+def test_help_shows_no_annotation_spellings_nor_issue_numbers():
+    """(20) `--version <bool>`, `<list[str]>`; `bench --help` named internal issue numbers."""
+    import re
+
+    import typer
+
+    def helps(command, path):
+        yield path, runner.invoke(app, [*path, "--help"], env={"COLUMNS": "120"}).output
+        for name, sub in getattr(command, "commands", {}).items():
+            if not sub.hidden:
+                yield from helps(sub, [*path, name])
+    for path, text in helps(typer.main.get_command(app), []):
+        assert "<bool>" not in text and "<list[" not in text, path
+        assert not re.search(r"issue \d", text), path
