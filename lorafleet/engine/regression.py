@@ -163,19 +163,22 @@ def switch_regression(steps: list[dict], x: str) -> dict | None:
            "comparable_shapes": int(varied.sum()), "comparable_steps": int(keep.sum()),
            "slope_s": None, "slope_fraction": None, "slope_ci_s": None,
            "slope_within_s": None, "slope_within_fraction": None, "slope_pooled_s": None, "slope_pooled_fraction": None}
-    try:
-        pooled = fit_slope(xs, per_token).slope
-        out["slope_pooled_s"], out["slope_pooled_fraction"] = pooled, pooled / mean
-    except ValueError as e:
-        out["note"] = f"no slope: {e}"
+    label = x.replace("_", " ")
+    if len(sample) < 2:
+        out["note"] = "no slope yet: one step so far"
         return out
+    if xs.min() == xs.max():
+        out["note"] = f"no slope yet: every step so far has {label} {int(xs[0])}"
+        return out
+    pooled = fit_slope(xs, per_token).slope
+    out["slope_pooled_s"], out["slope_pooled_fraction"] = pooled, pooled / mean
     fit = adjusted_fit(xs, per_token, shape_columns(seqs, tokens))
     if fit is not None:
         slope, se = fit
         out["slope_s"], out["slope_fraction"] = slope, slope / mean
         out["slope_ci_s"] = [slope - Z95 * se, slope + Z95 * se]
     else:
-        out["note"] = (f"no slope: {x.replace('_', ' ')} does not vary once the steps' shape is accounted for, "
+        out["note"] = (f"no slope yet: {label} does not vary once the steps' shape is accounted for, "
                        "or too few steps")
     if keep.any():
         g, gx, gy = shape[keep], xs[keep], per_token[keep]

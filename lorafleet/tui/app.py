@@ -224,10 +224,16 @@ class TopApp(App):
         self.query_one(PoolMap).highlight = self.selected_adapter()
         hidden = len(model.COLUMNS) - len(self.columns)
         mixes = model.mix_summary(self.stats["engine"])
-        self.query_one("#table-box").border_subtitle = (
-            f"{len(self.rows)} known · sorted by {self._sort_label()}" + (f" · {mixes}" if mixes else "")
-            + (f" · filter '{self.filter_text}'" if self.filter_text else "")
-            + (f" · {hidden} more: Enter" if hidden else ""))
+        box = self.query_one("#table-box")
+        # in the order shown; what does not fit the border goes, least wanted first (mixes, count)
+        parts = [(3, f"{len(self.rows)} known"), (1, f"sorted by {self._sort_label()}"), (4, mixes),
+                 (0, f"filter '{self.filter_text}'" if self.filter_text else ""),
+                 (2, f"{hidden} more: Enter" if hidden else "")]
+        parts = [p for p in parts if p[1]]
+        room = (box.size.width or 10**6) - 6  # before the first layout: all of it
+        while len(parts) > 1 and len(" · ".join(t for _, t in parts)) > room:
+            parts.remove(max(parts))
+        box.border_subtitle = " · ".join(t for _, t in parts)
 
     def refit_table(self) -> None:
         if self.stats is not None:
@@ -311,11 +317,16 @@ class TopApp(App):
         self._close_filter()
 
     def on_key(self, event) -> None:
-        if event.key == "escape" and self.query_one("#filter", Input).has_focus:
+        # Esc drops the filter, typed or kept (as less and htop do); Enter keeps it, named in the
+        # table's subtitle, with the box out of the way
+        box = self.query_one("#filter", Input)
+        if event.key == "escape" and len(self.screen_stack) == 1 and (box.has_focus or self.filter_text):
             event.stop()
+            box.value = ""
+            self.filter_text = ""
+            self._redraw_table()
             self._close_filter()
 
     def _close_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        box.display = bool(self.filter_text)
+        self.query_one("#filter", Input).display = False
         self.query_one("#adapters", DataTable).focus()

@@ -205,6 +205,7 @@ def ms(seconds: float | None) -> str:
 
 # -- the time series ---------------------------------------------------------------------------
 
+RATE_WINDOW_S = 10.0  # the rate labels' window: long enough that bursty steps do not read as 0
 SERIES = ("tokens_per_s", "requests_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "queue")
 
 
@@ -217,6 +218,9 @@ class History:
     maxlen: int = HISTORY
     series: dict[str, deque] = field(default_factory=dict)
     last: dict | None = None
+    # (uptime, generated tokens, finished requests) of this daemon's recent snapshots: the labels'
+    # rates, over RATE_WINDOW_S rather than the last second (bursty steps make that one 0 often)
+    counters: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def __post_init__(self):
         self.series = {k: deque(maxlen=self.maxlen) for k in SERIES}
@@ -227,6 +231,9 @@ class History:
         self.last = stats
         same = (prev is not None and prev["server"]["pid"] == srv["pid"]
                 and srv["uptime_s"] > prev["server"]["uptime_s"])
+        if not same:
+            self.counters.clear()
+        self.counters.append((srv["uptime_s"], eng["num_generated_tokens"], eng["num_requests_finished"]))
         if same:
             dt = srv["uptime_s"] - prev["server"]["uptime_s"]
             pe = prev["engine"]
@@ -243,6 +250,18 @@ class History:
     def latest(self, key: str) -> float | None:
         s = self.series[key]
         return s[-1] if s else None
+
+    def recent_rate(self, key: str, window_s: float = RATE_WINDOW_S) -> float | None:
+        """`tokens_per_s` or `requests_per_s` over the last `window_s` seconds of this daemon's
+        snapshots (fewer where it has not run that long); None before two snapshots."""
+        if len(self.counters) < 2:
+            return None
+        now = self.counters[-1]
+        then = next((c for c in self.counters if c[0] >= now[0] - window_s), self.counters[0])
+        if then is now:
+            then = self.counters[-2]
+        i = 1 if key == "tokens_per_s" else 2
+        return (now[i] - then[i]) / (now[0] - then[0])
 
 
 def check_snapshot(stats: dict) -> None:

@@ -18,7 +18,7 @@ HELP = """\
 [b]p[/b]        pause / resume (no polling while paused)
 [b]q[/b]        quit
 [b]?[/b]        this help
-[b]/[/b]        filter the adapters by name (Enter, Esc: done)
+[b]/[/b]        filter the adapters by name (Enter keeps it, Esc drops it)
 [b]s[/b] [b]S[/b]      sort by the next column / reverse the order
          (or click a column's header)
 [b]Enter[/b]    the highlighted adapter's detail, every column (Esc closes)

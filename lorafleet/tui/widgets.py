@@ -167,6 +167,8 @@ class Rates(Vertical):
                 text = f"{name} {_num(history.latest('ttft_p50'))}/{_num(history.latest('ttft_p99'))} ms"
             elif key == "tpot_p99":
                 text = f"{name} {_num(history.latest('tpot_p50'))}/{_num(history.latest('tpot_p99'))} ms"
+            elif key in ("tokens_per_s", "requests_per_s"):
+                text = f"{name} {_num(history.recent_rate(key))} ({model.RATE_WINDOW_S:g}s)"
             else:
                 text = f"{name} {_num(history.latest(key))}"
             self.query_one(f"#label-{key}", Static).update(text)

@@ -86,6 +86,15 @@ def test_where_the_shape_decides_the_x_there_is_no_headline_slope_and_it_says_wh
     assert "shape is accounted for" in reg["note"] and reg["slope_pooled_s"] is not None
 
 
+def test_before_a_slope_can_be_fitted_the_note_says_what_the_steps_lack_in_plain_words():
+    one = [{"time_s": 0.01, "num_tokens": 4, "num_seqs": 4, "adapters_loaded": 2}]
+    assert switch_regression(one, "adapters_loaded")["note"] == "no slope yet: one step so far"
+    same = one * 5
+    reg = switch_regression(same, "adapters_loaded")
+    assert reg["note"] == "no slope yet: every step so far has adapters loaded 2" and reg["slope_s"] is None
+    assert reg["note"].count("slope") == 1
+
+
 def ordinary_traffic(per_switch_s: float, seed: int = 0) -> list[dict]:
     """Steps as real traffic makes them (issue 64, 23): every step of its own shape (prefill
     chunks of any length beside the decodes), switches landing where they land."""

@@ -108,15 +108,38 @@ async def test_filter_narrows_the_table_and_keeps_the_keys_out_of_the_app(stream
         await pilot.press("q", "p")  # typed into the box: neither quits nor pauses
         assert app.is_running and not app.paused and names(app) == []
         await pilot.press("backspace", "backspace", "enter")
-        assert app.query_one("#adapters", DataTable).has_focus
+        assert app.query_one("#adapters", DataTable).has_focus and not box.display
         assert names(app) == ["law-r16", "sql-r16"]  # the filter stays after the box closes
         assert "filter 'r16'" in str(app.query_one("#table-box").border_subtitle)
         # later snapshots keep it
         app.ingest(stream[-1])
         await pilot.pause()
         assert names(app) == ["law-r16", "sql-r16"]
-        await pilot.press("slash", "ctrl+a", "ctrl+k", "escape")
+        await pilot.press("escape")  # Esc on the table drops a kept filter
+        assert len(names(app)) == len(known(stream[-1]["engine"])) and not box.display
+        assert "filter" not in str(app.query_one("#table-box").border_subtitle)
+        await pilot.press("slash", "l", "a", "w", "escape")  # and, in the box, what was typed
         assert len(names(app)) == len(known(stream[-1]["engine"]))
+        assert not box.display and box.value == "" and app.query_one("#adapters", DataTable).has_focus
+
+
+async def test_the_tables_subtitle_fits_its_border_dropping_the_least_wanted_parts_first(stream):
+    last = copy.deepcopy(stream[-1])
+    last["engine"]["mixes"] = {"requests": 1200, "adapters": 3600, "by_size": {}, "running": 12, "waiting": 30}
+    for size in [(200, 40), SIZE]:
+        app = TopApp(None, "/tmp/test.sock")
+        async with app.run_test(size=size) as pilot:
+            await feed(app, pilot, stream[:-1] + [last])
+            await pilot.press("slash", *"r1", "enter")
+            app.ingest(last)
+            await pilot.pause()
+            box = app.query_one("#table-box")
+            subtitle = str(box.border_subtitle)
+            assert len(subtitle) <= box.size.width - 6
+            assert "filter 'r1'" in subtitle and "sorted by" in subtitle  # what the table shows stays named
+            hidden = len(model.COLUMNS) - len(app.columns)
+            assert ("mixes: 12 running" in subtitle) == (size[0] == 200)  # the mixes' summary goes first
+            assert (f"{hidden} more: Enter" in subtitle) == bool(hidden)
 
 
 async def test_enter_opens_the_detail_of_the_highlighted_adapter(stream):

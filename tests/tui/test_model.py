@@ -76,6 +76,25 @@ def test_rates_are_counter_differences_over_the_daemons_clock_and_restart_afresh
     assert len(h.series["tokens_per_s"]) == 1
 
 
+def test_the_rate_labels_average_the_last_ten_seconds_so_a_quiet_second_does_not_read_as_zero(stream):
+    h = model.History()
+    assert h.recent_rate("tokens_per_s") is None
+    base = copy.deepcopy(stream[-1])
+    for t, tokens in enumerate([0, 100, 100, 100, 250, 250] + [250] * 10):
+        s = copy.deepcopy(base)
+        s["server"]["uptime_s"] = float(t + 1)
+        s["engine"]["num_generated_tokens"] = tokens
+        h.add(s)
+        if t == 5:  # a busy burst, then a quiet second: the last second's rate is 0
+            assert h.latest("tokens_per_s") == 0.0
+            assert h.recent_rate("tokens_per_s") == pytest.approx(250 / 5)
+    assert h.recent_rate("tokens_per_s") == 0.0  # ten quiet seconds later, the window holds none
+    restarted = copy.deepcopy(base)
+    restarted["server"]["pid"] = 999
+    h.add(restarted)  # another daemon: its counters start the window afresh
+    assert h.recent_rate("tokens_per_s") is None
+
+
 def test_mixes_are_summed_up_once_a_request_named_one(stream):
     eng = copy.deepcopy(stream[-1]["engine"])
     assert model.mix_summary(eng) == ""
