@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,8 +69,10 @@ class Client:
         if self.socket is None:
             return DaemonUnreachableError(f"no lorafleet daemon answers at {self.where}; start one with "
                                           "`lorafleet serve --host H --port P --api-key KEY`")
+        # the socket this command was given is the one a new daemon must take
+        elsewhere = f" --socket {shlex.quote(str(self.socket))}" if self.socket != paths.socket_path() else ""
         return DaemonUnreachableError(f"no lorafleet daemon is running on {self.socket}; "
-                                      "start one with `lorafleet serve`")
+                                      f"start one with `lorafleet serve{elsewhere}`")
 
     def not_lorafleet(self, why: str) -> DaemonUnreachableError:
         return DaemonUnreachableError(f"what answers at {self.where} is not a lorafleet daemon ({why})")

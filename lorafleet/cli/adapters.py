@@ -159,7 +159,9 @@ def unload(name: NameArg, socket: SocketOption = None, url: UrlOption = None,
 
 
 @app.command("rm")
-def rm(name: NameArg, socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None) -> None:
+def rm(name: NameArg, socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
+       force: Annotated[bool, typer.Option("--force", "-f", help="Unload it from the running daemon first "
+                                           "(refused while requests use it).")] = False) -> None:
     """Remove an adapter from the store (refused while the running daemon has it registered:
-    unload it first). Its files go at once."""
-    store_cli.adapter_rm(name, socket, url, api_key)
+    unload it first, or pass --force). Its files go at once."""
+    store_cli.adapter_rm(name, socket, url, api_key, force)

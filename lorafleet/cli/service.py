@@ -122,12 +122,21 @@ def _systemctl() -> str | None:
     return shutil.which("systemctl")
 
 
-def _run(systemctl: str, *args: str) -> None:
+NO_USER_BUS = ("Failed to connect to bus", "Failed to connect to user scope bus", "DBUS_SESSION_BUS_ADDRESS")
+
+
+def _run(systemctl: str, *args: str, no_bus_ok: bool = False) -> bool:
+    """`systemctl --user ARGS`; False where `no_bus_ok` and there is no user systemd to talk to
+    (a root shell, a container, ssh without lingering: nothing can run under it there)."""
     done = subprocess.run([systemctl, "--user", *args], capture_output=True, text=True)
     if done.returncode != 0:
-        why = (done.stderr.strip() or done.stdout.strip()).splitlines()
+        out = done.stderr.strip() or done.stdout.strip()
+        if no_bus_ok and any(marker in out for marker in NO_USER_BUS):
+            return False
+        why = out.splitlines()
         raise fail(f"`systemctl --user {' '.join(args)}` failed ({why[-1] if why else f'status {done.returncode}'}); "
                    f"the unit is {unit_path()}")
+    return True
 
 
 @app.command("install", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -195,12 +204,12 @@ def uninstall() -> None:
     if not unit.is_file():
         raise fail(f"no lorafleet service: {unit} does not exist")
     systemctl = _systemctl()
-    if systemctl is not None:
-        _run(systemctl, "disable", "--now", UNIT)
+    bus = systemctl is not None and _run(systemctl, "disable", "--now", UNIT, no_bus_ok=True)
     unit.unlink()
-    if systemctl is not None:
+    if bus:
         _run(systemctl, "daemon-reload")
-    err_console.print(f"removed {unit}" + ("" if systemctl else " (no systemctl here: nothing was running)"),
+    why = "" if bus else " (no systemctl here" if systemctl is None else " (no user systemd to reach here"
+    err_console.print(f"removed {unit}" + (f"{why}: nothing ran under it)" if why else ""),
                       highlight=False, soft_wrap=True)
 
 

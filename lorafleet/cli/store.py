@@ -106,9 +106,15 @@ def models_ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKe
     store = Store()
     with user_errors():
         stored = store.list("models")
-        served = served_base(socket, url, api_key)  # a wrong key or URL: one line, no traceback
+        # a wrong key or URL: one line, no traceback
+        base = next((m for m in daemon_models(socket, url, api_key) or () if not m.get("parent")), None)
+    served = Path(base["root"]).resolve() if base and base.get("root") else None
     for m in stored:
+        m["in_store"] = True
         m["served"] = served is not None and served == store.folder(m).resolve()
+    if served is not None and not any(m["served"] for m in stored):
+        # served from a folder or the bundled demo: listed too, so `ls` says what runs
+        stored.append({"name": base["id"], "source": str(served), "in_store": False, "served": True})
     if as_json:
         return print_json(stored)
     if not stored:
@@ -116,8 +122,8 @@ def models_ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKe
         return
     _table(("NAME", "ARCHITECTURE", "LAYERS", "WEIGHTS", "SIZE", "SOURCE", "SERVED"),
            [(m["name"], m.get("architecture", "-"), m.get("layers", "-"), m.get("quantization", "full"),
-             size(m["size"]), m["source"],
-             "yes" if m["served"] else "") for m in stored])
+             size(m["size"]) if "size" in m else "-", m["source"],
+             ("yes" if m["in_store"] else "yes (not in the store)") if m["served"] else "") for m in stored])
 
 
 @models_app.command("rm")
@@ -144,15 +150,20 @@ def adapters_in_store() -> dict[str, dict]:
     return {m["name"]: m for m in Store().list("adapters")}
 
 
-def adapter_rm(name: str, socket, url: str | None = None, api_key: str | None = None) -> None:
-    """`lorafleet adapters rm`: refused while the running daemon has the adapter registered."""
+def adapter_rm(name: str, socket, url: str | None = None, api_key: str | None = None, force: bool = False) -> None:
+    """`lorafleet adapters rm`: refused while the running daemon has the adapter registered,
+    unless `force`, which unloads it there first (refused in turn while requests use it)."""
     store = Store()
     with user_errors():
         store.get("adapters", name)
         served = daemon_models(socket, url, api_key) or []
         if any(x.get("id") == name and x.get("parent") for x in served):
-            raise StoreError(f"the running daemon has {name!r} registered; unload it first "
-                             f"(lorafleet adapters unload {name})")
+            if not force:
+                raise StoreError(f"the running daemon has {name!r} registered; unload it first "
+                                 f"(lorafleet adapters unload {name}), or remove it with --force, which does")
+            with client(socket, url, api_key) as c:
+                c.unload_adapter(name)
+            err_console.print(f"unloaded {name} from the running daemon", highlight=False)
         with store.lock():
             store.remove("adapters", name)
             store.gc()

@@ -5,8 +5,9 @@ checks both against a `BaseShapes` and returns plain per-(layer, module) tensors
 PEFT would apply, ready for the engine to copy into its page pool. Everything an adapter author
 can get wrong is refused with an `AdapterError` whose message names the file, tensor or field and
 the form expected. The caller chooses the path, so messages quote nothing read from the files
-(no values, dtypes or shapes; a tensor name only when it is a LoRA weight key, i.e. structure)
-and state what the base expects instead.
+but structure: a tensor's name only when it is a LoRA weight key, and a LoRA weight's shape
+beside the one the base expects (a few integers; without them a mismatch cannot be told from
+another), never values, text or dtypes.
 
 PEFT semantics mirrored here (peft 0.21, `tuners/tuners_utils.py::check_target_module_exists`,
 `utils/other.py::get_pattern_key`, `tuners/lora/model.py::_create_and_replace`,
@@ -348,14 +349,15 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
         fin, fout = base.features[proj]
         if a.shape[1] != fin:
             raise AdapterError(f"{st_path}: {_tensor(a_key)}: in_features does not match the base "
-                               f"{proj} (expected shape [r, {fin}])")
+                               f"{proj}: its shape is {list(a.shape)}, expected [r, {fin}]")
         if b.shape[0] != fout:
             raise AdapterError(f"{st_path}: {_tensor(b_key)}: out_features does not match the base "
-                               f"{proj} (expected shape [{fout}, r])")
+                               f"{proj}: its shape is {list(b.shape)}, expected [{fout}, r]")
         rank = int(a.shape[0])
         if b.shape[1] != rank:
             raise AdapterError(f"{st_path}: rank mismatch: {_tensor(a_key)} and {_tensor(b_key)} "
-                               f"differ in rank (expected [r, {fin}] and [{fout}, r] with the same r)")
+                               f"differ in rank: shapes {list(a.shape)} and {list(b.shape)}, expected [r, {fin}] and "
+                               f"[{fout}, r] with the same r")
         post = {}
         for part, field in (("m", "use_dora"), ("bias", "lora_bias")):
             if cfg.get(field, False) and part not in slot:
@@ -365,7 +367,7 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
                 key, t = slot[part]
                 if t.shape[0] != fout:
                     raise AdapterError(f"{st_path}: {_tensor(key)}: its length does not match the base "
-                                       f"{proj}'s out_features (expected shape [{fout}])")
+                                       f"{proj}'s out_features: its shape is {list(t.shape)}, expected [{fout}]")
                 post[part] = t
         r_key = _pattern_key(rank_pattern, full, match)
         r = rank_pattern[r_key] if r_key is not None else cfg["r"]

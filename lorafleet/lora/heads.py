@@ -257,7 +257,7 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             quoted, c = got["copy"]
             if c.shape[1] != hidden:
                 raise AdapterError(f"{source}: {quoted}: its width does not match the base's hidden size "
-                                   f"(expected shape [vocab, {hidden}])")
+                                   f"(its shape is {list(c.shape)}, expected [vocab, {hidden}])")
             w.copy = c.float()
         heads[full] = w
         if "A" in got:
@@ -266,7 +266,8 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             vocab = int(w.copy.shape[0]) if w.copy is not None else base_vocab
             ins, outs = (vocab, hidden) if full == EMBED else (hidden, vocab)
             if a.shape[1] != ins or b.shape[0] != outs or b.shape[1] != r:
-                raise AdapterError(f"{source}: {qa} and {qb}: expected shapes [r, {ins}] and [{outs}, r] "
+                raise AdapterError(f"{source}: {qa} and {qb}: shapes {list(a.shape)} and {list(b.shape)}, "
+                                   f"expected [r, {ins}] and [{outs}, r] "
                                    f"({short}'s {'vocabulary' if full == EMBED else 'hidden size'} by its "
                                    f"{'hidden size' if full == EMBED else 'vocabulary'})")
             if r != rank_of(full):

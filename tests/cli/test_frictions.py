@@ -263,3 +263,25 @@ def test_help_shows_no_annotation_spellings_nor_issue_numbers():
     for path, text in helps(typer.main.get_command(app), []):
         assert "<bool>" not in text and "<list[" not in text, path
         assert not re.search(r"issue \d", text), path
+
+
+def test_models_ls_lists_the_served_base_that_is_not_in_the_store(served, chat_model_dir, tmp_path):
+    """(22) `models ls` beside a daemon serving a folder (the demo, say) said no base was served."""
+    listed = json.loads(cli(served, "models", "ls", "--json").stdout)
+    assert [(m["served"], m["in_store"]) for m in listed] == [(True, False)]
+    assert listed[0]["source"] == str(Path(chat_model_dir).resolve())
+    table = cli(served, "models", "ls").stdout
+    assert "yes (not in the store)" in table
+    alone = runner.invoke(app, ["models", "ls", "--json", "--socket", str(tmp_path / "none.sock")],
+                          env={"LORAFLEET_HOME": str(tmp_path / "home")})
+    assert json.loads(alone.stdout) == []  # no daemon, nothing stored
+
+
+def test_the_no_daemon_hint_starts_one_on_the_socket_given(tmp_path, monkeypatch):
+    """(22) `chat --socket S` with no daemon said `start one with lorafleet serve` (on the default socket)."""
+    monkeypatch.delenv("LORAFLEET_SOCKET", raising=False)
+    sock = tmp_path / "my socket" / "x.sock"
+    out = runner.invoke(app, ["status", "--socket", str(sock)])
+    assert out.exit_code == 3 and f"start one with `lorafleet serve --socket '{sock}'`" in out.stderr, out.output
+    out = runner.invoke(app, ["status"], env={"LORAFLEET_SOCKET": str(sock)})  # serve reads it too
+    assert out.exit_code == 3 and "start one with `lorafleet serve`" in out.stderr, out.output

@@ -91,6 +91,24 @@ def test_uninstall_disables_stops_and_removes_it(env):
     assert again.exit_code == 1 and str(unit) in again.stderr and len(again.stderr.strip().splitlines()) == 1
 
 
+def test_uninstall_without_a_user_bus_still_removes_the_unit(env):
+    """A root shell or a container has systemctl but no user systemd: nothing ran under the unit,
+    so it goes, saying so; any other systemctl failure still stops the uninstall."""
+    assert lf("service", "install", "--no-start", "/models/llama").exit_code == 0
+    unit = env / "config" / "systemd" / "user" / UNIT
+    fake = env / "bin" / "systemctl"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {env / "systemctl.argv"}\n'
+                    'echo "Failed to connect to bus: No medium found" >&2\nexit 1\n')
+    out = lf("service", "uninstall")
+    assert out.exit_code == 0, out.output
+    assert not unit.exists() and "no user systemd" in out.stderr
+    assert calls(env) == [f"--user disable --now {UNIT}"]  # no daemon-reload on no bus
+    assert lf("service", "install", "--no-start", "/models/llama").exit_code == 0
+    fake.write_text('#!/bin/sh\necho "Access denied" >&2\nexit 1\n')
+    out = lf("service", "uninstall")
+    assert out.exit_code == 1 and "Access denied" in out.stderr and unit.exists()
+
+
 def test_no_start_or_no_systemctl_prints_the_commands_instead(env, monkeypatch):
     out = lf("service", "install", "--no-start", "/models/llama")
     assert out.exit_code == 0 and calls(env) == []

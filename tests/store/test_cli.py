@@ -90,9 +90,11 @@ def test_beside_a_daemon_ls_shows_both_and_rm_waits_for_unload(served, chat_mode
     rows = {row["name"]: row for row in json.loads(run(home, "adapters", "ls", "--json", socket=sock).stdout)}
     assert rows["held"]["in_store"] and rows["held"]["loaded"]
     refused = run(home, "adapters", "rm", "held", socket=sock)
-    assert refused.exit_code == 1 and "unload it first" in refused.stderr
-    assert run(home, "adapters", "unload", "held", socket=sock).exit_code == 0
-    assert run(home, "adapters", "rm", "held", socket=sock).exit_code == 0
+    assert refused.exit_code == 1 and "unload it first" in refused.stderr and "--force" in refused.stderr
+    forced = run(home, "adapters", "rm", "held", "--force", socket=sock)  # unloads it, then removes it
+    assert forced.exit_code == 0 and "unloaded held" in forced.stderr, forced.output
+    with served.http() as c:
+        assert "held" not in {m["id"] for m in c.get("/v1/models").json()["data"]}
     assert "held" not in {row["name"] for row in json.loads(run(home, "adapters", "ls", "--json", socket=sock).stdout)}
 
 

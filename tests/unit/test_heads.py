@@ -91,7 +91,7 @@ REFUSALS = [
                        tensors=lambda t: t.__setitem__("base_model.model.lm_head.lora_magnitude_vector", torch.ones(160))),
      "use_dora on lm_head is not supported"),
     ("head-only", dict(tensors=lambda t: t.__setitem__("base_model.model.lm_head.lora_B.weight", torch.ones(150, 3))),
-     "expected shapes [r, 64] and [160, r]"),
+     "shapes [3, 64] and [150, 3], expected [r, 64] and [160, r]"),
     ("saved", dict(config=lambda c: c.update(modules_to_save=["lm_head", "score"])),
      "modules_to_save: an entry names no module the base has, or one that is not supported"),
     ("saved", dict(config=lambda c: c.update(modules_to_save=["lm_head", "q_proj"])), "not supported as a saved module"),
