@@ -46,7 +46,7 @@ def decode_layers(x: torch.Tensor, layers: list, kv: torch.Tensor, cos: torch.Te
     """Every layer of a decode-only step (`meta.num_decode == len(x)`): x [T, H] the embedded
     tokens (updated in place, as the Python loop updates it); `layers` the model's
     `llama.Layer`s flattened (FIELDS per layer); `meta` the step's `AttentionMetadata`; `lora` a
-    `lora.batch.LoraBatch` or None. Returns the last layer's MLP output, for the caller to add."""
+    `adapters.batch.LoraBatch` or None. Returns the last layer's MLP output, for the caller to add."""
     return load().decode_layers(x, layers, *_step_args(kv, cos, sin, positions, meta, scale, eps, heads, kv_heads,
                                                       head_dim, lora))
 

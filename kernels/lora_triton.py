@@ -51,7 +51,7 @@ Two designs behind the one contract, chosen by `Config.design` (`CONFIG`, the en
            re-read from L2), in exchange for half the launches and no scratch. For row blocks
            of 16 (a decode step's segments); longer segments take the split kernels.
 The kernels themselves are `lora_triton_jit.py`'s; this module launches them.
-`kernels/gpu_micro.py` times both, each configuration of the candidates in `CANDIDATES`,
+`lorafleet/bench/gpu_micro.py` times both, each configuration of the candidates in `CANDIDATES`,
 against the device's copy bandwidth and a vectorized read of the same bytes; `CONFIG` is what
 it measured fastest (until a GPU run says otherwise: "split", the form of the previous kernels).
 Prefill uses the same kernels with row blocks of up to 64 rows (a segment-GEMM over the rows).

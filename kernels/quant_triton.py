@@ -39,7 +39,7 @@ there. The reference rounds the dequantized weight to x's dtype before its GEMM;
 multiplies the exact codes and applies the fp32 scale after, so in bf16/fp16 it differs from the
 reference by about one rounding of the weight (the tests' tolerance says how much).
 
-`kernels/gpu_micro.py` times it (int8 and int4) against bf16 `F.linear`, torchao's weight-only
+`lorafleet/bench/gpu_micro.py` times it (int8 and int4) against bf16 `F.linear`, torchao's weight-only
 kernels and the device's copy bandwidth on Llama-3-8B's projections; `CANDIDATES` are the
 configurations it compares (the first is `CONFIG`, until a GPU run says otherwise).
 """

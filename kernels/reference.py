@@ -249,7 +249,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
 #           combination of PEFT's `add_weighted_adapter`, without building it.
 #   entry   the int64 offset, inside a row table, of the group's first module slot in this layer;
 #           `slots` module slots (the group's own) follow, TABLE_FIELDS apart
-# A row table (built when the adapter's pages are assigned: `memory/layout.py`) holds per (layer,
+# A row table (built when the adapter's pages are assigned: `adapters/layout.py`) holds per (layer,
 # group, slot) the fields (r, n_out, col, a_rows, b_rows, g_row, c_row): r == 0 when the adapter
 # lacks that module; a_rows and b_rows are the int64 indices of r row pointers each, pool element
 # offsets: A's row k ([in]) starts at a_rows' pointer k, Bt = (scale * B)^T's row k ([n_out]) at

@@ -13,7 +13,7 @@ def __getattr__(name):
         from lorafleet.engine.engine import Engine
         return Engine
     if name == "Mix":  # torch-free
-        from lorafleet.lora.mix import Mix
+        from lorafleet.adapters.mix import Mix
         return Mix
     if name in ("SamplingParams", "RequestOutput"):
         from lorafleet.engine import request

@@ -3,6 +3,7 @@ pulls in the front ends."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import subprocess
 import sys
@@ -77,3 +78,56 @@ def test_kernels_from_a_checkout_does_not_shadow_the_hugging_face_package():
     except importlib.metadata.PackageNotFoundError:
         installed = False
     assert (top != "None" and not Path(top).resolve().is_relative_to(root / "kernels")) == installed, (top, installed)
+
+
+def package_graph() -> dict[str, dict[str, str]]:
+    """Which part of lorafleet imports which (a subpackage, or a top-level module), with one place
+    each edge is made: every import in the source counts, a function's lazy one too, since it
+    ties the two parts together all the same. `from lorafleet import __version__` reads a
+    constant of the facade, which imports nothing at import time: not an edge."""
+    root = Path(__file__).resolve().parent.parent / "lorafleet"
+    parts = {p.name if p.is_dir() else p.stem for p in root.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    edges: dict[str, dict[str, str]] = {}
+    sources = [p for p in root.rglob("*.py")] + sorted((root / "kernels").resolve().glob("*.py"))
+    for path in sources:
+        rel = path.relative_to(root).parts if path.is_relative_to(root) else ("kernels", path.name)
+        src = rel[0] if len(rel) > 1 else rel[0][:-3]
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+                names = [n.module] if n.module != "lorafleet" else [
+                    f"lorafleet.{a.name}" if a.name in parts else "lorafleet.__init__"
+                    for a in n.names if a.name != "__version__"]
+            elif isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            else:
+                continue
+            for name in names:
+                bits = name.split(".")
+                if bits[0] == "lorafleet" and len(bits) > 1 and bits[1] != src:
+                    edges.setdefault(src, {}).setdefault(bits[1], f"{path.name}:{n.lineno}")
+    return edges
+
+
+def test_no_package_imports_one_that_imports_it():
+    """The parts of lorafleet form a layered graph (model < adapters < memory < engine < server,
+    store, front ends): a cycle would mean two parts that can only change together."""
+    edges = package_graph()
+    assert {"model", "adapters", "memory", "engine", "tui", "cli"} <= set(edges)
+    cycles = []
+    for start in edges:  # a depth-first walk from each part back to itself
+        stack = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in edges.get(node, {}):
+                if nxt == start:
+                    cycles.append(" -> ".join(f"{a} ({edges[a][b]})" for a, b in zip(trail, trail[1:] + [start])))
+                elif nxt not in trail and len(trail) < 8:
+                    stack.append((nxt, trail + [nxt]))
+    assert not cycles, "package import cycles:\n" + "\n".join(sorted(set(cycles))[:10])
+
+
+def test_the_model_imports_nothing_above_it():
+    edges = package_graph()
+    assert set(edges["model"]) <= {"errors", "kernels", "hugepages"}, edges["model"]
+    assert set(edges["adapters"]) <= {"errors", "kernels", "model", "paths"}, edges["adapters"]
+    assert set(edges["kernels"]) <= {"errors"}, edges["kernels"]

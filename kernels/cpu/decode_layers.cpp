@@ -37,7 +37,7 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
               "decode_layers: ", F, " tensors per layer of the pool's ", kv.size(1));
   TORCH_CHECK(lora.empty() || lora.size() == 2, "decode_layers: lora is (pool, seg) or empty");
   const int64_t T = x.size(0), L = kv.size(1);
-  constexpr int64_t SLOTS[4] = {3, 1, 2, 1};  // qkv, o, gate_up, down (lora/batch.py's GROUPS)
+  constexpr int64_t SLOTS[4] = {3, 1, 2, 1};  // qkv, o, gate_up, down (adapters/batch.py's GROUPS)
   auto delta = [&](int64_t i, int64_t g, const torch::Tensor& in, torch::Tensor& out) {
     if (!lora.empty()) lo::lora(in, out, lora[0], lora[1], ((i * 4 + g) * 3) * lo::FIELDS, SLOTS[g]);
   };

@@ -20,7 +20,7 @@ namespace qt {
 constexpr int QB = 32;          // elements per quantized run along K (every group is a multiple of it)
 constexpr int NV = QB / VW;     // vectors per run: 2 with AVX-512, 4 with AVX2
 
-// Knobs the micro-benchmark (kernels/quant_micro.py) turns to compare designs in one build; the
+// Knobs the micro-benchmark (lorafleet/bench/quant_micro.py) turns to compare designs in one build; the
 // defaults are the designs kept
 static std::atomic<int64_t> XCHUNK_BYTES{16 * 1024};  // x rows past twice this go by chunks of K (0: never)
 static std::atomic<int64_t> PREFETCH{1};              // the next block's codes prefetched as a block runs

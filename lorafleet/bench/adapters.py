@@ -124,7 +124,7 @@ def stored(base: Path, adapters: list[tuple[str, Path]]) -> tuple[Path, dict[str
     """The base and the adapters in a store beside the base (pulled once, validated then, as
     `lorafleet pull` does): the base's folder in the store, and name -> (folder, digest) to
     register each adapter with, as the daemon's resolver registers stored adapters."""
-    from lorafleet.memory.layout import LAYOUT_VERSION
+    from lorafleet.adapters.layout import LAYOUT_VERSION
     from lorafleet.store.pull import pull
     from lorafleet.store.store import Store
 

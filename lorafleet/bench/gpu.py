@@ -1,5 +1,5 @@
-"""`lorafleet bench gpu`: the figures of the GPU path in one run (`kernels/gpu_check.sh` runs it,
-after `kernels/gpu_micro.py`).
+"""`lorafleet bench gpu`: the figures of the GPU path in one run (`lorafleet/bench/gpu_check.sh` runs it,
+after `lorafleet/bench/gpu_micro.py`).
 
 1. Kernels, the engine's own (`Kernels.lora` at its configuration, decode attention), each timed
    alone on `gpu_micro`'s cases and against its figures: the device's copy bandwidth and the rate
@@ -33,7 +33,8 @@ import torch
 from lorafleet.bench.adapters import write_adapter
 from lorafleet.bench.fixtures import build_base, get_shape
 from lorafleet.bench.lora_decode import decode_step_time
-from lorafleet.kernels import backend, gpu_micro
+from lorafleet.bench import gpu_micro
+from lorafleet.kernels import backend
 
 QV = ("q_proj", "v_proj")
 ALL7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

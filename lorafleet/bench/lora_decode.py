@@ -24,7 +24,7 @@ import torch
 
 from lorafleet.bench.adapters import build_adapters
 from lorafleet.bench.fixtures import build_base, check_cpu_fit
-from lorafleet.memory import hugepages
+from lorafleet import hugepages
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -39,7 +39,7 @@ def best_seconds(fn, repeats: int) -> float:
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of a streaming read: the best of `repeats` sums over an nbytes float32 tensor, on
-    huge pages where the host has them, as the model's weights are (`memory.hugepages`): 4 KiB
+    huge pages where the host has them, as the model's weights are (`hugepages`): 4 KiB
     pages read slower, and would make the bound easier than the machine."""
     x = hugepages.empty(nbytes // 4, dtype=torch.float32).fill_(1)
     best = best_seconds(x.sum, repeats)
@@ -71,7 +71,7 @@ def lora_op_time(engine, adapter_names: list[str], repeats: int = 20) -> float:
     from lorafleet import SamplingParams
     from lorafleet.engine.request import Request
     from lorafleet.engine.scheduler import Chunk
-    from lorafleet.lora.batch import GROUPS
+    from lorafleet.adapters.batch import GROUPS
 
     chunks = [Chunk(Request(f"op{i}", [1], SamplingParams(), n, loras=(engine.adapters.get(n),), scales=(1.0,)), 1)
               for i, n in enumerate(adapter_names)]

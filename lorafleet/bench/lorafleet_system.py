@@ -82,7 +82,7 @@ class LorafleetInProcess(System):
         to start on disk) and two small requests, one on it (on a mix of it at scale 0.5 when the
         workload mixes: the scaled path), one on the base."""
         from lorafleet import SamplingParams
-        from lorafleet.lora.mix import Mix
+        from lorafleet.adapters.mix import Mix
 
         t0, engine, kernels = time.perf_counter(), self.engine, {}
         if self.device.type == "cpu":
@@ -139,7 +139,7 @@ class Replay:
 
     def run(self, requests) -> float:
         from lorafleet import SamplingParams
-        from lorafleet.lora.mix import Mix
+        from lorafleet.adapters.mix import Mix
 
         engine, start = self.engine, time.perf_counter()
         pending = deque(sorted(requests, key=lambda r: r.arrival_s))

@@ -1,5 +1,5 @@
 """`lorafleet bench store-load`: the CPU one adapter load costs, disk -> host -> pool pages, for an
-adapter read from the store (validated, hashed and laid out at pull: `memory.layout.read_saved`) against
+adapter read from the store (validated, hashed and laid out at pull: `adapters.layout.read_saved`) against
 the same files loaded as any folder is (read, validated, hashed: `load_adapter`). Rank 16 on
 q/k/v/o by default, the issue's setting; CPU time of the loading thread (torch on one thread, so
 that all the work is that thread's), median of the repeats, both in one run."""
@@ -12,7 +12,7 @@ import torch
 
 from lorafleet.bench.adapters import stored, write_adapter
 from lorafleet.bench.fixtures import build_base
-from lorafleet.lora.adapter import BaseShapes
+from lorafleet.adapters.adapter import BaseShapes
 from lorafleet.config import EngineConfig
 from lorafleet.memory import host_cache
 from lorafleet.memory.kv import kv_page_elems

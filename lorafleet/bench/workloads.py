@@ -8,7 +8,7 @@ Each aspect draws from a stream of its own, so that adding adapters or arrivals 
 never changes its prompts.
 
 Mixes (issue 52): a request may mix several adapters, each with a scale (`BenchRequest.mix`,
-what `lorafleet.lora.mix.Mix.of` takes). A mix workload's companion (`mix_single`) draws the
+what `lorafleet.adapters.mix.Mix.of` takes). A mix workload's companion (`mix_single`) draws the
 same mixes and serves each distinct one by an adapter of its own whose rank is the sum of the
 mix's ranks: the same requests reading the same LoRA bytes per step, one adapter each, so their
 throughputs' ratio is the price of mixing alone.
@@ -21,8 +21,8 @@ import random
 from dataclasses import dataclass
 
 from lorafleet.errors import ConfigError
-from lorafleet.lora.mix import MAX_ADAPTERS, MAX_SCALE, Mix
-from lorafleet.lora.peft_config import MODULES
+from lorafleet.adapters.mix import MAX_ADAPTERS, MAX_SCALE, Mix
+from lorafleet.adapters.peft_config import MODULES
 
 ARRIVALS = ("all-at-once", "poisson")
 POPULARITIES = ("uniform", "zipf", "round-robin")

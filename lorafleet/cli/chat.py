@@ -4,7 +4,7 @@ with slash commands that never reach the model.
 
 `--adapter NAME` sends `model: NAME`, as any OpenAI client does; several `--adapter` options, or
 one with a scale (`--adapter NAME:SCALE`), send a mix: the body's `adapters` field, each adapter
-with its scale (`lora/mix.py` checks it here first, so a bad mix never leaves the process).
+with its scale (`adapters/mix.py` checks it here first, so a bad mix never leaves the process).
 
 Answers stream token by token only onto a terminal (or with `--stream`); anywhere else each
 answer is written whole, with its newline, in one write once complete: several `chat` processes
@@ -22,7 +22,7 @@ import typer
 from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, print_json,
                                   styled, user_errors)
 from lorafleet.errors import DaemonUnreachableError, LorafleetError
-from lorafleet.lora.mix import Mix
+from lorafleet.adapters.mix import Mix
 
 REPL_HELP = "/help lists the commands, Ctrl-D or /exit quits, Ctrl-C stops an answer."
 COMMANDS = (  # (usage, what it does): what /help prints

@@ -38,8 +38,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from lorafleet.errors import AdapterNotFoundError, InvalidRequestError
-from lorafleet.lora.mix import FIELD as MIX_FIELD
-from lorafleet.lora.mix import Mix
+from lorafleet.adapters.mix import FIELD as MIX_FIELD
+from lorafleet.adapters.mix import Mix
 from lorafleet.server.errors import error_body
 
 log = logging.getLogger("lorafleet.deploy")

@@ -32,12 +32,12 @@ from lorafleet.engine import views
 from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, RequestFailedError,
                               RequestNotFoundError)
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
-from lorafleet.lora.adapter import BaseShapes
-from lorafleet.lora.mix import Mix
+from lorafleet.adapters.adapter import BaseShapes
+from lorafleet.adapters.mix import Mix
 from lorafleet.memory.arbiter import Arbiter
 from lorafleet.memory.entry import Inspected
 from lorafleet.memory.eviction import EvictionOrder
-from lorafleet.memory.layout import page_problem
+from lorafleet.adapters.layout import page_problem
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.prefetch import Prefetcher
 from lorafleet.memory.residency import AdapterResidency
@@ -170,7 +170,7 @@ class Engine:
 
     def tokenizer_for(self, adapter: str | Mix | None):
         """The tokenizer of a request on `adapter`: the adapter's own where it has its own
-        vocabulary (`lora/heads.py`), else the base's (None: token ids only). Reads only what
+        vocabulary (`adapters/heads.py`), else the base's (None: token ids only). Reads only what
         registration set once: any thread may call it."""
         return self._vocabulary(adapter)[0]
 
@@ -294,9 +294,9 @@ class Engine:
 
     def adapter_folder(self, path: str | Path) -> Path:
         """The PEFT folder an adapter path names: itself, or, for a GGUF adapter file, its
-        conversion (`lora/gguf_adapter.py`: once, cached by content; call it off the engine thread
+        conversion (`adapters/gguf.py`: once, cached by content; call it off the engine thread
         where the file may be large)."""
-        from lorafleet.lora.gguf_adapter import as_folder
+        from lorafleet.adapters.gguf import as_folder
 
         return as_folder(path, (self.model.cfg.num_heads, self.model.cfg.num_kv_heads))
 

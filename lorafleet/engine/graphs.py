@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, AttentionMetadata
-from lorafleet.lora.batch import LoraBatch, group_shapes
+from lorafleet.adapters.batch import LoraBatch, group_shapes
 
 SEGMENT_ROWS = 16              # rows of one LoRA segment in a captured step (the kernels' row block)
 RANK_BUCKETS = (16, 64, 256)   # rank bounds a captured step's LoRA grid is sized to

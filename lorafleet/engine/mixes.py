@@ -1,11 +1,11 @@
-"""What the engine checks of a request that mixes adapters (`lorafleet.lora.mix`), beyond the mix's
+"""What the engine checks of a request that mixes adapters (`lorafleet.adapters.mix`), beyond the mix's
 own bounds: that the pool can hold its adapters and prompt at once, and that each adapter may be
 mixed. Read only: the registry (`memory.residency`) stays the owner of the adapters' state.
 
 DoRA and lora_bias adapters serve alone: DoRA's magnitude rescales its module's whole output,
 which has no meaning beside another adapter's delta (nor at another scale), and both are read
 only on a lone segment (`kernels/reference.py`). So does an adapter with its own embedding,
-LM head or norms (a copy: `lora/heads.py`): it replaces the base's, beside which another's delta
+LM head or norms (a copy: `adapters/heads.py`): it replaces the base's, beside which another's delta
 has no meaning (LoRA on them mixes as any LoRA does, and so does an adapter whose copies equal the
 base's: dropped at load, as PEFT's default `save_embedding_layers` writes them; its mix waits for
 its load to know, like its kind). At scale 0 any adapter contributes nothing and
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from lorafleet.engine.request import Request, Status
 from lorafleet.errors import InvalidRequestError
-from lorafleet.lora.mix import Mix
+from lorafleet.adapters.mix import Mix
 
 ALONE = {"dora": "DoRA", "lora_bias": "lora_bias"}  # the variants that serve alone, as messages name them
 
@@ -89,7 +89,7 @@ def mixable(entry, scale: float, mix: Mix) -> None:
 def alone_copies(entry) -> tuple[str, ...]:
     """The copies that make `entry` serve alone, as far as known: once loaded, those it serves;
     before, those its files declare unless each may yet be dropped (an embedding / LM head of the
-    base's vocabulary: `memory/finish.py` drops one equal to the base's), then none until its load
+    base's vocabulary: `adapters/finish.py` drops one equal to the base's), then none until its load
     lands (the mix is watched: `MixChecks.watch`). Why: PEFT saves both layers whole beside any
     embedding LoRA, usually unchanged, and such an adapter mixes as any LoRA."""
     if entry.copies is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lorafleet.errors import InvalidRequestError
-from lorafleet.lora.mix import Mix
+from lorafleet.adapters.mix import Mix
 
 # Below this a temperature is greedy (as in vLLM): dividing logits by a smaller one overflows the
 # softmax (1e-300 gives inf/NaN probabilities), and no sampled distribution differs from argmax.

@@ -15,7 +15,7 @@ import torch
 from lorafleet.engine.graphs import DecodeGraphs, DecodeStep, fill_pending
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
-from lorafleet.lora.batch import LoraBatch, group_shapes
+from lorafleet.adapters.batch import LoraBatch, group_shapes
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
 

@@ -32,7 +32,7 @@ from lorafleet.engine.request import Request, SamplingParams
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.engine.selfcheck import probe_ids, tolerance
 from lorafleet.errors import ConfigError, LorafleetError
-from lorafleet.lora.peft_config import WEIGHTS_NAME
+from lorafleet.adapters.peft_config import WEIGHTS_NAME
 
 # fixed probes: text where the model has a tokenizer (prose, code, a list, a question), else token ids
 PROBES = ("The capital of France is", "def fibonacci(n):\n    if n < 2:\n", "Translate to German: good morning, how are you?",
@@ -165,7 +165,7 @@ class Verifier:
         """Load the adapter into both engines; the keys its file holds and those the loader serves."""
         from safetensors import safe_open
 
-        from lorafleet.lora.adapter import BaseShapes, load_adapter
+        from lorafleet.adapters.adapter import BaseShapes, load_adapter
 
         adapter = load_adapter(path, BaseShapes.from_model_config(self.fast.model.cfg))  # AdapterError: refused
         with safe_open(str(Path(path) / WEIGHTS_NAME), framework="pt") as f:

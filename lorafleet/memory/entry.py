@@ -37,7 +37,7 @@ class AdapterEntry:
     digest: str | None = None            # known once the weights have been read
     trusted_digest: str | None = None    # from the store: validated and hashed at pull, not again
     numel: int = 0                       # elements it takes in pages (weights, row table), from the file header
-    vocab_size: int | None = None        # its own vocabulary's size (`lora/heads.py`); None: the base's
+    vocab_size: int | None = None        # its own vocabulary's size (`adapters/heads.py`); None: the base's
     tokenizer: object = None             # its own tokenizer (with its own vocabulary), read at registration
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
     pages: list[int] | None = None       # device pages, allocated
@@ -47,7 +47,7 @@ class AdapterEntry:
     posts: dict | None = None            # (layer, module) -> "dora" | "bias", its epilogues, once loaded
     saved: tuple = ()                    # the modules it has its own copy of (embed_tokens, lm_head, norms): known at registration
     copies: tuple | None = None          # those it serves its copy of, once loaded (copies equal to the base's dropped)
-    heads: object = None                 # lora.batch.HeadParts: its own embedding / LM head / norms in its pages, while ready
+    heads: object = None                 # adapters.batch.HeadParts: its own embedding / LM head / norms in its pages, while ready
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
     loading: object = None               # Future of the disk -> host load
     copying: object = None               # Future of the host -> device copy

@@ -15,9 +15,9 @@ from typing import Callable, Hashable
 import torch
 
 from lorafleet.errors import AdapterError
-from lorafleet.lora.adapter import BaseShapes, load_adapter
-from lorafleet.memory.finish import drop_base_copies, finish_dora
-from lorafleet.memory.layout import LAYOUT_FILE, Layout, read_saved
+from lorafleet.adapters.adapter import BaseShapes, load_adapter
+from lorafleet.adapters.finish import drop_base_copies, finish_dora
+from lorafleet.adapters.layout import LAYOUT_FILE, Layout, read_saved
 
 
 @dataclass(eq=False)
@@ -38,12 +38,12 @@ def build_host_adapter(path: Path, base: BaseShapes, page_elems: int, dtype: tor
     """Disk -> host: parse and validate (AdapterError on any problem), lay out for pages of
     `page_elems`, done. With
     `trusted_digest` (a stored adapter, validated, hashed and laid out when it was pulled) the
-    saved layout is memory-mapped instead (`memory.layout.read_saved`): on the CPU at float32
+    saved layout is memory-mapped instead (`adapters.layout.read_saved`): on the CPU at float32
     the host copy is that mapping (the page cache's pages, no copy at all). Either way the
     buffer is laid out at float32 and rounded to `dtype` once, so both give the same bits.
     A DoRA adapter's epilogue is computed here, against the base's weights (`base_rows`, the
-    engine's: `memory.finish`), once per load, and saved copies of the embedding or LM head
-    that equal the base's are dropped (`memory.finish.drop_base_copies`)."""
+    engine's: `adapters.finish`), once per load, and saved copies of the embedding or LM head
+    that equal the base's are dropped (`adapters.finish.drop_base_copies`)."""
     saved = read_saved(Path(path) / LAYOUT_FILE, trusted_digest, base, page_elems) if trusted_digest else None
     if saved is not None:
         layout, buffer, ranks = saved

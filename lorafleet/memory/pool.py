@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from lorafleet.errors import PoolExhaustedError
-from lorafleet.memory import hugepages
+from lorafleet import hugepages
 
 FREE = -1
 CACHED = -2  # KV blocks kept for prefix reuse, held by no sequence (memory/kv.py)

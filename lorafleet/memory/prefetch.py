@@ -54,7 +54,7 @@ from lorafleet.errors import AdapterError, AdapterTooLargeError, PoolExhaustedEr
 from lorafleet.memory import host_cache
 from lorafleet.memory.arbiter import Arbiter
 from lorafleet.memory.host_cache import HostAdapter
-from lorafleet.memory.layout import pieces
+from lorafleet.adapters.layout import pieces
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.entry import AdapterEntry
 from lorafleet.memory.residency import AdapterResidency, check_name

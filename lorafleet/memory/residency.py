@@ -30,7 +30,7 @@ Contracts:
   waiting request wants only when nothing else is left.
 - An adapter's pages may lie anywhere in the pool: the kernels read its weights through its
   row table (in its own pages, built for those pages by the copy that fills them:
-  `memory/layout.py`; `row_table` is where it starts, fixed for its stay), so nothing is
+  `adapters/layout.py`; `row_table` is where it starts, fixed for its stay), so nothing is
   gathered per step and no eviction is ever made to find a contiguous run.
 Checked by `check_integrity()`: every adapter's pages are exactly the pool pages its owner id
 holds, no adapter owner is unknown, pins <= users, pinned adapters are ready.
@@ -46,14 +46,14 @@ from pathlib import Path
 from typing import Container
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError, shown
-from lorafleet.lora.batch import HeadParts
-from lorafleet.lora.heads import own_tokenizer
-from lorafleet.lora.adapter import BaseShapes, read_adapter_config
-from lorafleet.lora.headers import read_plan
+from lorafleet.adapters.batch import HeadParts
+from lorafleet.adapters.heads import own_tokenizer
+from lorafleet.adapters.adapter import BaseShapes, read_adapter_config
+from lorafleet.adapters.weights_file import read_plan
 from lorafleet.memory.entry import AdapterEntry, Inspected
 from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import kv_salt
-from lorafleet.memory.layout import Layout
+from lorafleet.adapters.layout import Layout
 from lorafleet.memory.pool import CACHED, PagePool
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
@@ -70,7 +70,7 @@ class AdapterResidency:
     def __init__(self, pool: PagePool, base: BaseShapes, host_cache_bytes: int, min_resident_steps: int = 4,
                  base_rows=None):
         """`base_rows(layer, group, start, end)`: the base's weight rows (and bias) as served, for
-        DoRA's norms and saved copies (`memory.finish`); read by the load workers, never written."""
+        DoRA's norms and saved copies (`adapters.finish`); read by the load workers, never written."""
         self.pool = pool
         self.base = base
         self.base_rows = base_rows
@@ -102,8 +102,8 @@ class AdapterResidency:
         config and the weights file's header alone (no tensor data is read); returns the elements
         it takes in pages. Reads only what never changes here (the base, the pool's size): any
         thread may call it, and the daemon calls it on a worker, since an adapter's config
-        patterns and header are the file's to make expensive (bounded: `lora/peft_config.py`,
-        `lora/adapter.py`). An adapter with its own vocabulary (`lora/heads.py`) brings its own
+        patterns and header are the file's to make expensive (bounded: `adapters/peft_config.py`,
+        `adapters/adapter.py`). An adapter with its own vocabulary (`adapters/heads.py`) brings its own
         tokenizer, read here too (unless `tokenizer` is False) and checked against it."""
         path = Path(path)
         read_adapter_config(path, self.base)

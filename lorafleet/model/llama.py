@@ -130,7 +130,7 @@ class LlamaModel(torch.nn.Module):
     def base_rows(self, layer: int, group: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows [start, end) of a fused projection's weight (`group`: qkv, o, gate_up, down) as
         served (dequantized, unpacked: through `Kernels.rows`) in fp32 on the host, and of its bias (None
-        without one): what DoRA's norms read (`memory.finish`). `group` "embed" or "lm_head": that
+        without one): what DoRA's norms read (`adapters.finish`). `group` "embed" or "lm_head": that
         weight's rows (`layer` unused; no bias), what a saved copy is compared with. Read only; any thread."""
         ids = torch.arange(start, end, device=self.device)
         if group in ("embed", "lm_head"):
@@ -146,7 +146,7 @@ class LlamaModel(torch.nn.Module):
                 kv_cache: torch.Tensor, logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [pages, L, 2, block, KVH, D] (a view of the pool);
         logits_rows: [S] token rows whose next-token logits are wanted. Returns logits [S, V].
-        `lora` (optional, a `lora.batch.LoraBatch`) has `apply(layer, group, x, out)` adding each
+        `lora` (optional, an `adapters.batch.LoraBatch`) has `apply(layer, group, x, out)` adding each
         row's adapter delta to the fused output of a projection group (qkv, o, gate_up, down), and
         `embed` / `logits` for adapters with their own embedding or LM head (then the logits may
         be wider than V: an adapter's added tokens).

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from lorafleet.errors import ConfigError, ModelLoadError
-from lorafleet.memory import hugepages
+from lorafleet import hugepages
 from lorafleet.model import quant
 from lorafleet.model.config import MODULE_BLOCK, ModelConfig
 from lorafleet.model.llama import LlamaModel

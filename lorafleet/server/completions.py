@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lorafleet.errors import (AdapterError, AdapterNotFoundError, InvalidRequestError, LorafleetError,
                               RequestFailedError, shown)
-from lorafleet.lora.mix import Mix
+from lorafleet.adapters.mix import Mix
 from lorafleet.server import renders, responses
 from lorafleet.server.errors import error_body
 from lorafleet.server.protocol import (DECODE_ON_WORKER, Generation, bad, decode_body, parse_chat, parse_completion,

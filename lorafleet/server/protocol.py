@@ -32,8 +32,8 @@ import numpy as np
 
 from lorafleet.engine.request import SamplingParams
 from lorafleet.errors import InvalidRequestError, shown
-from lorafleet.lora.mix import FIELD as MIX_FIELD
-from lorafleet.lora.mix import Mix
+from lorafleet.adapters.mix import FIELD as MIX_FIELD
+from lorafleet.adapters.mix import Mix
 
 MAX_LOGPROBS = 20
 MAX_DEPTH = 32          # JSON nesting a request body may have (OpenAI's bodies need 5)
@@ -221,7 +221,7 @@ def _model(body: dict, base_name: str) -> tuple[str, str | Mix | None]:
         if model is not None and model != base_name:
             raise bad(MIX_FIELD, f"model names {shown(model)} and adapters names a mix: with adapters, model names the "
                                  f"base ({base_name!r}) or is left out")
-        return base_name, Mix.from_json(mix)  # a 400 naming the entry at fault (lora/mix.py)
+        return base_name, Mix.from_json(mix)  # a 400 naming the entry at fault (adapters/mix.py)
     if model is None or model == base_name:
         return base_name, None
     if not isinstance(model, str) or not model:

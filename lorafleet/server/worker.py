@@ -93,7 +93,7 @@ class EngineWorker:
         return future
 
     def submit(self, prompt, params, adapter, request_id: str, sink: Sink) -> Future:
-        """Add a request whose outputs go to `sink`; `adapter`: a name, a `lora.mix.Mix` or None.
+        """Add a request whose outputs go to `sink`; `adapter`: a name, an `adapters.mix.Mix` or None.
         The future holds its id, or the engine's refusal (InvalidRequestError,
         AdapterNotFoundError...)."""
         names = getattr(adapter, "names", None) or ([adapter] if adapter is not None else [])

@@ -53,7 +53,7 @@ from lorafleet.store import hub_fetch
 
 KINDS = ("adapter", "model")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-# an adapter that added tokens brings its own tokenizer (`lora/heads.py`); taken where present
+# an adapter that added tokens brings its own tokenizer (`adapters/heads.py`); taken where present
 ADAPTER_OPTIONAL = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 MODEL_INDEX = "model.safetensors.index.json"
 # what a base holds beside config.json and its safetensors weights, when it has them

@@ -2,9 +2,9 @@
 store, validated once.
 
 An adapter is validated against a base already in the store with the very checks the engine
-applies when it loads one (`lora.adapter.load_adapter`: config, tensor names, shapes, ranks,
+applies when it loads one (`adapters.adapter.load_adapter`: config, tensor names, shapes, ranks,
 layers, finite values), and its content digest is computed then, once, and its weights are
-laid out as the engine's pages hold them (`memory.layout.save`, stored beside the PEFT files as
+laid out as the engine's pages hold them (`adapters.layout.save`, stored beside the PEFT files as
 `lorafleet-layout.safetensors`, for the pages of the default `block_size`: a load from the store
 maps it and copies it, nothing else; an engine with other pages lays it out again). The
 base is the one named with `--for`, else the stored base whose name or Hub id its
@@ -79,8 +79,8 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
     """Validate the adapter in `folder` (raises on any problem), write its laid-out weights to
     `layout_file`, and return the manifest's adapter fields."""
     from lorafleet.config import EngineConfig
-    from lorafleet.lora.adapter import BaseShapes, load_adapter, read_adapter_config
-    from lorafleet.memory import layout
+    from lorafleet.adapters.adapter import BaseShapes, load_adapter, read_adapter_config
+    from lorafleet.adapters import layout
     from lorafleet.memory.kv import kv_page_elems
     from lorafleet.model.config import ModelConfig
 
@@ -90,7 +90,7 @@ def _validate_adapter(store: Store, folder: Path, for_model: str | None, strict_
     shapes = BaseShapes.from_model_config(model)
     adapter = load_adapter(folder, shapes)  # AdapterError names what is wrong
     if adapter.vocab_size != shapes.vocab_size:  # its own vocabulary: its tokenizer must come with it
-        from lorafleet.lora.heads import own_tokenizer
+        from lorafleet.adapters.heads import own_tokenizer
         own_tokenizer(folder, adapter.vocab_size, shapes.vocab_size)
     wanted = cfg.get("base_model_name_or_path")
     if wanted and wanted not in (base["name"], _hub_id(base)) and not _same_folder(wanted, store, base):
@@ -121,9 +121,9 @@ def _base_config(store: Store, base: dict):
 
 
 def _gguf_adapter(store: Store, path: Path, for_model: str | None, served, out: Path) -> Path:
-    """A GGUF LoRA adapter as the PEFT folder it came from, in `out` (`lora/gguf_adapter.py`), its
+    """A GGUF LoRA adapter as the PEFT folder it came from, in `out` (`adapters/gguf.py`), its
     Q/K rows put back with the head counts of the base it will be validated against."""
-    from lorafleet.lora import gguf_adapter
+    from lorafleet.adapters import gguf as gguf_adapter
 
     model = _base_config(store, choose_base(store, gguf_adapter.config_hint(path), for_model, served))
     gguf_adapter.convert(path, out, (model.num_heads, model.num_kv_heads))
@@ -179,7 +179,7 @@ def _gguf(path: Path, base: bool, quantize: str | None, revision: str | None, ou
 
 
 def _is_gguf_adapter(path: Path) -> bool:
-    from lorafleet.lora.gguf_adapter import is_adapter
+    from lorafleet.adapters.gguf import is_adapter
 
     return is_adapter(path)
 
@@ -217,7 +217,7 @@ def pull(source: str, *, name: str | None = None, base: bool = False, quantize: 
     SOURCE may be a GGUF file (`*.gguf`): a base (`base`) stored converted (`model.gguf.
     write_folder`), each weight in its scheme, the manifest recording the file's mix, `format: gguf`
     and the file as `source` (`quantize` is refused for a quantized file); or a LoRA adapter,
-    stored as the PEFT folder it came from (`lora/gguf_adapter.py`).
+    stored as the PEFT folder it came from (`adapters/gguf.py`).
 
     SOURCE may be `ollama:NAME[:TAG]`, a model of the local Ollama store (`store/ollama.py`): its
     base is stored under NAME (NAME-base where it has adapters), its adapters under NAME (NAME-2...),
@@ -325,7 +325,7 @@ def _pull(source: str, name: str | None, base: bool, quantize: str | None, revis
         if missing:
             raise StoreError(f"{folder}: not a PEFT adapter folder (missing {', '.join(missing)}; "
                              "pickled adapter_model.bin files are never loaded)")
-        from lorafleet.memory.layout import LAYOUT_FILE
+        from lorafleet.adapters.layout import LAYOUT_FILE
 
         laid_out = tmp / LAYOUT_FILE
         record = _validate_adapter(store, folder, for_model, strict_base, warn, laid_out, served)

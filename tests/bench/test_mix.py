@@ -17,7 +17,7 @@ from lorafleet.bench.jobs import Job
 from lorafleet.bench.systems import get_system
 from lorafleet.bench.workloads import WORKLOADS, BenchRequest, Workload, adapter_name, adapter_ranks, make_requests
 from lorafleet.errors import ConfigError
-from lorafleet.lora.mix import Mix
+from lorafleet.adapters.mix import Mix
 
 MIX, SINGLE = WORKLOADS["mix"], WORKLOADS["mix-single"]
 # mix's draw at micro's scale: few short requests, over 4 small adapters

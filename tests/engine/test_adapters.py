@@ -189,11 +189,11 @@ def declared_huge(src: Path, dst: Path, rank: int) -> Path:
 
 
 def test_an_eager_load_checks_the_declared_size_before_reading_a_tensor(llama_dir, adapter_bank, tmp_path, monkeypatch):
-    from lorafleet.lora import adapter as adapter_mod
+    from lorafleet.adapters import adapter as adapter_mod
 
     huge = declared_huge(adapter_bank[2], tmp_path / "huge", rank=400_000)
     engine = Engine(llama_dir, pool_bytes=4 << 20)
-    monkeypatch.setattr(adapter_mod, "_read_tensors", lambda path: pytest.fail("a tensor was read"))
+    monkeypatch.setattr(adapter_mod, "read_tensors", lambda path: pytest.fail("a tensor was read"))
     for load in (engine.load_adapter, engine.register_adapter):
         with pytest.raises(AdapterTooLargeError, match="'huge' needs .* pages"):
             load("huge", huge)

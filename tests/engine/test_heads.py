@@ -233,9 +233,9 @@ def test_saved_copies_equal_to_the_base_are_dropped_at_load_stored_or_not(fleet,
     hold), from a folder and from the store's laid-out file alike. Trained copies are kept."""
     import shutil
 
-    from lorafleet.lora.adapter import BaseShapes, load_adapter
+    from lorafleet.adapters.adapter import BaseShapes, load_adapter
     from lorafleet.memory.host_cache import build_host_adapter
-    from lorafleet.memory.layout import LAYOUT_FILE, save
+    from lorafleet.adapters.layout import LAYOUT_FILE, save
 
     base, adapters, engine = fleet
     for name in ("lora-embed-head-r4", "saves-both-r6"):

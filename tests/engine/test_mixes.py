@@ -13,7 +13,7 @@ from lorafleet import Engine, SamplingParams
 from lorafleet.engine.policy import VTC, W_OUTPUT, charge
 from lorafleet.engine.request import Request
 from lorafleet.errors import AdapterNotFoundError, InvalidRequestError
-from lorafleet.lora.mix import MAX_ADAPTERS, Mix
+from lorafleet.adapters.mix import MAX_ADAPTERS, Mix
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
 from tests.fixtures import ADAPTER_VARIANTS, build_adapter, build_model, load_hf, registered_fleet
 

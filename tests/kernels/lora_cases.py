@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, lora_entry, scale_bits
-from lorafleet.lora.adapter import BaseShapes, LoraAdapter, LoraWeights
-from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS, group_shapes
-from lorafleet.memory.layout import Layout, pieces
+from lorafleet.adapters.adapter import BaseShapes, LoraAdapter, LoraWeights
+from lorafleet.adapters.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS, group_shapes
+from lorafleet.adapters.layout import Layout, pieces
 
 GROUP_OF_SLOTS = {3: "qkv", 2: "gate_up", 1: "o"}  # the group a case's module count stands for
 

@@ -94,7 +94,7 @@ for dtype in ("fp32", "bf16", "fp16"):
                                         BLOCK_N=32 if upcast else 64), 4),
         (A._prefill_kernel, dtype, dict(UPCAST=upcast, BLK=16, D_P=128, BLOCK_M=16 if upcast else 64, BLOCK_N=32), 4),
     ]
-# the other LoRA candidates the microbenchmark times (kernels/gpu_micro.py), in bf16
+# the other LoRA candidates the microbenchmark times (lorafleet/bench/gpu_micro.py), in bf16
 for cfg in L.CANDIDATES[1:]:
     cases += lora_cases("bf16", cfg)
 # sm_90 (H100/H200): every case; sm_80 (A100): bf16

@@ -127,7 +127,7 @@ def test_echo_is_refused_on_chat_as_on_completions(server):
 
 
 def test_a_lazy_registration_checks_the_files_off_the_engine_thread(server, tmp_path, monkeypatch):
-    from lorafleet.lora import peft_config
+    from lorafleet.adapters import peft_config
 
     threads = []
     real = peft_config.Matcher.__call__

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lorafleet.errors import LorafleetError
-from lorafleet.memory.layout import LAYOUT_FILE
+from lorafleet.adapters.layout import LAYOUT_FILE
 from lorafleet.errors import HubError
 from lorafleet.store.hub import ADAPTER_FILES, download, is_repo_id
 from tests.fixtures import build_adapter, call_within

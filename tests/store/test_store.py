@@ -11,7 +11,7 @@ import pytest
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.errors import AdapterError, LorafleetError
-from lorafleet.memory.layout import LAYOUT_FILE
+from lorafleet.adapters.layout import LAYOUT_FILE
 from lorafleet.store.pull import pull
 from lorafleet.errors import StoreError
 from lorafleet.store.store import Store

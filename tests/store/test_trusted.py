@@ -1,5 +1,5 @@
 """Loads from the store trust the pull: its validation, its digest and its laid-out weights
-(`memory.layout.save` at pull, `read_saved` at load). A stored load gives the very bits a checked
+(`adapters.layout.save` at pull, `read_saved` at load). A stored load gives the very bits a checked
 load of the same files gives, for PEFT's rank/alpha patterns and rsLoRA too, at float32 and
 bfloat16; it reads nothing but the saved layout; a layout of another version or for other
 weights is not used; the resolver trusts only when the daemon serves the base the adapter was
@@ -18,8 +18,8 @@ import torch
 from lorafleet import Engine, SamplingParams
 from lorafleet.bench.store_load import run_store_load
 from lorafleet.errors import AdapterError
-from lorafleet.lora.adapter import BaseShapes
-from lorafleet.memory import layout
+from lorafleet.adapters.adapter import BaseShapes
+from lorafleet.adapters import layout
 from lorafleet.memory.host_cache import build_host_adapter
 from lorafleet.memory.kv import kv_page_elems
 from lorafleet.model.config import ModelConfig

@@ -1,4 +1,4 @@
-"""lorafleet.lora.adapter against adapters written by PEFT itself (tiny random Llama, built here)."""
+"""lorafleet.adapters.adapter against adapters written by PEFT itself (tiny random Llama, built here)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet.errors import AdapterError, LorafleetError
-from lorafleet.lora import peft_config
-from lorafleet.lora.adapter import (
+from lorafleet.adapters import peft_config
+from lorafleet.adapters.adapter import (
     MODULES,
     BaseShapes,
     LoraAdapter,
     load_adapter,
     read_adapter_config,
 )
-from lorafleet.lora.headers import read_plan
+from lorafleet.adapters.weights_file import read_plan
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -285,7 +285,7 @@ def test_pattern_key_mirrors_peft(base):
         d = {k: patterns[k] for k in keys}
         for name in base.module_names():
             theirs = get_pattern_key(list(d), name)
-            ours = peft_config._pattern_key(d, name, peft_config.Matcher(Path("adapter_config.json")))
+            ours = peft_config.pattern_key(d, name, peft_config.Matcher(Path("adapter_config.json")))
             assert (ours if ours is not None else name) == theirs, (keys, name)
 
 
@@ -861,7 +861,7 @@ def test_many_rank_pattern_keys_one_per_module_still_load(good, base):
 
 
 def test_a_header_over_its_cap_is_refused_before_it_is_parsed(good, base, monkeypatch):
-    from lorafleet.lora import adapter as adapter_mod
+    from lorafleet.adapters import adapter as adapter_mod
 
     p = good / "adapter_model.safetensors"
     raw = p.read_bytes()

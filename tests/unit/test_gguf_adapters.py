@@ -1,4 +1,4 @@
-"""GGUF LoRA adapters (issue 63, `lora/gguf_adapter.py`): a file as llama.cpp's
+"""GGUF LoRA adapters (issue 63, `adapters/gguf.py`): a file as llama.cpp's
 `convert_lora_to_gguf.py` writes it (written here with the `gguf` package as the converter does:
 its Q/K row permutation of lora_b for llama, alpha in the metadata; in the heavy tier by the
 converter itself) serves what the same adapter does as a PEFT folder, token for token and within
@@ -20,7 +20,7 @@ from lorafleet import Engine, SamplingParams
 from lorafleet.engine.request import Request
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.errors import AdapterError
-from lorafleet.lora import gguf_adapter
+from lorafleet.adapters import gguf as gguf_adapter
 from lorafleet.store.pull import pull
 from lorafleet.store.store import Store
 from tests.engine.test_parity import prompts_of_lengths

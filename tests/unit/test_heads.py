@@ -1,4 +1,4 @@
-"""An adapter's own embedding and LM head (`lora/heads.py`): what the files' headers plan is what
+"""An adapter's own embedding and LM head (`adapters/heads.py`): what the files' headers plan is what
 loading lays out, the store's saved layout reads back the same, and each malformed case is refused
 naming the tensor or field (not "invalid")."""
 
@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet.errors import AdapterError
-from lorafleet.lora.adapter import BaseShapes, load_adapter
-from lorafleet.lora.headers import read_plan
+from lorafleet.adapters.adapter import BaseShapes, load_adapter
+from lorafleet.adapters.weights_file import read_plan
 from lorafleet.memory.kv import BASE_SALT, kv_salt
-from lorafleet.memory.layout import Layout, read_saved, save
+from lorafleet.adapters.layout import Layout, read_saved, save
 from lorafleet.model.config import ModelConfig
 from tests.fixtures import build_adapter, build_model
 
@@ -115,11 +115,11 @@ def test_a_malformed_embedding_or_lm_head_is_refused_naming_it(made, tmp_path, k
 
 @pytest.mark.parametrize("scattered", [False, True])
 def test_a_part_is_read_from_its_pages_as_it_was_written(made, scattered):
-    """The pool side (`lora.batch.HeadParts`): a saved LM head and an embedding LoRA copied into
+    """The pool side (`adapters.batch.HeadParts`): a saved LM head and an embedding LoRA copied into
     pages, consecutive (read in place) or scattered (gathered), read back equal to the adapter's
     matrices: whole, by token rows, and as a product."""
-    from lorafleet.lora.batch import HeadParts
-    from lorafleet.lora.heads import matrices
+    from lorafleet.adapters.batch import HeadParts
+    from lorafleet.adapters.heads import matrices
 
     _, base, folders = made
     adapter = load_adapter(folders["saved"], base)
@@ -146,7 +146,7 @@ def test_a_part_is_read_from_its_pages_as_it_was_written(made, scattered):
 def test_an_adapters_tokenizer_json_over_its_cap_is_refused_unparsed(tmp_path):
     """Its parse would hold the interpreter's lock: a file over the cap is refused by its size alone
     (a sparse file of garbage: at the cap it is parsed, and refused as malformed instead)."""
-    from lorafleet.lora import heads
+    from lorafleet.adapters import heads
 
     with open(tmp_path / "tokenizer.json", "wb") as f:
         f.truncate(heads.MAX_TOKENIZER_BYTES + 1)

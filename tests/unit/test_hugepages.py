@@ -1,4 +1,4 @@
-"""Host tensors on huge pages (`memory.hugepages`): the model's weights and the page pool live in
+"""Host tensors on huge pages (`hugepages`): the model's weights and the page pool live in
 mappings advised MADV_HUGEPAGE, with the same values; LORAFLEET_HUGE_PAGES=0 turns it off."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from lorafleet.memory import hugepages
+from lorafleet import hugepages
 from lorafleet.memory.pool import PagePool
 from lorafleet.model.loader import load_model
 from tests.fixtures import build_model

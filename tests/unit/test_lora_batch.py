@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, TABLE_FIELDS, lora_entry, scale_bits, seg_scale
-from lorafleet.lora.batch import GROUPS, MODULE_SLOTS, OUT_ALIGN_MAX, LoraBatch, group_shapes
+from lorafleet.adapters.batch import GROUPS, MODULE_SLOTS, OUT_ALIGN_MAX, LoraBatch, group_shapes
 
 
 class Recorder:

@@ -1,8 +1,8 @@
 """The GPU kernels' microbenchmark: each LoRA design against the read ceiling, in at most 5 minutes.
 
-    python -m lorafleet.kernels.gpu_micro [--out DIR] [--shapes 1b,8b] [--deadline 270] [--quant]
+    python -m lorafleet.bench.gpu_micro [--out DIR] [--shapes 1b,8b] [--deadline 270] [--quant]
 
-Run it first whenever a GPU is lent (`kernels/gpu_check.sh` does): it decides which design of
+Run it first whenever a GPU is lent (`lorafleet/bench/gpu_check.sh` does): it decides which design of
 `lora_triton.CANDIDATES` the engine keeps (`lora_triton.CONFIG`) and says how far each is from
 the memory bound, before any engine figure is measured.
 
@@ -47,10 +47,10 @@ import torch
 
 from lorafleet.kernels import reference
 from lorafleet.kernels.reference import lora_entry, scale_bits
-from lorafleet.lora.adapter import BaseShapes
-from lorafleet.lora.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS, group_shapes
+from lorafleet.adapters.adapter import BaseShapes
+from lorafleet.adapters.batch import GROUP_INDEX, GROUPS, MODULE_SLOTS, group_shapes
 from lorafleet.memory.kv import kv_page_elems
-from lorafleet.memory.layout import Layout, pieces
+from lorafleet.adapters.layout import Layout, pieces
 
 CALLS_PER_GRAPH = 10
 SEGMENT_ROWS = 16  # engine/graphs.py's: a captured step's segments
@@ -211,7 +211,7 @@ def read_rate(device: torch.device, nbytes: int) -> float:
     src = torch.ones(max(nbytes // 2, 1), dtype=torch.bfloat16, device=device)
     if device.type != "cuda":
         return nbytes / timed(src.sum, device)
-    from lorafleet.kernels import read_triton
+    from lorafleet.bench import read_triton
     partial = torch.empty(read_triton.programs(src.numel()), dtype=torch.float32, device=device)
     return nbytes / timed(lambda: read_triton.read_all(src, partial), device)
 
@@ -303,7 +303,7 @@ def main() -> None:
     args = parser.parse_args()
     shapes = (args.shapes or ("8b" if args.quant else "1b,8b")).split(",")
     if args.quant:
-        from lorafleet.kernels.gpu_micro_quant import run_quant
+        from lorafleet.bench.gpu_micro_quant import run_quant
 
         return run_quant(shapes, Path(args.out), args.deadline)
     run(shapes, Path(args.out), args.deadline)

@@ -1,6 +1,6 @@
 """An adapter's own embedding, LM head and norms: LoRA on `embed_tokens` and `lm_head`, and the full
 copies PEFT saves of them (`modules_to_save`, and the `base_layer` it saves beside an embedding's
-LoRA), parsed and checked here; `lora/adapter.py` reads the projections and calls in.
+LoRA), parsed and checked here; `adapters/adapter.py` reads the projections and calls in.
 
 PEFT semantics mirrored (peft 0.21, `tuners/lora/layer.py::Embedding`, `utils/other.py::
 ModulesToSaveWrapper`, `utils/save_and_load.py`):
@@ -23,8 +23,8 @@ ModulesToSaveWrapper`, `utils/save_and_load.py`):
   post-attention norms are served saved in every layer or none ([layers, H] each), the final
   norm as [1, H]; a segment's rows are normalized again with the adapter's weight.
 
-Each is a "part", one matrix laid out as rows in the adapter's pages (`memory/layout.py`):
-`PARTS` names them. Refusals follow `lora/adapter.py`'s rule: they name tensor keys (structure)
+Each is a "part", one matrix laid out as rows in the adapter's pages (`adapters/layout.py`):
+`PARTS` names them. Refusals follow `adapters/adapter.py`'s rule: they name tensor keys (structure)
 and fields, never values read from the files.
 """
 

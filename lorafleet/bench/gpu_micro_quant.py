@@ -1,4 +1,4 @@
-"""The quantized projections on a GPU (issue 51), `python -m lorafleet.kernels.gpu_micro --quant`
+"""The quantized projections on a GPU (issue 51), `python -m lorafleet.bench.gpu_micro --quant`
 (`run_quant`): on each shape's qkv, o, gate_up and down ([N, K]: Llama-3-8B's [6144, 4096], [4096, 4096],
 [28672, 4096], [4096, 14336]) at T = 1, 8 and 64 rows, bf16 `F.linear` on the full weight,
 `quant_triton.linear` on int8 (a scale per channel) and int4 (groups of 32) codes, and torchao's
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from lorafleet.kernels import reference
-from lorafleet.kernels.gpu_micro import CALLS_PER_GRAPH, ModelShape, SHAPES, copy_bandwidth, read_rate, timed
+from lorafleet.bench.gpu_micro import CALLS_PER_GRAPH, ModelShape, SHAPES, copy_bandwidth, read_rate, timed
 
 QUANT_ROWS = (1, 8, 64)
 L2_BYTES = 50 << 20  # an H100's L2 (an H200's too): each timed call reads weights outside it

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from lorafleet.lora.batch import GROUP_NAMES
-from lorafleet.memory.layout import Layout
+from lorafleet.adapters.batch import GROUP_NAMES
+from lorafleet.adapters.layout import Layout
 
 ROWS = 1024  # base weight rows read at a time (bounded memory for any base)
 

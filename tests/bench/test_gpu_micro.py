@@ -1,11 +1,11 @@
-"""`kernels/gpu_micro.py` runs end to end without a GPU (the toy shape, on the CPU kernels): every
+"""`lorafleet/bench/gpu_micro.py` runs end to end without a GPU (the toy shape, on the CPU kernels): every
 case, each with its bytes, its read ceiling and its parity against the reference, in its JSON."""
 
 from __future__ import annotations
 
 import json
 
-from lorafleet.kernels import gpu_micro, gpu_micro_quant
+from lorafleet.bench import gpu_micro, gpu_micro_quant
 from lorafleet.kernels.reference import scale_bits
 
 

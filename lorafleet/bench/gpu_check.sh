@@ -2,9 +2,9 @@
 # The GPU path's prepared checks, for a machine with one CUDA GPU, in the order a short lease
 # wants them (each under its own deadline; the next runs whatever the last gave; logs and JSON
 # in $OUT, or ./bench-results):
-#   micro   kernels/gpu_micro.py: each LoRA design against the read ceiling and the reference,
+#   micro   lorafleet/bench/gpu_micro.py: each LoRA design against the read ceiling and the reference,
 #           decode attention; decides lora_triton.CONFIG (at most 5 minutes)
-#   quant   kernels/gpu_micro.py --quant: the quantized projections (Llama-3-8B's qkv, o, gate_up,
+#   quant   lorafleet/bench/gpu_micro.py --quant: the quantized projections (Llama-3-8B's qkv, o, gate_up,
 #           down at T = 1, 8, 64): quant_triton int8/int4 against bf16 F.linear, torchao's int8/int4
 #           weight-only and the copy bandwidth; decides quant_triton.CONFIG (at most 5 minutes).
 #           torchao, if not installed, from a wheel in build/wheels/ (the machine has no network:
@@ -15,11 +15,11 @@
 #   8b      `lorafleet bench gpu` on Llama-3-8B's shapes, batches 64 and 256 (weights made on the device)
 #   8b-int4 the same base quantized in int4 at load, batch 64 (against 8b's bf16 figures)
 #   smol    `smol` base-only against transformers
-# Usage: bash kernels/gpu_check.sh [STAGE ...]   (no stage: all of them, as time allows)
+# Usage: bash lorafleet/bench/gpu_check.sh [STAGE ...]   (no stage: all of them, as time allows)
 # Run it from the repository root where lorafleet is installed (`pip install -e .`) with a CUDA
 # torch. Split a lease into runs of at most 8 minutes: `micro tests`, then `quant`, then `1b 8b`.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root
 # LORAFLEET_DEVICE=cuda: the tests run on the GPU, and tests/conftest.py then skips building the C++
 # CPU kernels (a minute or two of the lent machine)
 export TRITON_INTERPRET=0 LORAFLEET_DEVICE=cuda PYTHONUNBUFFERED=1
@@ -41,7 +41,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under its deadline, logged; a
 }
 for s in "${stages[@]}"; do
     case "$s" in
-        micro) stage micro 300 python3 -m lorafleet.kernels.gpu_micro --out "$out" --deadline 270 ;;
+        micro) stage micro 300 python3 -m lorafleet.bench.gpu_micro --out "$out" --deadline 270 ;;
         tests) stage tests 240 python3 -m pytest -q -p no:cacheprovider --maxfail=8 tests/kernels/test_triton_kernels.py \
                    tests/kernels/test_quant_triton.py tests/engine/test_triton_path.py tests/engine/test_async_decode.py ;;
         quant)
@@ -49,7 +49,7 @@ for s in "${stages[@]}"; do
                 python3 -m pip install -q --no-deps --target build/pydeps build/wheels/torchao-*.whl \
                     && export PYTHONPATH="$PWD/build/pydeps${PYTHONPATH:+:$PYTHONPATH}"
             fi
-            stage quant 300 python3 -m lorafleet.kernels.gpu_micro --quant --out "$out" --deadline 270 ;;
+            stage quant 300 python3 -m lorafleet.bench.gpu_micro --quant --out "$out" --deadline 270 ;;
         1b) stage bench-1b 240 lorafleet bench gpu --model 1b --batch 64 --out "$out/gpu-1b.json" ;;
         8b) stage bench-8b 300 lorafleet bench gpu --model 8b --batch 64 --batch 256 --out "$out/gpu-8b.json" ;;
         8b-int4) stage bench-8b-int4 300 lorafleet bench gpu --model 8b --quantize int4 --batch 64 --out "$out/gpu-8b-int4.json" ;;

@@ -29,11 +29,11 @@ from typing import Any
 import regex
 
 from lorafleet.errors import AdapterError
-from lorafleet.lora.heads import HEAD_MODULES, saved_modules
+from lorafleet.adapters.heads import HEAD_MODULES, saved_modules
 from lorafleet.model.config import MODULE_BLOCK
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The embedding and the LM head: LoRA targets and saved modules too (`lora/heads.py`).
+# The embedding and the LM head: LoRA targets and saved modules too (`adapters/heads.py`).
 HEAD_NAMES = tuple(HEAD_MODULES)
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -96,12 +96,12 @@ class BaseShapes:
         return out
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
 def _no_duplicate_keys(source: Path):
@@ -117,13 +117,13 @@ def _no_duplicate_keys(source: Path):
     return hook
 
 
-def _unreadable(path: Path) -> AdapterError:
+def unreadable(path: Path) -> AdapterError:
     """The one refusal for a file that is absent, unreadable, or not a regular file (its folder
     likewise): which of these it is would tell the caller about files on this machine."""
     return AdapterError(f"{path}: missing or unreadable (an adapter is {_SHAPE})")
 
 
-def _weights_file(folder: Path) -> Path:
+def weights_file(folder: Path) -> Path:
     st = folder / WEIGHTS_NAME
     if os.path.isfile(st):  # False, not an error, for any OSError or a NUL in the path
         return st
@@ -131,7 +131,7 @@ def _weights_file(folder: Path) -> Path:
         raise AdapterError(
             f"{folder / PICKLE_NAME}: pickled adapter weights are refused (loading a pickle can run "
             f"arbitrary code); convert the adapter to {WEIGHTS_NAME}")
-    raise _unreadable(st)
+    raise unreadable(st)
 
 
 def _compiles(pattern: str) -> bool:
@@ -207,7 +207,7 @@ def _validate_config(cfg: dict, source: Path) -> None:
         raise AdapterError(f"{source}: {e}") from None
 
     r = cfg.get("r")
-    if not _is_int(r) or r <= 0:
+    if not is_int(r) or r <= 0:
         raise bad("r", "must be a positive integer")
     if not _is_number(cfg.get("lora_alpha", 8)):
         raise bad("lora_alpha", "must be a finite number")
@@ -215,7 +215,7 @@ def _validate_config(cfg: dict, source: Path) -> None:
         if not isinstance(cfg.get(field, False), bool):
             raise bad(field, "must be true or false")
 
-    for field, check, what in (("rank_pattern", lambda v: _is_int(v) and v > 0, "a positive integer"),
+    for field, check, what in (("rank_pattern", lambda v: is_int(v) and v > 0, "a positive integer"),
                                ("alpha_pattern", _is_number, "a finite number")):
         pat = cfg.get(field) or {}
         if not isinstance(pat, dict):
@@ -250,7 +250,7 @@ def _validate_config(cfg: dict, source: Path) -> None:
     lt = cfg.get("layers_to_transform")
     if lt is not None:
         items = [lt] if not isinstance(lt, list) else lt
-        if not all(_is_int(i) and i >= 0 for i in items):
+        if not all(is_int(i) and i >= 0 for i in items):
             raise bad("layers_to_transform", "must be a non-negative integer or a list of them")
     lp = cfg.get("layers_pattern")
     if lp is not None:
@@ -262,15 +262,15 @@ def _validate_config(cfg: dict, source: Path) -> None:
                       f"{MAX_PATTERN_CHARS} characters)")
 
 
-def _read_config(folder: Path) -> dict:
+def read_config(folder: Path) -> dict:
     cfg_path = folder / CONFIG_NAME
     if not os.path.isfile(cfg_path):  # a FIFO or device would block or never end
-        raise _unreadable(cfg_path)
+        raise unreadable(cfg_path)
     try:
         with open(cfg_path, "rb") as f:
             raw = f.read(_MAX_CONFIG_BYTES + 1)
     except OSError:
-        raise _unreadable(cfg_path) from None
+        raise unreadable(cfg_path) from None
     if len(raw) > _MAX_CONFIG_BYTES:
         raise AdapterError(f"{cfg_path}: too large (an adapter config is at most "
                            f"{_MAX_CONFIG_BYTES >> 20} MiB of JSON)")
@@ -290,14 +290,14 @@ def read_adapter_config(path: str | Path, base: BaseShapes | None = None) -> dic
     Also checks that the weights file is present (and refuses a pickle-only folder). With `base`,
     also checks that the target modules select projections the base has."""
     folder = Path(path)
-    cfg = _read_config(folder)
-    _weights_file(folder)
+    cfg = read_config(folder)
+    weights_file(folder)
     if base is not None:
-        _targeted(cfg, base, folder / CONFIG_NAME, Matcher(folder / CONFIG_NAME))
+        targeted_modules(cfg, base, folder / CONFIG_NAME, Matcher(folder / CONFIG_NAME))
     return cfg
 
 
-def _pattern_key(patterns: dict, name: str, match: Matcher, field: str = "rank_pattern") -> str | None:
+def pattern_key(patterns: dict, name: str, match: Matcher, field: str = "rank_pattern") -> str | None:
     for key in patterns:
         if match(field, rf"(.*\.)?({key})$", name):
             return key
@@ -344,10 +344,10 @@ def _is_target(cfg: dict, name: str, match: Matcher) -> bool:
     idx = _layer_index(cfg, name, match)
     if idx is None:
         return False
-    return idx == lt if _is_int(lt) else idx in lt
+    return idx == lt if is_int(lt) else idx in lt
 
 
-def _targeted(cfg: dict, base: BaseShapes, source: Path, match: Matcher) -> dict[str, tuple[int, str]]:
+def targeted_modules(cfg: dict, base: BaseShapes, source: Path, match: Matcher) -> dict[str, tuple[int, str]]:
     """Full name -> (layer, module) of every base projection the config targets; refuses target
     entries that cannot select a supported projection of this base."""
     names = base.module_names()

@@ -1,9 +1,9 @@
 """How an adapter is laid out as one flat buffer, in host memory and in pool pages, and the row
 table the kernels read it through.
 
-Per layer and projection group (see `lora/batch.py`): the A matrices of the group's targeted
+Per layer and projection group (see `adapters/batch.py`): the A matrices of the group's targeted
 modules, then each module's Bt = (scale * B)^T, [r, out], and, for a module with an epilogue
-(DoRA, lora_bias: `lora/adapter.py`), its two rows g and c of [out] after its Bt. Offsets are
+(DoRA, lora_bias: `adapters/adapter.py`), its two rows g and c of [out] after its Bt. Offsets are
 logical (from the buffer's start): in the pool the buffer is cut into pages of `page_elems` that
 may lie anywhere. Every rank row (a row of A over `in`, a row of Bt over `out`) starts at a
 multiple of `ROW_ALIGN` elements and never crosses a page: a row that would is moved to the next
@@ -41,9 +41,9 @@ import torch
 
 from lorafleet.errors import AdapterError
 from lorafleet.kernels.reference import ROW_ALIGN, TABLE_FIELDS, lora_entry
-from lorafleet.lora.adapter import BaseShapes, LoraAdapter
-from lorafleet.lora.batch import GROUP_INDEX, GROUP_NAMES, GROUPS, MODULE_SLOTS
-from lorafleet.lora.heads import COPY_PARTS, HEAD_MODULES, IN_NORM, NORM_PARTS, PARTS, POST_NORM, matrices
+from lorafleet.adapters.adapter import BaseShapes, LoraAdapter
+from lorafleet.adapters.batch import GROUP_INDEX, GROUP_NAMES, GROUPS, MODULE_SLOTS
+from lorafleet.adapters.heads import COPY_PARTS, HEAD_MODULES, IN_NORM, NORM_PARTS, PARTS, POST_NORM, matrices
 
 LAYOUT_FILE = "lorafleet-layout.safetensors"
 LAYOUT_VERSION = "4"  # bump when the buffer's arrangement or this file's form changes
@@ -132,7 +132,7 @@ class Module:
 
 @dataclass(frozen=True)
 class Part:
-    """One matrix of the embedding's or LM head's (`lora/heads.py`): `rows` rows of `width`,
+    """One matrix of the embedding's or LM head's (`adapters/heads.py`): `rows` rows of `width`,
     from `first` (a page's start) on, `per` rows a page at a stride of `stride`: row i is at
     first + (i // per) * page + (i % per) * stride (what `place_rows` gives from a page's start),
     so the whole matrix is whole pages, gathered at once, and a row is found without a table."""

@@ -7,7 +7,7 @@ round after round, and each figure is the median over the rounds of the best pas
 the bound taken per round (the machine is shared: ratios only within one run); `best`: the
 least disturbed round's ratio.
 
-    .venv/bin/python -m lorafleet.kernels.quant_micro --shape llama1b --rounds 5
+    .venv/bin/python -m lorafleet.bench.quant_micro --shape llama1b --rounds 5
 
 Shapes: `llama1b` (Llama-3.2-1B: hidden 2048, intermediate 8192, 32 q / 8 kv heads of 64, 16
 layers), `smol` (SmolLM2-135M-like: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, 30
@@ -46,7 +46,7 @@ def layer_shapes(shape: str) -> list[tuple[int, int]]:
 
 def weights(shape: str, scheme: str | None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Every layer's four matrices: (codes, scales) for `scheme`, (fp32 weight, None) for None."""
-    from lorafleet.memory import hugepages
+    from lorafleet import hugepages
 
     g = torch.Generator().manual_seed(0)
     out = []

@@ -7,7 +7,7 @@ Projection groups share an input:
 
 One path for every segment, decode or prefill: the op reads each adapter's weights from the
 pool's pages through the adapter's row table, which lives in its own pages (`kernels/reference.py`
-states the contract, `memory/layout.py` builds it). So a step's metadata is small: per segment
+states the contract, `adapters/layout.py` builds it). So a step's metadata is small: per segment
 its first row, its end, where its adapter's row table starts, its scale and its place in a mix,
 `seg` [S, SEG_FIELDS], built once on the host and copied once (by `to_device`, or into a captured
 step's buffer by `engine/graphs.py`).
@@ -16,7 +16,7 @@ A request on several adapters (a mix) is one segment per adapter over the same r
 its scale; the op sums their deltas in fp32 and adds them once. Its rank bound (`max_rank`) is
 the sum of its members' ranks: the op treats it as one adapter of their rank rows side by side.
 
-An adapter's own embedding, LM head and norms (`lora/heads.py`: a LoRA on the first two, or full
+An adapter's own embedding, LM head and norms (`adapters/heads.py`: a LoRA on the first two, or full
 copies) are applied here in torch, per segment (`embed`, `norm`, `logits`), reading them from the pool
 (`HeadParts`): outside the per-layer op, once a step, and a step with them runs eagerly (not
 in a captured graph nor the CPU's one-call decode), as their shapes follow the adapters.
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, lora_entry, scale_bits
-from lorafleet.lora.heads import NORM_PARTS
+from lorafleet.adapters.heads import NORM_PARTS
 
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
