@@ -27,7 +27,7 @@ Every op keeps the semantics of its reference in `reference.py`:
 - `write_kv(kv, k, v, slot_pages, slot_offsets)`, `decode(q, kv, tables, lens, scale)`,
   `prefill(q, k, v, kv, meta, scale, out)`: `reference.write_kv`, `paged_decode`,
   `paged_prefill`; `attention()` runs the three for one layer;
-- `decode_forward(model, input_ids, positions, meta, kv, logits_rows, lora)`: `LlamaModel.forward`
+- `decode_forward(weights, input_ids, positions, meta, kv, logits_rows, lora)`: `LlamaModel.forward`
   for a decode-only step, where a backend has it in one call (the CPU: `decode_layers_cpu`),
   else None;
 - `decode_batch(table, rows, starts, ids, block_size)`: `ModelRunner.prepare` for a pure decode

@@ -33,11 +33,9 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels.cpu_module import load
-from lorafleet.kernels.reference import AttentionMetadata
+from lorafleet.kernels.reference import AttentionMetadata, DecodeWeights
 
 FUNCTIONS = ["decode_layers", "decode_forward", "decode_batch"]
-FIELDS = 20  # tensors per layer, in `llama.Layer`'s order (the four projections' scales, then offsets, last)
-
 
 
 def decode_layers(x: torch.Tensor, layers: list, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -45,7 +43,7 @@ def decode_layers(x: torch.Tensor, layers: list, kv: torch.Tensor, cos: torch.Te
                   head_dim: int, lora=None) -> torch.Tensor:
     """Every layer of a decode-only step (`meta.num_decode == len(x)`): x [T, H] the embedded
     tokens (updated in place, as the Python loop updates it); `layers` the model's
-    `llama.Layer`s flattened (FIELDS per layer); `meta` the step's `AttentionMetadata`; `lora` a
+    `reference.Layer`s flattened; `meta` the step's `AttentionMetadata`; `lora` a
     `adapters.batch.LoraBatch` or None. Returns the last layer's MLP output, for the caller to add."""
     return load().decode_layers(x, layers, *_step_args(kv, cos, sin, positions, meta, scale, eps, heads, kv_heads,
                                                       head_dim, lora))
@@ -60,17 +58,16 @@ def _step_args(kv, cos, sin, positions, meta, scale, eps, heads, kv_heads, head_
             meta.decode_context_lens, scale, eps, heads, kv_heads, head_dim, lora_tensors)
 
 
-def decode_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv: torch.Tensor,
+def decode_forward(w: DecodeWeights, input_ids: torch.Tensor, positions: torch.Tensor, meta, kv: torch.Tensor,
                    logits_rows: torch.Tensor, lora=None) -> torch.Tensor:
-    """`model.forward` (a `LlamaModel`) for a decode-only step (`meta.num_decode == len(input_ids)`)
-    in one call: the embedding, every layer (the C++ `decode_layers`), the final norm and the LM
-    head; returns fp32 logits [S, V] for `logits_rows`. The same ops in the same order as the
-    Python forward around `decode_layers`, so the same logits bit for bit (why: the module doc)."""
-    cfg, w = model.cfg, model.w
-    return load().decode_forward(input_ids, logits_rows, w["embed"], w.get("embed_s"), model.flat_layers, w["norm"],
-                                 w["lm_head"], w.get("lm_head_s"), w.get("lm_head_o"),
-                                 *_step_args(kv, model.cos, model.sin, positions, meta, model.scale, cfg.rms_norm_eps,
-                                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lora))
+    """The model's forward pass for a decode-only step (`meta.num_decode == len(input_ids)`) in one
+    call, on the tensors `w` holds: the embedding, every layer (the C++ `decode_layers`), the final
+    norm and the LM head; returns fp32 logits [S, V] for `logits_rows`. The same ops in the same
+    order as the Python forward around `decode_layers`, so the same logits bit for bit."""
+    return load().decode_forward(input_ids, logits_rows, w.embed, w.embed_s, w.layers, w.norm, w.lm_head,
+                                 w.lm_head_s, w.lm_head_o,
+                                 *_step_args(kv, w.cos, w.sin, positions, meta, w.scale, w.eps, w.heads,
+                                             w.kv_heads, w.head_dim, lora))
 
 
 def decode_batch(table, rows: list[int], starts: list[int], ids: list[int], block_size: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +135,61 @@ class PrefillSeq:
             qpos = torch.arange(self.start_pos, ctx, device=dev).unsqueeze(1)
             self._mask = torch.arange(ctx, device=dev).unsqueeze(0) <= qpos
         return self._mask
+
+
+class Layer(NamedTuple):
+    """One decoder layer's tensors, the schema every forward reads (None where the family has
+    none: biases, q/k norms). The C++ driver's field indices are generated from this table at
+    build (`cpu_module.schema`): a field added here reaches it without a second copy."""
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_b: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down: torch.Tensor
+    down_b: torch.Tensor | None
+    qkv_s: torch.Tensor | None = None      # a quantized projection's scales (its codes in the field above)
+    o_s: torch.Tensor | None = None
+    gate_up_s: torch.Tensor | None = None
+    down_s: torch.Tensor | None = None
+    qkv_o: torch.Tensor | None = None      # a GGUF file's affine types: each group's offset (else None)
+    o_o: torch.Tensor | None = None
+    gate_up_o: torch.Tensor | None = None
+    down_o: torch.Tensor | None = None
+
+
+# The projection groups LoRA applies to, in row-table order, each with its modules (a row table's
+# slots); the C++ driver's slot counts are generated from it (`cpu_module.schema`).
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class DecodeWeights(NamedTuple):
+    """What a decode step's one-call forward (`Kernels.decode_forward`) reads of the model: its
+    tensors and numbers, never the model itself. `layers`: every `Layer`'s fields, flattened."""
+    embed: torch.Tensor
+    embed_s: torch.Tensor | None
+    layers: list
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    lm_head_s: torch.Tensor | None
+    lm_head_o: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    scale: float
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
 
 
 @dataclass

@@ -19,9 +19,10 @@ static torch::Tensor linear_off(const torch::Tensor& x, const torch::Tensor& w, 
 }
 
 // One decode step through every layer. x [T, H]: the embedded tokens, the residual stream
-// (updated in place); w: FIELDS tensors per layer (None where the family has none); kv: the pool
+// (updated in place); w: schema::FIELDS tensors per layer, `reference.Layer`'s fields (None where
+// the family has none; `schema` is generated from that table at build); kv: the pool
 // [pages, L, 2, block, KVH, D]; lora: empty, or (pool [n], seg [S, 5]): the row tables' fields
-// are [L, 4 groups, 3 slots, 5] (`reference.lora_entry`). Returns the last layer's MLP output
+// are [L, groups, 3 slots, 5] (`reference.lora_entry`). Returns the last layer's MLP output
 // (not yet in x).
 // (`layers` touches no Python object: its callers release the GIL around it, so that other
 // threads (the adapter loaders, the server) run meanwhile, as they did between the Python loop's
@@ -32,28 +33,27 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
                             const torch::Tensor& slot_pages, const torch::Tensor& slot_offsets,
                             const torch::Tensor& tables, const torch::Tensor& lens, double scale, double eps,
                             int64_t H, int64_t KVH, int64_t D, const std::vector<torch::Tensor>& lora) {
-  constexpr int64_t F = 20;  // tensors per layer: llama.Layer's fields (decode_layers_cpu.FIELDS)
+  constexpr int64_t F = schema::FIELDS;
   TORCH_CHECK(w.size() % F == 0 && kv.dim() == 6 && int64_t(w.size() / F) == kv.size(1),
               "decode_layers: ", F, " tensors per layer of the pool's ", kv.size(1));
   TORCH_CHECK(lora.empty() || lora.size() == 2, "decode_layers: lora is (pool, seg) or empty");
   const int64_t T = x.size(0), L = kv.size(1);
-  constexpr int64_t SLOTS[4] = {3, 1, 2, 1};  // qkv, o, gate_up, down (adapters/batch.py's GROUPS)
-  auto delta = [&](int64_t i, int64_t g, const torch::Tensor& in, torch::Tensor& out) {
-    if (!lora.empty()) lo::lora(in, out, lora[0], lora[1], ((i * 4 + g) * 3) * lo::FIELDS, SLOTS[g]);
+  auto delta = [&](int64_t i, schema::Group g, const torch::Tensor& in, torch::Tensor& out) {
+    if (!lora.empty()) lo::lora(in, out, lora[0], lora[1], ((i * schema::GROUPS + g) * 3) * lo::FIELDS, schema::SLOTS[g]);
   };
   torch::Tensor out;  // the previous layer's MLP output: it joins x as the next norm reads it
   for (int64_t i = 0; i < L; ++i) {
-    const OptT* lw = w.data() + i * F;  // in_norm qkv qkv_b q_norm k_norm o o_b post_norm gate_up gate_up_b down down_b,
-    // then the four projections' scales (None where full precision): qkv_s o_s gate_up_s down_s,
-    // and their group offsets (None but for a GGUF file's affine types): qkv_o o_o gate_up_o down_o
-    torch::Tensor h = out.defined() ? pw::add_rms_norm(x, out, *lw[0], eps) : pw::rms_norm(x, *lw[0], eps);
-    torch::Tensor qkv = linear_off(h, *lw[1], lw[2], lw[12], lw[16]);
-    delta(i, 0, h, qkv);
+    const OptT* lw = w.data() + i * F;  // the projections' scales: None at full precision; their offsets: None
+    // but for a GGUF file's affine types
+    using namespace schema;
+    torch::Tensor h = out.defined() ? pw::add_rms_norm(x, out, *lw[in_norm], eps) : pw::rms_norm(x, *lw[in_norm], eps);
+    torch::Tensor qkv = linear_off(h, *lw[schema::qkv], lw[qkv_b], lw[qkv_s], lw[qkv_o]);
+    delta(i, g_qkv, h, qkv);
     const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D});
     torch::Tensor q = heads.narrow(1, 0, H), k = heads.narrow(1, H, KVH), v = heads.narrow(1, H + KVH, KVH);
-    if (lw[3]) {
-      q = pw::rms_norm(q.reshape({-1, D}), *lw[3], eps).view({T, H, D});
-      k = pw::rms_norm(k.reshape({-1, D}), *lw[4], eps).view({T, KVH, D});
+    if (lw[q_norm]) {
+      q = pw::rms_norm(q.reshape({-1, D}), *lw[q_norm], eps).view({T, H, D});
+      k = pw::rms_norm(k.reshape({-1, D}), *lw[k_norm], eps).view({T, KVH, D});
     }
     pw::rope_(q, k, cos, sin, positions);
     const torch::Tensor layer_kv = kv.select(1, i);
@@ -61,14 +61,14 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
     torch::Tensor o = torch::empty({T, H, D}, x.options());
     att::paged_decode(q, layer_kv, tables, lens, scale, o);
     o = o.view({T, H * D});
-    out = linear_off(o, *lw[5], lw[6], lw[13], lw[17]);
-    delta(i, 1, o, out);
-    h = pw::add_rms_norm(x, out, *lw[7], eps);
-    torch::Tensor gu = linear_off(h, *lw[8], lw[9], lw[14], lw[18]);
-    delta(i, 2, h, gu);
+    out = linear_off(o, *lw[schema::o], lw[o_b], lw[o_s], lw[o_o]);
+    delta(i, g_o, o, out);
+    h = pw::add_rms_norm(x, out, *lw[post_norm], eps);
+    torch::Tensor gu = linear_off(h, *lw[gate_up], lw[gate_up_b], lw[gate_up_s], lw[gate_up_o]);
+    delta(i, g_gate_up, h, gu);
     const torch::Tensor a = pw::silu_mul(gu);
-    out = linear_off(a, *lw[10], lw[11], lw[15], lw[19]);
-    delta(i, 3, a, out);
+    out = linear_off(a, *lw[down], lw[down_b], lw[down_s], lw[down_o]);
+    delta(i, g_down, a, out);
   }
   return out;
 }

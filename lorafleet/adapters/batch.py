@@ -29,15 +29,9 @@ import math
 import numpy as np
 import torch
 
-from lorafleet.kernels.reference import SEG_FIELDS, lora_entry, scale_bits
+from lorafleet.kernels.reference import GROUPS, SEG_FIELDS, lora_entry, scale_bits
 from lorafleet.adapters.heads import NORM_PARTS
 
-GROUPS = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
 GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
 GROUP_NAMES = list(GROUPS)  # a group's index -> its name
 MODULE_SLOTS = max(len(m) for m in GROUPS.values())  # module slots per group in a row table

@@ -53,12 +53,12 @@ class Engine:
         self.config = cfg = EngineConfig.from_kwargs(**options)
         self.device = resolve_device(cfg.device)
         self.model_path = Path(model)
-        self.model = load_model(self.model_path, self.device, cfg.dtype, quantize=cfg.quantize, kernels=cfg.kernels)
+        self.model = load_model(self.model_path, self.device, cfg.dtype, max_len=cfg.max_model_len,
+                                quantize=cfg.quantize, kernels=cfg.kernels)
         # before the pool is sized: the check holds a second copy of the weights while it runs
         self.self_check = self_check(self.model, self.model_path, cfg) if cfg.self_check else None
         mc = self.model.cfg
-        self.max_model_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)
-        self.model.cos, self.model.sin = self.model.cos[:self.max_model_len], self.model.sin[:self.max_model_len]
+        self.max_model_len = self.model.max_len  # the option, bounded by the model's own
         self.tokenizer = (Tokenizer.from_gguf(self.model_path) if self.model_path.suffix.lower() == ".gguf" else
                           Tokenizer.from_pretrained(self.model_path)
                           if (self.model_path / "tokenizer.json").is_file() else None)

@@ -9,12 +9,10 @@ fused (qkv, gate_up) for fewer calls; each LoRA target still gets its own slice 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 
 from lorafleet.kernels import backend
-from lorafleet.kernels.reference import AttentionMetadata, offset_term
+from lorafleet.kernels.reference import AttentionMetadata, DecodeWeights, Layer, offset_term
 from lorafleet.model.config import ModelConfig
 
 
@@ -57,30 +55,6 @@ def quant_scheme(weights: dict[str, torch.Tensor]) -> str | None:
     return None if not schemes else schemes.pop() if len(schemes) == 1 else "mixed"
 
 
-class Layer(NamedTuple):
-    """One decoder layer's tensors (None where the family has none: biases, q/k norms)."""
-    in_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_b: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_b: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_b: torch.Tensor | None
-    down: torch.Tensor
-    down_b: torch.Tensor | None
-    qkv_s: torch.Tensor | None = None      # a quantized projection's scales (its codes in the field above)
-    o_s: torch.Tensor | None = None
-    gate_up_s: torch.Tensor | None = None
-    down_s: torch.Tensor | None = None
-    qkv_o: torch.Tensor | None = None      # a GGUF file's affine types: each group's offset (else None)
-    o_o: torch.Tensor | None = None
-    gate_up_o: torch.Tensor | None = None
-    down_o: torch.Tensor | None = None
-
-
 class LlamaModel(torch.nn.Module):
     """Weights live in plain tensors (see `loader.py`), named as below:
 
@@ -106,6 +80,7 @@ class LlamaModel(torch.nn.Module):
         t = weights["norm"]  # norms are never quantized: they carry the compute dtype
         self.dtype, self.device = t.dtype, t.device
         self.quantization = quant_scheme(weights)
+        self.max_len = max_len  # the longest sequence served: the RoPE tables' length
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = backend.select(t.device, t.dtype, kernels)  # every op of the forward pass, for this device
@@ -121,7 +96,11 @@ class LlamaModel(torch.nn.Module):
         self.offsets = {name[:-2]: t for name, t in weights.items() if name.endswith("_o")}
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
-        self.flat_layers = [t for lw in self.layers for t in lw]  # as `Kernels.decode_forward` passes them
+        # what the one-call decode forward reads, gathered once (the weights never change)
+        self.decode_weights = DecodeWeights(
+            weights["embed"], weights.get("embed_s"), [t for lw in self.layers for t in lw], weights["norm"],
+            weights["lm_head"], weights.get("lm_head_s"), weights.get("lm_head_o"), self.cos, self.sin, self.scale,
+            cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         # the bytes of every distinct weight tensor (a tied LM head is the embedding), scales
         # included: the base's memory, counted once here (the weights never change)
         distinct = {t.data_ptr(): t for t in weights.values()}
@@ -155,7 +134,7 @@ class LlamaModel(torch.nn.Module):
         cfg, w, ops = self.cfg, self.w, self.kernels
         heads = lora is not None and bool(lora.heads)  # adapters with their own embedding / LM head
         if ops.decode_forward is not None and attn.num_decode == input_ids.shape[0] and not heads:
-            return ops.decode_forward(self, input_ids, positions, attn, kv_cache, logits_rows, lora)
+            return ops.decode_forward(self.decode_weights, input_ids, positions, attn, kv_cache, logits_rows, lora)
         ids = input_ids.clamp(max=cfg.vocab_size - 1) if heads else input_ids  # an added token: its adapter's row
         x = ops.rows(w["embed"], ids, w.get("embed_s"), self.dtype)   # [T, H], the residual stream
         if heads:

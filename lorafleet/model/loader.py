@@ -291,7 +291,7 @@ def _model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.dev
     if device.type == "cpu":
         tensors.clear()  # `weights` holds the last reference: each old tensor is freed as it moves
         hugepages.place(weights)  # a decode step streams them all: on huge pages, fewer TLB misses
-    return LlamaModel(cfg, weights, max_len or cfg.max_model_len, kernels=kernels)
+    return LlamaModel(cfg, weights, min(max_len or cfg.max_model_len, cfg.max_model_len), kernels=kernels)
 
 
 SHARD_BYTES = 2 << 30  # a quantized folder's shards: at most this much each (as Hub checkpoints cut theirs)

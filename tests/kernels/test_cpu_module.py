@@ -80,3 +80,17 @@ def test_the_backend_takes_every_op_from_it_or_none(monkeypatch):
         ops = backend.cpu_kernels(dtype)
         assert (ops.linear, ops.decode, ops.rms_norm, ops.write_kv, ops.decode_forward, ops.decode_batch) == (
             reference.linear, reference.paged_decode, reference.rms_norm, reference.write_kv, None, None)
+
+
+def test_the_drivers_layer_schema_is_generated_from_the_python_table():
+    """The C++ driver reads each layer's tensors by the indices `reference.Layer` gives and each
+    LoRA group's slots from `reference.GROUPS`: the text it is built from says so, and holds no
+    hand-written copy of either."""
+    from lorafleet.kernels.reference import GROUPS, Layer
+
+    text, _ = cpu_module.source()
+    assert f"constexpr int64_t FIELDS = {len(Layer._fields)};" in text
+    assert all(f" {name} = {i}" in text for i, name in enumerate(Layer._fields))
+    assert "SLOTS[GROUPS] = {" + ", ".join(str(len(m)) for m in GROUPS.values()) + "}" in text
+    driver = (cpu_module.SOURCES / "decode_layers.cpp").read_text()
+    assert "= 20" not in driver and "{3, 1, 2, 1}" not in driver

@@ -45,7 +45,7 @@ def decode_step_both_ways(engine: Engine, requests: int) -> dict:
                 if way == "loop":
                     out = model.layers_(xs, positions, attn, kv, lora)
                 else:
-                    out = decode_layers_cpu.decode_layers(xs, model.flat_layers, kv, model.cos, model.sin,
+                    out = decode_layers_cpu.decode_layers(xs, model.decode_weights.layers, kv, model.cos, model.sin,
                                                           positions, attn, model.scale, cfg.rms_norm_eps,
                                                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, lora)
                 seen[way] = (out, xs, kv)
