@@ -5,8 +5,9 @@ waiting (one that waits for its load may still be on disk). Read from `/v1/stats
 
 from __future__ import annotations
 
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, duration, err_console,
-                                  fail, human_bytes, out_console, print_json, ranks_text, user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, fail,
+                                  out_console, print_json, user_errors)
+from lorafleet.format import duration, human_bytes, ranks_text
 
 TIERS = ("device", "host", "disk")  # the rows' order: what serves now first
 

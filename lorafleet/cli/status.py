@@ -7,8 +7,9 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, duration, err_console,
-                                  fail, human_bytes, out_console, print_json, user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, fail,
+                                  out_console, print_json, user_errors)
+from lorafleet.format import duration, human_bytes
 
 
 def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,

@@ -26,8 +26,8 @@ from textual.containers import Horizontal, Vertical
 from textual.events import Resize
 from textual.widgets import DataTable, Footer, Input, Static
 
-from lorafleet.cli.common import duration
 from lorafleet.errors import DaemonUnreachableError, LorafleetError
+from lorafleet.format import duration
 from lorafleet.tui import model
 from lorafleet.tui.screens import AdapterScreen, HelpScreen
 from lorafleet.tui.widgets import PoolMap, Rates, SwitchPanel, owner_style

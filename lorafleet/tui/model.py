@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from rich.cells import cell_len
 
-from lorafleet.cli.common import ranks_text
+from lorafleet.format import ranks_text
 
 HISTORY = 600  # samples kept per series: 10 minutes at one poll per second
 

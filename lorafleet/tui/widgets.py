@@ -14,7 +14,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from lorafleet.cli.common import human_bytes
+from lorafleet.format import human_bytes
 from lorafleet.tui import model
 from lorafleet.tui.model import ADAPTER, CACHED, FREE, KV
 
