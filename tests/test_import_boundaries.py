@@ -62,9 +62,9 @@ def test_the_tui_imports_nothing_of_the_cli():
     assert not {m for m in mods if m.startswith("lorafleet.cli")}
 
 
-@pytest.mark.parametrize("module", ["lorafleet.format"])
-def test_what_the_front_ends_share_is_a_leaf(module):
-    """The TUI and the CLI both import it: it imports nothing of lorafleet."""
+@pytest.mark.parametrize("module", ["lorafleet.snapshot", "lorafleet.format"])
+def test_the_shapes_and_formats_the_front_ends_share_are_leaves(module):
+    """The engine, the server, the TUI and the CLI all import these: they import nothing of lorafleet."""
     mods = imported_after(f"import {module}")
     assert {m for m in mods if m.startswith("lorafleet")} == {"lorafleet", module}
     assert not {"torch", "triton"} & mods
