@@ -16,12 +16,13 @@ import shlex
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
 from lorafleet import paths
 from lorafleet.errors import ConfigError, DaemonStartingError, DaemonUnreachableError, ServerError
+from lorafleet.snapshot import Stats
 
 # generation may take as long as it takes; everything else answers within a step or two
 _GENERATE_TIMEOUT = httpx.Timeout(10.0, read=None)
@@ -136,13 +137,13 @@ class Client:
                     told = True
             time.sleep(poll)
 
-    def stats(self) -> dict:
+    def stats(self) -> Stats:
         """The daemon's /v1/stats; refused as not a lorafleet daemon's unless it has its parts."""
         stats = self._json("GET", "/v1/stats", timeout=_STATS_TIMEOUT)
         if not (isinstance(stats, dict) and isinstance(stats.get("version"), str)
                 and isinstance(stats.get("engine"), dict) and isinstance(stats.get("server"), dict)):
             raise self.not_lorafleet("its /v1/stats has no version, engine and server")
-        return stats
+        return cast(Stats, stats)  # its parts' shapes are the daemon's word: each front end checks what it reads
 
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text

@@ -57,6 +57,20 @@ def test_the_tui_talks_to_the_daemon_only():
                                                     "lorafleet.store"))}
 
 
+def test_the_tui_imports_nothing_of_the_cli():
+    """`cli/top.py` imports the TUI, never the reverse: what both print with is `lorafleet/format.py`."""
+    mods = imported_after("import lorafleet.tui.app, lorafleet.tui.model, lorafleet.tui.widgets, lorafleet.tui.screens")
+    assert not {m for m in mods if m.startswith("lorafleet.cli")}
+
+
+@pytest.mark.parametrize("module", ["lorafleet.snapshot", "lorafleet.format"])
+def test_the_shapes_and_formats_the_front_ends_share_are_leaves(module):
+    """The engine, the server, the TUI and the CLI all import these: they import nothing of lorafleet."""
+    mods = imported_after(f"import {module}")
+    assert {m for m in mods if m.startswith("lorafleet")} == {"lorafleet", module}
+    assert not {"torch", "triton"} & mods
+
+
 def test_kernels_from_a_checkout_does_not_shadow_the_hugging_face_package():
     """From the checkout's root, first on sys.path for `python -c` and `python -m` (and pytest),
     Python may find our kernels/ directory as a top-level `kernels`: with no __init__.py it is a

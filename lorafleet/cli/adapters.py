@@ -9,8 +9,9 @@ import typer
 
 from lorafleet.cli import store as store_cli
 from lorafleet.errors import AdapterNotFoundError, DaemonUnreachableError, LorafleetError
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, human_bytes,
-                                  out_console, print_json, ranks_text, user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, out_console,
+                                  print_json, user_errors)
+from lorafleet.format import human_bytes, ranks_text
 
 app = typer.Typer(help="List, inspect, load, unload and remove LoRA adapters (the daemon's and the store's).",
                   no_args_is_help=True)

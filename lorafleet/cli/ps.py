@@ -5,10 +5,15 @@ waiting (one that waits for its load may still be on disk). Read from `/v1/stats
 
 from __future__ import annotations
 
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, duration, err_console,
-                                  fail, human_bytes, out_console, print_json, ranks_text, user_errors)
+from typing import TypeVar
+
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, fail,
+                                  out_console, print_json, user_errors)
+from lorafleet.format import duration, human_bytes, ranks_text
+from lorafleet.snapshot import Stats
 
 TIERS = ("device", "host", "disk")  # the rows' order: what serves now first
+T = TypeVar("T")
 
 
 def ps(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
@@ -29,7 +34,7 @@ def ps(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption
     _print(view)
 
 
-def snapshot(stats: dict) -> dict:
+def snapshot(stats: Stats) -> dict:
     """{"model": the base and the pool, "adapters": rows (device, host, then disk; by name),
     "other_adapters": how many more the daemon knows, idle on disk}. Every value is checked to be
     of the kind a daemon reports (ValueError, TypeError or KeyError otherwise), so that what is
@@ -61,7 +66,9 @@ def snapshot(stats: dict) -> dict:
     return {"model": model, "adapters": rows, "other_adapters": _count(eng["num_adapters"]) - len(rows)}
 
 
-def _object(value) -> dict:
+def _object(value: T) -> T:
+    """`value`, checked to be an object: its declared shape (`lorafleet.snapshot`) is what a
+    daemon sends, not what anything answering sends."""
     if not isinstance(value, dict):
         raise TypeError(f"{type(value).__name__} where an object belongs")
     return value

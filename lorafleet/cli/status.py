@@ -7,8 +7,10 @@ from typing import Annotated
 
 import typer
 
-from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, duration, err_console,
-                                  fail, human_bytes, out_console, print_json, user_errors)
+from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, fail,
+                                  out_console, print_json, user_errors)
+from lorafleet.format import duration, human_bytes
+from lorafleet.snapshot import Stats
 
 
 def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOption = None,
@@ -36,7 +38,7 @@ def status(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKeyOp
     out_console().print(grid)
 
 
-def _grid(stats: dict):
+def _grid(stats: Stats):
     from rich.table import Table
 
     srv, eng = stats["server"], stats["engine"]

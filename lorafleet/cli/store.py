@@ -9,8 +9,9 @@ from typing import Annotated
 import typer
 
 from lorafleet.cli.common import (ApiKeyOption, JsonOption, SocketOption, UrlOption, client, err_console, out_console,
-                                  print_json, ranks_text, styled, user_errors)
+                                  print_json, styled, user_errors)
 from lorafleet.errors import DaemonUnreachableError, StoreError
+from lorafleet.format import ranks_text
 from lorafleet.store.store import Store
 
 models_app = typer.Typer(help="List and remove the base models in the store.", no_args_is_help=True)

@@ -27,7 +27,7 @@ from lorafleet.engine.policy import POLICIES
 from lorafleet.engine.runner import ModelRunner
 from lorafleet.engine.scheduler import Scheduler
 from lorafleet.engine.selfcheck import self_check
-from lorafleet.engine.stats import EngineStats
+from lorafleet.engine.stats import Counters
 from lorafleet.engine import views
 from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, RequestFailedError,
                               RequestNotFoundError)
@@ -43,6 +43,7 @@ from lorafleet.memory.prefetch import Prefetcher
 from lorafleet.memory.residency import AdapterResidency
 from lorafleet.model.loader import load_model, resolve_device
 from lorafleet.model.tokenizer import Tokenizer
+from lorafleet.snapshot import AdapterInfo, EngineStats, LoraCapacity, LoraQueues
 
 Prompt = str | Sequence[int]
 log = logging.getLogger("lorafleet.engine")
@@ -86,7 +87,7 @@ class Engine:
         eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
         self.outputs = OutputProcessor(eos, self.max_model_len)  # the one owner of the stop tokens
         self.requests: dict[str, Request] = {}
-        self.counters = EngineStats()
+        self.counters = Counters()
         self._ids = itertools.count()
         self._deadlines: list = []  # heap of (deadline, request id, request); finished ones dropped lazily
         self.mixes = MixChecks(self.adapters, self.pool, self.kv)
@@ -278,7 +279,7 @@ class Engine:
 
     # -- adapters --------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, trusted_digest: str | None = None,
-                         inspected: Inspected | None = None) -> dict:
+                         inspected: Inspected | None = None) -> AdapterInfo:
         """Record a PEFT adapter folder under `name` (disk tier): its config is checked now, its
         weights are read when a request first needs it. Costs no device memory. `trusted_digest`
         (the store's resolver): the files were validated against this base and hashed when they
@@ -329,7 +330,7 @@ class Engine:
         """The folder registered under `name`, or None when no adapter has that name."""
         return self.adapters.entries[name].path if name in self.adapters else None
 
-    def lora_capacity(self) -> dict:
+    def lora_capacity(self) -> LoraCapacity:
         """How many adapters the pool could hold at the median adapter size (what gateways read
         as `max_lora`): `Arbiter.adapter_capacity`."""
         return self.arbiter.adapter_capacity(self.config.max_num_seqs)
@@ -338,10 +339,10 @@ class Engine:
     def max_num_seqs(self) -> int:
         return self.config.max_num_seqs
 
-    def list_adapters(self) -> list[dict]:
+    def list_adapters(self) -> list[AdapterInfo]:
         return [e.info() for e in self.adapters.entries.values()]
 
-    def lora_queues(self) -> dict[str, dict[str, int]]:
+    def lora_queues(self) -> LoraQueues:
         """Requests per adapter, running and waiting (for vllm:lora_requests_info)."""
         return views.lora_queues(self.scheduler)
 
@@ -387,5 +388,5 @@ class Engine:
         counts (`views.check_integrity`); after every step where `debug_checks` is on."""
         views.check_integrity(self)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return views.stats(self)

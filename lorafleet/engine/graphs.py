@@ -49,6 +49,7 @@ import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, AttentionMetadata
 from lorafleet.adapters.batch import LoraBatch, group_shapes
+from lorafleet.snapshot import DecodeGraphsStats
 
 SEGMENT_ROWS = 16              # rows of one LoRA segment in a captured step (the kernels' row block)
 RANK_BUCKETS = (16, 64, 256)   # rank bounds a captured step's LoRA grid is sized to
@@ -233,7 +234,7 @@ class DecodeGraphs:
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
 
-    def stats(self) -> dict:
+    def stats(self) -> DecodeGraphsStats:
         return {"enabled": True, "captured": self.capture, "buckets": self.buckets, "captures": self.captures,
                 "keys": [list(k) for k in sorted(self._graphs)], "max_captures": max_captures(self.buckets[-1]),
                 "replays": self.replays, "uploads": self.uploads, "recaptures": self.recaptures,

@@ -23,6 +23,7 @@ through mixes is served no more than its share.
 from __future__ import annotations
 
 from lorafleet.engine.request import Request
+from lorafleet.snapshot import SchedulerStats
 
 W_PROMPT = 1.0
 W_OUTPUT = 2.0  # a generated token costs a step of its own; prompt tokens are batched
@@ -58,7 +59,7 @@ class FCFS:
     def on_finish(self, req: Request) -> None:
         pass
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> SchedulerStats:
         return {"policy": self.name}
 
 
@@ -96,7 +97,7 @@ class VTC(FCFS):
             unused = req.params.max_tokens - len(req.output_token_ids)
             self._charge(req, -W_OUTPUT * max(0, unused))
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> SchedulerStats:
         return {"policy": self.name, "counters": dict(self.counters)}
 
 

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from itertools import islice
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Sequence, cast
 
 import numpy as np
 
 from lorafleet.engine.stats import percentile
+from lorafleet.snapshot import SwitchRegression, Switches
 
 SWITCH_XS = ("adapters_loaded", "distinct_adapters")
 
@@ -176,7 +177,7 @@ def switch_regression(steps: list[dict], x: str) -> dict | None:
     if fit is not None:
         slope, se = fit
         out["slope_s"], out["slope_fraction"] = slope, slope / mean
-        out["slope_ci_s"] = [slope - Z95 * se, slope + Z95 * se]
+        out["slope_ci_s"] = (slope - Z95 * se, slope + Z95 * se)
     else:
         out["note"] = (f"no slope yet: {label} does not vary once the steps' shape is accounted for, "
                        "or too few steps")
@@ -196,14 +197,16 @@ def switch_regressions(steps: list[dict]) -> list[dict]:
 LIVE_WINDOW = 1000  # the engine's live regression: over its most recent steps
 
 
-def live_switches(steps: Sequence[dict], window: int = LIVE_WINDOW) -> dict:
+def live_switches(steps: Sequence[dict], window: int = LIVE_WINDOW) -> Switches:
     """What `Engine.stats()["switches"]` reports over the last `window` steps (`steps`: the
-    engine's step log, oldest first): `loaded_per_step`, [[adapters loaded, steps], ...] (the
+    engine's step log, oldest first): `loaded_per_step`, [(adapters loaded, steps), ...] (the
     histogram of switches per step), and `regression`, the switch regression on
     `adapters_loaded` (None before any step computed tokens)."""
     recent = list(islice(reversed(steps), window))[::-1]
-    hist = defaultdict(int)
+    hist: defaultdict[int, int] = defaultdict(int)
     for s in recent:
         hist[s["adapters_loaded"]] += 1
-    return {"window_steps": len(recent), "loaded_per_step": [[k, hist[k]] for k in sorted(hist)],
-            "regression": switch_regression(recent, "adapters_loaded")}
+    # switch_regression keys its table by its x: here adapters_loaded, as SwitchRegression declares
+    regression = cast("SwitchRegression | None", switch_regression(recent, "adapters_loaded"))
+    return {"window_steps": len(recent), "loaded_per_step": [(k, hist[k]) for k in sorted(hist)],
+            "regression": regression}

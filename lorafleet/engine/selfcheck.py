@@ -31,6 +31,7 @@ import torch
 
 from lorafleet.errors import SelfCheckError
 from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
+from lorafleet.snapshot import SelfCheck
 
 log = logging.getLogger("lorafleet.engine")
 
@@ -75,7 +76,7 @@ def probe_logits(model, ids: list[int], then: int | None = None) -> torch.Tensor
     return torch.cat(out).float().cpu()
 
 
-def self_check(model, folder: str | Path, config) -> dict:
+def self_check(model, folder: str | Path, config) -> SelfCheck:
     """Check `model` (served from `folder` with the `EngineConfig` `config`) against the torch
     reference on the same weights; returns what it found (kernels, max_abs_diff, tolerance,
     seconds; `skipped` with the reason where there is nothing to compare). Raises SelfCheckError,
@@ -98,7 +99,7 @@ def self_check(model, folder: str | Path, config) -> dict:
             torch.cuda.empty_cache()  # back to the device before the pool is sized from what is free
     diff = float((fast - ref).abs().max())
     tol = tolerance(model.dtype, model.quantization, ref)
-    found = {"kernels": label, "max_abs_diff": diff, "tolerance": tol, "seconds": time.perf_counter() - t0}
+    found: SelfCheck = {"kernels": label, "max_abs_diff": diff, "tolerance": tol, "seconds": time.perf_counter() - t0}
     precision = str(model.dtype).removeprefix("torch.") + (f", {model.quantization}" if model.quantization else "")
     if not diff <= tol:  # NaN disagrees too
         raise SelfCheckError(

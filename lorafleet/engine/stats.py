@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from lorafleet.snapshot import CounterStats, MixCounts, Quantiles
+
 WINDOW = 1024
 STEP_LOG = 100_000  # per-step records kept for the switch regression (~100 bytes each)
 
@@ -26,7 +28,7 @@ def _nearest_rank(s: list[float], q: float) -> float:
     return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
 
 
-def summary(values: Iterable[float | None]) -> dict:
+def summary(values: Iterable[float | None]) -> Quantiles:
     """{"p50", "p99"} of the values (None where there are none)."""
     s = sorted(v for v in values if v is not None) if values else ()
     if not s:  # most adapters of a large fleet have no loads or waits yet: the common case, fast
@@ -35,7 +37,9 @@ def summary(values: Iterable[float | None]) -> dict:
 
 
 @dataclass
-class EngineStats:
+class Counters:
+    """The engine's counters (`engine.counters`); `snapshot` is their part of `Engine.stats()`."""
+
     num_steps: int = 0
     num_prompt_tokens: int = 0          # prompt tokens computed (recomputation included)
     num_generated_tokens: int = 0
@@ -57,7 +61,7 @@ class EngineStats:
         """A request named a mix of `adapters` adapters (counted when it is accepted)."""
         self.mix_sizes[adapters] = self.mix_sizes.get(adapters, 0) + 1
 
-    def mixes(self) -> dict:
+    def mixes(self) -> MixCounts:
         """`requests`: accepted requests that named a mix; `adapters`: the adapters they named in
         all (adapters / requests: the mean mix); `by_size`: requests per mix size."""
         return {"requests": sum(self.mix_sizes.values()), "adapters": sum(k * n for k, n in self.mix_sizes.items()),
@@ -88,7 +92,7 @@ class EngineStats:
             if n > 1 and req.finish_time is not None:
                 self.tpots.append((req.finish_time - req.first_token_time) / (n - 1))
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> CounterStats:
         return {
             "num_steps": self.num_steps,
             "num_prompt_tokens": self.num_prompt_tokens,

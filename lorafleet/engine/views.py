@@ -8,36 +8,45 @@ import itertools
 
 from lorafleet.engine.regression import live_switches
 from lorafleet.engine.stats import summary
+from lorafleet.snapshot import (AdapterDetail, AdapterInfo, CounterStats, EngineStats, LoraQueues, MixCounts,
+                                PoolCounts)
 
 
-def lora_queues(scheduler) -> dict[str, dict[str, int]]:
+def lora_queues(scheduler) -> LoraQueues:
     """Requests per adapter name, running and waiting (a mix counts for each of its adapters)."""
-    out: dict[str, dict[str, int]] = {"running": {}, "waiting": {}}
-    for where, reqs in (("running", scheduler.running), ("waiting", scheduler.waiting)):
+    running: dict[str, int] = {}
+    waiting: dict[str, int] = {}
+    for counts, reqs in ((running, scheduler.running), (waiting, scheduler.waiting)):
         for r in reqs:
             for name in r.names:
-                out[where][name] = out[where].get(name, 0) + 1
-    return out
+                counts[name] = counts.get(name, 0) + 1
+    return {"running": running, "waiting": waiting}
 
 
-def adapter_details(adapters) -> dict:
-    """`adapter_details`: name -> its record (`AdapterEntry.info`) with the p50/p99 of its recent
-    loads (`load_s`) and of its finished requests' exposed waits (`stall_s`), for every adapter a
-    request ever named or that holds memory; `untouched_adapters`: the names of the rest,
+def adapter_details(adapters) -> tuple[dict[str, AdapterDetail], list[str]]:
+    """(`adapter_details`, `untouched_adapters`) of `Engine.stats()`. `adapter_details`: name -> its
+    record (`AdapterEntry.info`) with the p50/p99 of its recent loads (`load_s`) and of its
+    finished requests' exposed waits (`stall_s`), for every adapter a request ever named or that
+    holds memory; `untouched_adapters`: the names of the rest,
     registered on disk and never asked for (nothing to say but the name: their files are first
     read on their first request). A fleet of thousands polled every second pays for the adapters
     in use, not for the registry (`lorafleet bench stats-cost`)."""
-    details, untouched = {}, []
+    details: dict[str, AdapterDetail] = {}
+    untouched: list[str] = []
     for e in adapters.entries.values():
         if e.tier == "disk" and not (e.hits or e.misses or e.users or e.disk_loads or e.error):
             untouched.append(e.name)
         else:
-            details[e.name] = {**e.info(), "load_s": summary(e.recent_loads), "stall_s": summary(e.recent_waits)}
-    return {"adapter_details": details, "untouched_adapters": untouched}
+            info: AdapterInfo = e.info()
+            details[e.name] = {**info, "load_s": summary(e.recent_loads), "stall_s": summary(e.recent_waits)}
+    return details, untouched
 
 
-def stats(engine) -> dict:
-    pool = engine.pool.stats()
+def stats(engine) -> EngineStats:
+    pool: PoolCounts = engine.pool.stats()
+    details, untouched = adapter_details(engine.adapters)
+    mixes: MixCounts = engine.counters.mixes()
+    counters: CounterStats = engine.counters.snapshot()
     return {
         "model": str(engine.model_path),
         "device": str(engine.device),
@@ -49,20 +58,21 @@ def stats(engine) -> dict:
         "adapters": engine.adapters.stats(),
         "prefix_cache": engine.kv.stats(),
         "eviction": engine.arbiter.order.stats(),
-        **adapter_details(engine.adapters),
+        "adapter_details": details,
+        "untouched_adapters": untouched,
         "switches": live_switches(engine.counters.steps),
         "scheduler": engine.scheduler.policy.snapshot(),
         "kv_cache_usage": pool["kv_pages"] / pool["total_pages"],
         "num_running": len(engine.scheduler.running),
         "num_waiting": engine.scheduler.num_waiting,
         # requests on several adapters: counted at arrival, and those running or waiting now
-        "mixes": {**engine.counters.mixes(), "running": sum(r.mix is not None for r in engine.scheduler.running),
+        "mixes": {**mixes, "running": sum(r.mix is not None for r in engine.scheduler.running),
                   "waiting": sum(r.mix is not None for r in engine.scheduler.waiting)},
         "kernels": engine.model.kernels.name,
         "kernels_label": engine.model.kernels.label,  # with the CPU variant: what `lorafleet verify --socket` checks
         "self_check": engine.self_check,  # engine/selfcheck.py's finding at start, None where it did not run
         "decode_graphs": engine.runner.graphs.stats() if engine.runner.graphs else {"enabled": False},
-        **engine.counters.snapshot(),
+        **counters,
     }
 
 

@@ -27,6 +27,7 @@ from typing import Container
 from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.memory.pool import PagePool
+from lorafleet.snapshot import LoraCapacity
 
 
 class Arbiter:
@@ -79,7 +80,7 @@ class Arbiter:
         self.adapters.allocate(entry)
         return True
 
-    def adapter_capacity(self, max_num_seqs: int) -> dict:
+    def adapter_capacity(self, max_num_seqs: int) -> LoraCapacity:
         """How many adapters the pool could hold at the median adapter size (what gateways read
         as `max_lora`): {"max_adapters", "median_pages", "sized_adapters", "basis"}, basis
         "resident" (device or host tier), "registered" (sizes from the weights files' headers,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafleet.memory.host_cache import HostAdapter
+from lorafleet.snapshot import AdapterInfo, Tier, Variant
 
 RECENT = 64  # per adapter: the last loads' seconds and requests' exposed waits kept (for p50/p99)
 _uids = itertools.count(1)
@@ -70,17 +71,17 @@ class AdapterEntry:
     recent_waits: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # finished requests' exposed waits
 
     @property
-    def variant(self) -> str | None:
+    def variant(self) -> Variant | None:
         """"lora", "dora" or "lora_bias" once loaded (None before: its files have not been read)."""
         if self.posts is None:
             return None
         return "dora" if "dora" in self.posts.values() else "lora_bias" if self.posts else "lora"
 
     @property
-    def tier(self) -> str:
+    def tier(self) -> Tier:
         return "device" if self.ready else "host" if self.host is not None else "disk"
 
-    def info(self) -> dict:
+    def info(self) -> AdapterInfo:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
                 "ranks": self.ranks, "modules": sorted(self.ranks), "variant": self.variant,
                 "saved_modules": list(self.saved if self.copies is None else self.copies),  # once loaded: those served

@@ -30,6 +30,8 @@ This object decides and counts; the residency evicts adapters and the KV manager
 
 from __future__ import annotations
 
+from lorafleet.snapshot import EvictionStats
+
 POLICIES = ("cost", "lru")
 EWMA = 0.2
 PRIOR_RECOMPUTE_S_PER_TOKEN = 1e-4
@@ -76,7 +78,7 @@ class EvictionOrder:
         return (self.score(self.kv_cost, kv_idle_since, now)
                 <= self.score(self.miss_s_per_byte, adapter_idle_since, now))
 
-    def stats(self) -> dict:
+    def stats(self) -> EvictionStats:
         return {"policy": self.policy, "recompute_s_per_token": self.recompute_s_per_token,
                 "miss_s_per_byte": self.miss_s_per_byte, "kv_cost_s_per_byte": self.kv_cost,
                 "evicted_kv_blocks": self.evictions["kv_blocks"], "evicted_adapters": self.evictions["adapters"]}

@@ -37,6 +37,7 @@ import numpy as np
 
 from lorafleet.kernels.reference import scale_bits
 from lorafleet.memory.pool import CACHED, KV, PagePool
+from lorafleet.snapshot import PrefixCacheStats
 
 BASE_SALT = b"lorafleet-kv:base"
 KV_PROJECTIONS = ("k_proj", "v_proj")
@@ -274,7 +275,7 @@ class KVCacheManager:
             self.num_hashed[row] = self.num_blocks[row]
         return len(freed)
 
-    def stats(self) -> dict:
+    def stats(self) -> PrefixCacheStats:
         return {"enabled": self.prefix_cache, "cached_pages": len(self.cold) + len(self.hot),
                 "reused_cached_pages": len(self.hot),
                 "hashed_pages": len(self.page_hash), "query_tokens": self.query_tokens,

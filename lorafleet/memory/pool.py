@@ -28,6 +28,7 @@ import torch
 
 from lorafleet.errors import PoolExhaustedError
 from lorafleet import hugepages
+from lorafleet.snapshot import PageRun, PoolCounts
 
 FREE = -1
 CACHED = -2  # KV blocks kept for prefix reuse, held by no sequence (memory/kv.py)
@@ -154,14 +155,14 @@ class PagePool:
         return {int(group_owners[0]): pages.tolist()
                 for group_owners, pages in zip(np.split(owners, cuts), np.split(order, cuts)) if len(pages)}
 
-    def page_runs(self) -> list[list]:
+    def page_runs(self) -> list[PageRun]:
         """The pool in page order as runs of one owner: [[label, pages], ...], labels "free", "kv",
         "cached" or an adapter's name; the runs' pages sum to `num_pages`. What `lorafleet top`
         draws as its pool map (a fragmented pool has many short runs)."""
         starts = np.concatenate(([0], np.flatnonzero(np.diff(self._owner)) + 1))
         lengths = np.diff(np.concatenate((starts, [self.num_pages])))
         names = {FREE: "free", **self._owner_names}
-        return [[names[o], n] for o, n in zip(self._owner[starts].tolist(), lengths.tolist())]
+        return [(names[o], n) for o, n in zip(self._owner[starts].tolist(), lengths.tolist())]
 
     def check_integrity(self) -> None:
         counts = dict(zip(*np.unique(self._owner, return_counts=True)))
@@ -174,7 +175,7 @@ class PagePool:
         assert set(np.flatnonzero(self._owner == FREE).tolist()) <= set(self._free_heap), \
             "a free page is missing from the free heap"
 
-    def stats(self) -> dict:
+    def stats(self) -> PoolCounts:
         adapters: dict[str, int] = {}
         for o, n in self._pages_by_owner.items():
             if o > KV and n:

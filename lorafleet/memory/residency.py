@@ -55,6 +55,7 @@ from lorafleet.memory.host_cache import HostAdapter, HostCache
 from lorafleet.memory.kv import kv_salt
 from lorafleet.adapters.layout import Layout
 from lorafleet.memory.pool import CACHED, PagePool
+from lorafleet.snapshot import AdaptersStats, AdapterTiers
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 
@@ -365,8 +366,8 @@ class AdapterResidency:
         strays = set(by_owner) - {-1, 0, CACHED}
         assert not strays, f"pages held by unknown adapter owners {sorted(strays)}"
 
-    def stats(self) -> dict:
-        tiers = {"device": 0, "host": 0, "disk": 0}
+    def stats(self) -> AdaptersStats:
+        tiers: AdapterTiers = {"device": 0, "host": 0, "disk": 0}
         for e in self.entries.values():
             tiers[e.tier] += 1
         return {"registered": len(self.entries), "tiers": tiers, "retired": len(self.retired),

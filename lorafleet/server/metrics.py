@@ -71,6 +71,8 @@ import orjson
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from lorafleet.snapshot import EngineSnapshot, EngineStats, LoraQueues, ServerInfo, Stats
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # exported under their vLLM names, or rendered on their own below
 _MAPPED = {"num_running", "num_waiting", "kv_cache_usage", "num_prompt_tokens",
@@ -79,20 +81,25 @@ _MAPPED = {"num_running", "num_waiting", "kv_cache_usage", "num_prompt_tokens",
            "adapter_details", "mixes"}
 
 
-def lora_queues(engine) -> dict:
+def lora_queues(engine) -> LoraQueues:
     """{"running": {adapter: requests}, "waiting": {...}}; runs on the engine thread."""
     return engine.lora_queues()
 
 
-def engine_snapshot(engine) -> dict:
-    """Engine.stats() plus the per-adapter queues and the pool's adapter capacity; runs on the
-    engine thread."""
-    stats = engine.stats()
+def engine_snapshot(engine) -> EngineSnapshot:
+    """`/v1/stats`'s `engine`: Engine.stats() plus the per-adapter queues and the pool's adapter
+    capacity; runs on the engine thread."""
+    stats: EngineStats = engine.stats()
     return {**stats, "lora": lora_queues(engine), "num_adapters": stats["adapters"]["registered"],
             "max_num_seqs": engine.max_num_seqs, "lora_capacity": engine.lora_capacity()}
 
 
-def max_lora(snapshot: dict) -> int:
+def v1_stats(version: str, server: ServerInfo, engine: EngineSnapshot) -> Stats:
+    """GET /v1/stats's answer, before `stats_body` writes it."""
+    return {"version": version, "server": server, "engine": engine}
+
+
+def max_lora(snapshot: EngineSnapshot) -> int:
     """`max_lora` and `vllm:max_gpu_lora_adapters`: the snapshot's `lora_capacity`."""
     return int(snapshot["lora_capacity"]["max_adapters"])
 
@@ -100,7 +107,7 @@ def max_lora(snapshot: dict) -> int:
 LEVELS = {"device": "gpu", "host": "cpu"}  # lorafleet's tier -> the residency gauge's level
 
 
-def residency(snapshot: dict) -> list[tuple[str, str, str, str]]:
+def residency(snapshot: EngineSnapshot) -> list[tuple[str, str, str, str]]:
     """(adapter_name, level, pinned, rank) of every resident adapter, from `adapter_details`
     (which holds every adapter not on disk)."""
     out = []
@@ -111,12 +118,12 @@ def residency(snapshot: dict) -> list[tuple[str, str, str, str]]:
     return out
 
 
-def stats_body(version: str, server: dict, snapshot: dict) -> bytes:
+def stats_body(version: str, server: ServerInfo, snapshot: EngineSnapshot) -> bytes:
     """GET /v1/stats's body, written by orjson: with many adapters the body is large (idle
     adapters go by name only to keep it small), and the standard library's json and FastAPI's
     encoder measured far slower (each poll of `lorafleet top` pays it). `lorafleet bench
     stats-cost` measures this function."""
-    return orjson.dumps({"version": version, "server": server, "engine": snapshot})
+    return orjson.dumps(v1_stats(version, server, snapshot))
 
 
 def _name(key: str) -> str:
@@ -137,7 +144,7 @@ class _Families:
         return iter(self.families)
 
 
-def render(snapshot: dict, server: dict, model_name: str) -> bytes:
+def render(snapshot: EngineSnapshot, server: ServerInfo, model_name: str) -> bytes:
     label = {"model_name": model_name}
     fams = []
 
@@ -184,8 +191,9 @@ def render(snapshot: dict, server: dict, model_name: str) -> bytes:
     gauge("lorafleet_prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens.", prefix["hit_rate"])
     evictions = CounterMetricFamily("lorafleet_evictions", "Pages given back by the eviction order, by kind.",
                                     labels=[*label, "kind"])
-    for kind in ("kv_blocks", "adapters"):
-        evictions.add_metric([model_name, kind], snapshot["eviction"][f"evicted_{kind}"])
+    eviction = snapshot["eviction"]
+    for kind, n in (("kv_blocks", eviction["evicted_kv_blocks"]), ("adapters", eviction["evicted_adapters"])):
+        evictions.add_metric([model_name, kind], n)
     fams.append(evictions)
 
     mixes = snapshot["mixes"]
@@ -202,12 +210,12 @@ def render(snapshot: dict, server: dict, model_name: str) -> bytes:
 
     pool = snapshot["pool"]
     pages = GaugeMetricFamily("lorafleet_pool_pages", "Pages of the unified pool by owner.", labels=["owner"])
-    for owner, key in (("free", "free_pages"), ("kv", "kv_pages"), ("cached", "cached_pages"),
-                       ("adapters", "adapter_pages")):
-        pages.add_metric([owner], pool[key])
+    for owner, n in (("free", pool["free_pages"]), ("kv", pool["kv_pages"]), ("cached", pool["cached_pages"]),
+                     ("adapters", pool["adapter_pages"])):
+        pages.add_metric([owner], n)
     fams.append(pages)
-    reg = snapshot["switches"]["regression"] or {}
-    if reg.get("slope_s") is not None:
+    reg = snapshot["switches"]["regression"]
+    if reg is not None and reg["slope_s"] is not None:
         gauge("lorafleet_switch_cost_seconds_per_token", "Per-token latency one more adapter loaded in a step adds "
               "(the switch regression, the step's shape accounted for, recent steps).", reg["slope_s"])
         gauge("lorafleet_switch_cost_fraction", "lorafleet_switch_cost_seconds_per_token over the mean per-token "

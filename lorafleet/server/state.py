@@ -11,6 +11,7 @@ from lorafleet.config import ServerConfig
 from lorafleet.errors import QueueFullError, ShuttingDownError
 from lorafleet.server.protocol import ANY_TOKEN_BYTES
 from lorafleet.server.worker import EngineWorker
+from lorafleet.snapshot import ServerInfo
 
 
 @dataclass
@@ -65,9 +66,10 @@ class ServerState:
         tokenizer = self.tokenizer
         return self.max_model_len * max(ANY_TOKEN_BYTES, tokenizer.max_token_bytes if tokenizer is not None else 0)
 
-    def info(self) -> dict:
+    def info(self) -> ServerInfo:
+        """`/v1/stats`'s `server`."""
         return {"pid": self.pid, "socket": self.config.socket, "model": self.base_name,
-                "model_path": self.model_path,                 "sampling_defaults": self.sampling_defaults,
+                "model_path": self.model_path, "sampling_defaults": self.sampling_defaults,
                 "started": self.started, "uptime_s": time.time() - self.started,
                 "tcp": f"{self.config.host}:{self.config.port}" if self.config.host else None,
                 "pending": self.pending, "max_pending": self.config.max_pending,

@@ -26,8 +26,9 @@ from textual.containers import Horizontal, Vertical
 from textual.events import Resize
 from textual.widgets import DataTable, Footer, Input, Static
 
-from lorafleet.cli.common import duration
 from lorafleet.errors import DaemonUnreachableError, LorafleetError
+from lorafleet.format import duration
+from lorafleet.snapshot import Stats
 from lorafleet.tui import model
 from lorafleet.tui.screens import AdapterScreen, HelpScreen
 from lorafleet.tui.widgets import PoolMap, Rates, SwitchPanel, owner_style
@@ -66,11 +67,11 @@ class TopApp(App):
         Binding("S", "sort(0)", "reverse", show=False), Binding("w", "switches", "switches"),
     ]
 
-    def __init__(self, source: Callable[[], dict] | None, where: str, interval: float = 1.0):
+    def __init__(self, source: Callable[[], Stats] | None, where: str, interval: float = 1.0):
         super().__init__()
         self.source, self.where, self.interval = source, where, interval
         self.history = model.History()
-        self.stats: dict | None = None
+        self.stats: Stats | None = None
         self.rows: list[dict] = []
         self.paused = False
         self.error: str | None = None        # the last poll's failure, while it lasts
@@ -133,7 +134,7 @@ class TopApp(App):
                     break
             self._wake.clear()
 
-    def ingest(self, stats: dict | None, error: str | None = None, unreachable: bool = True) -> None:
+    def ingest(self, stats: Stats | None, error: str | None = None, unreachable: bool = True) -> None:
         """A snapshot arrives, or the error in its place (`unreachable`: nothing answered, rather
         than a daemon that refused, say a wrong API key): redraw what it changes."""
         if stats is not None:
@@ -145,7 +146,7 @@ class TopApp(App):
         if stats is not None:
             self.stats = stats
             self.history.add(stats)
-            self._draw()
+            self._draw(stats)
         self._draw_status()
 
     # -- drawing -----------------------------------------------------------------------
@@ -186,13 +187,13 @@ class TopApp(App):
             line.append("connecting…", style="dim")
         self.query_one("#status", Static).update(line)
 
-    def _draw(self) -> None:
-        eng = self.stats["engine"]
+    def _draw(self, stats: Stats) -> None:
+        eng = stats["engine"]
         self.query_one(PoolMap).show(eng["pool"])
         self.query_one(Rates).show(self.history)
         self.query_one(SwitchPanel).show(eng["switches"])
         self.rows = model.adapter_rows(eng)
-        self._draw_table()
+        self._draw_table(stats)
         if isinstance(self.screen, AdapterScreen):
             self.screen.show(self._row(self.screen.adapter))
 
@@ -203,7 +204,7 @@ class TopApp(App):
     def _row(self, name: str) -> dict | None:
         return next((r for r in self.rows if r["name"] == name), None)
 
-    def _draw_table(self) -> None:
+    def _draw_table(self, stats: Stats) -> None:
         """The rows, in the columns that fit whole (the rest: Enter, the adapter's detail)."""
         table = self.query_one("#adapters", DataTable)
         selected = self.selected_adapter()
@@ -223,7 +224,7 @@ class TopApp(App):
             table.move_cursor(row=table.get_row_index(selected), animate=False)
         self.query_one(PoolMap).highlight = self.selected_adapter()
         hidden = len(model.COLUMNS) - len(self.columns)
-        mixes = model.mix_summary(self.stats["engine"])
+        mixes = model.mix_summary(stats["engine"])
         box = self.query_one("#table-box")
         # in the order shown; what does not fit the border goes, least wanted first (mixes, count)
         parts = [(3, f"{len(self.rows)} known"), (1, f"sorted by {self._sort_label()}"), (4, mixes),
@@ -237,7 +238,7 @@ class TopApp(App):
 
     def refit_table(self) -> None:
         if self.stats is not None:
-            self._draw_table()
+            self._draw_table(self.stats)
 
     def on_resize(self, event: Resize) -> None:
         self._place_switches(event.size.width)
@@ -285,7 +286,7 @@ class TopApp(App):
 
     def _redraw_table(self) -> None:
         if self.stats is not None:
-            self._draw()
+            self._draw(self.stats)
 
     # -- events ------------------------------------------------------------------------
     @on(DataTable.HeaderSelected)

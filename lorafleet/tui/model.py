@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich.cells import cell_len
 
-from lorafleet.cli.common import ranks_text
+from lorafleet.format import ranks_text
+from lorafleet.snapshot import EngineSnapshot, PageRun, PoolStats, Stats
 
 HISTORY = 600  # samples kept per series: 10 minutes at one poll per second
 
@@ -47,7 +49,7 @@ class Cell:
         return 2 * dict(self.owners)[self.label] >= self.count
 
 
-def pool_cells(page_map: list[list], num_cells: int) -> list[Cell]:
+def pool_cells(page_map: list[PageRun], num_cells: int) -> list[Cell]:
     """Group the pool's pages (`pool.page_map`: runs of [label, pages] in page order) into at
     most `num_cells` cells of equal page counts (the last may hold fewer): one page per cell when
     they fit. O(runs + cells)."""
@@ -76,7 +78,7 @@ def _cell(first: int, count: int, owners: dict[str, int]) -> Cell:
     return Cell(first, count, tuple(sorted(owners.items(), key=lambda kv: (-kv[1], kv[0]))))
 
 
-def pool_totals(pool: dict) -> dict[str, float]:
+def pool_totals(pool: PoolStats) -> dict[str, float]:
     """Share of the pool's pages per owner class (0..1)."""
     total = pool["total_pages"] or 1
     return {FREE: pool["free_pages"] / total, KV: pool["kv_pages"] / total,
@@ -104,15 +106,16 @@ COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 TIER_ORDER = {"device": 0, "host": 1, "disk": 2}
 
 
-def adapter_rows(engine: dict) -> list[dict]:
+def adapter_rows(engine: EngineSnapshot) -> list[dict]:
     """One row per adapter the daemon knows: the table's columns as raw values (None: not
     measured yet; `rank` its largest), plus `ranks_text` (one rank or a range, as `adapters ls`
     shows it) and the adapter's record as `info` (None for an untouched adapter: registered on
     disk, never asked for, known by name only)."""
     running, waiting = engine["lora"]["running"], engine["lora"]["waiting"]
-    rows = [{"name": name, "tier": "disk", "rank": None, "ranks_text": "-", "pages": 0, "running": 0, "waiting": 0,
-             "hits": 0, "misses": 0, "loads": 0, "load_p50": None, "load_p99": None, "stall_p99": None,
-             "info": None} for name in engine["untouched_adapters"]]
+    rows: list[dict[str, Any]] = [
+        {"name": name, "tier": "disk", "rank": None, "ranks_text": "-", "pages": 0, "running": 0, "waiting": 0,
+         "hits": 0, "misses": 0, "loads": 0, "load_p50": None, "load_p99": None, "stall_p99": None,
+         "info": None} for name in engine["untouched_adapters"]]
     for name, info in engine["adapter_details"].items():
         rows.append({
             "name": name, "tier": info["tier"], "rank": max(info["ranks"].values(), default=None),
@@ -178,7 +181,7 @@ def sort_rows(rows: list[dict], key: str, reverse: bool) -> list[dict]:
     return sorted(measured, key=value, reverse=reverse) + [r for r in by_name if r[key] is None]
 
 
-def mix_summary(engine: dict) -> str:
+def mix_summary(engine: EngineSnapshot) -> str:
     """The mixes (requests on several adapters) in a few words: running and waiting now, and
     the requests so far with their mean size; "" before the first. Their adapters' rows count
     them too (a mix runs on each of them)."""
@@ -217,7 +220,7 @@ class History:
 
     maxlen: int = HISTORY
     series: dict[str, deque] = field(default_factory=dict)
-    last: dict | None = None
+    last: Stats | None = None
     # (uptime, generated tokens, finished requests) of this daemon's recent snapshots: the labels'
     # rates, over RATE_WINDOW_S rather than the last second (bursty steps make that one 0 often)
     counters: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
@@ -225,7 +228,7 @@ class History:
     def __post_init__(self):
         self.series = {k: deque(maxlen=self.maxlen) for k in SERIES}
 
-    def add(self, stats: dict) -> None:
+    def add(self, stats: Stats) -> None:
         srv, eng = stats["server"], stats["engine"]
         prev = self.last
         self.last = stats
@@ -234,16 +237,15 @@ class History:
         if not same:
             self.counters.clear()
         self.counters.append((srv["uptime_s"], eng["num_generated_tokens"], eng["num_requests_finished"]))
-        if same:
+        if same and prev is not None:
             dt = srv["uptime_s"] - prev["server"]["uptime_s"]
             pe = prev["engine"]
             self.series["tokens_per_s"].append(
                 (eng["num_generated_tokens"] - pe["num_generated_tokens"]) / dt)
             self.series["requests_per_s"].append(
                 (eng["num_requests_finished"] - pe["num_requests_finished"]) / dt)
-        for key, src in (("ttft", "ttft_s"), ("tpot", "tpot_s")):
-            for q in ("p50", "p99"):
-                v = eng[src][q]
+        for key, window in (("ttft", eng["ttft_s"]), ("tpot", eng["tpot_s"])):
+            for q, v in (("p50", window["p50"]), ("p99", window["p99"])):
                 self.series[f"{key}_{q}"].append(v * 1e3 if v is not None else 0.0)
         self.series["queue"].append(float(eng["num_waiting"]))
 
@@ -264,7 +266,7 @@ class History:
         return (now[i] - then[i]) / (now[0] - then[0])
 
 
-def check_snapshot(stats: dict) -> None:
+def check_snapshot(stats: Stats) -> None:
     """Raise (KeyError, TypeError, ValueError...) unless `stats` has every part the screen reads:
     an answer that is not a lorafleet daemon's /v1/stats, taken apart before anything is drawn."""
     History().add(stats)
@@ -272,6 +274,6 @@ def check_snapshot(stats: dict) -> None:
     adapter_rows(eng)
     mix_summary(eng)
     list(eng["pool"]["page_map"])
-    for key in ("loaded_per_step", "regression", "window_steps"):
-        eng["switches"][key]
+    switches = eng["switches"]
+    switches["loaded_per_step"], switches["regression"], switches["window_steps"]
 

@@ -14,7 +14,8 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from lorafleet.cli.common import human_bytes
+from lorafleet.format import human_bytes
+from lorafleet.snapshot import PageRun, PoolStats, Switches
 from lorafleet.tui import model
 from lorafleet.tui.model import ADAPTER, CACHED, FREE, KV
 
@@ -53,10 +54,10 @@ class PoolMap(Widget, can_focus=True):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.page_map: list[list] = []
-        self.pool: dict | None = None
+        self.page_map: list[PageRun] = []
+        self.pool: PoolStats | None = None
 
-    def show(self, pool: dict) -> None:
+    def show(self, pool: PoolStats) -> None:
         self.pool = pool
         self.page_map = pool["page_map"]
         self.refresh()
@@ -186,7 +187,7 @@ class SwitchPanel(Static):
     latency against them with the fitted slope: the switch regression, live (`switches` in
     /v1/stats, `engine/regression.py`)."""
 
-    def show(self, switches: dict) -> None:
+    def show(self, switches: Switches) -> None:
         out = Text(no_wrap=True, overflow="crop")
         n = switches["window_steps"]
         out.append(f"loads per step (last {n})\n", style="bold")
@@ -207,12 +208,12 @@ class SwitchPanel(Static):
         else:
             for row in reg["table"][:5]:
                 out.append(f"{row['adapters_loaded']:>2}  {row['per_token_ms_p50']:.3f} ms ({row['steps']} st)\n")
-            if reg["slope_s"] is not None:
-                lo, hi = reg["slope_ci_s"]
-                out.append(f"slope {reg['slope_s'] * 1e3:+.4f} ms/token ({lo * 1e3:+.4f} to {hi * 1e3:+.4f})\n",
-                           style="bold")
-                out.append(f"per adapter: {100 * reg['slope_fraction']:+.1f}% of a token",
-                           style="bold red" if reg["slope_fraction"] > 0.02 else "bold green")
+            slope, ci, fraction = reg["slope_s"], reg["slope_ci_s"], reg["slope_fraction"]
+            if slope is not None and ci is not None and fraction is not None:  # fitted together
+                lo, hi = ci
+                out.append(f"slope {slope * 1e3:+.4f} ms/token ({lo * 1e3:+.4f} to {hi * 1e3:+.4f})\n", style="bold")
+                out.append(f"per adapter: {100 * fraction:+.1f}% of a token",
+                           style="bold red" if fraction > 0.02 else "bold green")
             else:
                 out.append(reg.get("note", "no slope yet"), style="dim")
         self.update(out)

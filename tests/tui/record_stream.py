@@ -27,7 +27,7 @@ ADAPTERS = [("sql-r16", 16, ["q_proj", "v_proj"]), ("chat-r8", 8, ["q_proj", "k_
 
 def main() -> None:
     from lorafleet import Engine, SamplingParams
-    from lorafleet.server.metrics import engine_snapshot
+    from lorafleet.server.metrics import engine_snapshot, v1_stats
 
     root = Path(tempfile.mkdtemp())
     base = build_model(root / "base", "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
@@ -42,12 +42,12 @@ def main() -> None:
     def snapshot():
         nonlocal clock
         clock += 1.0
-        snaps.append({"version": "0.1.0", "engine": engine_snapshot(engine), "server": {
+        snaps.append(v1_stats("0.1.0", {
             "pid": 4242, "socket": "/run/user/1000/lorafleet/lorafleet.sock", "model": "tiny",
             "model_path": "/models/tiny", "sampling_defaults": {}, "started": 0.0, "uptime_s": clock,
             "tcp": None, "pending": engine.stats()["num_waiting"] + engine.stats()["num_running"],
             "max_pending": 1024, "draining": False, "num_rejected": 0, "num_disconnects": 0,
-            "engine_alive": True, "engine_steps_failed": 0}})
+            "engine_alive": True, "engine_steps_failed": 0}, engine_snapshot(engine)))
 
     params = SamplingParams(max_tokens=12, temperature=0.0)
     waves = [[0, 1, 2, 0, 0, 3], [4, 5, 0, 6, 1, 1, 7], [2, 0, 0, 1, 5, 6, 3, 4]]
