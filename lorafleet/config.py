@@ -39,7 +39,7 @@ class EngineConfig:
     decode_graphs: str = "auto"         # auto (on with CUDA + Triton), on, off, fixed (the same
                                         # fixed-shape decode steps without capture: CPU tests)
     async_decode: str = "off"           # auto (on with CUDA), on, off: read a step's tokens after
-                                        # launching the next (engine/inflight.py)
+                                        # launching the next (`Engine._launch`, `_settle`)
     prefix_cache: bool = True           # reuse the KV of full blocks of earlier prompts (memory/kv.py)
     eviction: str = "cost"              # cached KV and idle adapters: cost (memory/eviction.py) or lru
     kernels: str | None = None          # one of KERNELS (`kernels.backend.select`); None: LORAFLEET_KERNELS, else auto

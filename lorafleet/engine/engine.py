@@ -19,12 +19,11 @@ import torch
 
 from lorafleet.config import DEFAULT_CPU_POOL_BYTES, EngineConfig
 from lorafleet.engine.graphs import DecodeGraphs
-from lorafleet.engine.inflight import Steps
 from lorafleet.engine.mixes import MixChecks
 from lorafleet.engine.output import OutputProcessor
 from lorafleet.engine.request import Request, RequestOutput, SamplingParams, Status, prompt_ids
 from lorafleet.engine.policy import POLICIES
-from lorafleet.engine.runner import ModelRunner
+from lorafleet.engine.runner import Launched, ModelRunner
 from lorafleet.engine.scheduler import Scheduler
 from lorafleet.engine.selfcheck import self_check
 from lorafleet.engine.stats import Counters
@@ -83,7 +82,11 @@ class Engine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    residency=self.adapters, arbiter=self.arbiter, policy=POLICIES[cfg.policy](),
                                    max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv, self._decode_graphs())
+        # async_decode: a step's tokens read in the next call, after the step that follows it is launched
+        self.pipelined = cfg.async_decode == "on" or (cfg.async_decode == "auto" and self.device.type == "cuda")
+        self.runner = ModelRunner(self.model, self.kv, self._decode_graphs(),
+                                  torch.Generator(device=self.device).manual_seed(cfg.seed), exact=self.pipelined)
+        self.inflight: Launched | None = None  # the step launched and not read yet (pipelined only)
         eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
         self.outputs = OutputProcessor(eos, self.max_model_len)  # the one owner of the stop tokens
         self.requests: dict[str, Request] = {}
@@ -91,9 +94,6 @@ class Engine:
         self._ids = itertools.count()
         self._deadlines: list = []  # heap of (deadline, request id, request); finished ones dropped lazily
         self.mixes = MixChecks(self.adapters, self.pool, self.kv)
-        self._generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        mode = cfg.async_decode
-        self.steps = Steps(self, mode == "on" or (mode == "auto" and self.device.type == "cuda"))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode = self.config.decode_graphs
@@ -193,7 +193,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Requests in the queues, eager adapter loads or a step in flight: `step()` has work."""
-        return self.scheduler.has_unfinished() or self.prefetcher.eager_pending or self.steps.inflight is not None
+        return self.scheduler.has_unfinished() or self.prefetcher.eager_pending or self.inflight is not None
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -205,7 +205,7 @@ class Engine:
         2. build the batch (rows ordered decode-first and by adapter, the LoRA segments);
         3. run the model; 4. draw the tokens; 5. read them and process outputs (text, stops,
         finishes). With `async_decode` a step is read in the next call, after the step that
-        follows it is launched (`engine/inflight.py`)."""
+        follows it is launched (docs/engine.md, "Reading a step late")."""
         t0 = time.perf_counter()
         tick = self.prefetcher.tick(self.scheduler.wanted_adapters(), self.scheduler.watermark_pages)
         outputs = self._fail_adapter_requests(tick.failed) if tick.failed else []
@@ -216,13 +216,56 @@ class Engine:
         plan = self.scheduler.schedule()                                            # 1
         outputs += [self._finish(req, "length") for req in plan.finished]
         self.counters.num_preemptions += len(plan.preempted)
-        launched = self.steps.launch(plan.chunks, t0, len(tick.loaded)) if plan.chunks else None  # 2-4
-        read = self.steps.settle(launched)                                          # 5
+        launched = self._launch(plan.chunks, t0, len(tick.loaded)) if plan.chunks else None  # 2-4
+        read = self._settle(launched)                                               # 5
         outputs += read
         if launched is None and not read and self.prefetcher.busy:
             self.prefetcher.wait_any(0.005)  # nothing runnable until a load lands: don't spin
         if self.config.debug_checks:
             self.check_integrity()
+        return outputs
+
+    def _launch(self, chunks: list, t0: float, loaded: int) -> Launched:
+        """2-4 (`ModelRunner.launch`); pipelined, each drawing request's token is pending until
+        read, and the prefetcher's copies into pages wait for this step."""
+        step = self.runner.launch(chunks, self.inflight, t0, loaded)
+        self.scheduler.computed(step.chunks)
+        if self.pipelined:
+            for j, req in enumerate(step.reqs):
+                req.num_pending += 1
+                req.pending_row = j
+            self.prefetcher.after(step.fence)
+        return step
+
+    def _settle(self, launched: Launched | None) -> list[RequestOutput]:
+        """5. read the step in flight, if any; then `launched` too, unless pipelined (then it is
+        the step in flight)."""
+        last, self.inflight = self.inflight, None
+        outputs = self._read(last) if last is not None else []
+        if launched is not None and self.pipelined:
+            self.inflight = launched
+        elif launched is not None:
+            outputs += self._read(launched)
+        return outputs
+
+    def _read(self, step: Launched) -> list[RequestOutput]:
+        """Each drawing request's token appended (or its error); pipelined, those of requests
+        that ended meanwhile dropped. Then the step's record (its tokens: those appended)."""
+        outputs, generated = [], 0
+        for req, token, lp, error in self.runner.read(step):
+            if self.pipelined:
+                req.num_pending -= 1
+                if req.status is Status.FINISHED:  # ended while its token was drawn
+                    self.counters.num_discarded += 1
+                    continue
+            generated += error is None
+            outputs.append(self._fail(req, error) if error is not None else self._append(req, token, lp))
+            if self.pipelined:
+                self.scheduler.read(req)
+        model_s = step.model_s()
+        prompt_tokens = self.counters.record_launched(step.chunks, step.t0, step.loaded, generated, model_s)
+        if prompt_tokens:  # what recomputing a cached block would cost (the eviction order)
+            self.arbiter.order.observe_prefill(model_s, sum(c.num_tokens for c in step.chunks))
         return outputs
 
     def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:

@@ -109,7 +109,7 @@ class Request:
     adapter_cold: bool = False                   # its adapter was not on the device when it arrived
     deadline: float | None = None                # monotonic time after which it is aborted
     _lora_key: tuple | None = field(default=None, repr=False)  # (loras, lora_key) as last computed
-    num_pending: int = 0   # tokens drawn on the device, not read yet (engine/inflight.py)
+    num_pending: int = 0   # tokens drawn on the device, not read yet (`Engine._launch`: async_decode)
     pending_row: int = -1  # the newest one's row among its step's drawn tokens
     error: str | None = None
     error_code: str | None = None                # the LorafleetError code of `error`

@@ -1,4 +1,7 @@
-"""ModelRunner: turns a scheduled step into flat batch tensors, runs the model, returns logits.
+"""ModelRunner: a scheduled step in two phases, `launch` (order the rows, build the flat batch
+and the LoRA segments, run the model, draw the tokens: all queued on the device) and `read` (each
+drawing row's token, logprobs or error). It calls nothing above it: the engine appends, finishes
+and counts what `read` returns.
 
 Row order of the flat batch: single-token chunks first (decode), then multi-token chunks
 (prefill), so one batched attention call covers every decode row (see kernels/reference.py).
@@ -8,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -18,18 +23,62 @@ from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
 from lorafleet.adapters.batch import LoraBatch, group_shapes
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
+from lorafleet.model.sampler import Drawn, launch
+
+
+@dataclass
+class Launched:
+    """A step on the device: its chunks in row order, the requests whose rows draw (in row
+    order), the draws, when its `step()` call began, the adapters that landed for it, its forward
+    pass's time, and (on a GPU) the event recorded after it, which copies into pages freed
+    meanwhile must wait for."""
+
+    chunks: list[Chunk]
+    reqs: list
+    drawn: Drawn
+    t0: float
+    loaded: int
+    model_s: Callable[[], float]
+    fence: torch.cuda.Event | None
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCacheManager, graphs: DecodeGraphs | None = None):
+    def __init__(self, model: LlamaModel, kv: KVCacheManager, graphs: DecodeGraphs | None = None,
+                 generator: torch.Generator | None = None, exact: bool = False):
+        """`generator`: what draws for requests without a seed; `exact`: the sampler filters over
+        whole rows (a step read one call late: a token drawn again would differ)."""
         self.model = model
         self.kv = kv
         self.device = model.device
         self.graphs = graphs  # pure decode steps at fixed shapes (CUDA graphs), or None
+        self.generator = generator
+        self.exact = exact
         self.lora_shapes = group_shapes(model.cfg.linear_features())
         self._model_s = 0.0  # the model's forward pass in the last execute(), on the CPU
         self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         if self.device.type == "cuda" else None)
+
+    def launch(self, chunks: list[Chunk], prev: Launched | None, t0: float = 0.0, loaded: int = 0) -> Launched:
+        """2. order the rows and build the batch, 3. run the model, 4. draw the tokens: all queued
+        on the device. `prev`: the step still in flight, whose drawn tokens are the input of the
+        rows that follow them."""
+        chunks = self.order(chunks)
+        logits = self.execute(chunks, self.lora_batch(chunks), prev=prev.drawn.tokens if prev is not None else None)
+        reqs = [c.request for c in chunks if c.samples]
+        drawn = launch(logits, [r.params for r in reqs], [r.generator for r in reqs], self.model.kernels.greedy,
+                       shared=self.generator, exact=self.exact)
+        fence = None
+        if self.device.type == "cuda":
+            fence = torch.cuda.Event()
+            fence.record()
+        return Launched(chunks, reqs, drawn, t0, loaded, self.model_time(), fence)
+
+    @staticmethod
+    def read(step: Launched) -> list[tuple]:
+        """The step's draws read (a sync with the device): (request, token, logprobs or None,
+        error or None) for each drawing row, in row order."""
+        tokens, lps, errors = step.drawn.read()
+        return [(req, token, lp, errors.get(i)) for i, (req, token, lp) in enumerate(zip(step.reqs, tokens, lps))]
 
     @staticmethod
     def order(chunks: list[Chunk]) -> list[Chunk]:

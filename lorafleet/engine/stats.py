@@ -7,6 +7,7 @@ values live in bounded windows so a long-running daemon does not grow.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -56,6 +57,7 @@ class Counters:
     steps: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
     num_adapter_loads: int = 0
     mix_sizes: dict[int, int] = field(default_factory=dict)  # adapters in a mix -> requests that named one
+    _last_read: float = 0.0  # when the last step was read (`record_launched`)
 
     def record_mix(self, adapters: int) -> None:
         """A request named a mix of `adapters` adapters (counted when it is accepted)."""
@@ -66,6 +68,19 @@ class Counters:
         all (adapters / requests: the mean mix); `by_size`: requests per mix size."""
         return {"requests": sum(self.mix_sizes.values()), "adapters": sum(k * n for k, n in self.mix_sizes.items()),
                 "by_size": {str(k): n for k, n in sorted(self.mix_sizes.items())}}
+
+    def record_launched(self, chunks: list, t0: float, loaded: int, generated: int, model_s: float) -> int:
+        """A step read: its chunks, when its `step()` call began, the adapters that landed for
+        it, the tokens it generated and its forward pass's time; its time runs from the later of
+        `t0` and the last read (read one call late: the time between reads). Returns its prompt
+        tokens."""
+        prompt_tokens = sum(c.num_tokens for c in chunks if not (c.samples and c.num_tokens == 1))
+        now = time.perf_counter()
+        seconds, self._last_read = now - max(t0, self._last_read), now
+        self.record_step(seconds, len(chunks), prompt_tokens, generated,
+                         distinct_adapters=len({n for c in chunks for n in c.request.names or (None,)}),
+                         adapters_loaded=loaded, model_s=model_s)
+        return prompt_tokens
 
     def record_step(self, seconds: float, num_seqs: int, prompt_tokens: int, generated: int,
                     distinct_adapters: int = 0, adapters_loaded: int = 0, model_s: float = 0.0) -> None:

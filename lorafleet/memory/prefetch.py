@@ -84,7 +84,7 @@ class Prefetcher:
                                            initializer=_worker_start)
         device = residency.pool.tensor.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.fence = None  # CUDA event after the last step launched: copies into pages wait for it
+        self._fence = None  # CUDA event after the last step launched (`after`): copies into pages wait for it
         self._loading: list[AdapterEntry] = []
         self._copying: list[AdapterEntry] = []
         self._eager: dict[AdapterEntry, Future] = {}   # staged entry -> the caller's future
@@ -101,6 +101,11 @@ class Prefetcher:
     @property
     def eager_pending(self) -> bool:
         return bool(self._eager)
+
+    def after(self, fence) -> None:
+        """Copies into pages from now on wait for `fence` (a CUDA event recorded after the step
+        just launched, which may still write pages freed meanwhile: a dropped row's KV)."""
+        self._fence = fence
 
     def tick(self, wanted: list[AdapterEntry], reserve_pages: int = 0) -> TickResult:
         """`wanted`: the adapters of the waiting requests, in queue order, without repeats.
@@ -150,7 +155,7 @@ class Prefetcher:
             self._result.failed[entry] = str(e)
             return True
         r.load_started(entry, self.executor.submit(_load, r, entry.name, entry.path, entry.pages if with_pages else None,
-                                                   self.stream, entry.trusted_digest, after=self.fence))
+                                                   self.stream, entry.trusted_digest, after=self._fence))
         self._loading.append(entry)
         return True
 
@@ -227,7 +232,7 @@ class Prefetcher:
         """Host copy -> the pages `entry` was just given, on a worker."""
         r = self.residency
         r.copy_started(entry, self.executor.submit(_timed_copy, r.pool, entry.host, entry.pages, self.stream,
-                                                   self.fence))
+                                                   self._fence))
 
     def _eager_refused(self, entry: AdapterEntry, done: Future, error: Exception) -> None:
         self._eager_done(entry, done)

@@ -1,4 +1,4 @@
-"""`async_decode`: each step's tokens read after the next step is launched (engine/inflight.py).
+"""`async_decode`: each step's tokens read after the next step is launched (`Engine._launch`, `_settle`).
 On the demo fleet, whose echo makes the texts known: every request gets what it gets with
 steps read at once, token for token (adapters, stop strings and tokens, max_tokens, the context,
 seeded sampling, logprobs, the prefix cache, preemption, the fixed-shape decode path), with the
@@ -48,7 +48,7 @@ def serve(fleet, mode: str, names, **options):
         outs = engine.generate(prompts, params, adapters=adapters)
         got = [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
         rest = [o for step_outs in stepping(engine, timeout=30) for o in step_outs]  # a step still in flight
-        assert rest == [] and engine.steps.inflight is None
+        assert rest == [] and engine.inflight is None
         return got, engine.stats(), engine
     finally:
         engine.close()
@@ -125,12 +125,12 @@ def test_outputs_come_one_step_late_and_the_last_step_is_read(fleet):
     try:
         engine.add_request(chat_prompt(engine, None, "hi"), SamplingParams(max_tokens=3, temperature=0))
         first = engine.step()   # the prompt's step launched, not read
-        assert first == [] and engine.has_unfinished() and engine.steps.inflight is not None
+        assert first == [] and engine.has_unfinished() and engine.inflight is not None
         seen = []
         for outs in stepping(engine, timeout=30):
             seen += outs
         assert [len(o.token_ids) for o in seen] == [1, 2, 3] and seen[-1].finished
-        assert engine.steps.inflight is None and len(engine.step_records()) == 3
+        assert engine.inflight is None and len(engine.step_records()) == 3
     finally:
         engine.close()
 
@@ -147,7 +147,7 @@ def test_a_captured_step_never_reads_a_pending_id_in_its_padding(fleet):
         sizes = set()
         graphs = engine.runner.graphs
         for _ in stepping(engine, timeout=60):
-            step = engine.steps.inflight
+            step = engine.inflight
             if step is not None and all(c.num_tokens == 1 for c in step.chunks):  # the rows its graph read
                 assert int(graphs.ids[:graphs.bucket(len(step.chunks))].min()) >= 0
                 sizes.add(len(step.chunks))
