@@ -183,8 +183,8 @@ class Engine:
         return entry.tokenizer, entry.vocab_size, self.outputs.eos_token_ids | entry.tokenizer.eos_token_ids
 
     def abort(self, request_id: str) -> RequestOutput:
-        """End a request now, freeing its pages; returns its last output (finish_reason "abort",
-        with whatever text it had not handed out yet)."""
+        """End a request now, freeing its pages; returns its final output (finish_reason "abort":
+        whatever it had not handed out yet as the delta, and the whole answer so far)."""
         req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(f"no unfinished request {request_id!r}")
@@ -198,7 +198,8 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return an output for every request that produced a token
-        or finished in this step. A request can fail only itself: a row that cannot be sampled
+        or finished in this step (its delta; the whole answer only once it finished:
+        `RequestOutput`). A request can fail only itself: a row that cannot be sampled
         or processed ends that request with finish_reason "error".
 
         The request path, in order: adapters that landed or failed and deadlines; 1. schedule;
@@ -275,8 +276,8 @@ class Engine:
             log.exception("processing the output of %s failed", req.request_id)
             return self._fail(req, f"internal error while processing its output: {type(e).__name__}")
         if reason is not None:
-            return self._finish(req, reason, [token])
-        return self.outputs.output(req, [token])
+            return self._finish(req, reason)
+        return self.outputs.output(req)
 
     def _fail(self, req: Request, why: str, code: str = RequestFailedError.code) -> RequestOutput:
         req.error, req.error_code = why, code
@@ -301,10 +302,10 @@ class Engine:
                 expired.append(self._finish(req, "deadline"))
         return expired
 
-    def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None) -> RequestOutput:
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
         """Every way a request ends comes here, the one writer of `finish_reason`: out of the
-        queues, pages and adapter back, its last output (the rest of its text: engine/output.py's
-        one rule)."""
+        queues, pages and adapter back, its final output (what it had not handed out, and the
+        whole answer: engine/output.py's one rule)."""
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         if req.status is not Status.FINISHED:
@@ -318,7 +319,7 @@ class Engine:
         if reason != "abort":  # aborts are counted apart (num_requests_aborted), as they always were
             self.counters.record_finished(req)
         self.outputs.close_text(req)
-        return self.outputs.output(req, new_tokens or [])
+        return self.outputs.output(req)
 
     # -- adapters --------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, trusted_digest: str | None = None,

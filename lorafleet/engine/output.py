@@ -7,9 +7,11 @@ the pool-full "length", deadline, abort, adapter error, a failed row):
 - every output carries `new_text = text[emitted:visible]` and moves `emitted` to `visible`,
   where `visible` is the whole text once the request has finished, and otherwise the text
   minus what could still become a stop string (held back);
-- `RequestOutput.text` is `text[:visible]`.
-So the `new_text` of a request's outputs, concatenated, is always its final text, and each
-output's `text` is that concatenation so far.
+- the final output's `text` is the whole text (`visible` then).
+So the `new_text` of a request's outputs, concatenated, is always its final `text`.
+Token ids and logprobs follow the same pattern: `req.emitted_tokens` of them have been handed
+out, each output carries the rest as `new_token_ids`/`new_logprobs`, and the final one all of
+them (`RequestOutput`'s contract: deltas always, the whole once, at the end).
 """
 
 from __future__ import annotations
@@ -65,21 +67,27 @@ class OutputProcessor:
             req.text += req.detokenizer.flush()
             req.detokenizer = None
 
-    def output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
-        """This step's output for `req`: the delta since the last one, under the module's rule."""
+    def output(self, req: Request) -> RequestOutput:
+        """This step's output for `req`: the delta since the last one, under the module's rule;
+        the whole answer too once it has finished."""
         finished = req.finish_reason is not None
         visible = len(req.text)
         if not finished and req.params.stop:  # hold back what could still become a stop string
             visible = max(req.emitted, visible - (max(len(s) for s in req.params.stop) - 1))
         new_text = req.text[req.emitted:visible]
         req.emitted = visible
+        sent = req.emitted_tokens
+        req.emitted_tokens = len(req.output_token_ids)
+        want_lp = req.params.logprobs is not None  # then each output token has its dict
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=req.text[:visible],
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             finished=finished, finish_reason=req.finish_reason, adapter=req.adapter,
-            new_token_ids=new_token_ids, new_text=new_text, error=req.error, error_code=req.error_code,
-            metrics=metrics(req) if finished else None)
+            new_token_ids=req.output_token_ids[sent:], new_text=new_text,
+            new_logprobs=req.logprobs[sent:] if want_lp else None,
+            token_ids=list(req.output_token_ids) if finished else None,
+            text=req.text if finished else None,
+            logprobs=list(req.logprobs) if finished and want_lp else None,
+            error=req.error, error_code=req.error_code, metrics=metrics(req) if finished else None)
 
 
 def metrics(req: Request) -> dict:

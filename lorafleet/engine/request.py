@@ -103,6 +103,7 @@ class Request:
     loras: tuple = ()    # each adapter's memory.entry.AdapterEntry: acquired at arrival, released at the end
     scales: tuple[float, ...] = ()  # each one's scale (1.0 for `adapter`)
     emitted: int = 0  # characters of text already streamed out (see engine/output.py)
+    emitted_tokens: int = 0  # output tokens (and their logprobs) already handed out
     first_scheduled_time: float | None = None
     adapter_blocked_since: float | None = None  # skipped only because its adapter was not ready
     adapter_wait: float = 0.0                    # exposed adapter-load time, seconds
@@ -165,19 +166,27 @@ class Request:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What a request has produced so far. `new_token_ids`/`new_text` hold this step's delta
-    (for streaming); `token_ids`/`text`/`logprobs` hold everything."""
+    """One step's news about a request: what it added, and the whole answer once it has ended.
+
+    Deltas, on every output (the final one included): `new_token_ids`, `new_text` and
+    `new_logprobs` (one dict per new token; None when logprobs were not asked for) are what this
+    output adds to the ones before it, so over a request's outputs each concatenates to its whole.
+    The whole, on the final output only (`finished`: any end, abort and error included):
+    `token_ids`, `text` and `logprobs` (None when not asked for), and `metrics`; None on every
+    other output, so that a step never copies an answer so far (a long answer would cost O(n^2)).
+    A consumer that needs the answer while it grows adds up the deltas."""
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, float]] | None
     finished: bool
     finish_reason: str | None
     adapter: str | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    new_logprobs: list[dict[int, float]] | None = None
+    token_ids: list[int] | None = None               # the final output's: every generated id
+    text: str | None = None                          # the final output's: the whole text
+    logprobs: list[dict[int, float]] | None = None   # the final output's, when asked for
     error: str | None = None          # why it ended, when finish_reason is "error"
     error_code: str | None = None     # its kind: "invalid_adapter" (a load failed) or "request_failed"
     metrics: dict | None = None       # when finished: queue_s, adapter_wait_s, ttft_s, tpot_s...

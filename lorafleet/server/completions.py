@@ -150,7 +150,8 @@ class Run:
         self.index = {r: i for i, r in enumerate(self.ids)}
         self.sink = Sink(asyncio.get_running_loop())
         self.unfinished: set[str] = set()
-        self.finals: dict[str, object] = {}
+        self.finals: dict[str, object] = {}  # each request's final output: its whole answer
+        self.streamed: dict[str, int] = {}     # characters each request has streamed so far
         self.created = int(time.time())
         self.text = responses.token_text_of(st.tokenizer)  # the request's tokenizer's, once known (`generate`)
         self.with_ids = st.tokenizer is None  # no text to give: chunks and choices carry token ids
@@ -216,7 +217,8 @@ class Run:
                 break
             if not (out.new_text or out.finished or (out.new_token_ids and (gen.logprobs is not None or self.with_ids))):
                 continue
-            offset = len(out.text) - len(out.new_text)
+            offset = self.streamed.get(out.request_id, 0)
+            self.streamed[out.request_id] = offset + len(out.new_text)
             yield sse(responses.chunk(gen, self.rid, self.created, self.index[out.request_id], out,
                                       self.text, offset, self.with_ids))
         else:

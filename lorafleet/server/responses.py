@@ -61,11 +61,11 @@ def chat_logprobs(ids: list[int], lps: list[dict[int, float]], text: TokenText, 
     return {"content": content}
 
 
-def logprobs_of(gen: Generation, out, new_only: bool, text: TokenText, offset: int = 0) -> dict | None:
-    if gen.logprobs is None or out.logprobs is None:
+def logprobs_of(gen: Generation, ids: list[int], lps: list[dict[int, float]] | None, text: TokenText,
+                offset: int = 0) -> dict | None:
+    """The logprobs of the tokens `ids` (a chunk's new ones, or a final output's all), when asked for."""
+    if gen.logprobs is None or lps is None:
         return None
-    n = len(out.new_token_ids) if new_only else len(out.token_ids)
-    ids, lps = out.token_ids[len(out.token_ids) - n:], out.logprobs[len(out.logprobs) - n:]
     if gen.kind == "chat":
         return chat_logprobs(ids, lps, text, gen.logprobs)
     return completion_logprobs(ids, lps, text, offset)
@@ -85,7 +85,8 @@ def completion_response(gen: Generation, rid: str, created: int, outputs, text: 
                         with_ids: bool = False) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": created, "model": gen.model,
-        "choices": [_ids({"index": i, "text": o.text, "logprobs": logprobs_of(gen, o, False, text),
+        "choices": [_ids({"index": i, "text": o.text,
+                          "logprobs": logprobs_of(gen, o.token_ids, o.logprobs, text),
                           "finish_reason": finish_reason(o.finish_reason)}, o.token_ids if with_ids else None)
                     for i, o in enumerate(outputs)],
         "usage": usage(outputs),
@@ -97,14 +98,15 @@ def chat_response(gen: Generation, rid: str, created: int, outputs, text: TokenT
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": gen.model,
         "choices": [_ids({"index": 0, "message": {"role": "assistant", "content": o.text},
-                          "logprobs": logprobs_of(gen, o, False, text),
+                          "logprobs": logprobs_of(gen, o.token_ids, o.logprobs, text),
                           "finish_reason": finish_reason(o.finish_reason)}, o.token_ids if with_ids else None)],
         "usage": usage(outputs),
     }
 
 
 def response(gen: Generation, rid: str, created: int, outputs, text: TokenText, with_ids: bool = False) -> dict:
-    """The whole answer; `with_ids`: the model has no tokenizer, each choice carries `token_ids`."""
+    """The whole answer, from each request's final output; `with_ids`: the model has no
+    tokenizer, each choice carries `token_ids`."""
     build = chat_response if gen.kind == "chat" else completion_response
     return build(gen, rid, created, outputs, text, with_ids)
 
@@ -114,8 +116,9 @@ def response(gen: Generation, rid: str, created: int, outputs, text: TokenText, 
 def chunk(gen: Generation, rid: str, created: int, index: int, out, text: TokenText, offset: int,
           with_ids: bool = False) -> dict:
     """The chunk for one output's delta (text, logprobs, finish_reason; `with_ids`: the model has
-    no tokenizer, the chunk carries the new tokens' ids as `token_ids`)."""
-    lp = logprobs_of(gen, out, True, text, offset)
+    no tokenizer, the chunk carries the new tokens' ids as `token_ids`); `offset`: the characters
+    streamed before it."""
+    lp = logprobs_of(gen, out.new_token_ids, out.new_logprobs, text, offset)
     reason = finish_reason(out.finish_reason)
     ids = out.new_token_ids if with_ids else None
     if gen.kind == "chat":

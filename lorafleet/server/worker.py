@@ -38,7 +38,8 @@ class EngineFailure(LorafleetError):
 
 class Sink:
     """Where one request's outputs go: an asyncio queue living on `loop`. The engine thread
-    puts RequestOutputs and, at worst, one exception; the request's handler awaits them."""
+    puts RequestOutputs (deltas, the whole answer in the final one) and, at worst, one exception;
+    the request's handler awaits them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop

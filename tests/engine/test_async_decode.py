@@ -129,7 +129,8 @@ def test_outputs_come_one_step_late_and_the_last_step_is_read(fleet):
         seen = []
         for outs in stepping(engine, timeout=30):
             seen += outs
-        assert [len(o.token_ids) for o in seen] == [1, 2, 3] and seen[-1].finished
+        assert [len(o.new_token_ids) for o in seen] == [1, 1, 1] and seen[-1].finished
+        assert seen[-1].token_ids == [t for o in seen for t in o.new_token_ids]
         assert engine.inflight is None and len(engine.step_records()) == 3
     finally:
         engine.close()

@@ -1,7 +1,7 @@
 """Every way a request can end hands out its text exactly once: the `new_text` of its outputs,
-concatenated, is its final text (stop token, stop string, length, the pool-full "length",
-deadline, abort, adapter error, a row that cannot be sampled). On the demo fleet, whose echo
-makes the expected text known."""
+concatenated, is its final text, and their `new_token_ids` its final `token_ids` (stop token,
+stop string, length, the pool-full "length", deadline, abort, adapter error, a row that cannot
+be sampled). On the demo fleet, whose echo makes the expected text known."""
 
 from __future__ import annotations
 
@@ -47,11 +47,10 @@ def check_text_once(outs, *reasons):
     final = outs[-1]
     assert final.finished and final.finish_reason in reasons, (final.finish_reason, final.error)
     assert "".join(o.new_text for o in outs) == final.text
+    assert [t for o in outs for t in o.new_token_ids] == final.token_ids
     assert all(not o.finished for o in outs[:-1])
-    seen = ""
-    for o in outs:  # each output's text is what has been handed out so far
-        seen += o.new_text
-        assert o.text == seen
+    for o in outs[:-1]:  # the whole answer comes once, at the end
+        assert o.text is None and o.token_ids is None and o.logprobs is None and o.metrics is None
     return final
 
 
