@@ -161,3 +161,16 @@ def read_config_file(path: Path) -> dict[str, dict]:
             raise ConfigError(f"{path}: unknown {'table' if isinstance(value, dict) else 'key'} {key!r} "
                               f"(known tables: {', '.join(f'[{t}]' for t in CONFIG_TABLES)})")
     return data
+
+
+def pool_bytes_for(cfg: EngineConfig, device) -> int:
+    """The pool's size: `pool_bytes` where given; on a GPU 85% of its free memory (the weights
+    are loaded by then); on the CPU DEFAULT_CPU_POOL_BYTES."""
+    if cfg.pool_bytes is not None:
+        return cfg.pool_bytes
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.85)
+    return DEFAULT_CPU_POOL_BYTES

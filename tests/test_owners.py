@@ -17,6 +17,9 @@ OWNERS = {
     "served": "memory/residency.py",
     "pins": "memory/residency.py",
     "kv_salt": "memory/residency.py",
+    "num_pending": "engine/engine.py",         # the step in flight: launched, read
+    "pending_row": "engine/engine.py",
+    "detokenizer": "engine/output.py",         # the one place a token becomes text
 }
 
 

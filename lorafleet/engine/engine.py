@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from lorafleet.config import DEFAULT_CPU_POOL_BYTES, EngineConfig
+from lorafleet.config import EngineConfig, pool_bytes_for
 from lorafleet.engine.graphs import DecodeGraphs
 from lorafleet.engine.mixes import MixChecks
 from lorafleet.engine.output import OutputProcessor
@@ -27,7 +27,7 @@ from lorafleet.engine.runner import Launched, ModelRunner
 from lorafleet.engine.scheduler import Scheduler
 from lorafleet.engine.selfcheck import self_check
 from lorafleet.engine.stats import Counters
-from lorafleet.engine import views
+from lorafleet.engine import offline, views
 from lorafleet.errors import (AdapterError, ConfigError, InvalidRequestError, RequestFailedError,
                               RequestNotFoundError)
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
@@ -65,7 +65,7 @@ class Engine:
 
         page_elems = kv_page_elems(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim)
         page_bytes = page_elems * self.model.dtype.itemsize
-        num_pages = self._pool_bytes() // page_bytes
+        num_pages = pool_bytes_for(cfg, self.device) // page_bytes
         if num_pages < 1:
             raise ConfigError(f"pool_bytes={cfg.pool_bytes} holds no page ({page_bytes} bytes each)")
         problem = page_problem(BaseShapes.from_model_config(mc), page_elems, self.model.dtype.itemsize)
@@ -84,7 +84,8 @@ class Engine:
                                    max_model_len=self.max_model_len)
         # async_decode: a step's tokens read in the next call, after the step that follows it is launched
         self.pipelined = cfg.async_decode == "on" or (cfg.async_decode == "auto" and self.device.type == "cuda")
-        self.runner = ModelRunner(self.model, self.kv, self._decode_graphs(),
+        self.runner = ModelRunner(self.model, self.kv, DecodeGraphs.for_mode(cfg.decode_graphs, self.model, self.kv,
+                                                                               cfg.max_num_seqs, self.max_model_len),
                                   torch.Generator(device=self.device).manual_seed(cfg.seed), exact=self.pipelined)
         self.inflight: Launched | None = None  # the step launched and not read yet (pipelined only)
         eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
@@ -94,25 +95,6 @@ class Engine:
         self._ids = itertools.count()
         self._deadlines: list = []  # heap of (deadline, request id, request); finished ones dropped lazily
         self.mixes = MixChecks(self.adapters, self.pool, self.kv)
-
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        mode = self.config.decode_graphs
-        if mode == "auto":
-            mode = "on" if self.device.type == "cuda" and self.model.kernels.graphs else "off"
-        if mode == "on" and self.device.type != "cuda":
-            raise ConfigError("decode_graphs=on needs a CUDA device (use fixed to test the fixed-shape path)")
-        if mode == "off":
-            return None
-        return DecodeGraphs(self.model, self.kv, self.config.max_num_seqs, self.max_model_len,
-                            capture=mode == "on")
-
-    def _pool_bytes(self) -> int:
-        if self.config.pool_bytes is not None:
-            return self.config.pool_bytes
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.85)
-        return DEFAULT_CPU_POOL_BYTES
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -151,8 +133,7 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req.eos_token_ids = eos
-        if tokenizer is not None:
-            req.detokenizer = tokenizer.incremental_decoder(context_ids=ids)
+        self.outputs.start(req, tokenizer, ids)
         if req.names:  # last: nothing after it can fail, so no reference is ever leaked
             req.loras = self.adapters.acquire_all(req.names)  # AdapterNotFoundError; released at the end
             req.scales = mix.scales if mix is not None else (1.0,)
@@ -213,7 +194,7 @@ class Engine:
         if self.mixes.watched:  # mixes refused once their adapters' kinds became known end here
             outputs += [self._fail(req, why, InvalidRequestError.code) for req, why in self.mixes.refused()]
         outputs += self._expire_deadlines()
-        self.adapters.step += 1
+        self.adapters.next_step()
         plan = self.scheduler.schedule()                                            # 1
         outputs += [self._finish(req, "length") for req in plan.finished]
         self.counters.num_preemptions += len(plan.preempted)
@@ -404,28 +385,8 @@ class Engine:
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapters: Sequence[str | Mix | None] | None = None) -> list[RequestOutput]:
         """Run `prompts` to completion, continuously batched together; outputs in prompt order.
-        `adapters`: per prompt, an adapter's name, a `Mix` or None."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        n = len(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
-        alist = list(adapters) if adapters is not None else [None] * n
-        if len(plist) != n or len(alist) != n:
-            raise InvalidRequestError(f"{n} prompts but {len(plist)} params and {len(alist)} adapters")
-        ids = []
-        try:
-            for prompt, p, a in zip(prompts, plist, alist):
-                ids.append(self.add_request(prompt, p, a))
-        except Exception:
-            for rid in ids:
-                self.abort(rid)
-            raise
-        wanted, done = set(ids), {}
-        while wanted - done.keys():
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+        `adapters`: per prompt, an adapter's name, a `Mix` or None (`offline.generate`)."""
+        return offline.generate(self, prompts, params, adapters)
 
     def check_integrity(self) -> None:
         """Every part's invariants, and the requests' holds and pins against the registry's

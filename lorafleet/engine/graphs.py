@@ -47,6 +47,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from lorafleet.errors import ConfigError
 from lorafleet.kernels.reference import SEG_FIELDS, AttentionMetadata
 from lorafleet.adapters.batch import LoraBatch, group_shapes
 from lorafleet.snapshot import DecodeGraphsStats
@@ -101,6 +102,17 @@ def max_captures(max_num_seqs: int) -> int:
 
 
 class DecodeGraphs:
+    @classmethod
+    def for_mode(cls, mode: str, model, kv, max_num_seqs: int, max_len: int) -> DecodeGraphs | None:
+        """The engine's `decode_graphs` option: "auto" (captured where CUDA and the kernels have
+        graphs), "on" (CUDA only), "fixed" (the fixed-shape path without capture: tests), "off"."""
+        cuda = model.device.type == "cuda"
+        if mode == "auto":
+            mode = "on" if cuda and model.kernels.graphs else "off"
+        if mode == "on" and not cuda:
+            raise ConfigError("decode_graphs=on needs a CUDA device (use fixed to test the fixed-shape path)")
+        return None if mode == "off" else cls(model, kv, max_num_seqs, max_len, capture=mode == "on")
+
     def __init__(self, model, kv, max_num_seqs: int, max_model_len: int, capture: bool):
         self.model, self.kv, self.capture = model, kv, capture
         self.lora_shapes = group_shapes(model.cfg.linear_features())

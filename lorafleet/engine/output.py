@@ -61,6 +61,12 @@ class OutputProcessor:
         req.detokenizer = None
         return True
 
+    def start(self, req: Request, tokenizer, prompt_ids: list[int]) -> None:
+        """A new request's decoder, which reads its text after the prompt (none without a
+        tokenizer: token ids only)."""
+        if tokenizer is not None:
+            req.detokenizer = tokenizer.incremental_decoder(context_ids=prompt_ids)
+
     def close_text(self, req: Request) -> None:
         """The request ends: whatever the decoder held back (a split character) joins the text."""
         if req.detokenizer is not None:

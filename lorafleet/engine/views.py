@@ -102,7 +102,7 @@ def check_integrity(engine) -> None:
     live = {r.request_id for r in engine.scheduler.running}
     assert live <= set(engine.kv.rows), "a running request has no block table"
     assert set(engine.kv.rows) <= live, "pages held by a request that is not running"
-    drawing = set(engine.steps.inflight.reqs) if engine.steps.inflight is not None else set()
+    drawing = set(engine.inflight.reqs) if engine.inflight is not None else set()
     for r in engine.requests.values():  # a token drawn and not read: only in the step in flight
         assert r.num_pending == (r in drawing), f"{r.request_id}: {r.num_pending} tokens drawn and not read"
     kv = engine.kv

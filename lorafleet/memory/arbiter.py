@@ -60,13 +60,13 @@ class Arbiter:
             kv_since = self.kv.oldest_cached(self.order.reuse_aware)
             if adapter is None and kv_since is None:
                 self.adapters.evict(last.pop(0))
-                self.order.evictions["adapters"] += 1
+                self.order.evicted("adapters")
             elif self.order.kv_first(kv_since, adapter.last_used if adapter else None, now):
                 self.kv.evict_cached(self.order.reuse_aware)
-                self.order.evictions["kv_blocks"] += 1
+                self.order.evicted("kv_blocks")
             else:
                 self.adapters.evict(adapter)
-                self.order.evictions["adapters"] += 1
+                self.order.evicted("adapters")
                 i += 1
         return True
 

@@ -50,6 +50,10 @@ class EvictionOrder:
         self.miss_s_per_byte = PRIOR_MISS_S_PER_BYTE
         self.evictions = {"kv_blocks": 0, "adapters": 0}
 
+    def evicted(self, kind: str) -> None:
+        """The arbiter evicted one of `kind` ("kv_blocks" or "adapters") by this order."""
+        self.evictions[kind] += 1
+
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         if tokens > 0 and seconds > 0:
             self.recompute_s_per_token += EWMA * (seconds / tokens - self.recompute_s_per_token)

@@ -87,6 +87,11 @@ class AdapterResidency:
         self.idle_pages = 0  # the pages of the adapters in `_idle_lru`
 
     # -- registry ----------------------------------------------------------------------
+    def next_step(self) -> None:
+        """An engine step begins: adapters that land from now on are this step's (`ready_step`:
+        an adapter stays `min_resident_steps` steps before it may be evicted)."""
+        self.step += 1
+
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
