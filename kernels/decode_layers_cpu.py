@@ -1,9 +1,9 @@
-"""The decoder layers of a CPU decode step in one call (issue 18): the loop of `LlamaModel.forward`
+"""The decoder layers of a CPU decode step in one call: the loop of `LlamaModel.forward`
 over its layers, in C++, calling the same C++ kernels the Python loop calls one by one.
 
 Why: a decode step on `tiny` (8 layers) made ~100 kernel calls, and the Python between them
 (argument passing, the qkv split into three views, each LoRA group's metadata view, the wrappers)
-took a noticeable share of the step against issue 18's bound, beside the engine's bookkeeping.
+took a noticeable share of the step against the memory bound, beside the engine's bookkeeping.
 Here a step's layers are one call; the model's Python still embeds the tokens and runs the final
 norm and LM head. Steps with the one call are faster than with the Python loop, at batch 1 and 8,
 with and without adapters.

@@ -1,5 +1,5 @@
 """The CPU decode matmul: y = x @ W^T (+ b) for the few rows of a decode step, reading every
-weight once at close to the machine's memory bandwidth (issue 18).
+weight once at close to the machine's memory bandwidth.
 
 Why it exists: a decode step at small batch is a matrix-vector problem, and torch's fp32 GEMM
 reads a weight at 1-8 rows far below the machine's memory bandwidth: most of a decode step went

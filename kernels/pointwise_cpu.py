@@ -1,6 +1,6 @@
 """The CPU row-wise ops of a decode step, each one call: RMSNorm, the residual add with the next
 RMSNorm, rotary embedding of q and k in place, SiLU(gate) * up, the KV write into the pool's
-pages, and the greedy pick of each row's token (issue 18).
+pages, and the greedy pick of each row's token.
 
 Why they exist: between its four matmuls a Llama layer runs ~40 small torch ops (a norm is six:
 pow, mean, add, rsqrt, mul, mul; RoPE is seven per tensor, plus two gathers of the cos/sin

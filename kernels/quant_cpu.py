@@ -1,4 +1,4 @@
-"""The CPU matmul on quantized weights (issue 51): y = x @ dequantize(q, scales)^T (+ b) for the
+"""The CPU matmul on quantized weights: y = x @ dequantize(q, scales)^T (+ b) for the
 few rows of a decode step, reading the codes once, dequantized in registers, never as a
 full-precision copy; and a quantized embedding's rows.
 

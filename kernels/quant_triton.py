@@ -1,4 +1,4 @@
-"""The GPU weight-only quantized projection (issue 51): x [T, K] times a quantized weight's codes
+"""The GPU weight-only quantized projection: x [T, K] times a quantized weight's codes
 (`lorafleet.model.quant`'s layout), dequantized in registers, never as a full-precision copy.
 
 Semantics (identical to `reference.linear(x, q, bias, scales)`): y[t, n] = sum_k x[t, k] * w[n, k]

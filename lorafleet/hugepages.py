@@ -1,7 +1,7 @@
 """Host tensors on transparent huge pages: the memory every decode step streams on the CPU (the
 model's weights, `place`) and the unified page pool (`zeros`).
 
-Why: a decode step at small batch reads every weight once, at the memory bound (issue 18). On
+Why: a decode step at small batch reads every weight once, at the memory bound. On
 4 KiB pages a model's weights span far more pages than the second-level TLB holds, so a step's
 stream is also a page walk per page, and the software prefetches of the matmul kernel wait on
 them; 2 MiB pages hold the same weights in 512 times fewer. The CPU matmuls and a streaming read

@@ -1,20 +1,20 @@
-"""`lorafleet bench decode-bound`: a decode step of the base model against the memory bound
-(issue 18). At small batch a decode step is a matrix-vector problem: it must read every weight
+"""`lorafleet bench decode-bound`: a decode step of the base model against the memory bound.
+At small batch a decode step is a matrix-vector problem: it must read every weight
 once, so its floor is the step's weight bytes over the machine's read bandwidth, measured in
 the same run (`lora_decode.measure_bandwidth`: a streaming sum over 1 GiB).
 
 Per batch size (1, 8, 32 by default): the median time of a pure decode step (no adapters, short
-prompts, so the KV read is small beside the weights'), the bound, and their ratio (issue 18's
+prompts, so the KV read is small beside the weights'), the bound, and their ratio (the
 target: within 1.5x at batch 1 and 8), in float32 or bfloat16 (half the bytes). The weight
 bytes are every distinct weight tensor of the model but the embedding table (a step reads one
 row of it per sequence), the LM head counted once even when tied to it.
 
-A quantized base (`--quantize int8|int4`, issue 51: `lorafleet.model.quant`) is measured the
+A quantized base (`--quantize int8|int4`: `lorafleet.model.quant`) is measured the
 same way: the bound counts what a step reads as stored, each quantized weight's codes (int8, or
 uint8 with two int4 values a byte) and its float16 scales, beside the norms in the compute dtype;
 the matmuls pass each weight with its scales to `Kernels.linear`. The report adds the base's
 memory: every weight tensor it holds (the embedding included) against the same model's float32
-bytes (`memory_ratio`; issue 51's targets, `MEMORY_TARGETS`: int8 <= 0.27x, int4 <= 0.15x).
+bytes (`memory_ratio`; the targets, `MEMORY_TARGETS`: int8 <= 0.27x, int4 <= 0.15x).
 The 8b shape runs here only in int4 (`fixtures.CPU_SCHEMES`), its weights made in memory.
 
 Beside each step, the profile of a miss: the step's matmuls alone (`matmul_time`: one
@@ -51,7 +51,7 @@ from lorafleet.bench.machine import cpu_seconds, other_cores, other_cpu_seconds
 from lorafleet.model import quant
 
 TARGET_RATIO = 1.5
-MEMORY_TARGETS = {"int8": 0.27, "int4": 0.15}  # issue 51: the base's bytes (scales included) against fp32's
+MEMORY_TARGETS = {"int8": 0.27, "int4": 0.15}  # the base's bytes (scales included) against fp32's
 
 
 def step_weight_bytes(weights: dict[str, torch.Tensor]) -> int:

@@ -26,7 +26,7 @@ Bytes moved: the adapters' rows, x read, out read and written. Figures: microsec
 the fraction of the copy bandwidth and of the same-size read's rate (`of_read`: the issue's
 ">= 70% of the same-size read ceiling").
 
-With `--quant` it measures the quantized projections instead (`gpu_micro_quant`, issue 51).
+With `--quant` it measures the quantized projections instead (`gpu_micro_quant`).
 
 JSON goes to `$OUT/gpu_micro.json` (or --out) after every case, so a run cut short keeps what it
 measured. On a machine without a GPU it runs the same cases at toy sizes on the CPU kernels (the

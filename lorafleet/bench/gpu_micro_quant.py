@@ -1,4 +1,4 @@
-"""The quantized projections on a GPU (issue 51), `python -m lorafleet.bench.gpu_micro --quant`
+"""The quantized projections on a GPU, `python -m lorafleet.bench.gpu_micro --quant`
 (`run_quant`): on each shape's qkv, o, gate_up and down ([N, K]: Llama-3-8B's [6144, 4096], [4096, 4096],
 [28672, 4096], [4096, 14336]) at T = 1, 8 and 64 rows, bf16 `F.linear` on the full weight,
 `quant_triton.linear` on int8 (a scale per channel) and int4 (groups of 32) codes, and torchao's

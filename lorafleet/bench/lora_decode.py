@@ -1,4 +1,4 @@
-"""The multi-LoRA decode benchmark (issue 3): what a decode step costs with adapters.
+"""The multi-LoRA decode benchmark: what a decode step costs with adapters.
 
 Same run, same requests, three configurations interleaved round by round (this machine is
 noisy; only ratios measured side by side count):

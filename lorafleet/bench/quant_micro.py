@@ -1,4 +1,4 @@
-"""Micro-benchmark of the CPU matmul on quantized weights (`quant_cpu`, issue 51): a decode step's
+"""Micro-benchmark of the CPU matmul on quantized weights (`quant_cpu`): a decode step's
 matmuls on a model-shaped set of layers, int8 and int4, at 1 and 8 rows, against the memory bound
 (the codes' and scales' bytes over the read bandwidth measured in the same run,
 `lora_decode.measure_bandwidth`) and against the fp32 kernel (`linear_cpu.linear`) on the same

@@ -20,7 +20,7 @@ Every timed figure is the median of a run's replays (`jobs.System.run`); `detail
 holds each replay's, `details.other_cores` the cores other processes kept busy meanwhile,
 `details.warm_up` what ran before the clock.
 
-A suite that ran the `mix` workload adds `mix` (`mix_figures`): issue 52's two ratios, taken
+A suite that ran the `mix` workload adds `mix` (`mix_figures`): the two mix ratios, taken
 from runs of one invocation on one machine, against its targets.
 """
 
@@ -42,7 +42,7 @@ SUBJECTS = ("lorafleet", "lorafleet-daemon")
 NOISY_SPREAD = 1.5     # replays of one run this far apart (fastest over slowest): the machine, not the system
 CONTENDED_CORES = 0.15  # cores other processes kept busy while a figure was timed (a little more already slows tiny markedly)
 SWEEP_JUMP = 2.0       # neighbouring sweep points this far apart: worth a second look
-# issue 52: lorafleet on mixes of 2 adapters against itself on the same requests on single adapters of the same
+# lorafleet on mixes of 2 adapters against itself on the same requests on single adapters of the same
 # bytes (`mix-single`), and against PEFT serving the mixes as merged adapters built per mix (merges timed)
 MIX_TARGETS = {"mix-single": 0.8, "peft": 5.0}
 MIX_BASELINES = ("peft-groups", "peft-mixed")

@@ -2,7 +2,7 @@
 on the workload's requests, each in a fresh process (`lorafleet.bench.worker`), optionally sweep
 the number of adapters, then write the JSON report and the plots. `run_suite`: several workloads
 (by default every standard one) in turn, one combined report, its duration stated (with `mix` and
-`mix-single` among them, issue 52's figures: `report.mix_figures`)."""
+`mix-single` among them, the mix figures: `report.mix_figures`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from lorafleet.errors import ConfigError
 SUITE_WORKLOADS = ("uniform-8", "uniform-1000", "uniform-1000-tiered", "zipf-1000", "mixed-lengths", "cold-start",
                    "base-only")
 SUITE_SWEEP = ("uniform-1000", (1, 8, 64, 256, 1000))  # adapters, on that workload's requests
-# lorafleet against itself on another workload: (workload, versus), issue 5's scaling figures
+# lorafleet against itself on another workload: (workload, versus), the scaling figures
 SUITE_ACROSS = (("uniform-1000", "uniform-8"), ("uniform-1000-tiered", "uniform-1000"), ("mix", "mix-single"),
                 ("dora-mixed", "dora-plain"), ("saved-head-mixed", "dora-plain"))
 SUITE_MAX_BASELINE_REQUESTS = 64       # PEFT over hundreds of adapters would take hours

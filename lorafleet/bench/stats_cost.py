@@ -1,4 +1,4 @@
-"""`lorafleet bench stats-cost`: what `GET /v1/stats` costs the engine (issue 16: < 1% of its
+"""`lorafleet bench stats-cost`: what `GET /v1/stats` costs the engine (< 1% of its
 throughput at one poll per second).
 
 The daemon answers `/v1/stats` (and `/metrics`) with `server.metrics.engine_snapshot(engine)`,

@@ -1,4 +1,4 @@
-"""The switch-cost regression, isolated (issue 5): does a step get slower when adapters land?
+"""The switch-cost regression, isolated: does a step get slower when adapters land?
 
 A decode batch of `batch` requests runs with a fixed shape (every step: `batch` decode rows),
 while `cold` more requests for adapters on disk wait behind `max_num_seqs` = `batch`; the

@@ -217,7 +217,7 @@ def suite_summary(suite: dict) -> Table:
 def mix_tables(figures: list[dict]) -> list[Table]:
     """`bench mix`, one table per model and lorafleet system (`report.mix_figures`): it on the
     mixes and on the same requests on single adapters, and each PEFT system on the mixes merged;
-    the ratios against issue 52's targets; the runs that did not complete explained under it."""
+    the ratios against the mix targets; the runs that did not complete explained under it."""
     return [_mix_table(f) for f in figures]
 
 
@@ -248,14 +248,14 @@ def _mix_table(f: dict) -> Table:
     return table
 
 
-# issue 18: lorafleet's daemon over llama-server, by workload and requests in flight (none where absent)
+# lorafleet's daemon over llama-server, by workload and requests in flight (none where absent)
 PEER_TARGETS = {("peer-base", 1): 1.0, ("peer-base", 8): 1.0, ("peer-one-adapter", 1): 1.0,
                 ("peer-one-adapter", 8): 1.0, ("peer-round-robin", 8): 3.0}
 
 
 def peer_tables(suite: dict) -> list[Table]:
     """`bench llama-cpp`, one table per model: per workload and requests in flight, the tokens/s
-    and TTFT p99 of lorafleet's daemon and of llama.cpp, their ratio and issue 18's target; runs
+    and TTFT p99 of lorafleet's daemon and of llama.cpp, their ratio and the target; runs
     that did not complete are explained under the table."""
     models = dict.fromkeys(r["model"] for rep in suite["reports"] for r in rep["results"])
     return [_peer_table(suite, model) for model in models]

@@ -7,7 +7,7 @@ RNG), so every system under test gets the same token ids, lengths, adapters and 
 Each aspect draws from a stream of its own, so that adding adapters or arrivals to a workload
 never changes its prompts.
 
-Mixes (issue 52): a request may mix several adapters, each with a scale (`BenchRequest.mix`,
+Mixes: a request may mix several adapters, each with a scale (`BenchRequest.mix`,
 what `lorafleet.adapters.mix.Mix.of` takes). A mix workload's companion (`mix_single`) draws the
 same mixes and serves each distinct one by an adapter of its own whose rank is the sum of the
 mix's ranks: the same requests reading the same LoRA bytes per step, one adapter each, so their
@@ -187,17 +187,17 @@ class BenchRequest:
         return Mix.of(self.mix).label if self.mix else self.adapter
 
 
-# issue 18's comparison with llama.cpp: 64 x 64+64 tokens, a closed loop of 8 in flight (`bench llama-cpp`
+# the comparison with llama.cpp: 64 x 64+64 tokens, a closed loop of 8 in flight (`bench llama-cpp`
 # runs each at 1 and 8), adapters of rank 64 on all seven projections
 _PEER = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), ranks=(64,), concurrency=8)
 # S-LoRA's scaling setting (ranks 8 and 16 on q/k/v/o, uniform popularity): 1000 against 8
 # adapters differs in nothing else
 _SLORA = dict(num_requests=256, prompt_len=(64, 64), output_len=(64, 64), ranks=(8, 16), targets=ATTENTION_MODULES)
-# issue 52's mixes: 64 requests x 64+64 tokens at once, each a mix of 2 of 8 adapters (ranks 16-64 on all seven
+# mixes: 64 requests x 64+64 tokens at once, each a mix of 2 of 8 adapters (ranks 16-64 on all seven
 # projections, two of each), each adapter at scale 1 or 0.5; mix-single differs only in serving each mix by one adapter
 _MIX = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64),
             mix_size=2, mix_scales=(1.0, 0.5))
-# issue 53's DoRA figure: 64 requests x 64+64 tokens at once over 8 adapters (ranks 16-64 on all seven projections),
+# the DoRA figure: 64 requests x 64+64 tokens at once over 8 adapters (ranks 16-64 on all seven projections),
 # half of them DoRA; dora-plain differs only in every adapter being plain LoRA
 _DORA = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64))
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (

@@ -125,7 +125,7 @@ def mix(
     max_baseline_requests: MaxBaseline = None,
     device: Device = "auto", threads: Threads = None, out: Out = None, as_json: AsJson = False,
 ) -> None:
-    """Issue 52's figures, in one run on one machine: lorafleet on the mix workload (64 requests,
+    """The mix figures, in one run on one machine: lorafleet on the mix workload (64 requests,
     each a mix of 2 of 8 adapters of ranks 16-64, at scales 1 or 0.5) against the same requests on
     single adapters of the summed ranks (mix-single: the same LoRA bytes a step; target >= 0.8x),
     and against PEFT serving the mixes as merged adapters built per mix, the merges timed

@@ -130,7 +130,7 @@ def switch_regression(steps: list[dict], x: str) -> dict | None:
     """The regression of per-token latency (s) on `x` over the steps that computed tokens;
     None when no step knows `x`. Keys: x, steps, table (per x value: steps, decode steps, median
     and mean per-token ms, mean sequences and tokens, all shapes together), mean_per_token_s;
-    the headline `slope_s` (`slope_fraction`: over the mean per-token latency; issue 5 asks
+    the headline `slope_s` (`slope_fraction`: over the mean per-token latency; the target is
     < 0.02 per switch) is fitted with the step's shape as covariates (`adjusted_fit`), its 95%
     interval `slope_ci_s`; `slope_within_s` is fitted within shape, over `comparable_steps`
     steps in `comparable_shapes` shapes (the steps `comparable_groups` keeps), None without such

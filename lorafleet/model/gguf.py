@@ -1,4 +1,4 @@
-"""GGUF bases (issue 51): a llama.cpp / Ollama model file read directly, memory-mapped with the
+"""GGUF bases: a llama.cpp / Ollama model file read directly, memory-mapped with the
 `gguf` package, its Q8_0 and Q4_0 blocks mapped byte for byte to lorafleet's quantized layout
 (`model.quant`), never dequantized to disk.
 

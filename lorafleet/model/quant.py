@@ -1,5 +1,4 @@
-"""Weight-only quantized projections: the schemes, their one canonical layout, and the quantizer
-(issue 51).
+"""Weight-only quantized projections: the schemes, their one canonical layout, and the quantizer.
 
 A quantized weight is two tensors, both self-describing, so every kernel and the C++ decode
 driver take it as they take any weight (`Kernels.linear(x, q, bias, scales)`):
