@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lorafleet.kernels.lora_triton import _block, _upcast
+from lorafleet.kernels.triton_utils import block, upcast as upcast_dtype
 
 
 def _pad(n: int) -> int:
@@ -149,7 +149,7 @@ def paged_decode(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: 
     group = H // kvh
     _decode_kernel[(B, kvh)](q, kv, tables, lens.contiguous(), out, float(scale),
                              *q.stride(), *kv.stride(), *out.stride(), tables.stride(0), group, D,
-                             UPCAST=_upcast(q.dtype), BLK=blk, TOK=tok, TOK_P=_pad(tok), G_P=_pad(group),
+                             UPCAST=upcast_dtype(q.dtype, _write_kv_kernel), BLK=blk, TOK=tok, TOK_P=_pad(tok), G_P=_pad(group),
                              D_P=_pad(D), num_warps=decode_warps(D))
     return out
 
@@ -225,10 +225,10 @@ def paged_prefill(q: torch.Tensor, kv: torch.Tensor, q_start: torch.Tensor, q_le
     if max_q_len <= 0:
         return
     d_p = _pad(D)
-    upcast = _upcast(q.dtype)
+    upcast = upcast_dtype(q.dtype, _write_kv_kernel)
     # fp32 products on CUDA cores (no TF32) hold far more registers: 16 x 32 tiles there, else
     # they spill on sm_90 (tests/kernels/test_triton_compile.py)
-    block_m = _block(max_q_len, 16, 16 if upcast else 64)
+    block_m = block(max_q_len, 16, 16 if upcast else 64)
     block_n = 64 if d_p <= 64 and not upcast else 32
     tables = tables.contiguous()
     _prefill_kernel[(S, triton.cdiv(max_q_len, block_m), H)](

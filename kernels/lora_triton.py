@@ -71,7 +71,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from lorafleet.kernels.lora_triton_jit import MIX_HEAD, _expand_kernel, _fused_kernel, _shrink_kernel
+from lorafleet.kernels.lora_triton_jit import MIX_HEAD, expand_kernel, fused_kernel, shrink_kernel
+from lorafleet.kernels.triton_utils import block, upcast as upcast_dtype
 from lorafleet.kernels.reference import SEG_FIELDS, TABLE_FIELDS, as_int64
 
 
@@ -96,21 +97,6 @@ CANDIDATES = (CONFIG, Config(k_split=512), Config(k_split=1024), Config(block_n=
 PREFILL_BLOCK_N = 64   # output columns per expand program at row blocks over 16 (more spill registers)
 PREFILL_RANK_BLOCK = 32  # rank rows per expand iteration at row blocks over 16 (more spill registers)
 FUSED_RANK_BLOCK = 16  # rank rows per iteration of the fused kernel (more spill registers)
-
-
-def _block(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
-
-
-def _interpreted() -> bool:
-    """Whether this module's kernels run under the interpreter: triton decides when a kernel is
-    decorated, i.e. when this module is first imported (TRITON_INTERPRET=1 must be set by then)."""
-    return type(_shrink_kernel).__name__ == "InterpretedFunction"
-
-
-def _upcast(dtype: torch.dtype) -> bool:
-    """Whether dot operands of this dtype are upcast to fp32 (ieee) rather than multiplied as is."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreted())
 
 
 def _max_rank(w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> int:
@@ -164,16 +150,16 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
         return
     wi = as_int64(w)
     n_out = max_n_out or out.shape[1]
-    block_m = _block(max_rows, 16, 64 if x.element_size() < 4 else 32)  # fp32 tiles: twice the registers
-    block_r = _block(max_rank, 16, 64)
-    block_k = _block(IN, 16, cfg.block_k)
-    block_n = _block(n_out, 16, cfg.block_n if block_m == 16 else min(cfg.block_n, PREFILL_BLOCK_N))
+    block_m = block(max_rows, 16, 64 if x.element_size() < 4 else 32)  # fp32 tiles: twice the registers
+    block_r = block(max_rank, 16, 64)
+    block_k = block(IN, 16, cfg.block_k)
+    block_n = block(n_out, 16, cfg.block_n if block_m == 16 else min(cfg.block_n, PREFILL_BLOCK_N))
     row_blocks = triton.cdiv(max_rows, block_m)
     col_blocks = triton.cdiv(n_out, block_n)
-    upcast = _upcast(x.dtype)
+    upcast = upcast_dtype(x.dtype, shrink_kernel)
     out_vec = math.gcd(out_align, 16 // x.element_size())  # elements: 16 bytes at most, a divisor of out_align
     if cfg.design == "fused" and block_m == 16:  # longer segments (prefill): the split kernels
-        _fused_kernel[(S * slots, row_blocks, col_blocks)](
+        fused_kernel[(S * slots, row_blocks, col_blocks)](
             x, w, wi, out, seg, entry, slots, IN, x.stride(0), out.stride(0), max_rank,
             UPCAST=upcast, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=FUSED_RANK_BLOCK, BLOCK_N=block_n,
             OUT_ALIGN=out_vec, num_warps=cfg.warps)
@@ -184,10 +170,10 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     splits = triton.cdiv(IN, k_split)
     t = torch.empty(splits, T, slots, rmax, dtype=torch.float32, device=x.device)
     mixes = torch.empty(S, slots, MIX_HEAD + rmax, dtype=torch.int64, device=x.device)  # the shrink's lists
-    _shrink_kernel[(S * slots, row_blocks, rank_blocks * splits)](
+    shrink_kernel[(S * slots, row_blocks, rank_blocks * splits)](
         x, w, wi, t, mixes, seg, entry, slots, IN, x.stride(0), T, rmax, rank_blocks,
         UPCAST=upcast, K_SPLIT=k_split, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=cfg.warps)
-    _expand_kernel[(S * slots, row_blocks, col_blocks)](
+    expand_kernel[(S * slots, row_blocks, col_blocks)](
         t, mixes, w, wi, out, seg, entry, slots, splits, out.stride(0), T, rmax,
         BLOCK_M=block_m, BLOCK_K=block_r if block_m == 16 else min(block_r, PREFILL_RANK_BLOCK), BLOCK_N=block_n,
         OUT_ALIGN=out_vec, num_warps=cfg.warps)

@@ -68,7 +68,7 @@ def _row_ptrs(list_ptr, at, kmask):
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, w_ptr, wi_ptr, t_ptr, mix_ptr, seg_ptr, ENTRY, M, IN, stride_x, T, RMAX, RANK_BLOCKS,
+def shrink_kernel(x_ptr, w_ptr, wi_ptr, t_ptr, mix_ptr, seg_ptr, ENTRY, M, IN, stride_x, T, RMAX, RANK_BLOCKS,
                    UPCAST: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_R: tl.constexpr):
     s, m, row0, end, f = _slot(seg_ptr, ENTRY, M, BLOCK_M)
@@ -175,7 +175,7 @@ def _times_bt(acc, t, w_ptr, list_ptr, b_at, kmask, ns, bmask):
 
 
 @triton.jit
-def _expand_kernel(t_ptr, mix_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
+def expand_kernel(t_ptr, mix_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, SPLITS, stride_out, T, RMAX,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, OUT_ALIGN: tl.constexpr):
     # a mix as one adapter: the shrink listed its rank, n_out, col and its members' Bt rows side
     # by side for its lead. No loop over the members here: any loop besides the rank loop made
@@ -219,7 +219,7 @@ def _member(seg_ptr, wi_ptr, p, f, off, RMAX, live):
 
 
 @triton.jit
-def _fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x, stride_out, RMAX,
+def fused_kernel(x_ptr, w_ptr, wi_ptr, out_ptr, seg_ptr, ENTRY, M, IN, stride_x, stride_out, RMAX,
                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_N: tl.constexpr, OUT_ALIGN: tl.constexpr):
     s, _, row0, end, f = _slot(seg_ptr, ENTRY, M, BLOCK_M)

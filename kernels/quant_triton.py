@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lorafleet.kernels.triton_utils import upcast as upcast_dtype
+
 
 @dataclass(frozen=True)
 class Config:
@@ -181,11 +183,6 @@ def _sum_kernel(p_ptr, b_ptr, y_ptr, T, N, SPLITS, stride_y, HAS_BIAS: tl.conste
     tl.store(y_ptr + t * stride_y + ns, acc.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-def _interpreted() -> bool:
-    """Whether the kernels run under the interpreter (decided when this module was imported)."""
-    return type(_qmm_kernel).__name__ == "InterpretedFunction"
-
-
 @functools.cache
 def _sms(device: torch.device) -> int:
     """The device's SM count (a host query, cached; 4 off a GPU, where the interpreter runs)."""
@@ -252,7 +249,7 @@ def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scales: 
     fp32 = x.dtype == torch.float32
     lp = plan(t, n, k, group, fp32, _sms(x.device), cfg)
     has_bias = bias is not None
-    upcast = fp32 or (x.dtype == torch.bfloat16 and _interpreted())
+    upcast = fp32 or upcast_dtype(x.dtype, _qmm_kernel)
     grid = (triton.cdiv(t, lp.block_m), triton.cdiv(n, lp.block_n), lp.splits)
     dst = y if lp.splits == 1 else torch.empty(lp.splits, t, n, dtype=torch.float32, device=x.device)
     b = bias if has_bias else scales  # any pointer when there is no bias (never read)

@@ -19,7 +19,7 @@ from lorafleet.errors import DaemonUnreachableError, LorafleetError
 _NOT_FORWARDED = {"detach", "log_file", "api_key"}
 
 
-def _rebuild_argv(command, params: dict, **overrides) -> list[str]:
+def rebuild_argv(command, params: dict, **overrides) -> list[str]:
     """`serve` argv that parses back to `params` (with `overrides`), built from the command's own
     parameter list so that a new option reaches the detached daemon without an edit here."""
     options, arguments = [], []
@@ -70,7 +70,7 @@ def _echo_new_lines(log_file: Path, seen: int) -> int:
     return seen + end
 
 
-def _detach(argv: list[str], sock: Path, log_file: Path | None, api_key: str | None,
+def start_detached(argv: list[str], sock: Path, log_file: Path | None, api_key: str | None,
             wait_s: float = 600.0) -> None:
     """Start `lorafleet <argv>` in a new session, logging to a file; return once it answers."""
     from lorafleet.client import Client

@@ -18,7 +18,7 @@ import typer
 
 from lorafleet import paths
 from lorafleet.cli.common import SocketOption, err_console, fail, user_errors
-from lorafleet.cli.detach import _detach, _rebuild_argv
+from lorafleet.cli.detach import rebuild_argv, start_detached
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -171,9 +171,9 @@ def serve(
         if (ignored := vllm_flags_warning(ctx.params)) is not None:
             err_console.print(f"warning: {ignored}", highlight=False)
         if detach:
-            argv = _rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),
+            argv = rebuild_argv(ctx.command, ctx.params, model=str(model) if model else None, socket=str(sock),
                                  served_model_name=served_model_name)
-            return _detach(argv, sock, log_file, api_key)
+            return start_detached(argv, sock, log_file, api_key)
         _setup_logging()
         from lorafleet import openmp
 

@@ -24,7 +24,7 @@ import jinja2.sandbox
 from lorafleet.errors import InvalidRequestError, ModelLoadError
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """The JSON object in `path`, or {} when the file does not exist."""
     if not path.is_file():
         return {}
@@ -48,7 +48,7 @@ def _pick_template(value: Any) -> str | None:
     return None
 
 
-def _find_chat_template(folder: Path, cfg: dict) -> tuple[str | None, str]:
+def find_chat_template(folder: Path, cfg: dict) -> tuple[str | None, str]:
     """The chat template and the file it came from. Same priority as transformers: the separate
     .jinja file wins over tokenizer_config.json; chat_template.json (a processor file) comes last."""
     jinja_path = folder / "chat_template.jinja"
@@ -60,7 +60,7 @@ def _find_chat_template(folder: Path, cfg: dict) -> tuple[str | None, str]:
     if (template := _pick_template(cfg.get("chat_template"))) is not None:
         return template, str(folder / "tokenizer_config.json")
     json_path = folder / "chat_template.json"
-    if (template := _pick_template(_read_json(json_path).get("chat_template"))) is not None:
+    if (template := _pick_template(read_json(json_path).get("chat_template"))) is not None:
         return template, str(json_path)
     return None, ""
 
@@ -280,14 +280,14 @@ def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     return env
 
 
-def _compile_template(source_text: str, source: str) -> jinja2.Template:
+def compile_template(source_text: str, source: str) -> jinja2.Template:
     try:
         return _jinja_env().from_string(source_text)
     except jinja2.TemplateError as e:
         raise ModelLoadError(f"{source}: chat template does not compile: {e}") from e
 
 
-def _check_messages(messages: Any) -> list[dict]:
+def check_messages(messages: Any) -> list[dict]:
     """Validated copies of `messages`: each a dict with a string `role` and a `content` that is a
     string, a list of content-part dicts, or absent/null on an assistant message with tool_calls.
     Keys holding None are dropped, as transformers drops them (templates test for presence)."""

@@ -28,7 +28,7 @@ import threading
 from collections import OrderedDict
 
 from lorafleet.errors import InvalidRequestError
-from lorafleet.model.chat_template import CpuDeadline, RenderBoundError, _compile_template, render_bounded
+from lorafleet.model.chat_template import CpuDeadline, RenderBoundError, compile_template, render_bounded
 
 OK, REFUSED, FAILED, SLOW = b"o", b"r", b"f", b"s"
 FORK, KILL = b"f", b"k"
@@ -84,7 +84,7 @@ def render(request: dict, compiled: OrderedDict, channel: _Channel) -> tuple[byt
     """(status, text) for one request; `compiled` caches templates by their source."""
     source = request["template"]
     try:
-        template = compiled.pop(source, None) or _compile_template(source, "the chat template")
+        template = compiled.pop(source, None) or compile_template(source, "the chat template")
     except Exception as e:  # ModelLoadError: a template that does not compile fails its requests
         return FAILED, str(e)
     compiled[source] = template

@@ -19,8 +19,8 @@ from typing import Any
 import tokenizers
 
 from lorafleet.errors import InvalidRequestError, ModelLoadError
-from lorafleet.model.chat_template import (RenderBoundError, _check_messages, _compile_template, _find_chat_template,
-                                           _read_json, render_bounded)
+from lorafleet.model.chat_template import (RenderBoundError, check_messages, compile_template, find_chat_template,
+                                           read_json, render_bounded)
 
 # The named special tokens transformers passes to every chat template (when set).
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -55,7 +55,7 @@ class Tokenizer:
         # Highest id + 1, not the count: added tokens may leave gaps, and callers size logits by it.
         self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._template_text = chat_template
-        self._template = _compile_template(chat_template, source) if chat_template is not None else None
+        self._template = compile_template(chat_template, source) if chat_template is not None else None
 
     def _named_id(self, name: str) -> int | None:
         token = self._special.get(name)
@@ -82,7 +82,7 @@ class Tokenizer:
         backend.no_truncation()
 
         cfg_path = folder / "tokenizer_config.json"
-        cfg = _read_json(cfg_path)
+        cfg = read_json(cfg_path)
         special = {name: _token_str(cfg.get(name)) for name in _NAMED_TOKENS}
         special["pad_token"] = special["pad_token"] or json_pad
         _add_missing_tokens(backend, cfg, special, cfg_path)
@@ -92,7 +92,7 @@ class Tokenizer:
         for name in ("config.json", "generation_config.json"):
             eos_ids |= _eos_ids(folder / name)
 
-        template, source = _find_chat_template(folder, cfg)
+        template, source = find_chat_template(folder, cfg)
         return cls(
             backend, chat_template=template, special_tokens=special, eos_token_ids=eos_ids, source=source
         )
@@ -194,7 +194,7 @@ class Tokenizer:
             "tools": None,  # defined, as transformers does, so `tools is none` tests work
             "documents": None,
             **extra,
-            "messages": _check_messages(messages),
+            "messages": check_messages(messages),
             "add_generation_prompt": add_generation_prompt,
         }
 
@@ -354,7 +354,7 @@ def _add_bos_eos_if_no_post_processor(backend: tokenizers.Tokenizer, cfg: dict, 
 
 def _eos_ids(path: Path) -> set[int]:
     """`eos_token_id` of a config file (an int, a list of ints, or absent)."""
-    value = _read_json(path).get("eos_token_id")
+    value = read_json(path).get("eos_token_id")
     values = value if isinstance(value, list) else [] if value is None else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise ModelLoadError(f"{path}: eos_token_id must be an id or a list of ids, got {value!r}")

@@ -168,7 +168,7 @@ def test_every_serve_option_reaches_the_detached_daemon(monkeypatch):
     given = SERVE.make_context("serve", [*options, *arguments]).params
     assert [p.name for p in SERVE.params if given[p.name] in (p.default, None, ())] == []  # all set
 
-    argv = detach._rebuild_argv(SERVE, given)
+    argv = detach.rebuild_argv(SERVE, given)
     assert argv[0] == "serve" and given["api_key"] not in " ".join(argv)
     back = SERVE.make_context("serve", argv[1:]).params
     left_out = {p.name: p.default for p in SERVE.params if p.name in detach._NOT_FORWARDED}

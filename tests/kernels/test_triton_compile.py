@@ -70,14 +70,14 @@ def lora_cases(dtype, cfg):
     for block_m, block_r in ((16, 16), (16, 64), (32 if upcast else 64, 64)):
         block_n = cfg.block_n if block_m == 16 else min(cfg.block_n, L.PREFILL_BLOCK_N)
         if cfg.design == "fused" and block_m == 16:
-            out.append((L._fused_kernel, dtype, dict(UPCAST=upcast, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
+            out.append((L.fused_kernel, dtype, dict(UPCAST=upcast, BLOCK_M=block_m, BLOCK_K=cfg.block_k,
                                                      BLOCK_R=L.FUSED_RANK_BLOCK, BLOCK_N=block_n, OUT_ALIGN=vec),
                         cfg.warps))
         else:
-            out.append((L._shrink_kernel, dtype, dict(UPCAST=upcast, K_SPLIT=cfg.k_split, BLOCK_M=block_m,
+            out.append((L.shrink_kernel, dtype, dict(UPCAST=upcast, K_SPLIT=cfg.k_split, BLOCK_M=block_m,
                                                       BLOCK_K=cfg.block_k, BLOCK_R=block_r), cfg.warps))
             rank_block = block_r if block_m == 16 else min(block_r, L.PREFILL_RANK_BLOCK)
-            out.append((L._expand_kernel, dtype, dict(BLOCK_M=block_m, BLOCK_K=rank_block, BLOCK_N=block_n,
+            out.append((L.expand_kernel, dtype, dict(BLOCK_M=block_m, BLOCK_K=rank_block, BLOCK_N=block_n,
                                                       OUT_ALIGN=vec), cfg.warps))
     return out
 

@@ -34,7 +34,7 @@ def tokenizer(chat_model_dir):
 
 
 def with_template(tokenizer: Tokenizer, source: str) -> Tokenizer:
-    tokenizer._template = chat_template._compile_template(source, "test")
+    tokenizer._template = chat_template.compile_template(source, "test")
     return tokenizer
 
 
