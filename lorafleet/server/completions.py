@@ -88,10 +88,8 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
     st.admit(n)
     run = Run(st, gen, n, f"{prefix}-{uuid.uuid4().hex}")
     try:
-        tokenizer = await tokenizer_of(st, gen)
-        run.text, run.with_ids = responses.token_text_of(tokenizer), tokenizer is None
-        rendered = await renders.render_chat(gen, tokenizer, st.max_model_len) if gen.kind == "chat" else None
-        gen = run.gen = await asyncio.to_thread(tokenize, gen, tokenizer, st.max_model_len, rendered)
+        gen, tokenizer = await prepare_request(st, gen)
+        run.gen, run.text, run.with_ids = gen, responses.token_text_of(tokenizer), tokenizer is None
         for rid, prompt in zip(run.ids, gen.prompts):
             run.unfinished.add(rid)  # before the await: if we are cancelled there, close() aborts it
             await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink))
@@ -115,6 +113,16 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
     if gen.stream:
         return EventStream(run)
     return await run.collect(request)
+
+
+async def prepare_request(st: ServerState, gen: Generation) -> tuple[Generation, object]:
+    """The request made whole before the engine sees it, off the engine thread and the event
+    loop: its stored adapters registered (`tokenizer_of`), its tokenizer chosen once, its chat
+    rendered (`renders`: in processes, bounded) and its prompts tokenized. The engine thread
+    only queues what comes out (`EngineWorker.submit`). Returns it with its tokenizer."""
+    tokenizer = await tokenizer_of(st, gen)
+    rendered = await renders.render_chat(gen, tokenizer, st.max_model_len) if gen.kind == "chat" else None
+    return await asyncio.to_thread(tokenize, gen, tokenizer, st.max_model_len, rendered), tokenizer
 
 
 async def tokenizer_of(st: ServerState, gen: Generation):

@@ -94,15 +94,12 @@ class EngineWorker:
         return future
 
     def submit(self, prompt, params, adapter, request_id: str, sink: Sink) -> Future:
-        """Add a request whose outputs go to `sink`; `adapter`: a name, an `adapters.mix.Mix` or None.
-        The future holds its id, or the engine's refusal (InvalidRequestError,
-        AdapterNotFoundError...)."""
-        names = getattr(adapter, "names", None) or ([adapter] if adapter is not None else [])
+        """Queue a prepared request (`completions.prepare_request`: its stored adapters already
+        registered, its prompt tokenized) whose outputs go to `sink`; `adapter`: a name, an
+        `adapters.mix.Mix` or None. The future holds its id, or the engine's refusal
+        (InvalidRequestError, AdapterNotFoundError...)."""
 
         def add(engine):
-            if self.resolver is not None:
-                for name in names:
-                    self.resolver.resolve(engine, name)
             rid = engine.add_request(prompt, params, adapter=adapter, request_id=request_id)
             self._sinks[rid] = sink
             return rid
