@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from lorafleet.kernels.reference import GROUPS, SEG_FIELDS, lora_entry, scale_bits
+from lorafleet.model.upload import Upload
 from lorafleet.adapters.heads import NORM_PARTS
 
 GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
@@ -231,7 +232,9 @@ class LoraBatch:
 
     def to_device(self) -> LoraBatch:
         """`seg` for the kernels: one copy of [S, SEG_FIELDS] to the pool's device (none on the CPU)."""
-        self.seg = torch.from_numpy(self.host).to(self.weights.device, non_blocking=True)
+        up = Upload()
+        up.add(self.host)
+        self.seg = up.send(self.weights.device)[0]
         return self
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:

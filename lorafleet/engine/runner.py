@@ -24,6 +24,7 @@ from lorafleet.adapters.batch import LoraBatch, group_shapes
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
 from lorafleet.model.sampler import Drawn, launch
+from lorafleet.model.upload import Upload
 
 
 @dataclass
@@ -150,7 +151,10 @@ class ModelRunner:
                         prefill_tables=table[prow, :int(kv.num_blocks[prow].max())])
         if not all_logits:
             host["out_rows"] = (first + ntok - 1)[np.fromiter((c.samples for c in chunks), bool, n)]
-        t = dict(zip(host, to_device(dev, list(host.values()))))
+        up = Upload()
+        for a in host.values():
+            up.add(a)
+        t = dict(zip(host, up.send(dev)))
         meta = AttentionMetadata(slot_pages=t["slot_pages"], slot_offsets=t["slot_offsets"])
         if nd:
             meta.num_decode = nd
@@ -224,17 +228,3 @@ class ModelRunner:
 
 def _lora_key(c: Chunk) -> tuple:
     return c.request.lora_key
-
-
-def to_device(dev: torch.device, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-    """int64 arrays as tensors on `dev`: on a GPU in one copy, pinned and non-blocking (each
-    `.to(device)` of pageable memory waits for the device: with `async_decode`, for the step in
-    flight); on the CPU, views of the arrays themselves."""
-    if dev.type != "cuda":
-        return [torch.from_numpy(a) for a in arrays]
-    flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).pin_memory().to(dev, non_blocking=True)
-    out, at = [], 0
-    for a in arrays:
-        out.append(flat[at:at + a.size].view(a.shape))
-        at += a.size
-    return out

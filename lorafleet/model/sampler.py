@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from lorafleet.kernels import reference
+from lorafleet.model.upload import Upload
 
 NEG_INF = float("-inf")
 NON_FINITE = "the model produced non-finite logits for this request (NaN or Inf)"
@@ -71,32 +72,11 @@ def _pick(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     return torch.searchsorted(cdf, target, right=True)[:, 0]
 
 
-class _Upload:
-    """Per-row numbers gathered on the host and sent to the device in one copy, pinned and
-    non-blocking on a GPU (a list made a device tensor on its own waits for the stream: the
-    step's one wait must stay the read of its tokens)."""
-
-    def __init__(self):
-        self.columns: list[tuple[list, torch.dtype]] = []
-
-    def add(self, values: list, dtype: torch.dtype = torch.long) -> int:
-        self.columns.append((values, dtype))
-        return len(self.columns) - 1
-
-    def send(self, dev: torch.device) -> list[torch.Tensor]:
-        host = torch.tensor([v for values, _ in self.columns for v in values], dtype=torch.float64)
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(dev, non_blocking=True)
-        parts = flat.split([len(values) for values, _ in self.columns])
-        return [part.to(dtype) for part, (_, dtype) in zip(parts, self.columns)]
-
-
 class _Draw:
     """Rows drawn together: their positions among the sampled rows, their generator, and whether
     they filter (top-k or top-p: among K candidates) or not (the whole row, unsorted)."""
 
-    def __init__(self, up: _Upload, pos: list[int], params: list, generator, V: int, whole: bool):
+    def __init__(self, up: Upload, pos: list[int], params: list, generator, V: int, whole: bool):
         self.generator, self.size = generator, len(pos)
         self.filters = any(_filters(p, V) for p in params)
         self.pos = up.add(pos)
@@ -128,7 +108,7 @@ def _filters(p, V: int) -> bool:
     return 0 < p.top_k < V or p.top_p < 1.0
 
 
-def _draws(up: _Upload, pos: list[int], params: list, generators: list, shared, V: int, whole: bool) -> list[_Draw]:
+def _draws(up: Upload, pos: list[int], params: list, generators: list, shared, V: int, whole: bool) -> list[_Draw]:
     """The draws for sampled rows at positions `pos`: those without a generator of their own
     together from `shared` (those that filter apart from those that do not), a seeded one alone."""
     draws = []
@@ -184,7 +164,7 @@ class Drawn:
         params, hot = self.params, self.hot
         redo = [j for j, i in enumerate(hot) if finite[i] and not complete[i]] if complete is not None else []
         if redo:  # a nucleus wider than its candidates (rare but for flat distributions): whole rows, sorted
-            up = _Upload()
+            up = Upload()
             at = up.add(redo)
             again = _draws(up, list(range(len(redo))), [params[hot[j]] for j in redo],
                            [self.generators[hot[j]] for j in redo], self.shared, self.x.shape[1], whole=True)
@@ -222,7 +202,7 @@ def launch(logits: torch.Tensor, params: list, generators: list, greedy=referenc
     if not hot and not want_lp:  # every row greedy: the argmax alone
         return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1) if exact else tokens_dev, finite, None,
                      hot, None, None)
-    up = _Upload()
+    up = Upload()
     hot_at, lp_at = up.add(hot), up.add(want_lp)
     inv_at = up.add([1.0 / params[i].temperature for i in hot], logits.dtype)
     draws = _draws(up, list(range(len(hot))), [params[i] for i in hot], [generators[i] for i in hot], shared, V,
