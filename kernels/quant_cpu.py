@@ -63,7 +63,7 @@ import torch
 
 from lorafleet.kernels.cpu_module import load  # the CPU kernels' one extension
 
-FUNCTIONS = ["quant_rows", "quant_max_rows", "quant_tune"]  # and `linear_cpu`'s `linear`, which takes the scales
+FUNCTIONS = ["quant_rows", "quant_max_rows"]  # and `linear_cpu`'s `linear`, which takes the scales
 
 
 def max_rows(dtype: torch.dtype = torch.float32) -> int:
@@ -81,11 +81,3 @@ def rows(q: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor, dtype: torch.
     """`reference.rows(q, ids, scales, dtype)`: a quantized embedding's rows, dequantized in `dtype`."""
     return load().quant_rows(q, ids, scales, dtype == torch.bfloat16)
 
-
-def tune(name: str, value: int = -1) -> int:
-    """The micro-benchmark's knobs (`xchunk`: bytes of x a chunk of K, 0 never; `prefetch`: 0/1;
-    `max_rows`: rows up to which the kernel runs, 0 the default; in a build with AMX-BF16 also
-    `amx`: 0/1, `xsplit`: x's hi + lo columns 0/1, `segruns`: runs of a row dequantized at a time,
-    `groups`: fp32 rows from which groups < K go on the tiles without their scale, 0 never):
-    sets one (value >= 0) and returns its previous value, or reads it (value -1)."""
-    return load().quant_tune(name, value)

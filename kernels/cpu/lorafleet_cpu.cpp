@@ -15,7 +15,6 @@ using lin::linear;
 using lin::max_rows;
 using qt::quant_rows;
 using qt::quant_max_rows;
-using qt::quant_tune;
 using pw::rms_norm;
 using pw::add_rms_norm;
 using pw::rope_;

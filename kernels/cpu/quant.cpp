@@ -8,43 +8,22 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 
 namespace qt {
 
 constexpr int QB = 32;          // elements per quantized run along K (every group is a multiple of it)
 constexpr int NV = QB / VW;     // vectors per run: 2 with AVX-512, 4 with AVX2
 
-// Knobs the micro-benchmark (lorafleet/bench/quant_micro.py) turns to compare designs in one build; the
-// defaults are the designs kept
-static std::atomic<int64_t> XCHUNK_BYTES{16 * 1024};  // x rows past twice this go by chunks of K (0: never)
-static std::atomic<int64_t> PREFETCH{1};              // the next block's codes prefetched as a block runs
-static std::atomic<int64_t> MAX_ROWS{0};              // rows up to which the kernel runs (0: the measured default)
+constexpr int64_t XCHUNK_BYTES = 16 * 1024;  // x rows past twice this go by chunks of K this size: x stays in L1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define QT_AMX 1
-static std::atomic<int64_t> AMX{1};     // 2..max_rows x rows by AMX-BF16 tiles (0: the FMA tiles)
-static std::atomic<int64_t> XSPLIT{1};  // x as bf16 hi + lo (columns beside each other) where they fit
-static std::atomic<int64_t> SEGRUNS{4}; // runs of a row dequantized together
-static std::atomic<int64_t> GROUPS{5};  // fp32 x rows from which groups go on the AMX tiles (0: never)
+constexpr int64_t SEGRUNS = 4;      // runs of a row amx_run dequantizes at a time: fewer or more ran slower
+constexpr int64_t GROUPS_FROM = 5;  // fp32 rows from which groups < K go on the tiles: below, the FMA tiles win
 #endif
-
-int64_t quant_tune(const std::string& name, int64_t value) {
-  std::atomic<int64_t>* knob = name == "xchunk" ? &XCHUNK_BYTES : name == "prefetch" ? &PREFETCH
-                               : name == "max_rows" ? &MAX_ROWS : nullptr;
-#ifdef QT_AMX
-  if (name == "amx") knob = &AMX;
-  if (name == "xsplit") knob = &XSPLIT;
-  if (name == "segruns") knob = &SEGRUNS;
-  if (name == "groups") knob = &GROUPS;
-#endif
-  TORCH_CHECK(knob, "quant_tune: no knob ", name);
-  return value < 0 ? knob->load() : knob->exchange(value);
-}
 
 static inline float half_f(const at::Half* p) { return _cvtsh_ss(p->x); }
 
@@ -176,17 +155,16 @@ static void tiles(const Args& a, const Span& c, int64_t n0, int64_t nn, const ui
 
 // N in blocks of NB rows over torch's threads; x rows wider than XCHUNK_BYTES * 2 go by chunks of K
 // of at most XCHUNK_BYTES of x (each thread's blocks over one chunk, then the next), so the chunk
-// stays in L1 while the codes stream by (`lin::run`'s reason)
+// stays in L1 while the codes stream by (`lin::run`'s reason); the rows that stream next are
+// prefetched as a block runs (`tile`)
 template <bool I4, bool CH, int NB, int TB>
 static void run(const Args& a) {
   const int64_t blocks = (a.N + NB - 1) / NB, xk = std::min<int64_t>(a.T, 8) * int64_t(sizeof(float));
-  const int64_t xc = XCHUNK_BYTES.load();
   int64_t KC = a.K;
-  if (xc > 0 && a.K * xk > 2 * xc) {
-    const int64_t most = std::max<int64_t>(QB, xc / xk / QB * QB), chunks = (a.K + most - 1) / most;
+  if (a.K * xk > 2 * XCHUNK_BYTES) {
+    const int64_t most = std::max<int64_t>(QB, XCHUNK_BYTES / xk / QB * QB), chunks = (a.K + most - 1) / most;
     KC = ((a.K + chunks - 1) / chunks + QB - 1) / QB * QB;
   }
-  const bool prefetch = PREFETCH.load() != 0;
   std::unique_ptr<float[]> part(KC < a.K ? new float[a.T * a.N] : nullptr);
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t k0 = 0; k0 < a.K; k0 += KC) {
@@ -201,9 +179,8 @@ static void run(const Args& a) {
           ahead = I4 ? KC / 2 : KC;
         }
         const uint8_t* pf[NB];
-        const bool any = prefetch && pn < a.N;
         for (int j = 0; j < NB; ++j) pf[j] = a.q + std::min<int64_t>(pn + j, a.N - 1) * a.ldq + ahead;
-        tiles<I4, CH, NB, TB>(a, c, n0, nn, any ? pf : nullptr);
+        tiles<I4, CH, NB, TB>(a, c, n0, nn, pn < a.N ? pf : nullptr);
       }
     }
   });
@@ -223,12 +200,12 @@ static void dispatch(const Args& a) {
 #endif
 #ifdef QT_AMX
   // fp32 x up to 8 rows (x's hi and lo columns fit the tile): int8 per channel by amx_run (bf16
-  // holds its codes exactly, the scale goes on the sums); groups of K from GROUPS rows by
+  // holds its codes exactly, the scale goes on the sums); groups of K from GROUPS_FROM rows by
   // amx_groups (the codes without their scale, the scale on each group's sums; below, the FMA
   // tiles were faster); bf16 x up to 16 by amx_run (weights rounded to bf16 as the reference's)
-  if (a.T >= 2 && AMX.load() != 0 && amx_ok()) {
+  if (a.T >= 2 && amx_ok()) {
     if (!a.xbf16 && a.T <= 8 && CH) return amx_run<I4, CH>(a);
-    if (!a.xbf16 && a.T <= 8 && a.T >= GROUPS.load() && GROUPS.load() > 0) return amx_groups<I4>(a);
+    if (!a.xbf16 && a.T <= 8 && a.T >= GROUPS_FROM) return amx_groups<I4>(a);
     if (a.xbf16 && a.T <= 16) return amx_run<I4, CH>(a);
   }
 #endif
@@ -305,9 +282,8 @@ static torch::Tensor gemm_blocks(const torch::Tensor& x, const torch::Tensor& q,
 
 // rows up to which the kernel runs; torch's GEMM on dequantized blocks beyond: `lin`'s
 int64_t quant_max_rows(bool bf16) {
-  if (const int64_t m = MAX_ROWS.load()) return m;
 #ifdef QT_AMX
-  if (bf16 && AMX.load() != 0 && amx_ok()) return 16;
+  if (bf16 && amx_ok()) return 16;
 #endif
   return lin::max_rows(bf16);
 }

@@ -36,7 +36,7 @@ template <bool I4, bool CH>
 static void amx_run(const Args& a) {
   constexpr int64_t RB = I4 ? QB / 2 : QB;
   const int64_t T = a.T, K = a.K, N = a.N, P = K / 2;
-  const bool split = !a.xbf16 && XSPLIT.load() != 0 && 2 * T <= 16;
+  const bool split = !a.xbf16;  // fp32 x as bf16 hi + lo columns side by side (up to 8 rows: 16 columns)
   const int64_t C = split ? 2 * T : T;  // B's columns: x rows (and their low halves)
   // x^T in VNNI pairs: xb[p * C + c] holds x[c][2p] low, x[c][2p + 1] high (column T + t: x[t] - bf16(x[t]))
   std::unique_ptr<uint32_t[]> xb(new uint32_t[P * C + 16]);
@@ -51,7 +51,7 @@ static void amx_run(const Args& a) {
       }
     }
   });
-  const int64_t SEG = std::max<int64_t>(1, SEGRUNS.load()), runs = K / QB, bpg = a.G / QB;
+  const int64_t runs = K / QB, bpg = a.G / QB;
   const int64_t blocks = (N + 31) / 32;  // 2 tiles of 16 weight rows
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     TileCfg cfg{};
@@ -61,7 +61,7 @@ static void amx_run(const Args& a) {
     cfg.rows[4] = 16; cfg.colsb[4] = uint16_t(4 * C);                                 // B: 16 pairs x C
     _tile_loadconfig(&cfg);
     std::unique_ptr<uint16_t[], void (*)(void*)> buf(
-        static_cast<uint16_t*>(std::aligned_alloc(64, 2 * 2 * SEG * 16 * QB * 2)), std::free);
+        static_cast<uint16_t*>(std::aligned_alloc(64, 2 * 2 * SEGRUNS * 16 * QB * 2)), std::free);
     int64_t flip = 0;
     alignas(64) float out[2][16][16];
     for (int64_t b = b0; b < b1; ++b) {
@@ -77,13 +77,13 @@ static void amx_run(const Args& a) {
       }
       _tile_zero(0);
       _tile_zero(1);
-      for (int64_t r0 = 0; r0 < runs; r0 += SEG) {
-        const int64_t nr = std::min(SEG, runs - r0);
-        uint16_t* const bb = buf.get() + (flip ^= 1) * 2 * SEG * 16 * QB;  // [2 tiles][SEG][16][32]
+      for (int64_t r0 = 0; r0 < runs; r0 += SEGRUNS) {
+        const int64_t nr = std::min(SEGRUNS, runs - r0);
+        uint16_t* const bb = buf.get() + (flip ^= 1) * 2 * SEGRUNS * 16 * QB;  // [2 tiles][SEGRUNS][16][32]
         const int64_t g0 = r0 / bpg, in0 = r0 % bpg;
         for (int j = 0; j < 32; ++j) {
           for (int64_t l = r0 * RB; l < (r0 + nr) * RB; l += 64) __builtin_prefetch(pf[j] + l, 0, 3);
-          uint16_t* o = bb + (j / 16) * SEG * 16 * QB + (j % 16) * QB;
+          uint16_t* o = bb + (j / 16) * SEGRUNS * 16 * QB + (j % 16) * QB;
           const uint8_t* qj = q[j] + r0 * RB;
           if (CH) {
             for (int64_t r = 0; r < nr; ++r) deq_bf16<I4>(qj + r * RB, 1.f, o + r * 16 * QB);
@@ -102,7 +102,7 @@ static void amx_run(const Args& a) {
         for (int64_t r = r0; r < r0 + nr; ++r) {
           _tile_loadd(4, xb.get() + r * 16 * C, 4 * C);
           _tile_loadd(2, bb + (r - r0) * 16 * QB, 64);
-          _tile_loadd(3, bb + SEG * 16 * QB + (r - r0) * 16 * QB, 64);
+          _tile_loadd(3, bb + SEGRUNS * 16 * QB + (r - r0) * 16 * QB, 64);
           _tile_dpbf16ps(0, 2, 4);
           _tile_dpbf16ps(1, 3, 4);
         }

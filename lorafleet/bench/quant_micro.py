@@ -2,10 +2,9 @@
 matmuls on a model-shaped set of layers, int8 and int4, at 1 and 8 rows, against the memory bound
 (the codes' and scales' bytes over the read bandwidth measured in the same run,
 `lora_decode.measure_bandwidth`) and against the fp32 kernel (`linear_cpu.linear`) on the same
-shapes. Each variant (`--variants`: the kernel's knobs, `quant_cpu.tune`) is timed in turn,
-round after round, and each figure is the median over the rounds of the best pass of a round,
-the bound taken per round (the machine is shared: ratios only within one run); `best`: the
-least disturbed round's ratio.
+shapes. Each weight set is timed in turn, round after round, and each figure is the median over
+the rounds of the best pass of a round, the bound taken per round (the machine is shared: ratios
+only within one run); `best`: the least disturbed round's ratio.
 
     .venv/bin/python -m lorafleet.bench.quant_micro --shape llama1b --rounds 5
 
@@ -28,14 +27,6 @@ import torch
 SHAPES = {  # hidden, intermediate, q heads, kv heads, head dim, layers
     "llama1b": (2048, 8192, 32, 8, 64, 16),
     "smol": (576, 1536, 9, 3, 64, 30),
-}
-VARIANTS = {  # name -> knobs (quant_cpu.tune)
-    "default": {},
-    "no-prefetch": {"prefetch": 0},
-    "no-xchunk": {"xchunk": 0},
-    "fma": {"amx": 0},  # the FMA tiles where the AMX tiles would run (AMX builds only)
-    "no-xsplit": {"xsplit": 0},
-    "no-groups": {"groups": 0},  # fp32 x in groups < K on the FMA tiles, not the AMX tiles (AMX builds only)
 }
 
 
@@ -101,13 +92,11 @@ def host() -> str:
 
 def main(argv=None) -> dict:
     from lorafleet.bench.lora_decode import measure_bandwidth
-    from lorafleet.kernels import quant_cpu
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=SHAPES, default="llama1b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--schemes", nargs="+", default=["int8", "int4"])
-    p.add_argument("--variants", nargs="+", default=["default"], choices=VARIANTS)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--passes", type=int, default=3)
@@ -125,34 +114,28 @@ def main(argv=None) -> dict:
         bw = measure_bandwidth()
         bws.append(bw)
         for name, ws in sets.items():
-            for variant in (args.variants if name != "fp32" else ["default"]):
-                old = {k: quant_cpu.tune(k, v) for k, v in VARIANTS[variant].items()}
-                try:
-                    for rows in args.rows:
-                        t = pass_time(ws, rows, dtype, args.passes)
-                        times.setdefault((name, variant, rows), []).append(t)
-                        ratios.setdefault((name, variant, rows), []).append(t * bw / nbytes(ws))
-                finally:
-                    for k, v in old.items():
-                        quant_cpu.tune(k, v)
+            for rows in args.rows:
+                t = pass_time(ws, rows, dtype, args.passes)
+                times.setdefault((name, rows), []).append(t)
+                ratios.setdefault((name, rows), []).append(t * bw / nbytes(ws))
     out = {"host": host(), "shape": args.shape, "dtype": args.dtype, "bandwidth_gb_s": statistics.median(bws) / 1e9,
            "results": []}
-    for (name, variant, rows), ts in times.items():
-        fp32 = times.get(("fp32", "default", rows))
+    for (name, rows), ts in times.items():
+        fp32 = times.get(("fp32", rows))
         out["results"].append({
-            "weights": name, "variant": variant, "rows": rows, "mb": nbytes(sets[name]) / 1e6,
-            "ms": statistics.median(ts) * 1e3, "x_bound": statistics.median(ratios[(name, variant, rows)]),
-            "x_bound_best": min(ratios[(name, variant, rows)]),
+            "weights": name, "rows": rows, "mb": nbytes(sets[name]) / 1e6,
+            "ms": statistics.median(ts) * 1e3, "x_bound": statistics.median(ratios[(name, rows)]),
+            "x_bound_best": min(ratios[(name, rows)]),
             "x_fp32_time": statistics.median(ts) / statistics.median(fp32) if fp32 else None})
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         print(f"host: {out['host']}; shape {args.shape}, x {args.dtype}; read bandwidth "
               f"{out['bandwidth_gb_s']:.1f} GB/s (median of {args.rounds} rounds)")
-        print(f"{'weights':8} {'variant':12} {'rows':>4} {'MB':>8} {'ms':>8} {'x bound':>8} {'best':>6} {'x fp32 time':>11}")
+        print(f"{'weights':8} {'rows':>4} {'MB':>8} {'ms':>8} {'x bound':>8} {'best':>6} {'x fp32 time':>11}")
         for r in out["results"]:
             fp = f"{r['x_fp32_time']:.3f}" if r["x_fp32_time"] is not None else "-"
-            print(f"{r['weights']:8} {r['variant']:12} {r['rows']:>4} {r['mb']:>8.1f} {r['ms']:>8.2f} "
+            print(f"{r['weights']:8} {r['rows']:>4} {r['mb']:>8.1f} {r['ms']:>8.2f} "
                   f"{r['x_bound']:>8.2f} {r['x_bound_best']:>6.2f} {fp:>11}")
     return out
 

@@ -13,7 +13,8 @@ each weight to bf16 before its GEMM, the kernel keeps it in fp32 or rounds it th
 bf16 rows on its tiles) the same bounds hold: fp32 x goes as bf16 hi + lo (16 bits of its 24, about
 2^-17 S), the weights exact (int8 per channel's codes; groups < K: the codes without their scale,
 the scale in fp32 on each group's sums), bf16 x and the reference's bf16 weights are exact in the
-tiles. The groups' tile path runs from `quant_cpu.tune("groups")` rows; it is also tested from 2."""
+tiles. The groups' tile path runs from 5 fp32 rows (`qt::GROUPS_FROM`, the FMA tiles below), up to 8:
+its test takes 2-8 rows, across the switch wherever it lies."""
 
 from __future__ import annotations
 
@@ -50,20 +51,13 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scales: torc
 
 @pytest.mark.parametrize("scheme,group", [("int8", 32), ("int4", 32), ("int4", 128)])
 @pytest.mark.parametrize("shape", [(37, 384), (67, 2048)])
-def test_groups_on_the_amx_tiles_from_two_rows(scheme, group, shape):
+def test_groups_on_the_amx_tiles(scheme, group, shape, variant):
     n, k = shape
     q, scales = quantized(n, k, scheme, group)
     g = torch.Generator().manual_seed(2)
     x, bias = torch.randn(8, k, generator=g), torch.randn(n, generator=g)
-    try:
-        old = quant_cpu.tune("groups", 2)
-    except RuntimeError:
-        pytest.skip("a build without AMX-BF16")
-    try:
-        for t in range(2, 9):
-            assert_close(quant_cpu.linear(x[:t], q, bias, scales), x[:t], q, scales, bias)
-    finally:
-        quant_cpu.tune("groups", old)
+    for t in range(2, 9):  # the FMA tiles below GROUPS_FROM, the groups' tiles from it (amx)
+        assert_close(quant_cpu.linear(x[:t], q, bias, scales), x[:t], q, scales, bias)
 
 
 @pytest.mark.parametrize("scheme,group", LAYOUTS)
