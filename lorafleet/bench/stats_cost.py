@@ -117,6 +117,7 @@ def run_stats_cost(shape: str = "smol", num_adapters: int = 1000, batch: int = 1
         gc.freeze()
 
         say(f"{shape}: {polls} polls between steps")
+        times: list[float]
         times, snaps, sizes, profiled = [], [], [], 0
         profiler = cProfile.Profile()
 
@@ -139,6 +140,7 @@ def run_stats_cost(shape: str = "smol", num_adapters: int = 1000, batch: int = 1
         runs = []
         gc.collect()
         for i in range(2 * rounds):
+            polled: list[float]
             polling, polled = i % 2 == 1, []
             cpu, before = cpu_seconds(), engine.counters.num_steps
             between = _every(interval_s, polled) if polling else None
@@ -228,7 +230,7 @@ def _profile(profiler: cProfile.Profile, calls: int, top: int = 12) -> list[dict
     """Time per poll in each function `poll`, `engine_snapshot` and `Engine.stats` call (those
     three expanded), most first: which part of a poll costs what (cProfile's own overhead
     included, so the shares matter more than the absolute times)."""
-    stats = pstats.Stats(profiler).stats
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # undocumented, not in typeshed
     expanded = {key for key in stats if (key[0].endswith(os.path.join("bench", "stats_cost.py")) and key[2] == "poll")
                 or (key[0].endswith(os.path.join("server", "metrics.py")) and key[2] == "engine_snapshot")
                 or (key[0].endswith(os.path.join("engine", "engine.py")) and key[2] == "stats")}
