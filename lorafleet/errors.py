@@ -33,6 +33,7 @@ class LorafleetError(Exception):
     http_status = 500
     exit_code = 1
     code = "internal_error"
+    param: str | None = None  # the request field at fault, where one is (OpenAI's error body's `param`)
 
 
 class ConfigError(LorafleetError):

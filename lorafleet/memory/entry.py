@@ -9,8 +9,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorafleet.memory.host_cache import HostAdapter
+
+if TYPE_CHECKING:
+    from lorafleet.model.tokenizer import Tokenizer
 
 RECENT = 64  # per adapter: the last loads' seconds and requests' exposed waits kept (for p50/p99)
 _uids = itertools.count(1)
@@ -22,7 +26,7 @@ class Inspected:
 
     numel: int                   # elements it takes in pages
     vocab_size: int | None = None  # its own vocabulary's size (None: the base's)
-    tokenizer: object = None     # its own tokenizer, where it has its own vocabulary
+    tokenizer: Tokenizer | None = None  # its own tokenizer, where it has its own vocabulary
     saved: tuple = ()            # the modules it has its own copy of
 
 
@@ -38,7 +42,7 @@ class AdapterEntry:
     trusted_digest: str | None = None    # from the store: validated and hashed at pull, not again
     numel: int = 0                       # elements it takes in pages (weights, row table), from the file header
     vocab_size: int | None = None        # its own vocabulary's size (`lora/heads.py`); None: the base's
-    tokenizer: object = None             # its own tokenizer (with its own vocabulary), read at registration
+    tokenizer: Tokenizer | None = None   # its own tokenizer (with its own vocabulary), read at registration
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
     pages: list[int] | None = None       # device pages, allocated
     ready: bool = False                  # pages hold the weights
