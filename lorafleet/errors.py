@@ -83,6 +83,7 @@ class AdapterNotFoundError(AdapterError):
 
     http_status = 404
     code = "adapter_not_found"
+    adapter: str | None = None  # which one, where known (a mix names several)
 
 
 class AdapterInUseError(AdapterError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,8 +54,8 @@ class AdapterEntry:
     copies: tuple | None = None          # those it serves its copy of, once loaded (copies equal to the base's dropped)
     heads: object = None                 # lora.batch.HeadParts: its own embedding / LM head / norms in its pages, while ready
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
-    loading: object = None               # Future of the disk -> host load
-    copying: object = None               # Future of the host -> device copy
+    loading: Future | None = None        # Future of the disk -> host load
+    copying: Future | None = None        # Future of the host -> device copy
     error: str | None = None             # the last load failed with this message
     users: int = 0
     pins: int = 0
