@@ -338,10 +338,10 @@ def load_adapter(path: str | Path, base: BaseShapes, dtype: torch.dtype = torch.
     rank_pattern = cfg.get("rank_pattern") or {}
     weights: dict[tuple[int, str], LoraWeights] = {}
     for full, (layer, proj) in sorted(targeted.items(), key=lambda kv: (kv[1][0], MODULES.index(kv[1][1]))):
-        slot = slots.get((layer, proj))
-        if slot is None:
+        if (layer, proj) not in slots:
             raise AdapterError(f"{st_path}: no lora_A/lora_B tensors for {full!r}, which "
                                f"{CONFIG_NAME} targets")
+        slot = slots[(layer, proj)]
         for have, miss in (("A", "B"), ("B", "A")):
             if have in slot and miss not in slot:
                 raise AdapterError(f"{st_path}: {_tensor(slot[have][0])} has no matching lora_{miss}")
