@@ -32,6 +32,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -209,9 +210,11 @@ def build_app(model: str | Path, adapters: dict[str, str | Path] | None = None, 
     name -> PEFT folder, known to every replica (each registers one when a request first names
     it there); `store_home`: a lorafleet store whose adapters are served by name too."""
     options = {"device": device, **({"pool_bytes": pool_bytes} if pool_bytes else {}), **(engine_options or {})}
-    replica = serve.deployment(replica_class(max_adapters_per_replica), name="Replica", num_replicas=replicas,
-                               ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})
+    replica = serve.deployment(name="Replica", num_replicas=replicas,  # the decorator's form: typed as it returns
+                               ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus}
+                               )(replica_class(max_adapters_per_replica))
     base_name = served_model_name or Path(model).name
     folders = {k: str(v) for k, v in (adapters or {}).items()}
     bound = replica.bind(str(model), folders, options, base_name, store_home)
-    return Router.options(ray_actor_options={"num_cpus": 0}).bind(bound, base_name, folders)
+    router = cast(serve.Deployment, Router)  # made one by @serve.deployment (mypy keeps a decorated class's type)
+    return router.options(ray_actor_options={"num_cpus": 0}).bind(bound, base_name, folders)

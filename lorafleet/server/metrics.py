@@ -69,7 +69,7 @@ import time
 import orjson
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # exported under their vLLM names, or rendered on their own below
@@ -139,7 +139,7 @@ class _Families:
 
 def render(snapshot: dict, server: dict, model_name: str) -> bytes:
     label = {"model_name": model_name}
-    fams = []
+    fams: list[Metric] = []
 
     def gauge(name, doc, value, labels=None):
         labels = {**label, **(labels or {})}

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -165,8 +165,10 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
     return float(v)
 
 
-def _integer(body: dict, name: str, default: int | None, lo: int | None = None,
-             hi: int | None = None) -> int | None:
+_D = TypeVar("_D", bound=int | None)  # an integer field's default: an int, or None where it may be unset
+
+
+def _integer(body: dict, name: str, default: _D, lo: int | None = None, hi: int | None = None) -> int | _D:
     v = body.get(name)
     if v is None:
         return default
