@@ -31,6 +31,7 @@ rest of lorafleet never needs it.
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
@@ -202,7 +203,7 @@ class Router:
         return JSONResponse({"status": "ok"})
 
 
-def build_app(model: str | Path, adapters: dict[str, str | Path] | None = None, *, replicas: int = 2,
+def build_app(model: str | Path, adapters: Mapping[str, str | Path] | None = None, *, replicas: int = 2,
               max_adapters_per_replica: int = DEFAULT_MAX_ADAPTERS_PER_REPLICA, pool_bytes: int | None = None,
               device: str = "cpu", served_model_name: str | None = None, store_home: str | None = None,
               engine_options: dict | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0):
