@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from rich.text import Text
 from textual import on, work
@@ -41,7 +42,7 @@ class AdapterTable(DataTable):
     """The adapters table; a new width refits its columns (`model.fit_columns`)."""
 
     def on_resize(self, event: Resize) -> None:
-        self.app.refit_table()
+        cast(TopApp, self.app).refit_table()  # the one app it lives in
 
 
 class TopApp(App):
@@ -116,6 +117,7 @@ class TopApp(App):
         from textual.worker import get_current_worker
 
         worker = get_current_worker()
+        assert self.source is not None  # polled only with one (`on_mount`)
         while not worker.is_cancelled:
             if not self.paused:
                 try:
@@ -187,6 +189,7 @@ class TopApp(App):
         self.query_one("#status", Static).update(line)
 
     def _draw(self) -> None:
+        assert self.stats is not None  # drawn once a snapshot came
         eng = self.stats["engine"]
         self.query_one(PoolMap).show(eng["pool"])
         self.query_one(Rates).show(self.history)
@@ -223,6 +226,7 @@ class TopApp(App):
             table.move_cursor(row=table.get_row_index(selected), animate=False)
         self.query_one(PoolMap).highlight = self.selected_adapter()
         hidden = len(model.COLUMNS) - len(self.columns)
+        assert self.stats is not None  # drawn once a snapshot came
         mixes = model.mix_summary(self.stats["engine"])
         box = self.query_one("#table-box")
         # in the order shown; what does not fit the border goes, least wanted first (mixes, count)
@@ -291,6 +295,7 @@ class TopApp(App):
     @on(DataTable.HeaderSelected)
     def sort_by_header(self, event: DataTable.HeaderSelected) -> None:
         key = event.column_key.value
+        assert key is not None  # every column is added with its key
         if key == self.sort_key:
             self.sort_reverse = not self.sort_reverse
         else:
@@ -305,6 +310,7 @@ class TopApp(App):
     @on(DataTable.RowSelected)
     def open_detail(self, event: DataTable.RowSelected) -> None:
         name = event.row_key.value
+        assert name is not None  # every row is added with its adapter's name
         self.push_screen(AdapterScreen(name, self._row(name)))
 
     @on(Input.Changed, "#filter")

@@ -140,6 +140,7 @@ def fit_columns(texts: list[dict[str, str]], width: int, padding: int = 1) -> li
     def need(c: Column) -> int:
         return max([cell_len(c.label)] + [cell_len(t[c.key]) for t in texts]) + 2 * padding
 
+    kept: set[str]
     kept, used = set(), 0
     for c in sorted(COLUMNS, key=lambda c: c.keep):
         if kept and used + need(c) > width:
@@ -235,6 +236,7 @@ class History:
             self.counters.clear()
         self.counters.append((srv["uptime_s"], eng["num_generated_tokens"], eng["num_requests_finished"]))
         if same:
+            assert prev is not None  # same: a previous poll's
             dt = srv["uptime_s"] - prev["server"]["uptime_s"]
             pe = prev["engine"]
             self.series["tokens_per_s"].append(
