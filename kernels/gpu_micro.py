@@ -253,7 +253,8 @@ def run(shapes: list[str], out: Path, deadline_s: float = 270.0, device: str | N
     from lorafleet.kernels import backend
     if on_gpu:
         from lorafleet.kernels import lora_triton
-        candidates: dict[str, Callable[..., Any]] = {f"{i}: {c}": functools.partial(lora_triton.lora, config=c)
+        candidates: dict[str, Callable[..., Any]]
+        candidates = {f"{i}: {c}": functools.partial(lora_triton.lora, config=c)
                       for i, c in enumerate(lora_triton.CANDIDATES)}
         configs = {f"{i}: {c}": asdict(c) for i, c in enumerate(lora_triton.CANDIDATES)}
     else:
@@ -261,9 +262,9 @@ def run(shapes: list[str], out: Path, deadline_s: float = 270.0, device: str | N
         candidates = {kernels.name: kernels.lora}
         configs = {kernels.name: {}}
     copy = copy_bandwidth(dev, 1 << 30 if on_gpu else 1 << 24)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if on_gpu else "cpu",
-                              "dtype": str(dtype), "torch": torch.__version__, "copy_GB/s": copy / 1e9,
-                              "configs": configs, "shapes": {}}
+    report: dict[str, Any]
+    report = {"device": torch.cuda.get_device_name(dev) if on_gpu else "cpu", "dtype": str(dtype),
+              "torch": torch.__version__, "copy_GB/s": copy / 1e9, "configs": configs, "shapes": {}}
     out.mkdir(parents=True, exist_ok=True)
 
     def save(message: str) -> None:

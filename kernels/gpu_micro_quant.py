@@ -78,7 +78,7 @@ class QuantCase:
     name: str
     rows: int
     x: torch.Tensor
-    forms: dict[str, list | str]    # form -> copies of its weight (a tensor, a (codes, scales) pair, a layer), or why none
+    forms: dict[str, list | str]    # form -> copies of its weight (a tensor, (codes, scales), a layer), or why not
     moved: dict[str, int]
     full: torch.Tensor              # the bf16 weight (torchao's parity)
 
@@ -139,9 +139,10 @@ def run_quant(shapes: list[str], out: Path, deadline_s: float = 270.0, device: s
     from lorafleet.kernels import backend
     kernels = backend.select(dev, dtype)
     copy = copy_bandwidth(dev, 1 << 30 if on_gpu else 1 << 24)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if on_gpu else "cpu", "dtype": str(dtype),
-                              "torch": torch.__version__, "kernels": kernels.name, "copy_GB/s": copy / 1e9,
-                              "skipped": [], "shapes": {}}
+    report: dict[str, Any]
+    report = {"device": torch.cuda.get_device_name(dev) if on_gpu else "cpu", "dtype": str(dtype),
+              "torch": torch.__version__, "kernels": kernels.name, "copy_GB/s": copy / 1e9, "skipped": [],
+              "shapes": {}}
     out.mkdir(parents=True, exist_ok=True)
 
     def save(message: str) -> None:

@@ -149,7 +149,7 @@ def run_lora_decode(shape: str = "smol", batch: int = 32, ranks=(8, 16, 32, 64),
     distinct_bytes = sum(engine.adapters.get(n).numel * elem for n, _ in adapters)
     read_time = distinct_bytes / bandwidth
     added = step["distinct"] - step["none"]
-    op_time = lora_op_time(engine, [n for n, _ in adapters])  # configs["distinct"]
+    op_time = lora_op_time(engine, [n for n, _ in adapters])  # the "distinct" config's adapters
     result = {
         "benchmark": "lora-decode", "shape": shape, "batch": batch, "ranks": list(ranks), "quantization": quantize,
         "targets": "all 7 projections", "decode_steps": steps, "rounds": rounds,

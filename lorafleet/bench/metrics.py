@@ -38,7 +38,8 @@ def cold_warm_ttft(requests: list[dict]) -> dict | None:
         seen.add(r["adapter"])
     if not cold or not warm:
         return None
-    out: dict[str, Any] = {k: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "requests": len(v)}
+    out: dict[str, Any]
+    out = {k: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "requests": len(v)}
            for k, v in (("cold", cold), ("warm", warm))}
     for q in ("p50", "p99"):
         out[f"cold_over_warm_{q}"] = out["cold"][q] / out["warm"][q] if out["warm"][q] else None

@@ -209,17 +209,21 @@ class _FleetPreset(_Preset):
 
 # issue 18's comparison with llama.cpp: 64 x 64+64 tokens, a closed loop of 8 in flight (`bench llama-cpp`
 # runs each at 1 and 8), adapters of rank 64 on all seven projections
-_PEER = _Preset(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), ranks=(64,), concurrency=8)
+_PEER: _Preset
+_PEER = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), ranks=(64,), concurrency=8)
 # S-LoRA's scaling setting (ranks 8 and 16 on q/k/v/o, uniform popularity): 1000 against 8
 # adapters differs in nothing else
-_SLORA = _Preset(num_requests=256, prompt_len=(64, 64), output_len=(64, 64), ranks=(8, 16), targets=ATTENTION_MODULES)
+_SLORA: _Preset
+_SLORA = dict(num_requests=256, prompt_len=(64, 64), output_len=(64, 64), ranks=(8, 16), targets=ATTENTION_MODULES)
 # issue 52's mixes: 64 requests x 64+64 tokens at once, each a mix of 2 of 8 adapters (ranks 16-64 on all seven
 # projections, two of each), each adapter at scale 1 or 0.5; mix-single differs only in serving each mix by one adapter
-_MIX = _FleetPreset(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64),
+_MIX: _FleetPreset
+_MIX = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64),
             mix_size=2, mix_scales=(1.0, 0.5))
 # issue 53's DoRA figure: 64 requests x 64+64 tokens at once over 8 adapters (ranks 16-64 on all seven projections),
 # half of them DoRA; dora-plain differs only in every adapter being plain LoRA
-_DORA = _FleetPreset(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64))
+_DORA: _FleetPreset
+_DORA = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64))
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("uniform-8", num_adapters=8, **_SLORA,
              description="256 requests x 64+64 tokens at once over 8 adapters (ranks 8/16 on q/k/v/o)"),

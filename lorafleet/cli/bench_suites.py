@@ -39,8 +39,9 @@ def throughput(shapes: list[str], loads: list[str] | None, systems: str, counts:
     if "llama.cpp" in names:
         llama_server()
     path = resolve_out_path(out)
-    common: dict[str, Any] = dict(device=device, threads=threads, console=err_console,
-                                  max_baseline_requests=max_baseline_requests, quantize=quantize)
+    common: dict[str, Any]
+    common = dict(device=device, threads=threads, console=err_console, max_baseline_requests=max_baseline_requests,
+                  quantize=quantize)
     with user_errors():
         from lorafleet.bench.runner import run_bench, run_suite
 

@@ -251,7 +251,8 @@ def verify(model: str | Path, adapters: dict[str, Path] | None = None, prompts: 
     progress(f"loading {model}")
     v = Verifier(model, adapters, prompts, tokens, options, transformers)
     m = v.fast.model
-    report: dict[str, Any] = {"model": str(model), "device": str(v.fast.device), "dtype": str(m.dtype).removeprefix("torch."),
+    report: dict[str, Any]
+    report = {"model": str(model), "device": str(v.fast.device), "dtype": str(m.dtype).removeprefix("torch."),
               "quantization": m.quantization, "kernels": v.label, "prompts": len(v.prompts), "tokens": tokens,
               "targets": []}
     try:

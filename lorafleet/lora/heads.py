@@ -229,7 +229,8 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             raise AdapterError(f"{source}: {quoted} is not a 2-D matrix")
         found.setdefault(full, {})[what] = (quoted, t)
         keys[(full, what)] = key
-    served: set[tuple[str, str | int]] = {(full, what) for full, got in found.items() for what in got if what in ("A", "B")}
+    served: set[tuple[str, str | int]]
+    served = {(full, what) for full, got in found.items() for what in got if what in ("A", "B")}
     for full, got in found.items():  # the copy served: .weight, else the wrapper's, else the base layer's
         copies = [k for k in ("copy", "wrapped", "base") if k in got]
         served |= {(full, copies[0])} if copies else set()

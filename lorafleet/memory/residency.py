@@ -241,8 +241,8 @@ class AdapterResidency:
             self._to_idle(entry)  # the most recently used end
 
     def _to_idle(self, entry: AdapterEntry) -> None:
-        assert entry.pages is not None  # idle adapters are ready
         if entry not in self._idle_lru:
+            assert entry.pages is not None  # idle adapters are ready
             self.idle_pages += len(entry.pages)
         self._idle_lru[entry] = None
 

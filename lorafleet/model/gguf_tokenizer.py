@@ -31,7 +31,8 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 # lorafleet's own spelling of "gpt-2", kept for the files it wrote before.
 _LLAMA3: dict[str, Any] = {"split": _LLAMA3_SPLIT, "ignore_merges": True, "add_bos": True}
 _QWEN2: dict[str, Any] = {"split": _QWEN2_SPLIT, "nfc": True}
-PRE_TOKENIZERS: dict[str, dict[str, Any]] = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "qwen2": _QWEN2,
+PRE_TOKENIZERS: dict[str, dict[str, Any]]
+PRE_TOKENIZERS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "qwen2": _QWEN2,
                   "deepseek-r1-qwen": _QWEN2, "smollm": {"digits": True}, "gpt-2": {}, "gpt2": {}}
 # llama.cpp's "default" split (and what a file without tokenizer.ggml.pre gets) is no model's own:
 # such a file does not say how its model splits text, so it is refused rather than guessed.

@@ -120,7 +120,8 @@ def download(repo_id: str, *, revision: str | None = None, kind: str = "adapter"
     endpoint = _endpoint(endpoint)
     cache = _cache_dir(cache_dir)
     where = f"{repo_id}@{revision}" if revision else repo_id
-    agent: dict[str, Any] = dict(library_name="lorafleet", library_version=__version__)
+    agent: dict[str, Any]
+    agent = dict(library_name="lorafleet", library_version=__version__)
     api = HfApi(endpoint=endpoint, token=token, **agent)
     with _hub_errors(repo_id, revision, endpoint):
         meta = api.model_info(repo_id, revision=revision, files_metadata=True)
@@ -128,7 +129,8 @@ def download(repo_id: str, *, revision: str | None = None, kind: str = "adapter"
     if not _COMMIT.match(commit):
         raise HubError(f"the Hub at {endpoint} did not name the commit of {where} (got {commit!r})")
     siblings = {s.rfilename: s for s in meta.siblings or ()}
-    common: dict[str, Any] = dict(revision=commit, cache_dir=cache, endpoint=endpoint, token=token,
+    common: dict[str, Any]
+    common = dict(revision=commit, cache_dir=cache, endpoint=endpoint, token=token,
                   tqdm_class=None if progress else _silent_tqdm(), **agent)
 
     index = None

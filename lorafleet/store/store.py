@@ -210,7 +210,8 @@ class Store:
         taken = {os.path.realpath(p) for p in take}
         stage = self._staging()
         try:
-            entries: dict[str, dict[str, Any]] = {f: dict(zip(("sha256", "size"),
+            entries: dict[str, dict[str, Any]]
+            entries = {f: dict(zip(("sha256", "size"),
                                    self.add_blob(files[f], stage, take=os.path.realpath(files[f]) in taken)))
                        for f in sorted(files)}
             snapshot = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:32]
