@@ -52,6 +52,7 @@ ESCAPE_RATIO = 6
 # Bytes a token's text may take, for that bound before the request's tokenizer is known: above any
 # real vocabulary's longest token (each tokenizer's own bound applies after parsing)
 ANY_TOKEN_BYTES = 1024
+_D = TypeVar("_D", bound=int | None)  # an integer field's default (`_integer`): an int, or None where it may be unset
 
 
 def bad(param: str | None, message: str) -> InvalidRequestError:
@@ -163,9 +164,6 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
         span = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
         raise bad(name, f"{name} must be in {span}, got {shown(v)}")
     return float(v)
-
-
-_D = TypeVar("_D", bound=int | None)  # an integer field's default: an int, or None where it may be unset
 
 
 def _integer(body: dict, name: str, default: _D, lo: int | None = None, hi: int | None = None) -> int | _D:
