@@ -66,7 +66,7 @@ from pathlib import Path
 try:
     import fcntl
 except ImportError:  # Windows: no flock; builds there are not serialised across processes
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # the module or None: checked where used
 
 log = logging.getLogger("lorafleet.kernels")
 
@@ -253,6 +253,7 @@ def _load_built(build_dir: Path):
         import torch  # noqa: F401  (the library links against the loaded libtorch)
 
         spec = importlib.util.spec_from_file_location(module_name, library)
+        assert spec is not None and spec.loader is not None  # a file's (else: rebuilt, as below)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module

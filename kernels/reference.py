@@ -283,6 +283,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch
     out = q.new_empty(t, h, d)
     nd = meta.num_decode
     if nd:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None  # set with decode rows
         out[:nd] = paged_decode(q[:nd], kv, meta.decode_block_tables, meta.decode_context_lens, scale)
     paged_prefill(q, k, v, kv, meta, scale, out)
     return out.view(t, h * d)

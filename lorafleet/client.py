@@ -159,7 +159,7 @@ class Client:
 
     def load_adapter(self, name: str, path: str | os.PathLike, lazy: bool = False) -> dict:
         """Load the PEFT adapter folder `path` (resolved here: the daemon's cwd is not ours)."""
-        body = {"lora_name": name, "lora_path": str(Path(path).expanduser().resolve())}
+        body: dict[str, Any] = {"lora_name": name, "lora_path": str(Path(path).expanduser().resolve())}
         if lazy:
             body["lazy"] = True
         return self._json("POST", "/v1/load_lora_adapter", body, timeout=httpx.Timeout(10.0, read=None))

@@ -33,6 +33,7 @@ class LorafleetError(Exception):
     http_status = 500
     exit_code = 1
     code = "internal_error"
+    param: str | None = None  # the request field at fault, where one is (OpenAI's error body's `param`)
 
 
 class ConfigError(LorafleetError):
@@ -82,6 +83,7 @@ class AdapterNotFoundError(AdapterError):
 
     http_status = 404
     code = "adapter_not_found"
+    adapter: str | None = None  # which one, where known (a mix names several)
 
 
 class AdapterInUseError(AdapterError):

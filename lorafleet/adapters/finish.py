@@ -28,6 +28,7 @@ def finish_dora(layout: Layout, buf: torch.Tensor, base_rows) -> None:
             continue
         a = torch.stack([buf[o:o + m.fan_in] for o in m.a_rows.tolist()])      # [r, in]
         bt = torch.stack([buf[o:o + m.n_out] for o in m.b_rows.tolist()])     # [r, out]
+        assert m.post_rows is not None  # an epilogue's rows
         g_at, c_at = (int(o) for o in m.post_rows)
         for lo in range(0, m.n_out, ROWS):
             hi = min(m.n_out, lo + ROWS)

@@ -96,7 +96,7 @@ def saved_modules(cfg: dict, num_layers: int = 1, qk_norm: bool = False) -> set[
     them (a module whose full name ends with the entry). Refuses an entry that matches no module,
     or one that is not served saved (only the embedding, the LM head and the norms are), and a
     layer norm saved in some layers only."""
-    out = set()
+    out: set[str] = set()
     for item in cfg.get("modules_to_save") or []:
         found = [m for m in _module_names(num_layers, qk_norm) if m.endswith(item)]
         kinds = {kind_of(m) for m in found}
@@ -107,7 +107,7 @@ def saved_modules(cfg: dict, num_layers: int = 1, qk_norm: bool = False) -> set[
         for kind in kinds & {IN_NORM, POST_NORM}:
             if sum(kind_of(m) == kind for m in found) != num_layers:
                 raise AdapterError(f"modules_to_save: {kind} is supported saved in every layer or none")
-        out |= kinds
+        out |= {k for k in kinds if k is not None}  # None refused above
     return out
 
 
@@ -128,6 +128,7 @@ def matrices(heads: dict[str, HeadWeights]) -> dict[str, torch.Tensor]:
             out[COPY_PARTS[full]] = w.copy
         if w.a is None:
             continue
+        assert w.b is not None  # a LoRA has both
         if full == EMBED:  # rows looked up by token: A^T [V, r]; then (scale B)^T [r, H]
             out["embed_a"], out["embed_b"] = w.a.t(), (w.b * w.scale).t()
         else:              # A [r, H], then scale B [V, r]
@@ -154,6 +155,7 @@ def header_parts(header: dict) -> dict[str, tuple[int, int]]:
         if m is None or m.group("kind") == "bias" or m.group("mag") is not None:
             continue  # not a part (loading refuses what is malformed)
         kind = kind_of(m.group("module"))
+        assert kind is not None  # HEAD_KEY_RE's modules are kinds
         if kind in NORM_PARTS:  # a vector [H] a layer: the part's rows are the layers found
             if len(info["shape"]) == 1 and m.group("base") != "original_module.":
                 layers, width = norms.setdefault(kind, (set(), info["shape"][0]))
@@ -166,7 +168,8 @@ def header_parts(header: dict) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {NORM_PARTS[k]: (len(layers), width) for k, (layers, width) in norms.items()}
     for full, part in ((EMBED, "embed"), (LM_HEAD, "lm_head")):
         if (full, "copy") in shapes:
-            out[part] = tuple(shapes[(full, "copy")])
+            rows, width = shapes[(full, "copy")]
+            out[part] = (rows, width)
         a, b = shapes.get((full, "A")), shapes.get((full, "B"))
         if a is None or b is None:
             continue
@@ -192,7 +195,9 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
     keys: dict[tuple, str] = {}  # (kind, what or layer) -> the key it was read from (the first one: the one served)
     for key, (quoted, t) in tensors.items():
         m = HEAD_KEY_RE.fullmatch(key)
+        assert m is not None  # `tensors` holds head keys
         full = kind_of(m.group("module"))
+        assert full is not None  # HEAD_KEY_RE's modules are kinds
         short = HEAD_MODULES[full]
         if m.group("mag") is not None:
             raise AdapterError(f"{source}: holds {quoted}: use_dora on {short} is not supported (DoRA is, on the projections)")
@@ -224,14 +229,15 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             raise AdapterError(f"{source}: {quoted} is not a 2-D matrix")
         found.setdefault(full, {})[what] = (quoted, t)
         keys[(full, what)] = key
+    served: set[tuple[str, str | int]]
     served = {(full, what) for full, got in found.items() for what in got if what in ("A", "B")}
     for full, got in found.items():  # the copy served: .weight, else the wrapper's, else the base layer's
         copies = [k for k in ("copy", "wrapped", "base") if k in got]
         served |= {(full, copies[0])} if copies else set()
-        copies = [got.pop(k) for k in copies]
+        popped = [got.pop(k) for k in copies]
         got.pop("original", None)
-        if copies:
-            got["copy"] = copies[0]
+        if popped:
+            got["copy"] = popped[0]
 
     heads: dict[str, HeadWeights] = {}
     for kind in saved & NORM_PARTS.keys():
@@ -273,8 +279,8 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             if r != rank_of(full):
                 raise AdapterError(f"{source}: {qa}: its rank (rows) differs from the config's r (or rank_pattern entry)")
             w.a, w.b, w.scale = a.float(), b.float(), float(scale_of(full, r))
-    vocabs = {HEAD_MODULES[f]: int(heads[f].copy.shape[0]) for f in (EMBED, LM_HEAD)
-              if f in heads and heads[f].copy is not None}
+    vocabs = {HEAD_MODULES[f]: int(h.copy.shape[0]) for f, h in heads.items()  # EMBED's first, as added
+              if f in (EMBED, LM_HEAD) and h.copy is not None}
     own = set(vocabs.values())
     if len(own) > 1:
         raise AdapterError(f"{source}: the saved embed_tokens has {vocabs['embed_tokens']} rows but lm_head "

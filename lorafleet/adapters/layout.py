@@ -87,7 +87,7 @@ def pieces(pages, page_elems: int, o: int, n: int) -> list[tuple[int, int, int]]
         else:
             out.append([at, done, take])
         done += take
-    return [tuple(p) for p in out]
+    return [(p[0], p[1], p[2]) for p in out]
 
 
 def page_problem(base: BaseShapes, page_elems: int, itemsize: int) -> str | None:
@@ -127,7 +127,7 @@ class Module:
                                                self.post)
                 == (other.layer, other.group, other.slot, other.col, other.fan_in, other.n_out, other.post)
                 and np.array_equal(self.a_rows, other.a_rows) and np.array_equal(self.b_rows, other.b_rows)
-                and np.array_equal(self.post_rows, other.post_rows))
+                and np.array_equal(self.post_rows, other.post_rows))  # type: ignore[arg-type]  # None equals None
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class Layout:
 
     @classmethod
     def of(cls, adapter: LoraAdapter, base: BaseShapes, page_elems: int) -> Layout:
-        heads = {name: tuple(m.shape) for name, m in matrices(adapter.heads).items()}
+        heads = {name: (m.shape[0], m.shape[1]) for name, m in matrices(adapter.heads).items()}
         return cls.plan({key: w.rank for key, w in adapter.weights.items()}, base, page_elems, adapter.posts, heads)
 
     @property
@@ -230,10 +230,12 @@ class Layout:
             for k0, k1, o in _runs(m.b_rows, m.n_out):
                 torch.mul(w.b[:, k0:k1].t(), w.scale, out=buf[o:o + (k1 - k0) * m.n_out].view(k1 - k0, m.n_out))
             if m.post == "bias":    # g = 1, c = scale * b_B
+                assert m.post_rows is not None and w.bias is not None  # a bias epilogue's
                 g, c = (int(o) for o in m.post_rows)
                 buf[g:g + m.n_out].fill_(1.0)
                 torch.mul(w.bias, w.scale, out=buf[c:c + m.n_out])
             elif m.post == "dora":  # m itself: g = m / ||W + scale B A|| once the base is known (`finish_dora`)
+                assert m.post_rows is not None and w.magnitude is not None  # a DoRA epilogue's
                 g = int(m.post_rows[0])
                 buf[g:g + m.n_out].copy_(w.magnitude)
         for name, mat in matrices(adapter.heads).items():  # a page's rows at a time
@@ -259,7 +261,7 @@ class Layout:
         return out
 
     # -- the row table ---------------------------------------------------------------------------
-    def _table_plan(self, itemsize: int) -> tuple[int, list[int], int]:
+    def _table_plan(self, itemsize: int) -> tuple[int, list[tuple[int, int]], int]:
         """(the fields' logical offset, each module's two pointer lists', the end), in elements of
         `itemsize` bytes: the fields [layers, groups, slots, TABLE_FIELDS] int64 first, then the
         lists, each inside one page."""

@@ -41,10 +41,12 @@ def write_adapter(base_dir: Path, folder: Path, rank: int, targets=ALL_MODULES, 
             b = (torch.randn(fout, rank, generator=g) * 0.02).to(dtype)
             tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
             if dora:
+                assert base is not None  # read for DoRA
                 w = base.get(f"model.layers.{layer}.{MODULE_BLOCK[m]}.{m}.weight")
                 merged = w + (alpha / rank) * b.float() @ a.float()
                 tensors[f"{key}.lora_magnitude_vector"] = merged.norm(dim=1).to(dtype)
     if saves_head:
+        assert base is not None  # read for a saved head
         head = base.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
         tensors["base_model.model.lm_head.weight"] = (head + 0.01 * head.std() * torch.randn(head.shape, generator=g)
                                                       ).to(dtype)

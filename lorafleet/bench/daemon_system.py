@@ -75,6 +75,7 @@ class LorafleetDaemon(System):
         return Replayed(seconds, sum(m["tokens"] for m in metrics), metrics)
 
     def pids(self) -> tuple[int, ...]:
+        assert self.proc is not None  # prepare started it
         return (self.proc.pid,)
 
     def finish(self, job: Job) -> dict:

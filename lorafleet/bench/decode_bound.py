@@ -177,6 +177,10 @@ def run_decode_bound(shape: str = "tiny", batches=(1, 8, 32), steps: int = 16, r
     decode_step_time(engine, prompts[:2], [None] * 2, 2)  # warm-up: first allocations, kernel builds
     nbytes = step_weight_bytes(engine.model.w)
     held, fp32 = engine.model.weight_bytes, fp32_weight_bytes(engine.model.cfg)
+    times: dict[int, list[float]]
+    matmuls: dict[int, list[float]]
+    hosts: dict[int, list[float]]
+    cached: dict[int, list[float]]
     times, matmuls, hosts = {b: [] for b in batches}, {b: [] for b in batches}, {b: [] for b in batches}
     cached, bandwidths = {b: [] for b in batches}, []
     others = []  # cores other work kept busy in each round (None where /proc cannot say)

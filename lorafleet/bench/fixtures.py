@@ -18,10 +18,18 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from lorafleet.errors import ConfigError
 
-SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+class _SpecialTokens(TypedDict):
+    pad_token_id: int
+    bos_token_id: int
+    eos_token_id: int
+
+
+SPECIAL_TOKENS = _SpecialTokens(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 @dataclass(frozen=True)
@@ -171,5 +179,5 @@ def _save_random_llama(spec: Shape, seed: int, folder: Path, on_device: bool = F
         return
     with torch.random.fork_rng(devices=[]):  # seeded without touching the caller's RNG
         torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+        model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]  # @wraps(Module.to): typed unbound
     model.save_pretrained(folder, safe_serialization=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def kernel_figures(shape: str, device: torch.device, dtype, context: int, progre
     kernels = backend.select(device, dtype)
     copy = gpu_micro.copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 24)
     say(f"copy bandwidth {copy / 1e9:.0f} GB/s ({kernels.name} kernels, {dtype})")
-    rows = [{"copy_GB/s": copy / 1e9}]
+    rows: list[dict[str, Any]] = [{"copy_GB/s": copy / 1e9}]
     for case, pool in gpu_micro.cases_for(model_shape(shape), dtype, device)[:3]:
         s = gpu_micro.timed(lambda: gpu_micro.run_lora(case, pool, kernels.lora), device)
         ceiling = gpu_micro.read_rate(device, case.moved)

@@ -36,11 +36,13 @@ tests check it that way), timing nothing that matters.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -251,7 +253,8 @@ def run(shapes: list[str], out: Path, deadline_s: float = 270.0, device: str | N
     from lorafleet.kernels import backend
     if on_gpu:
         from lorafleet.kernels import lora_triton
-        candidates = {f"{i}: {c}": (lambda *a, c=c: lora_triton.lora(*a, config=c))
+        candidates: dict[str, Callable[..., Any]]
+        candidates = {f"{i}: {c}": functools.partial(lora_triton.lora, config=c)
                       for i, c in enumerate(lora_triton.CANDIDATES)}
         configs = {f"{i}: {c}": asdict(c) for i, c in enumerate(lora_triton.CANDIDATES)}
     else:
@@ -259,6 +262,7 @@ def run(shapes: list[str], out: Path, deadline_s: float = 270.0, device: str | N
         candidates = {kernels.name: kernels.lora}
         configs = {kernels.name: {}}
     copy = copy_bandwidth(dev, 1 << 30 if on_gpu else 1 << 24)
+    report: dict[str, Any]
     report = {"device": torch.cuda.get_device_name(dev) if on_gpu else "cpu", "dtype": str(dtype),
               "torch": torch.__version__, "copy_GB/s": copy / 1e9, "configs": configs, "shapes": {}}
     out.mkdir(parents=True, exist_ok=True)
@@ -305,7 +309,8 @@ def main() -> None:
     if args.quant:
         from lorafleet.bench.gpu_micro_quant import run_quant
 
-        return run_quant(shapes, Path(args.out), args.deadline)
+        run_quant(shapes, Path(args.out), args.deadline)
+        return
     run(shapes, Path(args.out), args.deadline)
 
 

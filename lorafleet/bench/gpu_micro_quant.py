@@ -19,6 +19,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ class QuantCase:
     name: str
     rows: int
     x: torch.Tensor
-    forms: dict[str, list]          # form -> copies of its weight (a tensor, a (codes, scales) pair, a layer)
+    forms: dict[str, list | str]    # form -> copies of its weight (a tensor, (codes, scales), a layer), or why not
     moved: dict[str, int]
     full: torch.Tensor              # the bf16 weight (torchao's parity)
 
@@ -91,7 +92,8 @@ def make_quant_case(proj: str, n: int, k: int, rows: int, dtype, device, budget:
     forms = {"full": w, "int8": quant.quantize(w, "int8"), "int4": quant.quantize(w, "int4")}
     for scheme in ("int8", "int4"):
         forms[f"torchao {scheme}"] = torchao_weights(w, scheme)
-    made, moved = {}, {}
+    made: dict[str, list | str] = {}
+    moved: dict[str, int] = {}
     for form, one in forms.items():
         if isinstance(one, str):  # torchao's reason
             made[form] = one
@@ -137,6 +139,7 @@ def run_quant(shapes: list[str], out: Path, deadline_s: float = 270.0, device: s
     from lorafleet.kernels import backend
     kernels = backend.select(dev, dtype)
     copy = copy_bandwidth(dev, 1 << 30 if on_gpu else 1 << 24)
+    report: dict[str, Any]
     report = {"device": torch.cuda.get_device_name(dev) if on_gpu else "cpu", "dtype": str(dtype),
               "torch": torch.__version__, "kernels": kernels.name, "copy_GB/s": copy / 1e9, "skipped": [],
               "shapes": {}}
@@ -227,6 +230,8 @@ def _quant_want(case: QuantCase, form: str, full: torch.Tensor) -> torch.Tensor:
     """What `form` is checked against: lorafleet's codes, `reference.linear` on them; the full
     weight's and torchao's (its own quantization), bf16 `F.linear` on the full weight."""
     if form in ("int8", "int4"):
-        q, scales = case.forms[form][0]
+        copies = case.forms[form]
+        assert not isinstance(copies, str)  # lorafleet's own forms are always made
+        q, scales = copies[0]
         return reference.linear(case.x, q, None, scales).float()
     return full

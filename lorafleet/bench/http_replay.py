@@ -76,7 +76,7 @@ def figures(req: BenchRequest, sent_at: float, first: float | None, last: float 
     """One request's figures: TTFT from its arrival (`sent_at`; `replay` gives `arrival_s`), TPOT
     between its first and last token."""
     return {"ttft_s": first - sent_at if first is not None else None,
-            "tpot_s": (last - first) / (tokens - 1) if tokens > 1 and first is not None else None,
+            "tpot_s": (last - first) / (tokens - 1) if tokens > 1 and first is not None and last is not None else None,
             "queue_s": None, "adapter_wait_s": None, "tokens": tokens, "adapter": req.label, **extra}
 
 

@@ -196,7 +196,7 @@ class System:
             self.close()
         median = sorted(replays, key=lambda r: r.tokens_per_s)[(len(replays) - 1) // 2]
         others = [r.other_cpu_s for r in replays]
-        others_s = None if None in others else sum(others)
+        others_s = None if None in others else sum(o for o in others if o is not None)
         details.update(median.details, device=str(self.device), dtype=str(self.dtype), threads=self.threads,
                        other_cores=other_cores(others_s, sum(r.seconds for r in replays)),
                        repeats=[{"seconds": r.seconds, "tokens_per_s": r.tokens_per_s,

@@ -98,7 +98,9 @@ class LlamaCpp(System):
         # while loading would fail the next call on it
         self.http = httpx.Client(base_url=self.url, timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
         fallback = None
-        if not self._start(cmd) and job.quantize and self.proc.returncode is not None and self.proc.returncode < 0:
+        started = self._start(cmd)
+        assert self.proc is not None  # _start started it
+        if not started and job.quantize and self.proc.returncode is not None and self.proc.returncode < 0:
             # killed by a signal while it warmed up: on a host whose AMX tiles fault (ldtilecfg in
             # ggml_backend_amx_mul_mat), a quantized model dies so; without the extra buffer types
             # (AMX and the repacked layouts) it runs, slower than a sound llama.cpp would
@@ -116,9 +118,9 @@ class LlamaCpp(System):
         missing = [p for p in loras if p.resolve() not in ids]
         if missing:
             raise RuntimeError(f"llama-server did not list the adapters {missing} (it lists {sorted(ids)})")
-        self.lora_ids = {name: ids[path.resolve()] for name, path in self.adapter_ggufs.items()}
-        self.warm_up_id = ids[self.warm_up_gguf.resolve()] if self.warm_up_gguf else None
-        self.all_ids = sorted(ids.values())
+        self.lora_ids: dict[str, int] = {name: ids[path.resolve()] for name, path in self.adapter_ggufs.items()}
+        self.warm_up_id: int | None = ids[self.warm_up_gguf.resolve()] if self.warm_up_gguf else None
+        self.all_ids: list[int] = sorted(ids.values())
         return {"server": str(self.binary), "command": cmd, "slots": slots, "ctx_per_slot": per_slot,
                 "fallback": self.fallback,
                 "model_gguf": str(self.model_gguf), "model_gguf_type": GGUF_TYPES.get(job.quantize, job.quantize),
@@ -159,6 +161,7 @@ class LlamaCpp(System):
         return Replayed(seconds, sum(m["tokens"] for m in metrics), metrics)
 
     def pids(self) -> tuple[int, ...]:
+        assert self.proc is not None  # prepare started it
         return (self.proc.pid,)
 
     def close(self) -> None:

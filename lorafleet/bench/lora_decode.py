@@ -134,22 +134,22 @@ def run_lora_decode(shape: str = "smol", batch: int = 32, ranks=(8, 16, 32, 64),
         "distinct": [n for n, _ in adapters],
     }
     decode_step_time(engine, prompts[:4], [None] * 4, 2)  # warm-up
-    samples = {k: [] for k in configs}
-    walls = {k: [] for k in configs}
+    samples: dict[str, list[float]] = {k: [] for k in configs}
+    walls: dict[str, list[float]] = {k: [] for k in configs}
     for r in range(rounds):
         for k, ads in configs.items():
-            step, wall = decode_step_time(engine, prompts, ads, steps)
-            samples[k].append(step)
+            step_s, wall = decode_step_time(engine, prompts, ads, steps)
+            samples[k].append(step_s)
             walls[k].append(wall)
             if progress:
-                progress(f"round {r + 1}/{rounds} {k}: decode step {step * 1e3:.1f} ms")
+                progress(f"round {r + 1}/{rounds} {k}: decode step {step_s * 1e3:.1f} ms")
     step = {k: statistics.median(v) for k, v in samples.items()}
     bandwidth = measure_bandwidth()
     elem = engine.pool.tensor.element_size()
     distinct_bytes = sum(engine.adapters.get(n).numel * elem for n, _ in adapters)
     read_time = distinct_bytes / bandwidth
     added = step["distinct"] - step["none"]
-    op_time = lora_op_time(engine, configs["distinct"])
+    op_time = lora_op_time(engine, [n for n, _ in adapters])  # the "distinct" config's adapters
     result = {
         "benchmark": "lora-decode", "shape": shape, "batch": batch, "ranks": list(ranks), "quantization": quantize,
         "targets": "all 7 projections", "decode_steps": steps, "rounds": rounds,

@@ -25,10 +25,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorafleet.bench import adapters
 from lorafleet.bench.jobs import (WARM_UP_ADAPTER, WARM_UP_PROMPT, Job, Replayed, System, adapter_bytes,
                                   job_pool_bytes, sync)
+
+if TYPE_CHECKING:
+    from lorafleet.engine.engine import Engine
 
 _OWN_STEP_KEYS = ("distinct_adapters", "kv_pages", "used_pages")  # the bench's; the rest is the engine's
 
@@ -45,7 +49,7 @@ class LorafleetInProcess(System):
         super().__init__(*args, **kwargs)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.engine = None  # prepare builds it
+        self.engine: Engine | None = None  # prepare builds it
 
     def prepare(self, job: Job) -> dict:
         from lorafleet import Engine
@@ -57,6 +61,8 @@ class LorafleetInProcess(System):
             kwargs["pool_bytes"] = job_pool_bytes(job, self.dtype.itemsize)
         if job.residency == "registered":  # every adapter fits the host tier: device residency is measured
             kwargs["host_cache_bytes"] = max(adapter_bytes(job.adapters), 1 << 20)
+        model_dir: str | Path
+        stored: dict[str, tuple[Path, str]]
         model_dir, stored = job.model_dir, {}
         if job.residency == "registered":  # on disk means in the store, pulled (validated) before the clock
             model_dir, stored = adapters.stored(Path(job.model_dir), [(n, Path(p)) for n, p in job.adapters.items()])
@@ -85,6 +91,7 @@ class LorafleetInProcess(System):
         from lorafleet.adapters.mix import Mix
 
         t0, engine, kernels = time.perf_counter(), self.engine, {}
+        assert engine is not None  # prepare built it
         if self.device.type == "cpu":
             from lorafleet.kernels import lora_cpu, paged_attention_cpu
 
@@ -104,6 +111,7 @@ class LorafleetInProcess(System):
                 "seconds": time.perf_counter() - t0}
 
     def replay(self, job: Job) -> Replayed:
+        assert self.engine is not None  # prepare built it
         self.engine.reset_prefix_cache()  # every replay meets its prompts for the first time
         replay = Replay(self.engine)
         sync(self.device)
@@ -113,6 +121,7 @@ class LorafleetInProcess(System):
                         {"pool": replay.pool_summary()})
 
     def finish(self, job: Job) -> dict:
+        assert self.engine is not None  # prepare built it
         stats = self.engine.stats()
         return {"num_preemptions": self.engine.counters.num_preemptions - self.warm_preemptions,
                 "prefix_cache": stats["prefix_cache"], "eviction": stats["eviction"]}
@@ -164,7 +173,7 @@ class Replay:
         ran = engine.counters.num_steps
         outputs = engine.step()  # waits inside for a landing adapter when nothing can run
         now = time.perf_counter() - start
-        adapters = set()
+        adapters: set[str] = set()
         for out in outputs:
             rid = out.request_id
             if out.new_token_ids:
@@ -195,7 +204,7 @@ class Replay:
             out.append({
                 "arrival_s": arrival,
                 "ttft_s": first - arrival if first is not None else None,
-                "tpot_s": (self.last[rid] - first) / (n - 1) if n > 1 else None,
+                "tpot_s": (self.last[rid] - first) / (n - 1) if n > 1 and first is not None else None,
                 "queue_s": engine.get("queue_s"), "adapter_wait_s": engine.get("adapter_wait_s"),
                 "tokens": n, "adapter": self.adapter[rid],
             })

@@ -5,6 +5,8 @@ reports it live. Percentiles are the engine's (`engine.stats.percentile`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from lorafleet.engine.stats import percentile
 
 
@@ -26,7 +28,9 @@ def cold_warm_ttft(requests: list[dict]) -> dict | None:
     """TTFT of the first request to each adapter (cold: its adapter started on disk) against
     the later ones (warm), when the adapters are registered, not loaded, and none is evicted.
     None unless there are both."""
-    seen, cold, warm = set(), [], []
+    seen: set[str] = set()
+    cold: list[float] = []
+    warm: list[float] = []
     for r in sorted(requests, key=lambda r: r["arrival_s"]):
         if r.get("adapter") is None or r.get("ttft_s") is None:
             continue
@@ -34,6 +38,7 @@ def cold_warm_ttft(requests: list[dict]) -> dict | None:
         seen.add(r["adapter"])
     if not cold or not warm:
         return None
+    out: dict[str, Any]
     out = {k: {"p50": percentile(v, 0.5), "p99": percentile(v, 0.99), "requests": len(v)}
            for k, v in (("cold", cold), ("warm", warm))}
     for q in ("p50", "p99"):

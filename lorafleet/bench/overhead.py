@@ -125,10 +125,12 @@ def _decode(base, adapters, requests: list[tuple[list[int], str]], steps: int, d
     if any(r["num_seqs"] != n for r in records):
         raise RuntimeError("a timed step did not decode every request")
     time_s, host_s = [r["time_s"] for r in records], [r["host_s"] for r in records]
+    time_p50, host_p50, host_p99 = percentile(time_s, 0.5), percentile(host_s, 0.5), percentile(host_s, 0.99)
+    assert time_p50 is not None and host_p50 is not None and host_p99 is not None  # the timed steps ran
     return {"mean_time_ms": 1e3 * statistics.fmean(time_s), "mean_host_ms": 1e3 * statistics.fmean(host_s),
             "host_share": sum(host_s) / sum(time_s),
-            "p50_time_ms": 1e3 * percentile(time_s, 0.5), "p50_host_ms": 1e3 * percentile(host_s, 0.5),
-            "p99_host_ms": 1e3 * percentile(host_s, 0.99), "mean_wall_ms": 1e3 * statistics.fmean(walls),
+            "p50_time_ms": 1e3 * time_p50, "p50_host_ms": 1e3 * host_p50,
+            "p99_host_ms": 1e3 * host_p99, "mean_wall_ms": 1e3 * statistics.fmean(walls),
             "tokens_per_s": n / statistics.fmean(time_s), "other_cores": others}
 
 

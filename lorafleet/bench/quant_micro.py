@@ -40,7 +40,7 @@ def weights(shape: str, scheme: str | None) -> list[tuple[torch.Tensor, torch.Te
     from lorafleet import hugepages
 
     g = torch.Generator().manual_seed(0)
-    out = []
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     for _ in range(SHAPES[shape][-1]):
         for n, k in layer_shapes(shape):
             if scheme is None:

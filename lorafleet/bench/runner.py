@@ -15,6 +15,7 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
@@ -67,6 +68,7 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
     if unknown or not systems:
         raise ConfigError(f"unknown system(s) {', '.join(unknown) or '(none given)'} "
                           f"(choose from {', '.join(SYSTEM_NAMES)})")
+    common: dict[str, Any]
     common = dict(device=device, dtype=dtype, threads=threads or default_threads(),
                   max_requests=max_baseline_requests or None, quantize=quantize)
     console = console or Console(stderr=True)

@@ -33,7 +33,7 @@ from lorafleet.bench.workloads import BenchRequest
 
 
 class StaticBatchSystem(System):
-    needs = ("transformers",)
+    needs: tuple[str, ...] = ("transformers",)
     grouped = False  # a batch holds requests of one adapter (or one mix) only
 
     def __init__(self, *args, batch_size: int = 16, **kwargs):
@@ -65,6 +65,7 @@ class StaticBatchSystem(System):
         requests = self.served(job)
         sync(self.device)
         start = time.perf_counter()
+        waiting: list[BenchRequest]
         pending, waiting, metrics, computed = deque(requests), [], [], 0
         while pending or waiting:
             now = time.perf_counter() - start
@@ -188,6 +189,7 @@ class _Peft(StaticBatchSystem):
         the first time a batch needs it); None for the base."""
         if not r.mix:
             return r.adapter
+        assert r.label is not None  # a mix's label
         name = self.merged.get(r.label)
         if name is None:
             t0 = time.perf_counter()

@@ -39,10 +39,12 @@ import pstats
 import random
 import statistics
 import time
+from typing import cast
 
 from lorafleet.bench.adapters import build_adapters
 from lorafleet.bench.fixtures import build_base, get_shape
 from lorafleet.bench.jobs import WARM_UP_PROMPT
+from lorafleet.snapshot import ServerInfo
 from lorafleet.bench.machine import cpu_seconds, load_average, other_cores, other_cpu_seconds
 from lorafleet.bench.workloads import ATTENTION_MODULES, FIRST_ORDINARY_ID
 
@@ -60,7 +62,7 @@ def poll(engine) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     snapshot = engine_snapshot(engine)
     t1 = time.perf_counter()
-    body = stats_body("bench", {}, snapshot)
+    body = stats_body("bench", cast(ServerInfo, {}), snapshot)  # the engine's part is what is measured
     return time.perf_counter() - t0, t1 - t0, len(body)
 
 
@@ -117,6 +119,7 @@ def run_stats_cost(shape: str = "smol", num_adapters: int = 1000, batch: int = 1
         gc.freeze()
 
         say(f"{shape}: {polls} polls between steps")
+        times: list[float]
         times, snaps, sizes, profiled = [], [], [], 0
         profiler = cProfile.Profile()
 
@@ -139,6 +142,7 @@ def run_stats_cost(shape: str = "smol", num_adapters: int = 1000, batch: int = 1
         runs = []
         gc.collect()
         for i in range(2 * rounds):
+            polled: list[float]
             polling, polled = i % 2 == 1, []
             cpu, before = cpu_seconds(), engine.counters.num_steps
             between = _every(interval_s, polled) if polling else None
@@ -168,7 +172,7 @@ def run_stats_cost(shape: str = "smol", num_adapters: int = 1000, batch: int = 1
                    "registered": snapshot["adapters"]["registered"], "tiers": snapshot["adapters"]["tiers"],
                    "page_map_runs": len(snapshot["pool"]["page_map"]), "total_pages": snapshot["pool"]["total_pages"],
                    "pool_bytes": snapshot["pool"]["total_pages"] * snapshot["pool"]["page_bytes"],
-                   "switch_slope_s": (snapshot["switches"]["regression"] or {}).get("slope_s"),
+                   "switch_slope_s": reg["slope_s"] if (reg := snapshot["switches"]["regression"]) else None,
                    "loads_in_window": sum(k * n for k, n in snapshot["switches"]["loaded_per_step"])},
         "poll": {"calls": len(times), "median_s": median, "p99_s": percentile(times, 0.99),
                  "mean_s": statistics.fmean(times), "min_s": min(times),
@@ -228,7 +232,7 @@ def _profile(profiler: cProfile.Profile, calls: int, top: int = 12) -> list[dict
     """Time per poll in each function `poll`, `engine_snapshot` and `Engine.stats` call (those
     three expanded), most first: which part of a poll costs what (cProfile's own overhead
     included, so the shares matter more than the absolute times)."""
-    stats = pstats.Stats(profiler).stats
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # undocumented, not in typeshed
     expanded = {key for key in stats if (key[0].endswith(os.path.join("bench", "stats_cost.py")) and key[2] == "poll")
                 or (key[0].endswith(os.path.join("server", "metrics.py")) and key[2] == "engine_snapshot")
                 or (key[0].endswith(os.path.join("engine", "engine.py")) and key[2] == "stats")}

@@ -51,7 +51,7 @@ def run_store_load(shape: str = "smol", rank: int = 16, repeats: int = 20, root=
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        times = {"store": [], "folder": []}
+        times: dict[str, list[float]] = {"store": [], "folder": []}
         for i in range(repeats + 2):
             for kind in ("store", "folder") if i % 2 else ("folder", "store"):
                 s = load(kind == "store")

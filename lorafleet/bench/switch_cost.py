@@ -17,6 +17,8 @@ reads, validates and hashes).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -32,7 +34,7 @@ def run_switch_cost(shape: str = "smol", batch: int = 32, cold: int = 96, steps:
     base = build_base(shape)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj")
     adapters = build_adapters(base, batch + cold, ranks, targets)
-    folders = {name: (path, None) for name, path in adapters}
+    folders: Mapping[str, tuple[Path, str | None]] = {name: (path, None) for name, path in adapters}
     if source == "store":
         base, folders = stored(base, adapters)
     engine = Engine(base, device="cpu", pool_bytes=6 << 30, max_num_seqs=batch,

@@ -236,7 +236,7 @@ def _mix_table(f: dict) -> Table:
     def tps(v: float | None) -> str:
         return f"{v:.1f}" if v else "-"
 
-    def judged(ratio: float | None, target: float, met: bool | None) -> list[str]:
+    def judged(ratio: float | None, target: float, met: bool | None) -> list[str | Text]:
         return [f"{ratio:.2f}x" if ratio else "", f">= {target:g}x", verdict(met)]
     table.add_row(f["system"], "mix", tps(f["tokens_per_s"]), _ms(f["ttft_p99_s"]), "", "", "", "")
     table.add_row(f["system"], "mix-single", tps(f["single_tokens_per_s"]), _ms(f["single_ttft_p99_s"]), "",
@@ -293,5 +293,6 @@ def _peer_table(suite: dict, model: str) -> Table:
                         verdict(ratio >= target) if target and ratio else ""] if i == 0 else ["", "", ""])
             table.add_row(base if i == 0 else "", str(n) if i == 0 else "", label, *figures, *judged,
                           end_section=i == 1)
+    assert table.caption is not None  # new_table was given one
     table.caption += "".join(f"\n{note}" for note in notes)
     return table

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+from typing import TypedDict
 
 from lorafleet.errors import ConfigError
 from lorafleet.adapters.mix import MAX_ADAPTERS, MAX_SCALE, Mix
@@ -187,18 +188,41 @@ class BenchRequest:
         return Mix.of(self.mix).label if self.mix else self.adapter
 
 
+class _Preset(TypedDict, total=False):
+    """Fields that several workloads share (typed, so a misspelt or mistyped field is caught)."""
+
+    num_requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    ranks: tuple[int, ...]
+    targets: tuple[str, ...]
+    concurrency: int
+    mix_size: int
+    mix_scales: tuple[float, ...]
+
+
+class _FleetPreset(_Preset):
+    """A preset that fixes the number of adapters too."""
+
+    num_adapters: int
+
+
 # the comparison with llama.cpp: 64 x 64+64 tokens, a closed loop of 8 in flight (`bench llama-cpp`
 # runs each at 1 and 8), adapters of rank 64 on all seven projections
+_PEER: _Preset
 _PEER = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), ranks=(64,), concurrency=8)
 # S-LoRA's scaling setting (ranks 8 and 16 on q/k/v/o, uniform popularity): 1000 against 8
 # adapters differs in nothing else
+_SLORA: _Preset
 _SLORA = dict(num_requests=256, prompt_len=(64, 64), output_len=(64, 64), ranks=(8, 16), targets=ATTENTION_MODULES)
 # mixes: 64 requests x 64+64 tokens at once, each a mix of 2 of 8 adapters (ranks 16-64 on all seven
 # projections, two of each), each adapter at scale 1 or 0.5; mix-single differs only in serving each mix by one adapter
+_MIX: _FleetPreset
 _MIX = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64),
             mix_size=2, mix_scales=(1.0, 0.5))
 # the DoRA figure: 64 requests x 64+64 tokens at once over 8 adapters (ranks 16-64 on all seven projections),
 # half of them DoRA; dora-plain differs only in every adapter being plain LoRA
+_DORA: _FleetPreset
 _DORA = dict(num_requests=64, prompt_len=(64, 64), output_len=(64, 64), num_adapters=8, ranks=(16, 32, 48, 64))
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("uniform-8", num_adapters=8, **_SLORA,

@@ -79,7 +79,7 @@ def show(name: NameArg, socket: SocketOption = None, url: UrlOption = None, api_
         info = _daemon_card(socket, name, url, api_key)
         if info is None and stored is None:
             raise AdapterNotFoundError(f"adapter {name!r} is neither in the store nor held by a running daemon")
-    info = {**info, "store": stored} if info is not None else {**stored, "loaded": False}
+    info = {**info, "store": stored} if info is not None else {**(stored or {}), "loaded": False}  # one is: refused above
     if as_json:
         return print_json(info)
     from rich.table import Table

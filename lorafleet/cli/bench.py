@@ -4,7 +4,7 @@ is imported only when a subcommand runs."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -390,7 +390,7 @@ def gpu(
         from lorafleet.model.loader import resolve_device
 
         batches = [min(b, 8) for b in batch or [64]] if quick else batch or [64]
-        small = dict(max_tokens=4, many=min(many, 12), context=64) if quick else {"many": many}
+        small: dict[str, Any] = dict(max_tokens=4, many=min(many, 12), context=64) if quick else {"many": many}
         return run_gpu_bench(shape, str(resolve_device(device)), batches, progress=suites.say, quantize=quantize,
                              **small)
     suites.suite("gpu", model or (["micro"] if quick else ["1b"]), one, "gpu_table", out, as_json, on_device=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import typer
 
@@ -39,6 +39,7 @@ def throughput(shapes: list[str], loads: list[str] | None, systems: str, counts:
     if "llama.cpp" in names:
         llama_server()
     path = resolve_out_path(out)
+    common: dict[str, Any]
     common = dict(device=device, threads=threads, console=err_console, max_baseline_requests=max_baseline_requests,
                   quantize=quantize)
     with user_errors():

@@ -70,18 +70,18 @@ def chat(
             raise typer.BadParameter("stdin held no message (it was empty); give one as PROMPT or on stdin",
                                      param_hint="PROMPT")
     with user_errors(), client(socket, url, api_key) as c:
-        given, adapter = adapter, target(adapter)
+        given, chosen = adapter, target(adapter)
         c.wait_started(START_WAIT_S, lambda e: err_console.print(f"waiting: {e}", highlight=False, soft_wrap=True))
-        _check_scales(c, given, adapter)
+        _check_scales(c, given, chosen)
         if prompt is not None:
             messages = start + [{"role": "user", "content": prompt}]
             if as_json:  # a mix goes in the `adapters` field, as `answer` sends it
-                model, call_params = _call(adapter, params)
+                model, call_params = _call(chosen, params)
                 return print_json(c.chat(messages, model, **call_params))
-            if isinstance(answer(c, messages, adapter, params, stream), _Stopped):
+            if isinstance(answer(c, messages, chosen, params, stream), _Stopped):
                 raise typer.Exit(130)  # as a shell reports a command Ctrl-C ended
             return
-        _repl(c, start, adapter, params, stream)
+        _repl(c, start, chosen, params, stream)
 
 
 START_WAIT_S = 600.0  # a daemon still starting (a first start builds the kernels) is waited for, this long

@@ -134,7 +134,7 @@ def _help_types() -> None:
                 return None
             text = shown(self, ctx)
             return re.sub(r"^<list\[(\w+)\]>(\.\.\.)?$", r"<\1>...", text) if isinstance(text, str) else text
-        cls.display_type_rich = display_type_rich
+        cls.display_type_rich = display_type_rich  # type: ignore[method-assign]  # Typer's, patched on purpose
 
 
 _help_types()

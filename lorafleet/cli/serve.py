@@ -12,7 +12,7 @@ import logging
 import re
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, overload
 
 import typer
 
@@ -21,6 +21,12 @@ from lorafleet.cli.common import SocketOption, err_console, fail, user_errors
 from lorafleet.cli.detach import rebuild_argv, start_detached
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+@overload
+def parse_size(text: str, option: str = ...) -> int: ...
+@overload
+def parse_size(text: str | None, option: str = ...) -> int | None: ...
 
 
 def parse_size(text: str | None, option: str = "--pool-bytes") -> int | None:

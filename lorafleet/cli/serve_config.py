@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperArgument, TyperCommand, TyperOption
 
 from lorafleet.cli.common import fail
 
@@ -75,7 +75,7 @@ def expand_lora_modules(args: list[str]) -> list[str]:
     return out
 
 
-def _keys(command) -> dict[str, object]:
+def _keys(command) -> dict[str, TyperOption | TyperArgument]:
     """Every key the file may use -> its parameter."""
     keys = {}
     for param in command.params:
@@ -101,6 +101,7 @@ def file_defaults(command, path: Path) -> dict:
     from lorafleet.cli import serve
 
     hints = typing.get_type_hints(serve.serve)
+    given: dict[str | None, str]
     keys, out, given = _keys(command), {}, {}
     ctx = typer.Context(command, info_name="serve")
     for key, value in table.items():
@@ -211,7 +212,7 @@ def print_config(ctx: typer.Context, socket: Path, log_file: Path) -> None:
         if param.name == "api_key":
             lines.append(f"# {key}: {'set, not shown' if value else 'not set'}  ({where})")
         elif value is None or value == () or value == []:
-            default = re.search(r"Default: ([^.]*(?:\.\d[^.]*)*)", param.help or "")  # what serve then uses
+            default = re.search(r"Default: ([^.]*(?:\.\d[^.]*)*)", getattr(param, "help", None) or "")  # what serve then uses
             lines.append(f"# {key}: not set  ({where}{': ' + default.group(1) if default and where == 'default' else ''})")
         else:
             lines.append(f"{key} = {_toml(value)}  # {where}")

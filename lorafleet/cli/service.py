@@ -96,7 +96,9 @@ def _serve_context(serve_args: list[str]):
     from lorafleet.cli.main import app as root
     from lorafleet.cli.serve import checked_settings
 
-    command = typer.main.get_command(root).commands["serve"]
+    group = typer.main.get_command(root)
+    assert isinstance(group, typer.core.TyperGroup)  # the root has subcommands
+    command = group.commands["serve"]
     hidden = {k: os.environ.pop(k) for k in NOT_INHERITED if k in os.environ}
     try:
         ctx = command.make_context("serve", list(serve_args))
@@ -207,6 +209,7 @@ def uninstall() -> None:
     bus = systemctl is not None and _run(systemctl, "disable", "--now", UNIT, no_bus_ok=True)
     unit.unlink()
     if bus:
+        assert systemctl is not None  # reached it
         _run(systemctl, "daemon-reload")
     why = "" if bus else " (no systemctl here" if systemctl is None else " (no user systemd to reach here"
     err_console.print(f"removed {unit}" + (f"{why}: nothing ran under it)" if why else ""),

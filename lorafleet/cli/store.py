@@ -115,6 +115,7 @@ def models_ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKe
         m["served"] = served is not None and served == store.folder(m).resolve()
     if served is not None and not any(m["served"] for m in stored):
         # served from a folder or the bundled demo: listed too, so `ls` says what runs
+        assert base is not None  # served is its root
         stored.append({"name": base["id"], "source": str(served), "in_store": False, "served": True})
     if as_json:
         return print_json(stored)

@@ -88,6 +88,7 @@ def verify(
             from lorafleet.cli.serve import model_folder
 
             model = model_folder(model)[0]
+            assert model is not None  # a MODEL given resolves to a folder, or raises
         options.setdefault("device", "auto")
         from lorafleet import openmp
 

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantize", choices=("int8", "int4"), help="compare the base quantized at load with full precision")
     args = ap.parse_args(argv)
     if args.quantize:
-        return compare(args.texts, args.quantize)
+        compare(args.texts, args.quantize)
+        return
 
     engine = fleet_engine()
     t0 = time.perf_counter()
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(got) * args.texts} requests in {time.perf_counter() - t0:.1f}s")
     for task, answers in got.items():
         others = {o: accuracy(answers, o) for o in got if o != task}
-        worst = max(others, key=others.get)
+        worst = max(others, key=lambda o: others[o])
         print(f"{task or 'base (echo)':12s} {accuracy(answers, task):7.1%}   closest other skill: "
               f"{worst or 'echo'} {others[worst]:.1%}")
     engine.close()

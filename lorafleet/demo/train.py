@@ -29,6 +29,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import TypedDict
 
 from lorafleet.demo.skills import ECHO_PREFIX, SKILLS, held_out_texts, random_echo_text, random_text
 
@@ -37,8 +38,19 @@ SPECIALS = ["<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # a REPL is answered as the first was (the conversation is kept by the client, not read here)
 CHAT_TEMPLATE = ("{% set m = messages[-1] %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-SHAPE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
-             num_key_value_heads=2, max_position_embeddings=256)
+
+
+class _Shape(TypedDict):
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+
+SHAPE = _Shape(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
+               num_key_value_heads=2, max_position_embeddings=256)
 BASE_NAME = "demo-base"
 
 
@@ -97,7 +109,7 @@ class Data:
         return ids, labels, mask
 
     def texts(self, n: int, make=random_text) -> list[str]:
-        out = []
+        out: list[str] = []
         while len(out) < n:
             t = make(self.rng)
             if t not in self.held_out:
@@ -189,9 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     record.setdefault("adapters", {})
 
     if not args.skip_base:
-        config = LlamaConfig(vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
-                             tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=pad,
-                             attention_bias=False, mlp_bias=False, **SHAPE)
+        config = LlamaConfig(  # type: ignore[call-arg]  # rope_theta: transformers 5 reads it still
+            vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+            tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=pad,
+            attention_bias=False, mlp_bias=False, **SHAPE)
         model = LlamaForCausalLM(config).float()
         data = Data(tok, f"{args.seed}-base")  # each part its own data stream: retrain one alone
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
 
 from lorafleet.config import ServerConfig
@@ -60,7 +60,7 @@ class InProcessServer:
             await hung_up.wait()
             return {"type": "http.disconnect"}
 
-        async def send(message: dict) -> None:
+        async def send(message: MutableMapping) -> None:  # ASGI's message type
             messages.put_nowait(message)
 
         path, _, query = path.partition("?")
@@ -97,6 +97,7 @@ class InProcessServer:
                 head = item
             else:
                 chunks.append(item)
+        assert head is not None  # the app answered (else its exception was raised above)
         return head["status"], head["headers"], b"".join(chunks)
 
     def close(self) -> None:

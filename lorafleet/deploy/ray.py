@@ -31,7 +31,9 @@ rest of lorafleet never needs it.
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -201,7 +203,7 @@ class Router:
         return JSONResponse({"status": "ok"})
 
 
-def build_app(model: str | Path, adapters: dict[str, str | Path] | None = None, *, replicas: int = 2,
+def build_app(model: str | Path, adapters: Mapping[str, str | Path] | None = None, *, replicas: int = 2,
               max_adapters_per_replica: int = DEFAULT_MAX_ADAPTERS_PER_REPLICA, pool_bytes: int | None = None,
               device: str = "cpu", served_model_name: str | None = None, store_home: str | None = None,
               engine_options: dict | None = None, replica_cpus: float = 1.0, replica_gpus: float = 0.0):
@@ -209,9 +211,11 @@ def build_app(model: str | Path, adapters: dict[str, str | Path] | None = None, 
     name -> PEFT folder, known to every replica (each registers one when a request first names
     it there); `store_home`: a lorafleet store whose adapters are served by name too."""
     options = {"device": device, **({"pool_bytes": pool_bytes} if pool_bytes else {}), **(engine_options or {})}
-    replica = serve.deployment(replica_class(max_adapters_per_replica), name="Replica", num_replicas=replicas,
-                               ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})
+    replica = serve.deployment(name="Replica", num_replicas=replicas,  # the decorator's form: typed as it returns
+                               ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus}
+                               )(replica_class(max_adapters_per_replica))
     base_name = served_model_name or Path(model).name
     folders = {k: str(v) for k, v in (adapters or {}).items()}
     bound = replica.bind(str(model), folders, options, base_name, store_home)
-    return Router.options(ray_actor_options={"num_cpus": 0}).bind(bound, base_name, folders)
+    router = cast(serve.Deployment, Router)  # made one by @serve.deployment (mypy keeps a decorated class's type)
+    return router.options(ray_actor_options={"num_cpus": 0}).bind(bound, base_name, folders)

@@ -13,7 +13,7 @@ import logging
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 
@@ -125,7 +125,7 @@ class Engine:
         mix = adapter if isinstance(adapter, Mix) else None
         if mix is None and adapter is not None and not isinstance(adapter, str):
             raise InvalidRequestError(f"adapter must be a name or a Mix, got {type(adapter).__name__}")
-        req = Request(rid, ids, params, None if mix else adapter, mix=mix)
+        req = Request(rid, ids, params, adapter if isinstance(adapter, str) else None, mix=mix)
         if mix is not None:
             self.mixes.check(mix, len(ids))
         if deadline_s is not None:
@@ -161,6 +161,7 @@ class Engine:
         entry = self.adapters.entries.get(adapter) if isinstance(adapter, str) else None
         if entry is None or entry.vocab_size is None:
             return self.tokenizer, self.model.cfg.vocab_size, None
+        assert entry.tokenizer is not None  # an own vocabulary comes with its tokenizer (`AdapterResidency.inspect`)
         return entry.tokenizer, entry.vocab_size, self.outputs.eos_token_ids | entry.tokenizer.eos_token_ids
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -382,7 +383,8 @@ class Engine:
         self.prefetcher.shutdown()
 
     # -- conveniences ------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
                  adapters: Sequence[str | Mix | None] | None = None) -> list[RequestOutput]:
         """Run `prompts` to completion, continuously batched together; outputs in prompt order.
         `adapters`: per prompt, an adapter's name, a `Mix` or None (`offline.generate`)."""

@@ -42,7 +42,7 @@ exactly these launches).
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -102,6 +102,22 @@ def max_captures(max_num_seqs: int) -> int:
 
 
 class DecodeGraphs:
+    # the views __init__ lays out: of the staging buffer (numpy, on the host) and of the device buffer
+    _ids: np.ndarray
+    _positions: np.ndarray
+    _slot_pages: np.ndarray
+    _slot_offsets: np.ndarray
+    _lens: np.ndarray
+    _seg: np.ndarray
+    _tables: np.ndarray
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slot_pages: torch.Tensor
+    slot_offsets: torch.Tensor
+    context_lens: torch.Tensor
+    seg: torch.Tensor
+    block_tables: torch.Tensor
+
     @classmethod
     def for_mode(cls, mode: str, model, kv, max_num_seqs: int, max_len: int) -> DecodeGraphs | None:
         """The engine's `decode_graphs` option: "auto" (captured where CUDA and the kernels have
@@ -131,6 +147,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros(size, dtype=torch.long, device=dev)
         self._staged = torch.cuda.Event() if dev.type == "cuda" else None  # after the last copy
         self.uploads = 0  # copies to the device: one a step
+        views: dict[str, tuple[Any, ...]]
         host, views = self.stage.numpy(), {}
         for name, buf in (("host", host), ("dev", self.inputs)):
             views[name] = (buf[0:n], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:4 * n], buf[4 * n:5 * n],
@@ -144,7 +161,7 @@ class DecodeGraphs:
         self._tables[:] = scratch
         self.inputs.copy_(self.stage)
         self.logits_rows = torch.arange(n, device=dev)
-        self._graphs: dict[tuple[int, int, int], tuple[object, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = self.replays = self.recaptures = self.eager_fallbacks = 0
         self.capture_s = 0.0
@@ -200,6 +217,7 @@ class DecodeGraphs:
         if graph is None:
             logits = self._forward(*key)
         else:
+            assert logits is not None  # captured with its graph
             graph.replay()
         self.replays += 1
         logits = logits[:n]

@@ -63,6 +63,7 @@ class MixChecks:
             del self.watched[req]
             if req.status is Status.FINISHED:
                 continue
+            assert req.mix is not None  # only mixes are watched
             try:
                 for entry, scale in zip(req.loras, req.scales):
                     mixable(entry, scale, req.mix)

@@ -3,7 +3,7 @@ has its final output (the offline form of what the daemon's worker does)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 from lorafleet.adapters.mix import Mix
 from lorafleet.engine.request import RequestOutput, SamplingParams
@@ -13,12 +13,14 @@ if TYPE_CHECKING:
     from lorafleet.engine.engine import Engine, Prompt
 
 
-def generate(engine: Engine, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+def generate(engine: Engine, prompts: Prompt | Sequence[Prompt],
+             params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
              adapters: Sequence[str | Mix | None] | None = None) -> list[RequestOutput]:
     """Add every prompt (one refused: those added are aborted, and the refusal raised), then step
     until each has finished; final outputs in prompt order."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
+        prompts = [cast("Prompt", prompts)]
+    prompts = cast("Sequence[Prompt]", prompts)  # one prompt is wrapped above
     n = len(prompts)
     plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
     alist = list(adapters) if adapters is not None else [None] * n
@@ -32,6 +34,7 @@ def generate(engine: Engine, prompts: Sequence[Prompt], params: SamplingParams |
         for rid in ids:
             engine.abort(rid)
         raise
+    done: dict[str, RequestOutput]
     wanted, done = set(ids), {}
     while wanted - done.keys():
         for out in engine.step():

@@ -100,9 +100,10 @@ def metrics(req: Request) -> dict:
     """A finished request's timings (seconds; monotonic clock)."""
     n = len(req.output_token_ids)
     first = req.first_token_time
+    assert req.finish_time is not None  # finished
     return {"arrival_s": req.arrival_time, "adapter_wait_s": req.adapter_wait,
             "queue_s": (req.first_scheduled_time or req.finish_time) - req.arrival_time,
             "ttft_s": first - req.arrival_time if first else None,
-            "tpot_s": (req.finish_time - first) / (n - 1) if n > 1 else None,
+            "tpot_s": (req.finish_time - first) / (n - 1) if n > 1 and first is not None else None,
             "e2e_s": req.finish_time - req.arrival_time,
             "num_preemptions": req.num_preemptions, "cached_tokens": req.num_cached_tokens}

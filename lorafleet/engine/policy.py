@@ -22,6 +22,8 @@ through mixes is served no more than its share.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from lorafleet.engine.request import Request
 from lorafleet.snapshot import SchedulerStats
 
@@ -47,7 +49,7 @@ def charge(req: Request) -> float:
 class FCFS:
     name = "fcfs"
 
-    def on_arrival(self, req: Request, active: set[str]) -> None:
+    def on_arrival(self, req: Request, active: Collection[str]) -> None:
         pass
 
     def pick(self, heads: dict[str, Request]) -> str:
@@ -69,7 +71,7 @@ class VTC(FCFS):
     def __init__(self):
         self.counters: dict[str, float] = {}
 
-    def on_arrival(self, req: Request, active: set[str]) -> None:
+    def on_arrival(self, req: Request, active: Collection[str]) -> None:
         floor = min((self.counters.get(a, 0.0) for a in active), default=None)
         for name, _ in accounts(req):
             if name in active:

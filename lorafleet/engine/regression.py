@@ -37,7 +37,7 @@ class Line(NamedTuple):
     intercept: float
 
 
-def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> Line:
+def fit_slope(xs: Sequence[float] | np.ndarray, ys: Sequence[float] | np.ndarray) -> Line:
     """Ordinary least squares y = slope * x + intercept. Raises ValueError with fewer than two
     points or when every x is the same (no slope to fit)."""
     if len(xs) != len(ys):
@@ -147,8 +147,10 @@ def switch_regression(steps: list[dict], x: str) -> dict | None:
     table = []
     for k in sorted({s[x] for s in sample}):
         m = xs == k
+        p50 = percentile(per_token[m].tolist(), 0.5)
+        assert p50 is not None  # k is some step's x
         table.append({x: k, "steps": int(m.sum()), "decode_steps": int((tokens[m] == seqs[m]).sum()),
-                      "per_token_ms_p50": percentile(per_token[m].tolist(), 0.5) * 1e3,
+                      "per_token_ms_p50": p50 * 1e3,
                       "per_token_ms_mean": float(per_token[m].mean()) * 1e3,
                       "mean_seqs": float(seqs[m].mean()), "mean_tokens": float(tokens[m].mean())})
     mean = float(per_token.mean())

@@ -6,11 +6,15 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from lorafleet.errors import InvalidRequestError
 from lorafleet.adapters.mix import Mix
+
+if TYPE_CHECKING:
+    from lorafleet.model.tokenizer import IncrementalDecoder
 
 # Below this a temperature is greedy (as in vLLM): dividing logits by a smaller one overflows the
 # softmax (1e-300 gives inf/NaN probabilities), and no sampled distribution differs from argmax.
@@ -98,7 +102,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     text: str = ""
-    detokenizer: object = None
+    detokenizer: IncrementalDecoder | None = None
     eos_token_ids: frozenset | None = None  # its stop tokens where its adapter has its own tokenizer (else the engine's)
     loras: tuple = ()    # each adapter's memory.entry.AdapterEntry: acquired at arrival, released at the end
     scales: tuple[float, ...] = ()  # each one's scale (1.0 for `adapter`)

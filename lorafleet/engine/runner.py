@@ -102,6 +102,7 @@ class ModelRunner:
             for c in run:
                 end += c.num_tokens
                 req = c.request
+            assert req is not None  # a group has a chunk
             live = [(e, s) for e, s in zip(req.loras, req.scales) if s != 0.0]
             if live:
                 batch.add_rows(start, end, [(e.row_table, s) for e, s in live], sum(e.max_rank for e, _ in live))
@@ -202,12 +203,14 @@ class ModelRunner:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
         if step is not None:
+            assert self.graphs is not None  # step was built for them
             logits = self.graphs.run(step, lora, prev)  # stages `lora`'s segments with the step's inputs
         else:
             if prev is not None:
                 ids = fill_pending(ids, prev)
             logits = self.model(ids, positions, meta, self.kv.cache, rows, lora and lora.to_device())
         if self.device.type == "cuda":
+            assert self._events is not None  # recorded above
             self._events[1].record()
         else:
             self._model_s = time.perf_counter() - t0
@@ -218,6 +221,7 @@ class ModelRunner:
         reads the pair of events that call recorded (once its step is done)."""
         if self.device.type != "cuda":
             return lambda s=self._model_s: s
+        assert self._events is not None  # execute() recorded them
         start, end = self._events
 
         def device_s() -> float:

@@ -24,6 +24,7 @@ engine's pool is sized for the probes and the largest adapter only.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -138,6 +139,7 @@ class Verifier:
     def target(self, name: str | None, path: Path | None) -> dict:
         out: dict = {"name": name or "base", "adapter": str(path) if path else None, "problems": [], "warnings": []}
         if name is not None:
+            assert path is not None  # an adapter's folder
             try:
                 used, keys = self._load(name, path)
             except LorafleetError as e:
@@ -249,6 +251,7 @@ def verify(model: str | Path, adapters: dict[str, Path] | None = None, prompts: 
     progress(f"loading {model}")
     v = Verifier(model, adapters, prompts, tokens, options, transformers)
     m = v.fast.model
+    report: dict[str, Any]
     report = {"model": str(model), "device": str(v.fast.device), "dtype": str(m.dtype).removeprefix("torch."),
               "quantization": m.quantization, "kernels": v.label, "prompts": len(v.prompts), "tokens": tokens,
               "targets": []}

@@ -18,10 +18,14 @@ import importlib.util
 import inspect
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lorafleet.errors import ConfigError
+
+if TYPE_CHECKING:
+    import peft
 
 
 def _why_not(folder: Path, engine) -> str | None:
@@ -50,7 +54,7 @@ class HfReference:
 
     def __init__(self, model=None, device=None, skipped: str | None = None):
         self.model, self.device, self.skipped = model, device, skipped
-        self.peft = None  # the PeftModel around `model`, once an adapter is loaded
+        self.peft: peft.PeftModel | None = None  # the PeftModel around `model`, once an adapter is loaded
         self.active: str | None = None
         self.names: dict[str, str] = {}  # adapter -> its name in PEFT (attribute names: "double" is a Module's)
 
@@ -81,6 +85,7 @@ class HfReference:
         self.active = name
         if name is None:
             return None
+        assert path is not None  # an adapter's folder
         if importlib.util.find_spec("peft") is None:
             return "PEFT is not installed"
         import peft

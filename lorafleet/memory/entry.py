@@ -7,11 +7,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorafleet.memory.host_cache import HostAdapter
 from lorafleet.snapshot import AdapterInfo, Tier, Variant
+
+if TYPE_CHECKING:
+    from lorafleet.model.tokenizer import Tokenizer
 
 RECENT = 64  # per adapter: the last loads' seconds and requests' exposed waits kept (for p50/p99)
 _uids = itertools.count(1)
@@ -23,7 +28,7 @@ class Inspected:
 
     numel: int                   # elements it takes in pages
     vocab_size: int | None = None  # its own vocabulary's size (None: the base's)
-    tokenizer: object = None     # its own tokenizer, where it has its own vocabulary
+    tokenizer: Tokenizer | None = None  # its own tokenizer, where it has its own vocabulary
     saved: tuple = ()            # the modules it has its own copy of
 
 
@@ -39,7 +44,7 @@ class AdapterEntry:
     trusted_digest: str | None = None    # from the store: validated and hashed at pull, not again
     numel: int = 0                       # elements it takes in pages (weights, row table), from the file header
     vocab_size: int | None = None        # its own vocabulary's size (`adapters/heads.py`); None: the base's
-    tokenizer: object = None             # its own tokenizer (with its own vocabulary), read at registration
+    tokenizer: Tokenizer | None = None   # its own tokenizer (with its own vocabulary), read at registration
     host: HostAdapter | None = None      # set while in the host cache (or being copied)
     pages: list[int] | None = None       # device pages, allocated
     ready: bool = False                  # pages hold the weights
@@ -50,8 +55,8 @@ class AdapterEntry:
     copies: tuple | None = None          # those it serves its copy of, once loaded (copies equal to the base's dropped)
     heads: object = None                 # adapters.batch.HeadParts: its own embedding / LM head / norms in its pages, while ready
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
-    loading: object = None               # Future of the disk -> host load
-    copying: object = None               # Future of the host -> device copy
+    loading: Future | None = None        # Future of the disk -> host load
+    copying: Future | None = None        # Future of the host -> device copy
     error: str | None = None             # the last load failed with this message
     users: int = 0
     pins: int = 0

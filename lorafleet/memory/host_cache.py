@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Hashable
+from typing import Callable, Generic, Hashable, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ def build_host_adapter(path: Path, base: BaseShapes, page_elems: int, dtype: tor
     that equal the base's are dropped (`adapters.finish.drop_base_copies`)."""
     saved = read_saved(Path(path) / LAYOUT_FILE, trusted_digest, base, page_elems) if trusted_digest else None
     if saved is not None:
+        assert trusted_digest is not None  # read_saved was given it
         layout, buffer, ranks = saved
         if "dora" in layout.posts.values():
             buffer = _dora(layout, buffer.clone(), base_rows, path)  # the mapping is read only
@@ -84,7 +85,10 @@ def _host_copy(buffer: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Ten
     return out
 
 
-class HostCache:
+K = TypeVar("K", bound=Hashable)  # what the cache is keyed by (the residency's entries)
+
+
+class HostCache(Generic[K]):
     """key (an adapter's registry entry) -> HostAdapter, LRU, at most `capacity` bytes (one
     adapter larger than the budget is still kept while it is the only one: it must pass through
     to reach the device). Keys are entries, not names: a name replaced by new weights may have
@@ -92,16 +96,16 @@ class HostCache:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._items: OrderedDict[Hashable, HostAdapter] = OrderedDict()
+        self._items: OrderedDict[K, HostAdapter] = OrderedDict()
         self.nbytes = 0
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self._items
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, key: Hashable, item: HostAdapter, evictable: Callable[[Hashable], bool] = lambda k: True) -> list:
+    def put(self, key: K, item: HostAdapter, evictable: Callable[[K], bool] = lambda k: True) -> list[K]:
         """Insert; evict least recently used entries for which `evictable(key)` holds while over
         budget. Returns the keys evicted."""
         self.drop(key)
@@ -116,7 +120,7 @@ class HostCache:
                 evicted.append(victim)
         return evicted
 
-    def drop(self, key: Hashable) -> None:
+    def drop(self, key: K) -> None:
         item = self._items.pop(key, None)
         if item is not None:
             self.nbytes -= item.nbytes

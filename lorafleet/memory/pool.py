@@ -118,6 +118,7 @@ class PagePool:
         self._pages_by_owner[owner] += len(idx)
 
     def _lowest_free(self, n: int) -> np.ndarray:
+        out: list[int]
         heap, owner, out = self._free_heap, self._owner, []
         while len(out) < n:
             p = heapq.heappop(heap)

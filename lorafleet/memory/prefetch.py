@@ -174,20 +174,23 @@ class Prefetcher:
     # -- harvesting ----------------------------------------------------------------------
     def harvest(self) -> None:
         r = self.residency
-        for entry in [e for e in self._loading if e.loading.done()]:
+        for entry in [e for e in self._loading if e.loading is not None and e.loading.done()]:
             self._loading.remove(entry)
+            assert entry.loading is not None  # every entry in _loading has its load's future
             try:
                 host, seconds, _ = entry.loading.result()
             except Exception as e:  # an AdapterError names the problem; anything else is a bug
                 r.load_failed(entry, _reason(e, entry))
+                assert entry.error is not None  # load_failed set it
                 self._result.failed[entry] = entry.error
                 continue
             self._recent_loads.append(seconds)
             self.load_s = statistics.median(self._recent_loads)
             if r.loaded(entry, host, seconds):  # copied in the same task
                 self._result.loaded.append(entry.name)
-        for entry in [e for e in self._copying if e.copying.done()]:
+        for entry in [e for e in self._copying if e.copying is not None and e.copying.done()]:
             self._copying.remove(entry)
+            assert entry.copying is not None  # every entry in _copying has its copy's future
             self._recent_copies.append(entry.copying.result())  # a failed copy into our pool is our bug: raise
             self.copy_s = statistics.median(self._recent_copies)
             r.copied(entry)
@@ -207,6 +210,7 @@ class Prefetcher:
         """An eager load read its files: refuse it, find the same weights already in, or give it
         pages (never the old weights' under its name: they serve until the swap) and copy."""
         r = self.residency
+        assert entry.loading is not None  # harvest saw it done
         try:
             host, seconds, inspected = entry.loading.result()
         except Exception as e:  # noqa: BLE001
@@ -231,6 +235,7 @@ class Prefetcher:
     def _start_copy(self, entry: AdapterEntry) -> None:
         """Host copy -> the pages `entry` was just given, on a worker."""
         r = self.residency
+        assert entry.host is not None and entry.pages is not None  # loaded, and placed
         r.copy_started(entry, self.executor.submit(_timed_copy, r.pool, entry.host, entry.pages, self.stream,
                                                    self._fence))
 

@@ -75,7 +75,7 @@ class AdapterResidency:
         self.pool = pool
         self.base = base
         self.base_rows = base_rows
-        self.host = HostCache(host_cache_bytes)
+        self.host: HostCache[AdapterEntry] = HostCache(host_cache_bytes)
         self.entries: dict[str, AdapterEntry] = {}   # name -> its current entry
         self.retired: set[AdapterEntry] = set()      # replaced or unloaded, still in use or in flight
         self.staged: set[AdapterEntry] = set()       # eager loads not installed yet
@@ -248,11 +248,13 @@ class AdapterResidency:
 
     def _to_idle(self, entry: AdapterEntry) -> None:
         if entry not in self._idle_lru:
+            assert entry.pages is not None  # idle adapters are ready
             self.idle_pages += len(entry.pages)
         self._idle_lru[entry] = None
 
     def _from_idle(self, entry: AdapterEntry) -> None:
         if self._idle_lru.pop(entry, False) is None:  # it was idle (the LRU's values are None)
+            assert entry.pages is not None  # idle adapters are ready
             self.idle_pages -= len(entry.pages)
 
     # -- load transitions (the prefetcher) -----------------------------------------------
@@ -303,6 +305,7 @@ class AdapterResidency:
     def _mark_ready(self, entry: AdapterEntry) -> None:
         """After the copy: what the LoRA op reads, its page table and metadata (engine thread)."""
         host = entry.host
+        assert host is not None  # loaded, and kept in the host cache while it is copied
         entry.ranks, entry.num_params = host.ranks, host.num_params
         entry.row_table = host.layout.table_index(entry.pages, self.itemsize)
         entry.max_rank = max((m.r for m in host.layout.modules), default=0)  # the LoRA op's bound: projections only
@@ -367,7 +370,7 @@ class AdapterResidency:
         idle = [e for e in itertools.chain(self.entries.values(), self.retired) if e.ready and not e.pins]
         assert set(idle) == set(self._idle_lru), "the idle LRU disagrees with the adapters' state"
         assert list(self._idle_lru) == sorted(self._idle_lru, key=lambda e: e.last_used), "idle LRU out of order"
-        assert self.idle_pages == sum(len(e.pages) for e in self._idle_lru), "idle page count drifted"
+        assert self.idle_pages == sum(len(e.pages or ()) for e in self._idle_lru), "idle page count drifted"
         strays = set(by_owner) - {-1, 0, CACHED}
         assert not strays, f"pages held by unknown adapter owners {sorted(strays)}"
 

@@ -191,7 +191,7 @@ class _Deadline:
     def __init__(self, seconds: float):
         self.seconds, self._lock, self._done = seconds, threading.Lock(), False
         self._thread = threading.get_ident()
-        self._timer = threading.Timer(seconds, self._fire)
+        self._timer: threading.Thread = threading.Timer(seconds, self._fire)  # a subclass's may be a Thread
         self._timer.daemon = True
 
     def _fire(self) -> None:
@@ -207,6 +207,7 @@ class _Deadline:
     def __exit__(self, *exc) -> None:
         with self._lock:
             self._done = True
+        assert isinstance(self._timer, threading.Timer)  # this class's own (a subclass's exit stops its thread)
         self._timer.cancel()
 
 

@@ -11,6 +11,7 @@ import math
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from lorafleet.errors import ModelLoadError, UnsupportedModelError
 
@@ -89,7 +90,8 @@ class ModelConfig:
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
             model_type = cfg.get("model_type")
-            family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(model_type) if not archs else None
+            family = ({v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(model_type)
+                      if not archs and isinstance(model_type, str) else None)
         if family is None:
             named = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
             raise UnsupportedModelError(
@@ -101,7 +103,7 @@ class ModelConfig:
         try:
             hidden, heads = _count(cfg["hidden_size"], "hidden_size", source), \
                 _count(cfg["num_attention_heads"], "num_attention_heads", source)
-            conf = dict(
+            conf: dict[str, Any] = dict(
                 family=family,
                 vocab_size=_count(cfg["vocab_size"], "vocab_size", source),
                 hidden_size=hidden,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import reprlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -255,7 +256,7 @@ class GGUFFile:
         return (f"{self.path}: tensor {t.gguf_name} is of GGUF type {t.type.name}, which lorafleet does not serve; "
                 f"supported types: {SUPPORTED}")
 
-    def read(self, wanted: dict[str, tuple[int, ...]], dtype, device, quantized: set[str] = frozenset(),
+    def read(self, wanted: dict[str, tuple[int, ...]], dtype, device, quantized: Collection[str] = frozenset(),
              scheme: str | None = None) -> dict[str, torch.Tensor]:
         """The `wanted` tensors (Hugging Face names) as `loader._read` gives them: each checked against
         its shape; the `quantized` ones as codes (under X.weight) and fp16 scales (X.weight_s), from
@@ -318,14 +319,17 @@ class GGUFFile:
         return gguf_weights.dequantized(t)  # an embedding's: never permuted
 
     def _affine(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return tuple(None if x is None else self._unpermute(t.name, x).contiguous()
-                     for x in gguf_weights.affine(t, *AFFINE[t.type]))
+        q, scale, offset = gguf_weights.affine(t, *AFFINE[t.type])
+        return (self._unpermute(t.name, q).contiguous(), self._unpermute(t.name, scale).contiguous(),
+                None if offset is None else self._unpermute(t.name, offset).contiguous())
 
     def _converted(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(self._unpermute(t.name, x).contiguous() for x in gguf_weights.requantized(t, CONVERTED_GROUP))
+        q, scale = gguf_weights.requantized(t, CONVERTED_GROUP)
+        return self._unpermute(t.name, q).contiguous(), self._unpermute(t.name, scale).contiguous()
 
     def _blocks(self, t: _Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(self._unpermute(t.name, x).contiguous() for x in gguf_weights.blocks(t))
+        q, scale = gguf_weights.blocks(t)
+        return self._unpermute(t.name, q).contiguous(), self._unpermute(t.name, scale).contiguous()
 
 
 def open_model(path: str | Path, quantize: str | None = None) -> tuple[GGUFFile, ModelConfig, str | None]:

@@ -22,6 +22,7 @@ import gguf
 from lorafleet.errors import ModelLoadError
 
 V = gguf.GGUFValueType
+SCALARS: dict[int, str]  # by the value type (an int in the file)
 SCALARS = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I", V.INT32: "i",
            V.FLOAT32: "f", V.BOOL: "?", V.UINT64: "Q", V.INT64: "q", V.FLOAT64: "d"}
 VERSIONS = (2, 3)  # gguf.GGUFReader's

@@ -10,7 +10,7 @@ are refused, named. The file itself is `gguf.GGUFFile`'s."""
 from __future__ import annotations
 
 import reprlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import gguf
 
@@ -29,8 +29,9 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 # pipeline. Llama 3: whole-word hits first (ignore_merges), a BOS unless the file says otherwise, as in
 # llama.cpp. Qwen2/2.5/3 and DeepSeek-R1-Distill-Qwen (Qwen's tokenizer.json): NFC first. "gpt2" is
 # lorafleet's own spelling of "gpt-2", kept for the files it wrote before.
-_LLAMA3 = {"split": _LLAMA3_SPLIT, "ignore_merges": True, "add_bos": True}
-_QWEN2 = {"split": _QWEN2_SPLIT, "nfc": True}
+_LLAMA3: dict[str, Any] = {"split": _LLAMA3_SPLIT, "ignore_merges": True, "add_bos": True}
+_QWEN2: dict[str, Any] = {"split": _QWEN2_SPLIT, "nfc": True}
+PRE_TOKENIZERS: dict[str, dict[str, Any]]
 PRE_TOKENIZERS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "qwen2": _QWEN2,
                   "deepseek-r1-qwen": _QWEN2, "smollm": {"digits": True}, "gpt-2": {}, "gpt2": {}}
 # llama.cpp's "default" split (and what a file without tokenizer.ggml.pre gets) is no model's own:

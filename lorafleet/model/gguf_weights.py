@@ -61,7 +61,8 @@ def affine(t, scheme: str, shift: int) -> tuple[torch.Tensor, torch.Tensor, torc
         q, scale, offset = gguf_quants.affine(chunk.reshape(-1, size), t.type)
         parts.append(quant.from_affine(q.reshape(m, k), scale.reshape(m, -1),
                                        None if offset is None else offset.reshape(m, -1), scheme, shift))
-    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+    codes, scales, offsets = zip(*parts)
+    return torch.cat(codes), torch.cat(scales), None if offsets[0] is None else torch.cat(offsets)
 
 
 def requantized(t, group: int) -> tuple[torch.Tensor, torch.Tensor]:

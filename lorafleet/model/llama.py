@@ -95,7 +95,7 @@ class LlamaModel(torch.nn.Module):
         # (`reference.offset_term`; each layer's also in its `Layer`)
         self.offsets = {name[:-2]: t for name, t in weights.items() if name.endswith("_o")}
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
-        self.layers = [Layer(*(weights.get(f"layers.{i}.{n}") for n in Layer._fields)) for i in range(cfg.num_layers)]
+        self.layers = [Layer._make(weights.get(f"layers.{i}.{n}") for n in Layer._fields) for i in range(cfg.num_layers)]
         # what the one-call decode forward reads, gathered once (the weights never change)
         self.decode_weights = DecodeWeights(
             weights["embed"], weights.get("embed_s"), [t for lw in self.layers for t in lw], weights["norm"],
@@ -193,4 +193,5 @@ class LlamaModel(torch.nn.Module):
             out = self._linear(a, lw.down, lw.down_b, lw.down_s, lw.down_o)
             if lora is not None:
                 lora.apply(i, "down", a, out)
+        assert out is not None  # a model has layers
         return out

@@ -11,6 +11,7 @@ quantized tensor by tensor as it is read, so the full-precision model is never w
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -79,14 +80,14 @@ def _tensor_names(path: Path) -> list[str]:
 
 
 def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, device,
-          quantized: set[str] = frozenset(), scheme: str | None = None, stored: bool = False) -> dict[str, torch.Tensor]:
+          quantized: Collection[str] = frozenset(), scheme: str | None = None, stored: bool = False) -> dict[str, torch.Tensor]:
     """The `wanted` tensors, each checked against its shape. `quantized` names the weights that
     are quantized (`scheme`): read as codes and scales (`stored`: X.qweight and X.scales), or
     read in full precision and quantized at once; their codes come under X.weight and their
     scales under X.weight_s."""
     if stored:
-        files = {**files, **{n: files.get(n[:-len("weight")] + "qweight") for n in quantized}}
-        files = {n: f for n, f in files.items() if f is not None}
+        files = {n: f for n, f in {**files, **{n: files.get(n[:-len("weight")] + "qweight") for n in quantized}}.items()
+                 if f is not None}
     missing = [n for n in wanted if n not in files]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -120,6 +121,7 @@ def _read(files: dict[str, Path], wanted: dict[str, tuple[int, ...]], dtype, dev
                         raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(t.shape)}, "
                                              f"config.json implies {wanted[name]}")
                     if name in quantized:
+                        assert scheme is not None  # names are quantized in a scheme
                         out[name], out[name + "_s"] = quant.quantize(t.to(device), scheme)
                     else:
                         out[name] = t.to(device=device, dtype=dtype)
@@ -136,7 +138,7 @@ def _scales(f, stem: str, path: Path) -> torch.Tensor:
         raise ModelLoadError(f"{path}: {stem}qweight has no {stem}scales beside it") from None
 
 
-def _check_widths(folder: Path, wanted: dict[str, tuple[int, ...]], quantized: set[str], scheme: str) -> None:
+def _check_widths(folder: Path, wanted: dict[str, tuple[int, ...]], quantized: set[str], scheme: str | None) -> None:
     """Every weight to quantize has a width its groups divide, said before any is read."""
     for name in quantized:
         if not quant.quantizable(wanted[name][1], quant.INT4_GROUP):
@@ -181,12 +183,13 @@ def fuse(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if names[0] + "_s" in t:  # quantized: in one scheme and group (a GGUF mix may differ by tensor)
             parts = quant.fusable([(t[n], t[n + "_s"], t.get(n + "_o")) for n in names])
             q, s, o = (None if p[0] is None else torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
+            assert q is not None and s is not None  # every part has its codes and scales
             w[out], w[out + "_s"] = q, s
             if o is not None:  # a GGUF file's affine types: each group's offset
                 w[out + "_o"] = o
         else:
-            parts = [t[n] for n in names]
-            w[out] = parts[0] if len(parts) == 1 else torch.cat(parts)
+            mats = [t[n] for n in names]
+            w[out] = mats[0] if len(mats) == 1 else torch.cat(mats)
 
     w = {"norm": t["model.norm.weight"]}
     join("embed", ["model.embed_tokens.weight"])
@@ -227,7 +230,7 @@ RANDOM_WEIGHTS = "lorafleet-random-weights.json"
 
 
 def random_weights(folder: Path, wanted: dict[str, tuple[int, ...]], dtype, device,
-                   quantized: set[str] = frozenset(), scheme: str | None = None) -> dict[str, torch.Tensor]:
+                   quantized: Collection[str] = frozenset(), scheme: str | None = None) -> dict[str, torch.Tensor]:
     """A benchmark's base whose folder holds `RANDOM_WEIGHTS` ({"seed": s, "std": x}) in place of
     weight files: every tensor made on `device` (norms at 1, the rest normal with that std), so
     an 8B-shaped model costs no disk and no download. Never a served model's path: such a folder
@@ -243,6 +246,7 @@ def random_weights(folder: Path, wanted: dict[str, tuple[int, ...]], dtype, devi
         if name.endswith("norm.weight"):
             out[name] = torch.ones(shape, dtype=dtype, device=device)
         elif name in quantized:  # quantized as made: the full-precision model is never whole (8B in int4)
+            assert scheme is not None  # names are quantized in a scheme
             out[name], out[name + "_s"] = quant.quantize(
                 torch.randn(shape, generator=g, dtype=dtype, device=device).mul_(std), scheme)
         else:

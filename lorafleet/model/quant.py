@@ -98,7 +98,7 @@ def check_scheme(name: str) -> str:
     return name
 
 
-def check(q: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], name: str) -> None:
+def check(q: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
     """A quantized weight's tensors agree with each other and with the full weight's `shape`
     [N, K]; a clear error naming the tensor otherwise."""
     n, k = shape

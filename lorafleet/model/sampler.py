@@ -99,6 +99,7 @@ class _Draw:
             if self.min_p is not None:
                 e = e.masked_fill_(e < cols[self.min_p][:, None], 0.0)
             return _pick(e, self.generator), torch.ones(len(x), dtype=torch.bool, device=x.device)
+        assert self.min_p is not None  # set with the filters
         probs, ids, complete = _filtered(x, cols[self.k], cols[self.p], cols[self.min_p], self.K)
         return ids.gather(1, _pick(probs, self.generator)[:, None])[:, 0], complete
 
@@ -145,6 +146,8 @@ class Drawn:
         self.S, self.params, self.generators, self.shared = S, params, generators, shared
         self.tokens, self.hot, self.x, self.lp_parts = tokens, hot, x, lp_parts
         parts = [tokens, finite] + ([complete] if complete is not None else [])
+        self._host: torch.Tensor | list[torch.Tensor]  # packed on the pinned host (CUDA), else the parts
+        self._done: torch.cuda.Event | None
         if tokens.device.type == "cuda":
             packed = torch.stack([p.long() for p in parts])
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)

@@ -100,6 +100,7 @@ def render(request: dict, compiled: OrderedDict, channel: _Channel) -> tuple[byt
 
 
 def serve(sock: socket.socket) -> None:
+    compiled: OrderedDict
     channel, compiled = _Channel(sock), OrderedDict()
     while (request := channel.next_request()) is not None:
         channel.answer(*render(request, compiled, channel))

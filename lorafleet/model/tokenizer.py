@@ -39,7 +39,7 @@ class Tokenizer:
         backend: tokenizers.Tokenizer,
         *,
         chat_template: str | None = None,
-        special_tokens: dict[str, str] | None = None,
+        special_tokens: dict[str, str | None] | None = None,
         eos_token_ids: Iterable[int] = (),
         source: str = "<memory>",
     ):
@@ -213,6 +213,7 @@ class Tokenizer:
         messages (its `raise_exception`, or any failure while rendering), and when the render passes
         `max_chars` characters or its time bound (`chat_template.render_bounded`)."""
         variables = self.chat_variables(messages, add_generation_prompt, **extra)
+        assert self._template is not None  # chat_variables refuses a model without one
         try:
             text = render_bounded(self._template, variables, max_chars)
         except InvalidRequestError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -117,7 +118,9 @@ async def load_lora_adapter(request: Request):
     files are read and hashed on a prefetch worker: running streams keep their pace."""
     st = state_of(request)
     body = await read_json(request)
+    path: str | Path | None
     name, path = _lora_body(body, need_path=True)
+    assert path is not None  # need_path
     if name == st.base_name:
         raise bad("lora_name", f"{name!r} is the base model's name; choose another adapter name")
     path = await asyncio.to_thread(st.worker.engine.adapter_folder, path)  # a GGUF adapter, converted once

@@ -14,6 +14,7 @@ so its request is aborted before the engine's next step and its pages are freed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -135,7 +136,7 @@ async def tokenizer_of(st: ServerState, gen: Generation):
     for name in names if resolver is not None else ():
         prepared = await asyncio.to_thread(resolver.prepare, engine, name)
         if prepared is not None:
-            await asyncio.wrap_future(st.worker.call(lambda e, n=name, p=prepared: resolver.install(e, n, p)))
+            await asyncio.wrap_future(st.worker.call(functools.partial(resolver.install, name=name, prepared=prepared)))
     return engine.tokenizer_for(gen.adapter)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import resource
 import socket
+from typing import ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -34,6 +35,7 @@ def guarded_protocol(header_timeout: float, max_tcp: int) -> type[HttpToolsProto
     refused = {"count": 0, "logged": 0.0}
 
     class Guarded(HttpToolsProtocol):
+        tcp_connections: ClassVar[set]  # the open TCP connections (set below: the closure's)
         _header_timer = None
         _refused = False
 

@@ -249,6 +249,7 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
             log.info("adapter %s loaded from %s", name, path)
         sockets.append(bind_unix(sock_path))
         if config.host:
+            assert config.port is not None  # ServerConfig gives both or neither
             sockets.append(bind_tcp(config.host, config.port))
         worker = EngineWorker(engine, resolver=resolver)
         worker.start()
@@ -265,7 +266,7 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
         server = DaemonServer(uvicorn.Config(
             create_app(state), log_config=None, access_log=config.access_log, lifespan="off",
             http=guarded_protocol(config.header_timeout, config.max_tcp_connections),
-            timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=config.idle_timeout), state)
+            timeout_graceful_shutdown=FLUSH_TIMEOUT, timeout_keep_alive=config.idle_timeout), state)  # type: ignore[arg-type]  # float seconds: uvicorn takes them
         # Everything built so far lives as long as the daemon: out of the collector's sight, a
         # full collection stays short instead of walking torch's and the web stack's objects,
         # which would otherwise stall every stream.

@@ -69,7 +69,7 @@ import time
 import orjson
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from lorafleet.snapshot import EngineSnapshot, EngineStats, LoraQueues, ServerInfo, Stats
 
@@ -146,7 +146,7 @@ class _Families:
 
 def render(snapshot: EngineSnapshot, server: ServerInfo, model_name: str) -> bytes:
     label = {"model_name": model_name}
-    fams = []
+    fams: list[Metric] = []
 
     def gauge(name, doc, value, labels=None):
         labels = {**label, **(labels or {})}

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,7 @@ ESCAPE_RATIO = 6
 # Bytes a token's text may take, for that bound before the request's tokenizer is known: above any
 # real vocabulary's longest token (each tokenizer's own bound applies after parsing)
 ANY_TOKEN_BYTES = 1024
+_D = TypeVar("_D", bound=int | None)  # an integer field's default (`_integer`): an int, or None where it may be unset
 
 
 def bad(param: str | None, message: str) -> InvalidRequestError:
@@ -165,8 +166,7 @@ def _number(body: dict, name: str, default: float, lo: float | None = None, hi: 
     return float(v)
 
 
-def _integer(body: dict, name: str, default: int | None, lo: int | None = None,
-             hi: int | None = None) -> int | None:
+def _integer(body: dict, name: str, default: _D, lo: int | None = None, hi: int | None = None) -> int | _D:
     v = body.get(name)
     if v is None:
         return default

@@ -59,7 +59,7 @@ class _Zygote:
         self._proc = subprocess.Popen(
             [sys.executable, "-P", "-c", f"import os; os.nice({ZYGOTE_NICE}); "
              "from lorafleet.model.template_worker import zygote; zygote()"],
-            stdin=theirs, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdin=theirs.fileno(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         theirs.close()
         self._control = ours
 
@@ -69,6 +69,7 @@ class _Zygote:
             for attempt in (0, 1):
                 if self._proc is None or self._proc.poll() is not None:
                     self._start()
+                assert self._control is not None  # started with the process
                 try:
                     self._control.sendall(FORK + PID.pack(0))
                     raw, fds, _, _ = socket.recv_fds(self._control, PID.size, 1)
@@ -81,7 +82,8 @@ class _Zygote:
 
     def kill(self, pid: int) -> None:
         with self._lock, contextlib.suppress(OSError, AttributeError):
-            self._control.sendall(KILL + PID.pack(pid))
+            if self._control is not None:  # else no process to kill in
+                self._control.sendall(KILL + PID.pack(pid))
 
     def close(self) -> None:
         if self._control is not None:

@@ -39,7 +39,7 @@ def usage(outputs) -> dict:
 
 def completion_logprobs(ids: list[int], lps: list[dict[int, float]], text: TokenText, offset: int) -> dict:
     """Legacy completions logprobs for the tokens `ids`; `offset`: characters before them."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tok, lp in zip(ids, lps):
         s = text(tok)
         out["tokens"].append(s)

@@ -46,6 +46,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lorafleet import __version__
 from lorafleet.errors import HubError
@@ -119,6 +120,7 @@ def download(repo_id: str, *, revision: str | None = None, kind: str = "adapter"
     endpoint = _endpoint(endpoint)
     cache = _cache_dir(cache_dir)
     where = f"{repo_id}@{revision}" if revision else repo_id
+    agent: dict[str, Any]
     agent = dict(library_name="lorafleet", library_version=__version__)
     api = HfApi(endpoint=endpoint, token=token, **agent)
     with _hub_errors(repo_id, revision, endpoint):
@@ -127,6 +129,7 @@ def download(repo_id: str, *, revision: str | None = None, kind: str = "adapter"
     if not _COMMIT.match(commit):
         raise HubError(f"the Hub at {endpoint} did not name the commit of {where} (got {commit!r})")
     siblings = {s.rfilename: s for s in meta.siblings or ()}
+    common: dict[str, Any]
     common = dict(revision=commit, cache_dir=cache, endpoint=endpoint, token=token,
                   tqdm_class=None if progress else _silent_tqdm(), **agent)
 
@@ -177,6 +180,7 @@ def _obtain(repo_id: str, commit: str, name: str, sibling, where: str, partials,
         part.unlink(missing_ok=True)
         if stored is not None:
             return stored, record
+        assert isinstance(cached, str)  # the other way in
         return Path(cached), _verify(Path(cached), name, sibling, where, cache)
     hub_fetch.fetch(repo_id, commit, name, part, sha256, size, where, endpoint=endpoint, token=token,
                     progress=progress)
@@ -262,7 +266,7 @@ def _verify(path: Path, name: str, sibling, where: str, cache: str) -> dict:
                 git.update(chunk)
     if lfs is not None:
         kind, expected, actual, expected_size = "sha256", lfs.sha256, sha256.hexdigest(), lfs.size
-    elif blob_id:
+    elif blob_id and git is not None:  # (git: hashed wherever there is no LFS record)
         kind, expected, actual, expected_size = "git blob id", blob_id, git.hexdigest(), sibling.size
     else:
         raise HubError(f"{where}: the Hub gave no checksum for {name}, so it cannot be verified")

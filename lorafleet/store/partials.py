@@ -13,11 +13,18 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import overload
 
 from lorafleet.errors import StoreError
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 PARTIAL_SUFFIX = ".part"
+
+
+@overload
+def flock(path: Path, timeout: float, busy: str) -> int: ...
+@overload
+def flock(path: Path, timeout: None, busy: str) -> int | None: ...
 
 
 def flock(path: Path, timeout: float | None, busy: str) -> int | None:

@@ -184,7 +184,7 @@ def _is_gguf_adapter(path: Path) -> bool:
     return is_adapter(path)
 
 
-def _stored_scheme(folder: Path) -> str:
+def _stored_scheme(folder: Path) -> str | None:
     from lorafleet.model.quant import stored_label
 
     return stored_label(folder)

@@ -35,6 +35,7 @@ a name becomes a file name, so nothing else is accepted.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import json
@@ -45,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from lorafleet import paths
 from lorafleet.errors import StoreError, StoreNotFoundError, shown
@@ -208,6 +210,7 @@ class Store:
         taken = {os.path.realpath(p) for p in take}
         stage = self._staging()
         try:
+            entries: dict[str, dict[str, Any]]
             entries = {f: dict(zip(("sha256", "size"),
                                    self.add_blob(files[f], stage, take=os.path.realpath(files[f]) in taken)))
                        for f in sorted(files)}
@@ -228,10 +231,10 @@ class Store:
             target = self.manifest_path(kind, name)
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = stage / "manifest.json"
-            with open(tmp, "w") as f:
-                json.dump(manifest, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
+            with open(tmp, "w") as out:
+                json.dump(manifest, out, indent=1, sort_keys=True)
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(tmp, target)
             _fsync_dir(target.parent)
             return manifest
@@ -272,7 +275,7 @@ class Store:
                 removed["blobs"] += 1
         return removed
 
-    def check(self, deep: bool = False) -> list[str]:
+    def check(self, deep: bool = False) -> builtins.list[str]:  # builtins': `list` is a method here
         """Every manifest against its snapshot and blobs: the problems found (none: consistent)."""
         problems = []
         for kind in KINDS:
@@ -280,8 +283,8 @@ class Store:
             for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
                 try:
                     m = json.loads(path.read_text())
-                except (OSError, json.JSONDecodeError) as e:
-                    problems.append(f"{path}: unreadable manifest ({e})")
+                except (OSError, json.JSONDecodeError) as err:
+                    problems.append(f"{path}: unreadable manifest ({err})")
                     continue
                 for f, e in m["files"].items():
                     blob, link = self.blobs / e["sha256"], self.snapshots / m["snapshot"] / f

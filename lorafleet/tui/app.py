@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 from rich.text import Text
 from textual import on, work
@@ -42,7 +43,7 @@ class AdapterTable(DataTable):
     """The adapters table; a new width refits its columns (`model.fit_columns`)."""
 
     def on_resize(self, event: Resize) -> None:
-        self.app.refit_table()
+        cast(TopApp, self.app).refit_table()  # the one app it lives in
 
 
 class TopApp(App):
@@ -117,6 +118,7 @@ class TopApp(App):
         from textual.worker import get_current_worker
 
         worker = get_current_worker()
+        assert self.source is not None  # polled only with one (`on_mount`)
         while not worker.is_cancelled:
             if not self.paused:
                 try:
@@ -292,6 +294,7 @@ class TopApp(App):
     @on(DataTable.HeaderSelected)
     def sort_by_header(self, event: DataTable.HeaderSelected) -> None:
         key = event.column_key.value
+        assert key is not None  # every column is added with its key
         if key == self.sort_key:
             self.sort_reverse = not self.sort_reverse
         else:
@@ -306,6 +309,7 @@ class TopApp(App):
     @on(DataTable.RowSelected)
     def open_detail(self, event: DataTable.RowSelected) -> None:
         name = event.row_key.value
+        assert name is not None  # every row is added with its adapter's name
         self.push_screen(AdapterScreen(name, self._row(name)))
 
     @on(Input.Changed, "#filter")

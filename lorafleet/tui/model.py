@@ -143,6 +143,7 @@ def fit_columns(texts: list[dict[str, str]], width: int, padding: int = 1) -> li
     def need(c: Column) -> int:
         return max([cell_len(c.label)] + [cell_len(t[c.key]) for t in texts]) + 2 * padding
 
+    kept: set[str]
     kept, used = set(), 0
     for c in sorted(COLUMNS, key=lambda c: c.keep):
         if kept and used + need(c) > width:
