@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 
 from lorafleet.cli.main import app
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))

@@ -25,6 +25,8 @@ from lorafleet.lora.adapter import (
 )
 from lorafleet.lora.headers import read_plan
 
+pytestmark = pytest.mark.unit
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
