@@ -15,6 +15,7 @@ from lorafleet.bench import lora_decode
 from lorafleet.bench.decode_bound import matmul_cached_time, matmul_weights, run_decode_bound, step_weight_bytes
 
 
+@pytest.mark.unit
 def test_weight_bytes_count_each_storage_once_and_the_embedding_only_as_the_head():
     embed, head, qkv = torch.zeros(100, 8), torch.zeros(100, 8), torch.zeros(24, 8)
     untied = {"embed": embed, "lm_head": head, "layers.0.qkv": qkv, "norm": torch.zeros(8)}
@@ -95,6 +96,7 @@ def test_the_cli_runs_it_and_writes_the_report(tmp_path):
     assert "decode-bound" in result.stdout
 
 
+@pytest.mark.unit
 def test_the_matmuls_timed_are_each_weight_matrix_once_and_no_embedding():
     embed, qkv, head = torch.zeros(10, 4), torch.zeros(12, 4), torch.zeros(10, 4)
     untied = {"embed": embed, "layers.0.qkv": qkv, "layers.0.norm": torch.zeros(4), "lm_head": head}
@@ -113,6 +115,7 @@ def test_bf16_halves_the_bytes_a_step_reads(report):
     assert bf16["weight_bytes"] * 2 == report["weight_bytes"]
 
 
+@pytest.mark.unit
 def test_the_compute_floor_is_each_layouts_rate_in_cache_times_the_bytes_of_its_weights(monkeypatch):
     """A kernel that takes 1 ns a byte: the floor is the step's matmul bytes in ns, timed on
     slices no larger than asked, each layout (the dimensions after the first, the dtype) once.
@@ -150,6 +153,7 @@ def _quantized_micro(scheme: str) -> dict[str, torch.Tensor]:
     return w
 
 
+@pytest.mark.unit
 def test_a_quantized_step_reads_its_codes_and_scales_and_the_norms_by_hand():
     int8, int4 = _quantized_micro("int8"), _quantized_micro("int4")
     norms = 2 * 64 * 4
@@ -162,6 +166,7 @@ def test_a_quantized_step_reads_its_codes_and_scales_and_the_norms_by_hand():
     assert step_weight_bytes(tied) == step_weight_bytes(int4)
 
 
+@pytest.mark.unit
 def test_the_matmuls_of_a_quantized_model_pass_each_weight_with_its_scales_at_its_input_width(monkeypatch):
     w = _quantized_micro("int4")
     pairs = matmul_weights(w)
@@ -203,6 +208,7 @@ def test_a_quantized_base_is_measured_against_its_quantized_bytes_and_its_memory
     assert q["batches"][0]["matmul_ms"] > 0
 
 
+@pytest.mark.unit
 def test_8b_on_the_cpu_is_refused_unless_int4_before_anything_is_built(monkeypatch):
     from lorafleet.bench import decode_bound
     from lorafleet.errors import ConfigError

@@ -9,6 +9,8 @@ import pytest
 from lorafleet.bench.metrics import cold_warm_ttft, latency_summary
 from lorafleet.engine.regression import adjusted_points, comparable_groups, fit_slope, switch_regression
 
+pytestmark = pytest.mark.unit
+
 
 def test_fit_slope_recovers_an_exact_line():
     slope, intercept = fit_slope([0, 1, 2, 3], [1.0, 3.0, 5.0, 7.0])

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from lorafleet.bench import runner, tables
+
+pytestmark = pytest.mark.unit
 
 
 def plain(renderable) -> str:

@@ -7,6 +7,8 @@ import pytest
 from lorafleet.bench import plots
 from lorafleet.engine.regression import switch_regressions
 
+pytestmark = pytest.mark.unit
+
 
 def step(seqs: int, distinct: int, per_token_s: float) -> dict:
     return {"time_s": per_token_s * seqs, "num_seqs": seqs, "num_tokens": seqs, "distinct_adapters": distinct,

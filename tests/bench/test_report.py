@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from lorafleet.bench.fixtures import SHAPES
 from lorafleet.bench.report import make_report, noise_warnings
 from lorafleet.bench.tables import render
 from lorafleet.bench.workloads import WORKLOADS
+
+pytestmark = pytest.mark.unit
 
 
 def run(system, seconds, requests, **details):

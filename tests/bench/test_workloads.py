@@ -11,6 +11,8 @@ import pytest
 from lorafleet.bench.workloads import WORKLOADS, BenchRequest, Workload, adapter_name, make_requests
 from lorafleet.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 SHIPPED = ("uniform-8", "uniform-1000", "uniform-1000-tiered", "zipf-1000", "mixed-lengths", "cold-start",
            "base-only", "peer-base", "peer-one-adapter", "peer-round-robin", "quick")
 

@@ -17,6 +17,8 @@ from lorafleet.bench import fixtures, suite_tables, tables
 from lorafleet.cli import bench_suites
 from lorafleet.cli.main import app
 
+pytestmark = pytest.mark.unit
+
 runner = CliRunner()
 HINT = "pip install 'lorafleet[bench]' (from a clone: pip install -e '.[bench]')"  # both forms (issue 64, 13)
 SUBCOMMANDS = [["run"], ["quick"], ["full"], ["llama-cpp"], ["lora-decode"], ["decode-bound"], ["switch"],

@@ -49,6 +49,7 @@ def mentions(text: str, name: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text) is not None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,command", commands(), ids=[n for n, _ in commands()])
 def test_every_command_has_a_page_naming_all_its_options(name, command):
     page = MAN / f"lorafleet-{name}.1"
@@ -61,6 +62,7 @@ def test_every_command_has_a_page_naming_all_its_options(name, command):
     assert not missing, f"man/{page.name} does not mention: {', '.join(missing)}"
 
 
+@pytest.mark.unit
 def test_lorafleet_1_lists_every_command_and_root_option():
     text = plain(MAN / "lorafleet.1")
     commands_section = text.split(".SH COMMANDS", 1)[1].split(".SH ", 1)[0]
@@ -72,6 +74,7 @@ def test_lorafleet_1_lists_every_command_and_root_option():
     assert not missing, f"man/lorafleet.1 does not mention: {', '.join(missing)}"
 
 
+@pytest.mark.unit
 def test_no_page_documents_a_command_that_does_not_exist():
     pages = {p.name for p in MAN.glob("lorafleet-*.1")}
     assert pages == {f"lorafleet-{name}.1" for name, command in ROOT.commands.items() if not command.hidden}
@@ -80,6 +83,7 @@ def test_no_page_documents_a_command_that_does_not_exist():
 ROOT_DIR = MAN.parent
 
 
+@pytest.mark.unit
 def test_every_page_installs_with_the_package():
     """pyproject's data-files put each page of man/ into <prefix>/share/man/man1, where `man` finds
     it from an activated environment: a page missing from the list would not be installed."""

@@ -11,7 +11,6 @@ import json
 import shutil
 import socket
 import threading
-import time
 
 import pytest
 
@@ -195,7 +194,10 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(tcp_daemon):
 def test_tcp_connections_past_the_cap_are_closed_and_the_unix_socket_still_serves(tcp_daemon):
     held = [socket.create_connection(("127.0.0.1", tcp_daemon.port)) for _ in range(4)]
     try:
-        time.sleep(0.2)  # the four are accepted before the fifth comes
+        for s in held:  # each answered, so counted open before the fifth comes (and kept past the header timeout)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.settimeout(15)
+            assert s.recv(64).startswith(b"HTTP/1.1 200")
         extra = socket.create_connection(("127.0.0.1", tcp_daemon.port))
         try:
             assert closed_by_peer(extra, within=5)

@@ -89,7 +89,8 @@ def scrape(d) -> dict:
 
 
 def busy(d, model: str, n: int) -> list[threading.Thread]:
-    """`n` long requests for `model` from threads (with `--max-num-seqs 1`: one runs, the rest wait)."""
+    """`n` long requests for `model` from threads (with `--max-num-seqs 1`: one runs, the rest wait;
+    which one runs does not matter, they are alike: callers wait on stats for what must come first)."""
     def one():
         try:
             with tcp(d, timeout=120) as c:
@@ -100,7 +101,6 @@ def busy(d, model: str, n: int) -> list[threading.Thread]:
     threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
     for t in threads:
         t.start()
-        time.sleep(0.02)  # in this order
     return threads
 
 

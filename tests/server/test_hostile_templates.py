@@ -126,7 +126,10 @@ def test_hostile_chats_fail_alone_and_the_daemon_still_answers_and_stops(hostile
         async def run():
             async with daemon.async_http(timeout=60) as http:
                 hostile = [asyncio.create_task(timed(http, chat("hang"))) for _ in range(8)]
-                await asyncio.sleep(0.3)  # every slot of the pool taken by a hung render
+                deadline = time.monotonic() + 30  # the eight admitted (their renders under way) before the others come
+                while (await http.get("/v1/stats")).json()["server"]["pending"] < 8:
+                    assert time.monotonic() < deadline, "the hung chats were not admitted"
+                    await asyncio.sleep(0.005)
                 normal = await asyncio.gather(*(timed(http, chat(f"hi {i}")) for i in range(10)))
                 return await asyncio.gather(*hostile), normal
 

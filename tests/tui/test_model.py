@@ -10,6 +10,8 @@ import pytest
 
 from lorafleet.tui import model
 
+pytestmark = pytest.mark.unit
+
 
 def expand(page_map):
     return [label for label, n in page_map for _ in range(n)]

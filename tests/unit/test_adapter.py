@@ -25,6 +25,8 @@ from lorafleet.adapters.adapter import (
 )
 from lorafleet.adapters.weights_file import read_plan
 
+pytestmark = pytest.mark.unit
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 

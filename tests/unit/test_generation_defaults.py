@@ -10,6 +10,8 @@ import pytest
 from lorafleet.model.config import generation_defaults
 from lorafleet.server.protocol import parse_completion
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("cfg, want", [
     ({"do_sample": False, "temperature": 0.6}, {"temperature": 0.0}),

@@ -264,6 +264,7 @@ def tokenizer_folder(folder: Path, pre: str) -> Path:
     return folder
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("pre", ["gpt2", "llama-bpe", "qwen2"])
 def test_a_byte_level_bpe_tokenizer_encodes_and_decodes_as_the_original(tmp_path, pre):
     folder = tokenizer_folder(tmp_path / "tok", pre)
@@ -283,6 +284,7 @@ def test_a_byte_level_bpe_tokenizer_encodes_and_decodes_as_the_original(tmp_path
     assert ours.apply_chat_template(chat, tokenize=True) == ref.apply_chat_template(chat, tokenize=True)
 
 
+@pytest.mark.unit
 def test_a_sentencepiece_tokenizer_encodes_and_decodes_as_sentencepiece(tmp_path):
     """tokenizer.ggml.model "llama" (Llama 2, Mistral): pieces and scores, merges ranked by score,
     byte fallback, a space before the text; checked against sentencepiece itself."""
@@ -389,6 +391,7 @@ def llama(tmp_path_factory):
     return build_model(root / "hf", "llama"), root
 
 
+@pytest.mark.unit
 def test_an_unsupported_type_is_refused_naming_it_and_the_supported_ones(llama):
     folder, root = llama
     path = write_gguf(folder, root / "iq4.gguf", types={"model.layers.1.mlp.up_proj.weight": Q.IQ4_NL})
@@ -406,6 +409,7 @@ def test_an_untied_embedding_may_be_float_or_quantized(llama):
         assert model.w["embed_s"].dtype == torch.float16
 
 
+@pytest.mark.unit
 def test_a_norm_in_a_quantized_type_is_refused(llama):
     folder, root = llama
     path = write_gguf(folder, root / "qnorm.gguf", types={"model.layers.0.input_layernorm.weight": Q.Q8_0})
@@ -413,6 +417,7 @@ def test_a_norm_in_a_quantized_type_is_refused(llama):
         load_model(path)
 
 
+@pytest.mark.unit
 def test_an_unsupported_architecture_is_refused_naming_it(llama):
     folder, root = llama
     path = write_gguf(folder, root / "gemma.gguf", arch="gemma")
@@ -420,6 +425,7 @@ def test_an_unsupported_architecture_is_refused_naming_it(llama):
         load_model(path)
 
 
+@pytest.mark.unit
 def test_shapes_that_do_not_match_the_metadata_are_refused(llama):
     folder, root = llama
     path = write_gguf(folder, root / "shapes.gguf", meta={"feed_forward_length": 256})
@@ -436,6 +442,7 @@ def test_another_scheme_than_the_files_is_refused_and_a_float_file_quantizes_at_
     assert load_model(f32, quantize="int4").quantization == "int4"
 
 
+@pytest.mark.unit
 def test_an_unsupported_tokenizer_is_refused_naming_it(tmp_path):
     w = gguf.GGUFWriter(tmp_path / "t.gguf", "llama")
     w.add_uint32("llama.context_length", 512)

@@ -103,6 +103,7 @@ def adapter_prefill(engine, prompt: list[int], name: str) -> torch.Tensor:
         engine.kv.free(req.request_id)
 
 
+@pytest.mark.unit
 def test_pull_stores_a_gguf_adapter_as_a_peft_folder(fleet, tmp_path):
     base, peft, path, _, _, _ = fleet
     store = Store(tmp_path / "store")
@@ -114,6 +115,7 @@ def test_pull_stores_a_gguf_adapter_as_a_peft_folder(fleet, tmp_path):
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].float()) for k in ours)
 
 
+@pytest.mark.unit
 def test_q8_0_adapter_tensors_are_dequantized(fleet, tmp_path):
     base, peft, _, root, heads, arch = fleet
     path = write_gguf_adapter(peft, tmp_path / "q8.gguf", arch, heads, qtype=Q.Q8_0)
@@ -128,6 +130,7 @@ def test_q8_0_adapter_tensors_are_dequantized(fleet, tmp_path):
     ({"extra": {"token_embd.weight.lora_a": np.zeros((8, 4), np.float32)}}, "token_embd.weight.lora_a is not"),
     ({"extra": {"blk.0.attn_norm.weight": np.ones(4, np.float32)}}, "blk.0.attn_norm.weight is not"),
 ])
+@pytest.mark.unit
 def test_other_adapter_kinds_and_tensors_are_refused_by_name(fleet, tmp_path, change, words):
     base, peft, _, _, heads, arch = fleet
     path = write_gguf_adapter(peft, tmp_path / "odd.gguf", arch, heads, **change)
@@ -135,6 +138,7 @@ def test_other_adapter_kinds_and_tensors_are_refused_by_name(fleet, tmp_path, ch
         gguf_adapter.convert(path, tmp_path / "out", heads)
 
 
+@pytest.mark.unit
 def test_a_gguf_model_is_not_taken_for_an_adapter(fleet, tmp_path):
     base, *_ = fleet
     model = write_gguf(base, tmp_path / "model.gguf")

@@ -12,6 +12,8 @@ import torch
 
 from lorafleet.model import gguf_quants
 
+pytestmark = pytest.mark.unit
+
 T = gguf.GGMLQuantizationType
 # where each block type keeps its float16 scales (byte offsets)
 HALVES = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q2_K: (80, 82),

@@ -21,6 +21,8 @@ import pytest
 from lorafleet.errors import UnsupportedModelError
 from lorafleet.model.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.unit
+
 T = gguf.TokenType
 NFD = "Ελληνικά Ťěšť Ünïcödé Ångström crème brûlée"
 CORPUS = [

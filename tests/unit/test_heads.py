@@ -18,6 +18,8 @@ from lorafleet.adapters.layout import Layout, read_saved, save
 from lorafleet.model.config import ModelConfig
 from tests.fixtures import build_adapter, build_model
 
+pytestmark = pytest.mark.unit
+
 PAGE = 4096
 KINDS = {
     "lora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens", "lm_head"]),

@@ -23,6 +23,8 @@ from lorafleet.model.config import MAX_CONTEXT, MAX_LAYERS, ModelConfig
 from lorafleet.model.gguf import GGUFFile
 from lorafleet.model.gguf_tokenizer import tokenizer_parts
 
+pytestmark = pytest.mark.unit
+
 V = gguf.GGUFValueType
 HP = {"block_count": 1, "context_length": 64, "embedding_length": 8, "feed_forward_length": 16,
       "attention.head_count": 2, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5,

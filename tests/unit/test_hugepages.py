@@ -29,11 +29,13 @@ def advised(t: torch.Tensor) -> bool:
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
+@pytest.mark.unit
 def test_this_host_asks_for_huge_pages():
     # every test below would pass on plain allocations too: this one says they are not plain here
     assert sys.platform.startswith("linux") and hugepages.enabled()
 
 
+@pytest.mark.unit
 def test_place_moves_every_tensor_into_one_advised_buffer_keeping_values_and_ties():
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(1024, 768, generator=g)  # 3 MiB: the buffer passes one huge page
@@ -52,6 +54,7 @@ def test_place_moves_every_tensor_into_one_advised_buffer_keeping_values_and_tie
     assert all(advised(t) for t in w.values())
 
 
+@pytest.mark.unit
 def test_zeros_and_empty_are_advised_tensors_and_the_switch_turns_them_off(monkeypatch):
     t = hugepages.zeros(3, MB, dtype=torch.float32)
     assert t.shape == (3, MB) and t.dtype == torch.float32 and not t.any() and advised(t)

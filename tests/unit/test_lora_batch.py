@@ -4,10 +4,13 @@ segments as one small [S, SEG_FIELDS] array: (start, end, row table, scale, mix)
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from lorafleet.kernels.reference import SEG_FIELDS, TABLE_FIELDS, lora_entry, scale_bits, seg_scale
 from lorafleet.adapters.batch import GROUPS, MODULE_SLOTS, OUT_ALIGN_MAX, LoraBatch, group_shapes
+
+pytestmark = pytest.mark.unit
 
 
 class Recorder:

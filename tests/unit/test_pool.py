@@ -8,6 +8,8 @@ import torch
 from lorafleet.errors import PoolExhaustedError
 from lorafleet.memory.pool import KV, PagePool
 
+pytestmark = pytest.mark.unit
+
 
 def make_pool(n=32):
     return PagePool(n, 8, torch.float32, "cpu")

@@ -11,6 +11,8 @@ from lorafleet.engine.request import MIN_TEMPERATURE
 from lorafleet.model import sampler
 from lorafleet.model.sampler import sample
 
+pytestmark = pytest.mark.unit
+
 NEG_INF = float("-inf")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from lorafleet import SamplingParams
@@ -14,6 +15,8 @@ from lorafleet.engine.request import Request
 from lorafleet.engine.scheduler import Scheduler
 from lorafleet.memory.kv import KVCacheManager, kv_page_elems
 from lorafleet.memory.pool import PagePool
+
+pytestmark = pytest.mark.unit
 
 
 class Entry(SimpleNamespace):

@@ -12,6 +12,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from lorafleet.errors import InvalidRequestError, ModelLoadError
 from lorafleet.model.tokenizer import IncrementalDecoder, Tokenizer
 
+pytestmark = pytest.mark.unit
+
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "hello world, this is a tiny corpus for a tiny tokenizer.",

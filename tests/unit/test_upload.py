@@ -4,9 +4,12 @@ at their dtypes (the GPU path's packing, checked on the CPU: the copy is the onl
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from lorafleet.model.upload import Upload
+
+pytestmark = pytest.mark.unit
 
 
 def columns() -> tuple[Upload, list]:
