@@ -91,6 +91,7 @@ def session(tmp_path, *args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy  # it collects the whole tree in a subprocess: 14 s of the default tier
 def test_a_session_of_unit_tests_collects_every_test_and_builds_or_loads_no_kernel(tmp_path):
     # the whole tree collected (no -m unit: no module may load a kernel as it is imported), one
     # unit file's tests selected and run
