@@ -188,7 +188,8 @@ def _sort_tensors(tensors: dict[str, torch.Tensor], cfg: dict, base: BaseShapes,
         head = HEAD_KEY_RE.fullmatch(key)
         if head is not None:
             names.add(next((head.group(g) for g in ("name", "ename", "mname") if head.group(g)), None))
-            head_tensors[key] = (tensor_label(key), _checked(st_path, tensor_label(key), tensors[key]))
+            shown = tensor_label(key)
+            head_tensors[key] = (shown, _checked(st_path, shown, tensors[key]))
         else:
             layer, proj, part, name = _key_slot(key, base, st_path)
             names.add(name)

@@ -27,16 +27,23 @@ def daemon_models(socket, url: str | None = None, api_key: str | None = None) ->
         return None
 
 
+def daemon_base(socket, url: str | None = None, api_key: str | None = None) -> dict | None:
+    """The base a running daemon serves, its /v1/models entry (with its folder, `root`), or None
+    when no daemon answers."""
+    base = next((m for m in daemon_models(socket, url, api_key) or () if not m.get("parent")), None)
+    return base if base and base.get("root") else None
+
+
 def served_base(socket, url: str | None = None, api_key: str | None = None) -> Path | None:
     """The folder of the base a running daemon serves, resolved (None: no daemon)."""
-    base = next((m for m in daemon_models(socket, url, api_key) or () if not m.get("parent")), None)
-    return Path(base["root"]).resolve() if base and base.get("root") else None
+    base = daemon_base(socket, url, api_key)
+    return Path(base["root"]).resolve() if base else None
 
 
 def _served(socket) -> tuple[str, Path] | None:
     """The name and folder of the base the daemon on `socket` serves (None: no daemon answers)."""
-    base = next((m for m in daemon_models(socket) or () if not m.get("parent")), None)
-    return (base["id"], Path(base["root"])) if base and base.get("root") else None
+    base = daemon_base(socket)
+    return (base["id"], Path(base["root"])) if base else None
 
 
 def size(n: int) -> str:
@@ -107,9 +114,8 @@ def models_ls(socket: SocketOption = None, url: UrlOption = None, api_key: ApiKe
     store = Store()
     with user_errors():
         stored = store.list("models")
-        # a wrong key or URL: one line, no traceback
-        base = next((m for m in daemon_models(socket, url, api_key) or () if not m.get("parent")), None)
-    served = Path(base["root"]).resolve() if base and base.get("root") else None
+        base = daemon_base(socket, url, api_key)  # a wrong key or URL: one line, no traceback
+    served = Path(base["root"]).resolve() if base else None
     for m in stored:
         m["in_store"] = True
         m["served"] = served is not None and served == store.folder(m).resolve()

@@ -327,9 +327,7 @@ class TopApp(App):
         box = self.query_one("#filter", Input)
         if event.key == "escape" and len(self.screen_stack) == 1 and (box.has_focus or self.filter_text):
             event.stop()
-            box.value = ""
-            self.filter_text = ""
-            self._redraw_table()
+            box.value = ""  # its Input.Changed clears the filter and redraws (`filter_changed`)
             self._close_filter()
 
     def _close_filter(self) -> None:
