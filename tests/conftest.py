@@ -84,7 +84,7 @@ def build_kernels() -> None:
     """On a fresh machine the build takes most of a minute, which must not be spent inside a
     daemon a test is waiting for. With LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI) a kernel that does not
     build stops the run here, with the build error, before any test could skip or quietly take
-    the torch path. Not where the tests run on a GPU (LORAFLEET_DEVICE=cuda: lorafleet/bench/gpu_check.sh)
+    the torch path. Not where the tests run on a GPU (LORAFLEET_DEVICE=cuda: kernels/gpu_check.sh)
     or on the torch or Triton kernels alone (LORAFLEET_KERNELS). The other variants (`variant`'s
     heavy ones) are built by the first test that asks for each."""
     if os.environ.get("LORAFLEET_DEVICE", "cpu").startswith("cuda") or \

@@ -1,4 +1,4 @@
-"""`lorafleet bench gpu`: the figures of the GPU path in one run (`lorafleet/bench/gpu_check.sh` runs it,
+"""`lorafleet bench gpu`: the figures of the GPU path in one run (`kernels/gpu_check.sh` runs it,
 after `lorafleet/bench/gpu_micro.py`).
 
 1. Kernels, the engine's own (`Kernels.lora` at its configuration, decode attention), each timed

@@ -2,7 +2,7 @@
 
     python -m lorafleet.bench.gpu_micro [--out DIR] [--shapes 1b,8b] [--deadline 270] [--quant]
 
-Run it first whenever a GPU is lent (`lorafleet/bench/gpu_check.sh` does): it decides which design of
+Run it first whenever a GPU is lent (`kernels/gpu_check.sh` does): it decides which design of
 `lora_triton.CANDIDATES` the engine keeps (`lora_triton.CONFIG`) and says how far each is from
 the memory bound, before any engine figure is measured.
 

@@ -377,7 +377,7 @@ def gpu(
     device: Device = "auto", quick: Quick = False, out: Out = None, as_json: AsJson = False,
     quantize: Quantize = None,
 ) -> None:
-    """The GPU path's figures (lorafleet/bench/gpu_check.sh runs this, after lorafleet/bench/gpu_micro.py): the
+    """The GPU path's figures (kernels/gpu_check.sh runs this, after lorafleet/bench/gpu_micro.py): the
     engine's LoRA op and decode attention against the device's copy bandwidth and a read of the
     same bytes; decode throughput with no adapter, one rank-16 adapter, 8 and 64 adapters, MANY
     registered, mixed ranks 8-256 against their uniform mean, the 64-adapter step against its

@@ -1,5 +1,5 @@
 """`lorafleet bench gpu` runs end to end on the CPU at a small shape (on a GPU it is
-lorafleet/bench/gpu_check.sh's third part): every figure it reports is there and sane."""
+kernels/gpu_check.sh's third part): every figure it reports is there and sane."""
 
 from __future__ import annotations
 

@@ -15,11 +15,11 @@
 #   8b      `lorafleet bench gpu` on Llama-3-8B's shapes, batches 64 and 256 (weights made on the device)
 #   8b-int4 the same base quantized in int4 at load, batch 64 (against 8b's bf16 figures)
 #   smol    `smol` base-only against transformers
-# Usage: bash lorafleet/bench/gpu_check.sh [STAGE ...]   (no stage: all of them, as time allows)
+# Usage: bash kernels/gpu_check.sh [STAGE ...]   (no stage: all of them, as time allows)
 # Run it from the repository root where lorafleet is installed (`pip install -e .`) with a CUDA
 # torch. Split a lease into runs of at most 8 minutes: `micro tests`, then `quant`, then `1b 8b`.
 set -uo pipefail
-cd "$(dirname "$0")/../.."  # the repository root
+cd "$(dirname "$0")/.."
 # LORAFLEET_DEVICE=cuda: the tests run on the GPU, and tests/conftest.py then skips building the C++
 # CPU kernels (a minute or two of the lent machine)
 export TRITON_INTERPRET=0 LORAFLEET_DEVICE=cuda PYTHONUNBUFFERED=1
