@@ -30,7 +30,7 @@ Every op keeps the semantics of its reference in `reference.py`:
 - `decode_forward(weights, input_ids, positions, meta, kv, logits_rows, lora)`: `LlamaModel.forward`
   for a decode-only step, where a backend has it in one call (the CPU: `decode_layers_cpu`),
   else None;
-- `decode_batch(table, rows, starts, ids, block_size)`: `ModelRunner.prepare` for a pure decode
+- `decode_batch(table, rows, starts, ids, block_size)`: `ModelRunner.inputs` for a pure decode
   step (every row one token that samples) in one call where a backend has it (the CPU:
   `decode_layers_cpu.decode_batch`), else None;
 - `pack(w)`: a base weight [N, K] laid out again in its own storage for `linear`, which reads
@@ -74,7 +74,7 @@ class Kernels:
     decode: Callable
     prefill: Callable
     decode_forward: Callable | None = None  # the forward pass of a decode-only step in one call (the CPU's)
-    decode_batch: Callable | None = None   # a pure decode step's batch tensors in one call (the CPU's)
+    decode_batch: Callable | None = None   # a pure decode step's inputs in one call (the CPU's)
     pack: Callable | None = None           # a base weight laid out for `linear`, in place (the CPU's panels)
     rows: Callable = reference.rows        # the embedding's rows, w[ids], in either layout `pack` leaves
     graphs: bool = False                   # a decode step's launches can be captured as a CUDA graph

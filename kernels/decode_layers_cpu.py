@@ -24,16 +24,17 @@ streamed through the caches runs cold (a trivial numpy call took many times its 
 - `decode_forward`: the whole forward pass of a decode-only step (the embedding, the layers,
   the final norm and the LM head), `Kernels.decode_forward`; the Python forward's logits bit
   for bit. Alone, within the noise of the Python around `decode_layers`.
-- `decode_batch`: a pure decode step's batch tensors (`ModelRunner.prepare`), in one call
-  instead of ~30 numpy and torch calls; steps faster at batch 1 and 8.
+- `decode_batch`: a pure decode step's inputs (`ModelRunner.inputs`), in one call instead of
+  ~20 numpy calls; steps faster at batch 1 and 8.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lorafleet.kernels.cpu_module import load
-from lorafleet.kernels.reference import AttentionMetadata, DecodeWeights
+from lorafleet.kernels.reference import DecodeWeights
 
 FUNCTIONS = ["decode_layers", "decode_forward", "decode_batch"]
 
@@ -70,15 +71,13 @@ def decode_forward(w: DecodeWeights, input_ids: torch.Tensor, positions: torch.T
                                              w.kv_heads, w.head_dim, lora))
 
 
-def decode_batch(table, rows: list[int], starts: list[int], ids: list[int], block_size: int):
-    """A pure decode step's batch, as `ModelRunner.prepare` returns it (input ids [n], positions
-    [n], `AttentionMetadata`, logits rows [n]), for n sequences that each decode one token and
-    sample it: `table` the KV manager's block table (a numpy int64 array), each sequence's `rows`
-    in it, its `starts` (tokens computed so far: the new token's position) and its token `ids`.
-    The block tables are as wide as the longest sequence needs (the general path: as wide as
-    the most blocks a row holds; attention reads only `lens` tokens either way)."""
-    ids_t, pos, pages, offsets, lens, out_rows, tables = load().decode_batch(
-        torch.from_numpy(table), rows, starts, ids, block_size)
-    meta = AttentionMetadata(slot_pages=pages, slot_offsets=offsets, num_decode=len(rows),
-                             decode_block_tables=tables, decode_context_lens=lens)
-    return ids_t, pos, meta, out_rows
+def decode_batch(table, rows: list[int], starts: list[int], ids: list[int], block_size: int) -> list[np.ndarray]:
+    """A pure decode step's inputs, as `ModelRunner.inputs` builds them (`StepInputs`' ids,
+    positions, slot pages, slot offsets, context lengths, logits rows and block tables [n, width]:
+    int64 views of one allocation), for n sequences that each decode one token and sample it:
+    `table` the KV manager's block table (a numpy int64 array), each sequence's `rows` in it, its
+    `starts` (tokens computed so far: the new token's position) and its token `ids`. The block
+    tables are as wide as the longest sequence needs (the general path's: as wide as the most
+    blocks a row holds; attention reads only `lens` tokens either way)."""
+    flat, n = load().decode_batch(torch.from_numpy(table), rows, starts, ids, block_size).numpy(), len(rows)
+    return [*(flat[k * n:(k + 1) * n] for k in range(6)), flat[6 * n:].reshape(n, -1)]

@@ -103,10 +103,11 @@ torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tenso
 
 // A pure decode step's batch tensors (`ModelRunner.prepare`'s, for rows that each decode one
 // token and sample it), built in one call: table [rows, blocks] the KV manager's block table;
-// per sequence its table row, its position (tokens computed so far) and its token. Returns
-// (ids, positions, slot pages, slot offsets, context lengths, logits rows, block tables
-// [n, width]), views of one allocation; width covers the longest sequence's blocks.
-std::vector<torch::Tensor> decode_batch(torch::Tensor table, std::vector<int64_t> rows, std::vector<int64_t> starts,
+// per sequence its table row, its position (tokens computed so far) and its token. Returns one
+// int64 array: ids, positions, slot pages, slot offsets, context lengths, logits rows (n each),
+// then block tables [n, width]; width covers the longest sequence's blocks. One array, not seven
+// tensors: the caller views it through numpy, and each tensor's conversion cost more than the build.
+torch::Tensor decode_batch(torch::Tensor table, std::vector<int64_t> rows, std::vector<int64_t> starts,
                                         std::vector<int64_t> ids, int64_t bs) {
   const int64_t n = rows.size();
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kLong && table.is_contiguous(),
@@ -133,8 +134,5 @@ std::vector<torch::Tensor> decode_batch(torch::Tensor table, std::vector<int64_t
     p[5 * n + i] = i;
     std::copy(row, row + width, p + 6 * n + i * width);
   }
-  std::vector<torch::Tensor> out;
-  for (int64_t k = 0; k < 6; ++k) out.push_back(all.narrow(0, k * n, n));
-  out.push_back(all.narrow(0, 6 * n, n * width).view({n, width}));
-  return out;
+  return all;
 }

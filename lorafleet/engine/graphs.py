@@ -26,7 +26,7 @@ Padding rows write their K/V into the pool's `scratch_page` and attend to it alo
 logits are dropped.
 
 Each step's inputs reach the device in one copy: the runner hands its numbers over on the host
-(`DecodeStep`, numpy), they are written into one staging buffer (pinned on CUDA) laid out as the
+(`StepInputs`, numpy, as for every step), they are written into one staging buffer (pinned on CUDA) laid out as the
 device buffer every capture reads (ids, positions, KV slots, context lengths, LoRA segments,
 then the block tables, row by row), and the prefix a bucket reads goes over in one non-blocking
 copy. Why: each `.to(device)` of pageable memory is a copy that holds the host until it is done
@@ -42,7 +42,7 @@ exactly these launches).
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,24 +50,13 @@ import torch
 from lorafleet.errors import ConfigError
 from lorafleet.kernels.reference import SEG_FIELDS, AttentionMetadata
 from lorafleet.adapters.batch import LoraBatch, group_shapes
+from lorafleet.engine.step_inputs import StepInputs
 from lorafleet.snapshot import DecodeGraphsStats
 
 SEGMENT_ROWS = 16              # rows of one LoRA segment in a captured step (the kernels' row block)
 RANK_BUCKETS = (16, 64, 256)   # rank bounds a captured step's LoRA grid is sized to
 MAX_RANK = RANK_BUCKETS[-1]    # the largest adapter rank a captured step serves
 MIX_SEGMENTS = 4               # segments per row of a captured step's top segment bucket (mixes of up to 4 on average)
-
-
-class DecodeStep(NamedTuple):
-    """A decode step's numbers per row, on the host (int64 arrays; `ModelRunner.decode_step`):
-    every row one token; `samples` the rows whose logits are wanted (None: all of them)."""
-    ids: np.ndarray
-    positions: np.ndarray
-    slot_pages: np.ndarray
-    slot_offsets: np.ndarray
-    lens: np.ndarray
-    tables: np.ndarray      # [n, width]
-    samples: np.ndarray | None
 
 
 def fill_pending(ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -170,7 +159,7 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def fits(self, step: DecodeStep, lora: LoraBatch | None) -> bool:
+    def fits(self, step: StepInputs, lora: LoraBatch | None) -> bool:
         """Whether this decode step can run at a fixed shape: within the bounds (one beyond a
         bound runs eagerly and is counted; steps with prefill rows never come here)."""
         if lora is not None and lora.heads:  # own embeddings / LM heads: shapes of their own
@@ -183,7 +172,7 @@ class DecodeGraphs:
             self.eager_fallbacks += 1
         return ok
 
-    def run(self, step: DecodeStep, lora: LoraBatch | None, prev: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, step: StepInputs, lora: LoraBatch | None, prev: torch.Tensor | None = None) -> torch.Tensor:
         """The step's numbers into the staging buffer (padding rows on the scratch page), one
         copy of what its bucket reads to the device, the inputs not read yet taken from `prev`
         (the last step's drawn tokens, `fill_pending`), then the bucket's graph. Returns the
@@ -221,7 +210,8 @@ class DecodeGraphs:
             graph.replay()
         self.replays += 1
         logits = logits[:n]
-        return logits if step.samples is None else logits[torch.from_numpy(step.samples).to(logits.device)]
+        rows = step.out_rows  # a pure decode step's: in order, so n of them are every row
+        return logits if rows is None or len(rows) == n else logits[torch.from_numpy(rows).to(logits.device)]
 
     def _set_lora(self, lora: LoraBatch, b: int) -> tuple[int, int, int]:
         """The step's segments, split into runs of at most SEGMENT_ROWS rows, into the staging

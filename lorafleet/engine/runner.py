@@ -17,14 +17,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from lorafleet.engine.graphs import DecodeGraphs, DecodeStep, fill_pending
+from lorafleet.engine.graphs import DecodeGraphs, fill_pending
 from lorafleet.engine.scheduler import Chunk
-from lorafleet.kernels.reference import AttentionMetadata, PrefillSeq
+from lorafleet.engine.step_inputs import Prefill, StepInputs
 from lorafleet.adapters.batch import LoraBatch, group_shapes
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.llama import LlamaModel
 from lorafleet.model.sampler import Drawn, launch
-from lorafleet.model.upload import Upload
 
 
 @dataclass
@@ -110,79 +109,53 @@ class ModelRunner:
                     batch.add_heads(start, end, [(e.heads, s) for e, s in live if e.heads is not None])
         return batch.finish()
 
-    def prepare(self, chunks: list[Chunk], all_logits: bool = False):
-        """The step's flat-batch tensors, built with array operations over per-sequence numbers
-        (block tables come from the KV manager's array, one gather for every decode row).
-        Returns (input_ids [T], positions [T], AttentionMetadata, logits rows [S]).
+    def inputs(self, chunks: list[Chunk], all_logits: bool = False) -> StepInputs:
+        """The step's numbers on the host (`StepInputs`), built with array operations over
+        per-sequence numbers (block tables come from the KV manager's array, one gather a kind of
+        row). `all_logits`: every row's logits are wanted (tests).
 
-        A pure decode step (every row one token that samples: most steps of a busy server) goes
-        to the kernels' `decode_batch` where they have one (the CPU's: one C++ call). Why: the
-        ~30 numpy and torch calls below each run cold after the weights have streamed through
-        the caches, so one call costs much less than they do, and steps measured faster."""
-        kv = self.kv
+        A pure decode step whose inputs are all read (most steps of a busy server on the CPU) is
+        built by the kernels' `decode_batch` where they have one (the CPU's: one C++ call). Why:
+        after the weights have streamed through the caches the ~20 numpy calls below each run
+        cold, and the one call made whole steps 0.91-0.94x the time at batch 1 (measured: docs/
+        benchmark-history.md)."""
+        kv, bs, n = self.kv, self.kv.block_size, len(chunks)
+        reqs = [c.request for c in chunks]
         fast = self.model.kernels.decode_batch
         if (fast is not None and not all_logits
                 and all(c.num_tokens == 1 and c.samples and not c.request.num_pending for c in chunks)):
-            reqs = [c.request for c in chunks]
             starts = [r.num_computed for r in reqs]
-            return fast(kv.block_table, [kv.rows[r.request_id] for r in reqs], starts,
-                        [r.token_at(s, s + 1)[0] for r, s in zip(reqs, starts)], kv.block_size)
-        dev, bs = self.device, kv.block_size
-        n = len(chunks)
-        reqs = [c.request for c in chunks]
+            ids, pos, pages, offsets, lens, out_rows, tables = fast(
+                kv.block_table, [kv.rows[r.request_id] for r in reqs], starts,
+                [r.token_at(s, s + 1)[0] for r, s in zip(reqs, starts)], bs)
+            return StepInputs(ids, pos, pages, offsets, lens, tables, out_rows)
         ntok = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
         start = np.fromiter((r.num_computed for r in reqs), np.int64, n)
         rows = np.fromiter((kv.rows[r.request_id] for r in reqs), np.int64, n)
-        first = np.cumsum(ntok) - ntok                                   # each chunk's first flat row
-        total = int(ntok.sum())
-        pos = np.arange(total) - np.repeat(first - start, ntok)          # [T]
-        table = kv.block_table
-        ids = []
-        for r, s, k in zip(reqs, start.tolist(), ntok.tolist()):
-            ids.extend(r.input_ids(s, s + k))
-        host = {"ids": np.array(ids, dtype=np.int64), "pos": pos,
-                "slot_pages": table[np.repeat(rows, ntok), pos // bs], "slot_offsets": pos % bs}
-        nd = int(np.searchsorted(ntok > 1, True))                       # decode rows come first
-        if nd:
-            drows = rows[:nd]
-            host["lens"], host["decode_tables"] = start[:nd] + 1, table[drows, :int(kv.num_blocks[drows].max())]
-        if nd < n:
-            prow = rows[nd:]
-            host.update(prefill_starts=first[nd:], prefill_lens=ntok[nd:], prefill_positions=start[nd:],
-                        prefill_tables=table[prow, :int(kv.num_blocks[prow].max())])
-        if not all_logits:
-            host["out_rows"] = (first + ntok - 1)[np.fromiter((c.samples for c in chunks), bool, n)]
-        up = Upload()
-        for a in host.values():
-            up.add(a)
-        t = dict(zip(host, up.send(dev)))
-        meta = AttentionMetadata(slot_pages=t["slot_pages"], slot_offsets=t["slot_offsets"])
-        if nd:
-            meta.num_decode = nd
-            meta.decode_block_tables, meta.decode_context_lens = t["decode_tables"], t["lens"]
-        if nd < n:
-            meta.prefill_starts, meta.prefill_lens = t["prefill_starts"], t["prefill_lens"]
-            meta.prefill_positions, meta.prefill_block_tables = t["prefill_positions"], t["prefill_tables"]
-            meta.max_prefill_len = int(ntok[nd:].max())
-            for i in range(nd, n):
-                pages = meta.prefill_block_tables[i - nd, :kv.num_blocks[rows[i]]]
-                meta.prefills.append(PrefillSeq(int(first[i]), int(ntok[i]), int(start[i]), pages))
-        out_rows = torch.arange(total, device=dev) if all_logits else t["out_rows"]
-        return t["ids"], t["pos"], meta, out_rows
-
-    def decode_step(self, chunks: list[Chunk]) -> DecodeStep:
-        """A step of single-token chunks as host arrays, for the fixed-shape path (`DecodeGraphs`),
-        which copies them to the device at once."""
-        kv, bs, n = self.kv, self.kv.block_size, len(chunks)
-        reqs = [c.request for c in chunks]
-        start = np.fromiter((r.num_computed for r in reqs), np.int64, n)
-        rows = np.fromiter((kv.rows[r.request_id] for r in reqs), np.int64, n)
-        ids = np.fromiter((r.input_ids(s, s + 1)[0] for r, s in zip(reqs, start.tolist())), np.int64, n)
-        table = kv.block_table
         samples = np.fromiter((c.samples for c in chunks), bool, n)
-        width = int(kv.num_blocks[rows].max())
-        return DecodeStep(ids, start, table[rows, start // bs], start % bs, start + 1, table[rows, :width],
-                          None if samples.all() else np.flatnonzero(samples))
+        table = kv.block_table
+        nd = int(np.searchsorted(ntok > 1, True))                       # decode rows come first
+        if nd == n:  # one token a sequence: flat rows are sequences
+            ids = np.fromiter((r.input_ids(s, s + 1)[0] for r, s in zip(reqs, start.tolist())), np.int64, n)
+            pos, flat_rows, last = start, rows, np.arange(n)
+        else:
+            first = np.cumsum(ntok) - ntok                               # each chunk's first flat row
+            pos = np.arange(int(ntok.sum())) - np.repeat(first - start, ntok)
+            ids = np.array([t for r, s, k in zip(reqs, start.tolist(), ntok.tolist()) for t in r.input_ids(s, s + k)],
+                           dtype=np.int64)
+            flat_rows, last = np.repeat(rows, ntok), first + ntok - 1
+        drows, prow = rows[:nd], rows[nd:]
+        tables = table[drows, :int(kv.num_blocks[drows].max())] if nd else np.empty((0, 0), np.int64)
+        prefill = None
+        if nd < n:
+            blocks = kv.num_blocks[prow]
+            prefill = Prefill(first[nd:], ntok[nd:], start[nd:], table[prow, :int(blocks.max())], blocks)
+        return StepInputs(ids, pos, table[flat_rows, pos // bs], pos % bs, start[:nd] + 1, tables,
+                          None if all_logits else last[samples], prefill)
+
+    def prepare(self, step: StepInputs):
+        """The step's inputs on the device for the eager forward: `StepInputs.upload`."""
+        return step.upload(self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False,
@@ -191,19 +164,16 @@ class ModelRunner:
         sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests). `prev`:
         the tokens the last step drew on the device, which rows whose input is not read yet take
         (`Request.input_ids`)."""
-        step = None
-        if self.graphs is not None and not all_logits and all(c.num_tokens == 1 for c in chunks):
-            step = self.decode_step(chunks)
-            if not self.graphs.fits(step, lora):
-                step = None
-        if step is None:
-            ids, positions, meta, rows = self.prepare(chunks, all_logits)
+        step = self.inputs(chunks, all_logits)
+        fixed = self.graphs is not None and not all_logits and step.pure_decode and self.graphs.fits(step, lora)
+        if not fixed:
+            ids, positions, meta, rows = self.prepare(step)
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # the forward's device time, read once the sampled tokens are
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
-        if step is not None:
-            assert self.graphs is not None  # step was built for them
+        if fixed:
+            assert self.graphs is not None  # fixed: graphs exist
             logits = self.graphs.run(step, lora, prev)  # stages `lora`'s segments with the step's inputs
         else:
             if prev is not None:

@@ -81,9 +81,9 @@ def test_a_fixed_shape_step_reaches_the_device_in_one_copy(llama_dir, tmp_path):
     eager = Engine(llama_dir, pool_bytes=8 << 20, decode_graphs="off", max_num_seqs=8)
     prepared, prepare = [], fixed.runner.prepare
 
-    def counted(chunks, all_logits=False):
-        prepared.append(all(c.num_tokens == 1 for c in chunks))
-        return prepare(chunks, all_logits)
+    def counted(step):
+        prepared.append(step.pure_decode)
+        return prepare(step)
     fixed.runner.prepare = counted
     adapters = ["a", None, "a", None, "a"]
     for engine in (fixed, eager):

@@ -7,6 +7,7 @@ AVX-512; an engine's decode steps take it, and a step with a prefill row does no
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,11 +142,11 @@ def test_the_engine_decodes_through_it_and_prefills_through_the_loop(family_dirs
     assert tokens["cpu"] == tokens["torch"]
 
 
-def test_a_pure_decode_batch_in_one_call_equals_the_general_prepare(family_dirs):
-    """The runner's pure decode steps take `decode_batch` (one C++ call) and get what its general
-    path builds: ids, positions, KV slots, context lengths, logits rows and block tables (as
-    wide as the longest sequence needs: the general path's may be wider, and equal up to there);
-    the prefill step does not take it; a sequence outside the table is refused."""
+def test_a_pure_decode_batch_in_one_call_equals_the_general_builder(family_dirs):
+    """The runner's pure decode steps take `decode_batch` (one C++ call) and get the `StepInputs`
+    its general path builds: ids, positions, KV slots, context lengths, logits rows and block
+    tables (as wide as the longest sequence needs: the general path's may be wider, and equal up
+    to there); the prefill step does not take it; a sequence outside the table is refused."""
     import dataclasses
 
     model_dir, adapters = family_dirs["llama"]
@@ -160,31 +161,32 @@ def test_a_pure_decode_batch_in_one_call_equals_the_general_prepare(family_dirs)
 
     fast_ops = runner.model.kernels = dataclasses.replace(runner.model.kernels, decode_batch=counted)
     general_ops = dataclasses.replace(fast_ops, decode_batch=None)
-    real, compared, general_steps = runner.prepare, [], []
+    real, compared, general_steps = runner.inputs, [], []
 
     def both(chunks, all_logits=False):
         before = len(calls)
-        ids, pos, meta, rows = real(chunks, all_logits)
+        step = real(chunks, all_logits)
         runner.model.kernels = general_ops
         try:
-            g_ids, g_pos, g_meta, g_rows = real(chunks, all_logits)
+            general = real(chunks, all_logits)
         finally:
             runner.model.kernels = fast_ops
         if len(calls) == before:  # the general path both times: a step with prompt rows
-            assert any(c.num_tokens > 1 for c in chunks)
+            assert any(c.num_tokens > 1 for c in chunks) and not step.pure_decode
             general_steps.append(len(chunks))
-            return ids, pos, meta, rows
-        for a, b in ((ids, g_ids), (pos, g_pos), (rows, g_rows), (meta.slot_pages, g_meta.slot_pages),
-                     (meta.slot_offsets, g_meta.slot_offsets), (meta.decode_context_lens, g_meta.decode_context_lens)):
-            assert a.dtype == b.dtype == torch.long and torch.equal(a, b)
-        assert meta.num_decode == g_meta.num_decode == len(chunks) and not meta.prefills
-        width = meta.decode_block_tables.shape[1]
-        assert width == int((pos // engine.kv.block_size).max()) + 1 <= g_meta.decode_block_tables.shape[1]
-        assert torch.equal(meta.decode_block_tables, g_meta.decode_block_tables[:, :width])
+            return step
+        for a, b in ((step.ids, general.ids), (step.positions, general.positions), (step.out_rows, general.out_rows),
+                     (step.slot_pages, general.slot_pages), (step.slot_offsets, general.slot_offsets),
+                     (step.lens, general.lens)):
+            assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
+        assert step.num_decode == general.num_decode == len(chunks) and step.pure_decode and general.pure_decode
+        width = step.tables.shape[1]
+        assert width == int((step.positions // engine.kv.block_size).max()) + 1 <= general.tables.shape[1]
+        assert np.array_equal(step.tables, general.tables[:, :width])
         compared.append(width)
-        return ids, pos, meta, rows
+        return step
 
-    runner.prepare = both
+    runner.inputs = both
     while engine.has_unfinished():
         engine.step()
     assert general_steps and len(compared) >= 6 and max(compared) >= 3  # contexts of 1 to 3 pages

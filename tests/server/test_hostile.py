@@ -273,7 +273,7 @@ def test_a_50_mb_body_is_refused_at_once_without_freezing_the_daemon(demo, chunk
 
 # -- eager loads off the engine thread --------------------------------------------------------------
 
-def load_beside_streams(daemon, name: str, path) -> tuple[float, float, str]:
+def load_beside_streams(daemon, name: str, path) -> tuple[float, float, float | None, str]:
     """Load `path` as `name` while 32 streams run: the worst gap between two chunks of a stream
     during the load, in median gaps of that stream; the cores other work kept busy meanwhile
     (other processes, and the hypervisor's other guests); and what the gap was."""
@@ -282,7 +282,7 @@ def load_beside_streams(daemon, name: str, path) -> tuple[float, float, str]:
     async def run():
         async with daemon.async_http(timeout=120.0) as http:
             streams = await start_streams(http, bodies)
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(CALM_S)
             cpu0, t0 = machine.cpu_seconds((daemon.proc.pid,)), time.monotonic()
             r = await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
             loaded = (t0, time.monotonic())
@@ -308,34 +308,58 @@ def load_beside_streams(daemon, name: str, path) -> tuple[float, float, str]:
     worst = max(during)
     if worst[0] < 3 * median:  # no stall: the stream must have run through the load to tell
         assert len(during) > 10, "the stream ended before the load"
+    calm = calm_worst(gaps, t1 - t0) / median
     beside = "other work unknown" if other is None else f"other work on {other:.2f} cores"
-    return worst[0] / median, other, (f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s "
-                                      f"load, median {median * 1e3:.1f} ms, {beside}")
+    return worst[0] / median, calm, other, (f"gap {worst[0] * 1e3:.0f} ms at {worst[1]:.2f} s of a {t1 - t0:.2f} s "
+                                            f"load, median {median * 1e3:.1f} ms, the worst outside the load "
+                                            f"{calm:.2f}x, {beside}")
 
 
 MAX_OTHER_CORES = 0.1  # beside more other work, a load's gaps are the host's as much as ours
 NOISY_BOUND = 10       # gaps, in medians, beside more: still far below a load on the engine thread
+# The same streams' worst gap outside the input's window is the host's own noise (1.5-3.4x its
+# median beside these tests' requests), and handling any request, a quick 400 included, adds a gap
+# of 3-5x within it; a fixed 3x bound failed on the noisier VMs. So a gap within the window may
+# reach CALM_FACTOR times the worst outside it, never past NOISY_BOUND: work on the engine thread or
+# under the GIL left gaps of 20-800 medians.
+CALM_S = 0.4           # the streams run this long before the input: the first part of that noise
+CALM_FACTOR = 2.5
+
+
+def calm_worst(gaps: list[tuple[float, float]], window: float) -> float:
+    """The worst of `gaps` (length, start from the input on) outside the input's `window`: those
+    ending at most CALM_S before it, or starting after it; the stream's last two (its end) left out."""
+    return max((g for g, at in gaps[:-2] if -CALM_S <= at <= -g or at >= window), default=0.0)
+
+
+def stall_bound(calm: float, quiet: bool) -> float:
+    """The most a gap within the input's window may be, in medians, given the worst outside it."""
+    return min(NOISY_BOUND, max(3.0, CALM_FACTOR * calm)) if quiet else NOISY_BOUND
 
 
 @pytest.mark.heavy  # timing beside a 200 MB load
 def test_an_eager_200_mb_load_does_not_stall_running_streams(tmp_path_factory, big_adapter):
-    """No gap between two chunks of a stream during the load exceeds 3 median gaps. On a virtual
-    machine whose host takes its CPUs now and then, for minutes at a time (seen here, on 2
-    cores: the hypervisor took 0.17-0.82 cores during some loads, with gaps of 2.1-6.4 medians;
-    beside at most 0.15 cores, at most 2.4), a load beside more than MAX_OTHER_CORES of other
-    work is held to NOISY_BOUND medians only, and the adapter is loaded again under a new name,
-    up to 4 times, until one load ran alone. A load on the engine thread leaves a gap of the
-    whole load (here 0.9 s, 45 medians), which fails either bound."""
+    """No gap between two chunks of a stream during the load exceeds stall_bound: 3 median gaps,
+    or CALM_FACTOR times the worst gap of the same stream outside the load where the host's own hiccups are
+    larger. On a virtual machine whose host takes its CPUs now and then, for minutes at a time
+    (seen here, on 2 cores: the hypervisor took 0.17-0.82 cores during some loads, with gaps of
+    2.1-6.4 medians; beside at most 0.15 cores, at most 2.4), a load beside more than
+    MAX_OTHER_CORES of other work is held to NOISY_BOUND medians only. The adapter is loaded again
+    under a new name, up to 4 times, until one load ran alone within its bound: a stall the load
+    causes repeats, noise does not. A load on the engine thread leaves a gap of the whole load
+    (here 0.9 s, 45 medians), which fails every bound."""
     daemon = Daemon.start(tmp_path_factory.mktemp("eager"), "--pool-bytes", "512M")
     try:
+        runs = []
         for attempt in range(4):
-            ratio, other, what = load_beside_streams(daemon, f"big-{attempt}", big_adapter)
+            ratio, calm, other, what = load_beside_streams(daemon, f"big-{attempt}", big_adapter)
             quiet = other is not None and other <= MAX_OTHER_CORES
-            assert ratio < (3 if quiet else NOISY_BOUND), f"the load stalled the streams: {what}"
-            if quiet:
+            runs.append((ratio < stall_bound(calm, quiet), what))
+            if runs[-1][0] and quiet:
                 break
             with daemon.http() as c:
                 c.post("/v1/unload_lora_adapter", json={"lora_name": f"big-{attempt}"}).raise_for_status()
+        assert any(ok for ok, _ in runs), "the load stalled the streams every time: " + "; ".join(w for _, w in runs)
     finally:
         daemon.kill()
 

@@ -1,5 +1,6 @@
 """Hostile input beside running streams (issue 48's figures): while each hostile request or file
-is handled, a stream's largest gap between two tokens stays under 3x its median gap, and the
+is handled, a stream's largest gap between two tokens stays under 3x its median gap (or 2.5 times
+its worst outside that time, where the host's own hiccups are larger: `stall_bound`), and the
 daemon's memory rises by less than its pool. The inputs are the ones that stalled every stream
 before: a config pattern that backtracks for seconds, a 24 MB safetensors header, a declared rank
 of 400,000, 1.9M stop_token_ids, bodies of 1.9M JSON values, 1,100 TCP connections that never
@@ -37,7 +38,7 @@ from lorafleet.bench import machine
 from lorafleet.demo import default_fleet
 from lorafleet.demo.skills import held_out_texts
 from tests.daemons import POOL, Daemon
-from tests.server.test_hostile import MAX_OTHER_CORES, NOISY_BOUND, STREAM, start_streams
+from tests.server.test_hostile import CALM_S, MAX_OTHER_CORES, NOISY_BOUND, STREAM, calm_worst, stall_bound, start_streams
 
 pytestmark = pytest.mark.heavy  # timing: token gaps beside hostile input
 
@@ -264,17 +265,17 @@ def ours(pid: int) -> tuple[int, ...]:
     return tuple(p for p in machine.process_tree(pid) if not idle(p))
 
 
-def beside_streams(daemon, send) -> tuple[list, float, float | None, float, str]:
+def beside_streams(daemon, send) -> tuple[list, float, float, float | None, float, str]:
     """Run STREAMS streams; once all produce tokens, `send(http)`. Returns its answers, the worst
     gap of a stream in the WINDOW_S (or more, while it is handled) from the input on, in median
     gaps, the cores other work kept busy meanwhile, the rise of the daemon's RSS, and what the
-    gap was."""
+    gap was, and the worst gap outside that window, in medians too (the host's own noise)."""
     bodies = [{**STREAM, "max_tokens": 240, "prompt": t} for t in held_out_texts(STREAMS)]
 
     async def run():
         async with daemon.async_http(timeout=120.0) as http:
             streams = await start_streams(http, bodies)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(CALM_S)
             rss0 = rss(daemon.proc.pid)
             tree0 = ours(daemon.proc.pid)
             cpu0, t0 = machine.cpu_seconds(tree0), time.monotonic()
@@ -299,15 +300,16 @@ def beside_streams(daemon, send) -> tuple[list, float, float | None, float, str]
     during = [(g, at) for g, at in gaps if -g < at < t1 - t0] or [(0.0, 0.0)]
     worst = max(during)
     ratio = worst[0] / median
+    calm = calm_worst(gaps, t1 - t0) / median
     what = (f"worst gap {worst[0] * 1e3:.0f} ms in the {(t1 - t0) * 1e3:.0f} ms from the input on (handled in "
             f"{handled * 1e3:.0f} ms; {len(during)} gaps), median {median * 1e3:.1f} ms ({ratio:.2f}x)")
     if len(during) > LONG_WINDOW:  # the host's own hiccups: the bound holds the 99th percentile, the worst NOISY_BOUND
         p99 = sorted(g for g, _ in during)[int(0.99 * len(during))] / median
         what += f", 99th percentile {p99:.2f}x"
         ratio = max(p99, ratio * 3 / NOISY_BOUND)
-    what += (f", RSS {rise / 2**20:+.1f} MiB, "
+    what += (f", the worst outside it {calm:.2f}x, RSS {rise / 2**20:+.1f} MiB, "
              + ("other work unknown" if other is None else f"other work on {other:.2f} cores"))
-    return answers, ratio, other, rise, what
+    return answers, ratio, calm, other, rise, what
 
 
 @pytest.mark.parametrize("case", ["backtracking target_modules, lazy", "backtracking target_modules, eager",
@@ -322,12 +324,12 @@ def test_hostile_input_does_not_stall_the_streams_beside_it(daemon, tmp_path, ca
     send, status = cases(tmp_path, daemon.port, case)[case]
     runs = []
     for _ in range(3):
-        answers, ratio, other, rise, what = beside_streams(daemon, send)
+        answers, ratio, calm, other, rise, what = beside_streams(daemon, send)
         assert all(r.status_code == status for r in answers), [r.text[:300] for r in answers]
         print(f"\n{case}: {what}")
         assert rise < POOL_BYTES, f"the daemon's memory rose by more than its pool: {what}"
         quiet = other is not None and other <= MAX_OTHER_CORES
         runs.append(what)
-        if ratio < (3 if quiet else NOISY_BOUND):
+        if ratio < stall_bound(calm, quiet):
             return
     pytest.fail(f"{case} stalled the streams in every run: " + "; ".join(runs))
