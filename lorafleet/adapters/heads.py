@@ -180,6 +180,10 @@ def header_parts(header: dict) -> dict[str, tuple[int, int]]:
     return {p: out[p] for p in PARTS if p in out}
 
 
+_Found = dict[str, dict[str, tuple[str, torch.Tensor]]]  # kind -> what (`_what`) -> (the key quoted, tensor)
+_Served = set[tuple[str, str | int]]  # (kind, what or layer) of each tensor served
+
+
 def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_targets: set[str], base,
                source, scale_of, rank_of, used: set[str] | None = None) -> dict[str, HeadWeights]:
     """The modules' weights from `tensors` (head key -> (its quoted form, tensor), already finite
@@ -188,35 +192,35 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
     the adapter's PEFT rules; `base` its `BaseShapes`. Returns kind -> HeadWeights (float32; a
     norm's copy [layers or 1, H]). `used` gains the keys of the tensors served (not the others:
     an `original_module` copy, a second copy of the same weight)."""
-    hidden, base_vocab, num_layers = base.hidden_size, base.vocab_size, base.num_layers
-    saved = saved_modules(cfg, num_layers, base.qk_norm)
-    found: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    saved = saved_modules(cfg, base.num_layers, base.qk_norm)
+    found, norms, keys = _sort_tensors(tensors, saved, lora_targets, base.hidden_size, source)
+    served = _served_copies(found)
+    heads = _norm_heads(norms, saved, base.num_layers, source, served)
+    for full in (EMBED, LM_HEAD):
+        w = _matrix_head(full, found.get(full, {}), saved, lora_targets, base, source, scale_of, rank_of)
+        if w is not None:
+            heads[full] = w
+    _check_vocabularies(heads, base.vocab_size, source)
+    if used is not None:
+        used.update(keys[s] for s in served if s in keys)
+    return heads
+
+
+def _sort_tensors(tensors: dict[str, tuple[str, torch.Tensor]], saved: set[str], lora_targets: set[str],
+                  hidden: int, source) -> tuple[_Found, dict[str, dict[int, torch.Tensor]], dict[tuple, str]]:
+    """Each tensor checked against the config and its shape, and sorted: (kind -> what -> (quoted,
+    tensor)) for the embedding and the LM head, (kind -> layer -> vector) for the norms, and
+    (kind, what or layer) -> the key it was read from (the first one: the one served)."""
+    found: _Found = {}
     norms: dict[str, dict[int, torch.Tensor]] = {}
-    keys: dict[tuple, str] = {}  # (kind, what or layer) -> the key it was read from (the first one: the one served)
+    keys: dict[tuple, str] = {}
     for key, (quoted, t) in tensors.items():
         m = HEAD_KEY_RE.fullmatch(key)
         assert m is not None  # `tensors` holds head keys
         full = kind_of(m.group("module"))
         assert full is not None  # HEAD_KEY_RE's modules are kinds
-        short = HEAD_MODULES[full]
-        if m.group("mag") is not None:
-            raise AdapterError(f"{source}: holds {quoted}: use_dora on {short} is not supported (DoRA is, on the projections)")
-        if m.group("kind") == "bias":
-            raise AdapterError(f"{source}: holds {quoted}: lora_bias on {short} is not supported (it is, on the projections)")
         what = _what(m)
-        if what not in ("A", "B"):  # a whole weight
-            if what in ("copy", "wrapped", "original") and full not in saved:
-                raise AdapterError(f"{source}: holds {quoted}, but modules_to_save does not name {short!r}")
-            if what == "base" and full not in lora_targets:
-                raise AdapterError(f"{source}: holds {quoted}, but target_modules does not target {short!r}")
-        else:
-            if full in NORM_PARTS:
-                raise AdapterError(f"{source}: holds {quoted}: LoRA on {short} is not supported (saving it whole is)")
-            if (m.group("eab") is not None) != (full == EMBED):
-                raise AdapterError(f"{source}: holds {quoted}: the embedding's LoRA is lora_embedding_A/B, "
-                                   "the LM head's lora_A/B.weight")
-            if full not in lora_targets:
-                raise AdapterError(f"{source}: holds {quoted}, but target_modules does not target {short!r}")
+        _check_declared(m, full, what, quoted, saved, lora_targets, source)
         if full in NORM_PARTS:
             if t.dim() != 1 or t.shape[0] != hidden:
                 raise AdapterError(f"{source}: {quoted}: expected a vector of the base's hidden size ([{hidden}])")
@@ -229,16 +233,53 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
             raise AdapterError(f"{source}: {quoted} is not a 2-D matrix")
         found.setdefault(full, {})[what] = (quoted, t)
         keys[(full, what)] = key
-    served: set[tuple[str, str | int]]
-    served = {(full, what) for full, got in found.items() for what in got if what in ("A", "B")}
-    for full, got in found.items():  # the copy served: .weight, else the wrapper's, else the base layer's
+    return found, norms, keys
+
+
+def _check_declared(m: re.Match[str], full: str, what: str, quoted: str, saved: set[str], lora_targets: set[str],
+                    source) -> None:
+    """Refuses a tensor (`m`: HEAD_KEY_RE's match of its key) of a kind not served on these modules
+    (DoRA, lora_bias, a LoRA on a norm, one module's LoRA under the other's names) or that the config
+    does not declare."""
+    short = HEAD_MODULES[full]
+    if m.group("mag") is not None:
+        raise AdapterError(f"{source}: holds {quoted}: use_dora on {short} is not supported "
+                           "(DoRA is, on the projections)")
+    if m.group("kind") == "bias":
+        raise AdapterError(f"{source}: holds {quoted}: lora_bias on {short} is not supported "
+                           "(it is, on the projections)")
+    if what not in ("A", "B"):  # a whole weight
+        if what in ("copy", "wrapped", "original") and full not in saved:
+            raise AdapterError(f"{source}: holds {quoted}, but modules_to_save does not name {short!r}")
+        if what == "base" and full not in lora_targets:
+            raise AdapterError(f"{source}: holds {quoted}, but target_modules does not target {short!r}")
+        return
+    if full in NORM_PARTS:
+        raise AdapterError(f"{source}: holds {quoted}: LoRA on {short} is not supported (saving it whole is)")
+    if (m.group("eab") is not None) != (full == EMBED):
+        raise AdapterError(f"{source}: holds {quoted}: the embedding's LoRA is lora_embedding_A/B, "
+                           "the LM head's lora_A/B.weight")
+    if full not in lora_targets:
+        raise AdapterError(f"{source}: holds {quoted}, but target_modules does not target {short!r}")
+
+
+def _served_copies(found: _Found) -> _Served:
+    """Keeps one copy of each module in `found`, as "copy" (.weight, else the wrapper's, else the
+    base layer's; never `original_module`'s); returns the LoRA matrices and copies served."""
+    served: _Served = {(full, what) for full, got in found.items() for what in got if what in ("A", "B")}
+    for full, got in found.items():
         copies = [k for k in ("copy", "wrapped", "base") if k in got]
         served |= {(full, copies[0])} if copies else set()
         popped = [got.pop(k) for k in copies]
         got.pop("original", None)
         if popped:
             got["copy"] = popped[0]
+    return served
 
+
+def _norm_heads(norms: dict[str, dict[int, torch.Tensor]], saved: set[str], num_layers: int, source,
+                served: _Served) -> dict[str, HeadWeights]:
+    """The saved norms, each whole (every layer's, or the final one), stacked; `served` gains their layers."""
     heads: dict[str, HeadWeights] = {}
     for kind in saved & NORM_PARTS.keys():
         layers = norms.get(kind, {})
@@ -248,37 +289,47 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
                                f"for {len(layers)} of the base's {want} {'layers' if want > 1 else 'norm'}")
         heads[kind] = HeadWeights(copy=torch.stack([layers[i] for i in range(want)]).float())
         served |= {(kind, i) for i in range(want)}
-    for full in (EMBED, LM_HEAD):
-        got, short = found.get(full, {}), HEAD_MODULES[full]
-        if full in saved and "copy" not in got:
-            raise AdapterError(f"{source}: modules_to_save names {short!r}, but the weights hold no "
-                               f"'base_model.model.{full}.weight'")
-        if full in lora_targets and ("A" not in got or "B" not in got):
-            names = "lora_embedding_A/lora_embedding_B" if full == EMBED else "lora_A/lora_B"
-            raise AdapterError(f"{source}: target_modules targets {short!r}, but the weights hold no {names} for it")
-        if not got:
-            continue
-        w = HeadWeights()
-        if "copy" in got:
-            quoted, c = got["copy"]
-            if c.shape[1] != hidden:
-                raise AdapterError(f"{source}: {quoted}: its width does not match the base's hidden size "
-                                   f"(its shape is {list(c.shape)}, expected [vocab, {hidden}])")
-            w.copy = c.float()
-        heads[full] = w
-        if "A" in got:
-            (qa, a), (qb, b) = got["A"], got["B"]
-            r = int(a.shape[0])
-            vocab = int(w.copy.shape[0]) if w.copy is not None else base_vocab
-            ins, outs = (vocab, hidden) if full == EMBED else (hidden, vocab)
-            if a.shape[1] != ins or b.shape[0] != outs or b.shape[1] != r:
-                raise AdapterError(f"{source}: {qa} and {qb}: shapes {list(a.shape)} and {list(b.shape)}, "
-                                   f"expected [r, {ins}] and [{outs}, r] "
-                                   f"({short}'s {'vocabulary' if full == EMBED else 'hidden size'} by its "
-                                   f"{'hidden size' if full == EMBED else 'vocabulary'})")
-            if r != rank_of(full):
-                raise AdapterError(f"{source}: {qa}: its rank (rows) differs from the config's r (or rank_pattern entry)")
-            w.a, w.b, w.scale = a.float(), b.float(), float(scale_of(full, r))
+    return heads
+
+
+def _matrix_head(full: str, got: dict[str, tuple[str, torch.Tensor]], saved: set[str], lora_targets: set[str],
+                 base, source, scale_of, rank_of) -> HeadWeights | None:
+    """The embedding's or LM head's weights (`got`: what -> (quoted, tensor), one copy at most):
+    those the config declares must be there, in the base's shapes. None: it has none."""
+    short, hidden = HEAD_MODULES[full], base.hidden_size
+    if full in saved and "copy" not in got:
+        raise AdapterError(f"{source}: modules_to_save names {short!r}, but the weights hold no "
+                           f"'base_model.model.{full}.weight'")
+    if full in lora_targets and ("A" not in got or "B" not in got):
+        names = "lora_embedding_A/lora_embedding_B" if full == EMBED else "lora_A/lora_B"
+        raise AdapterError(f"{source}: target_modules targets {short!r}, but the weights hold no {names} for it")
+    if not got:
+        return None
+    w = HeadWeights()
+    if "copy" in got:
+        quoted, c = got["copy"]
+        if c.shape[1] != hidden:
+            raise AdapterError(f"{source}: {quoted}: its width does not match the base's hidden size "
+                               f"(its shape is {list(c.shape)}, expected [vocab, {hidden}])")
+        w.copy = c.float()
+    if "A" in got:
+        (qa, a), (qb, b) = got["A"], got["B"]
+        r = int(a.shape[0])
+        vocab = int(w.copy.shape[0]) if w.copy is not None else base.vocab_size
+        ins, outs = (vocab, hidden) if full == EMBED else (hidden, vocab)
+        if a.shape[1] != ins or b.shape[0] != outs or b.shape[1] != r:
+            raise AdapterError(f"{source}: {qa} and {qb}: shapes {list(a.shape)} and {list(b.shape)}, "
+                               f"expected [r, {ins}] and [{outs}, r] "
+                               f"({short}'s {'vocabulary' if full == EMBED else 'hidden size'} by its "
+                               f"{'hidden size' if full == EMBED else 'vocabulary'})")
+        if r != rank_of(full):
+            raise AdapterError(f"{source}: {qa}: its rank (rows) differs from the config's r (or rank_pattern entry)")
+        w.a, w.b, w.scale = a.float(), b.float(), float(scale_of(full, r))
+    return w
+
+
+def _check_vocabularies(heads: dict[str, HeadWeights], base_vocab: int, source) -> None:
+    """The saved embedding and LM head cover one vocabulary; one other than the base's is saved in both."""
     vocabs = {HEAD_MODULES[f]: int(h.copy.shape[0]) for f, h in heads.items()  # EMBED's first, as added
               if f in (EMBED, LM_HEAD) and h.copy is not None}
     own = set(vocabs.values())
@@ -290,9 +341,6 @@ def read_heads(tensors: dict[str, tuple[str, torch.Tensor]], cfg: dict, lora_tar
         raise AdapterError(f"{source}: the saved {next(iter(vocabs))} has {next(iter(own))} rows, the base's "
                            f"vocabulary {base_vocab}: an adapter with its own vocabulary saves {kept} too "
                            "(modules_to_save)")
-    if used is not None:
-        used.update(keys[s] for s in served if s in keys)
-    return heads
 
 
 # An adapter's tokenizer.json is parsed while the daemon serves, and the parse holds the interpreter's

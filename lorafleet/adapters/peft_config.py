@@ -171,95 +171,113 @@ class Matcher:
                 "names look like 'model.layers.0.self_attn.q_proj'") from None
 
 
+def _bad(source: Path, field: str, why: str) -> AdapterError:
+    """A refusal naming the file and the field (never a value read from the file)."""
+    return AdapterError(f"{source}: {field}: {why}")
+
+
 def _validate_config(cfg: dict, source: Path) -> None:
-    def bad(field: str, why: str) -> AdapterError:
-        return AdapterError(f"{source}: {field}: {why}")
+    """Refuses a config lorafleet cannot serve, naming the first field at fault (checked in this order)."""
+    _check_method(cfg, source)
+    _check_trained_beside(cfg, source)
+    _check_ranks(cfg, source)
+    _check_targets(cfg, source)
 
+
+def _check_method(cfg: dict, source: Path) -> None:
+    """peft_type LORA, no unsupported variant, and an init that left the base as it was."""
     if "peft_type" not in cfg:
-        raise bad("peft_type", "missing (expected \"LORA\")")
+        raise _bad(source, "peft_type", "missing (expected \"LORA\")")
     if cfg["peft_type"] != "LORA":
-        raise bad("peft_type", "must be \"LORA\" (other PEFT methods are not supported)")
-
+        raise _bad(source, "peft_type", "must be \"LORA\" (other PEFT methods are not supported)")
     for field in _UNSUPPORTED_FIELDS:
         if cfg.get(field):
-            raise bad(field, "must be absent, false or empty (this LoRA variant is not supported)")
+            raise _bad(source, field, "must be absent, false or empty (this LoRA variant is not supported)")
     for field in _SERVED_VARIANTS:
         if not isinstance(cfg.get(field, False), bool):
-            raise bad(field, "must be true or false")
+            raise _bad(source, field, "must be true or false")
     if cfg.get("use_dora") and cfg.get("lora_bias"):
-        raise bad("lora_bias", "DoRA with lora_bias is not supported (either alone is)")
+        raise _bad(source, "lora_bias", "DoRA with lora_bias is not supported (either alone is)")
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MUTATING_INITS):
-        raise bad("init_lora_weights", f"{'/'.join(_BASE_MUTATING_INITS)} adapters need a base model "
-                  "modified at init time; convert the adapter to plain LoRA (save_pretrained with "
-                  "path_initial_model_for_weight_conversion)")
+        raise _bad(source, "init_lora_weights", f"{'/'.join(_BASE_MUTATING_INITS)} adapters need a base model "
+                   "modified at init time; convert the adapter to plain LoRA (save_pretrained with "
+                   "path_initial_model_for_weight_conversion)")
 
+
+def _check_trained_beside(cfg: dict, source: Path) -> None:
+    """What was trained beside the LoRA: no base biases; modules_to_save only the served ones."""
     if cfg.get("bias", "none") != "none":
-        raise bad("bias", "must be \"none\" (trained base biases are not supported; lora_bias is)")
+        raise _bad(source, "bias", "must be \"none\" (trained base biases are not supported; lora_bias is)")
     mts = cfg.get("modules_to_save")
     if mts is not None and not (isinstance(mts, list) and all(isinstance(t, str) and t for t in mts)):
-        raise bad("modules_to_save", "must be a list of module names")
+        raise _bad(source, "modules_to_save", "must be a list of module names")
     if mts and len(mts) > MAX_SAVED_ENTRIES:  # each is matched against every module name of the base
-        raise bad("modules_to_save", f"at most {MAX_SAVED_ENTRIES} entries")
+        raise _bad(source, "modules_to_save", f"at most {MAX_SAVED_ENTRIES} entries")
     try:
         saved_modules(cfg)
     except AdapterError as e:
         raise AdapterError(f"{source}: {e}") from None
 
+
+def _check_ranks(cfg: dict, source: Path) -> None:
+    """r, lora_alpha and their per-module patterns, and the scaling and layout flags."""
     r = cfg.get("r")
     if not is_int(r) or r <= 0:
-        raise bad("r", "must be a positive integer")
+        raise _bad(source, "r", "must be a positive integer")
     if not _is_number(cfg.get("lora_alpha", 8)):
-        raise bad("lora_alpha", "must be a finite number")
+        raise _bad(source, "lora_alpha", "must be a finite number")
     for field in ("use_rslora", "fan_in_fan_out"):
         if not isinstance(cfg.get(field, False), bool):
-            raise bad(field, "must be true or false")
-
+            raise _bad(source, field, "must be true or false")
     for field, check, what in (("rank_pattern", lambda v: is_int(v) and v > 0, "a positive integer"),
                                ("alpha_pattern", _is_number, "a finite number")):
         pat = cfg.get(field) or {}
         if not isinstance(pat, dict):
-            raise bad(field, f"must be an object mapping module-name regexes to {what}s")
+            raise _bad(source, field, f"must be an object mapping module-name regexes to {what}s")
         if len(pat) > MAX_PATTERN_KEYS:
-            raise bad(field, f"at most {MAX_PATTERN_KEYS} entries")
+            raise _bad(source, field, f"at most {MAX_PATTERN_KEYS} entries")
         for key, value in pat.items():
             if not _compiles(rf"(.*\.)?({key})$"):
-                raise bad(field, "every key must be a valid regular expression (of at most "
-                          f"{MAX_PATTERN_CHARS} characters)")
+                raise _bad(source, field, "every key must be a valid regular expression (of at most "
+                           f"{MAX_PATTERN_CHARS} characters)")
             if not check(value):
-                raise bad(field, f"every value must be {what}")
+                raise _bad(source, field, f"every value must be {what}")
 
+
+def _check_targets(cfg: dict, source: Path) -> None:
+    """The fields that select the modules: target_modules, exclude_modules and the layer filters."""
     tm = cfg.get("target_modules")
     if tm is None:
-        raise bad("target_modules", "missing (expected a list of module names, a regex string or "
-                  "\"all-linear\")")
+        raise _bad(source, "target_modules", "missing (expected a list of module names, a regex string or "
+                   "\"all-linear\")")
     if isinstance(tm, str):
         if tm.lower() != "all-linear" and not _compiles(tm):
-            raise bad("target_modules", f"not a valid regular expression of at most {MAX_PATTERN_CHARS} characters")
+            raise _bad(source, "target_modules",
+                       f"not a valid regular expression of at most {MAX_PATTERN_CHARS} characters")
     elif not (isinstance(tm, list) and tm and all(isinstance(t, str) and t for t in tm)):
-        raise bad("target_modules", "must be a non-empty list of names, a regex string or "
-                  "\"all-linear\"")
-
+        raise _bad(source, "target_modules", "must be a non-empty list of names, a regex string or "
+                   "\"all-linear\"")
     ex = cfg.get("exclude_modules")
     if isinstance(ex, str):
         if not _compiles(ex):
-            raise bad("exclude_modules", f"not a valid regular expression of at most {MAX_PATTERN_CHARS} characters")
+            raise _bad(source, "exclude_modules",
+                       f"not a valid regular expression of at most {MAX_PATTERN_CHARS} characters")
     elif ex is not None and not (isinstance(ex, list) and all(isinstance(t, str) for t in ex)):
-        raise bad("exclude_modules", "must be a list of names or a regex string")
-
+        raise _bad(source, "exclude_modules", "must be a list of names or a regex string")
     lt = cfg.get("layers_to_transform")
     if lt is not None:
         items = [lt] if not isinstance(lt, list) else lt
         if not all(is_int(i) and i >= 0 for i in items):
-            raise bad("layers_to_transform", "must be a non-negative integer or a list of them")
+            raise _bad(source, "layers_to_transform", "must be a non-negative integer or a list of them")
     lp = cfg.get("layers_pattern")
     if lp is not None:
         items = [lp] if isinstance(lp, str) else lp
         if not (isinstance(items, list) and all(isinstance(p, str) for p in items)):
-            raise bad("layers_pattern", "must be a string or a list of strings")
+            raise _bad(source, "layers_pattern", "must be a string or a list of strings")
         if not all(_compiles(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.") for p in items):
-            raise bad("layers_pattern", "every pattern must be a valid regular expression (of at most "
-                      f"{MAX_PATTERN_CHARS} characters)")
+            raise _bad(source, "layers_pattern", "every pattern must be a valid regular expression (of at most "
+                       f"{MAX_PATTERN_CHARS} characters)")
 
 
 def read_config(folder: Path) -> dict:

@@ -130,6 +130,44 @@ def quant_call(case: QuantCase, form: str, linear):
     return call
 
 
+class _QuantRun:
+    """One run of `run_quant`: its report, saved to `out`/gpu_micro_quant.json with each line it
+    prints, the copy bandwidth its figures are read against, and its deadline."""
+
+    def __init__(self, report: dict[str, Any], out: Path, dev: torch.device, copy: float, t_start: float,
+                 deadline_s: float):
+        self.report, self.out, self.dev, self.copy = report, out, dev, copy
+        self.t_start, self.deadline_s = t_start, deadline_s
+
+    def save(self, message: str) -> None:
+        print(message, flush=True)
+        (self.out / "gpu_micro_quant.json").write_text(json.dumps(self.report, indent=1))
+
+    def late(self) -> bool:
+        if time.monotonic() - self.t_start > self.deadline_s:
+            self.save(f"deadline ({self.deadline_s:.0f} s) passed: stopping")
+            return True
+        return False
+
+    def measure(self, rows: list, case: QuantCase, label: str, call, moved: int, want: torch.Tensor) -> None:
+        """One form of `case` timed and checked against `want`: a row of `rows`, or a line of "skipped"."""
+        dev, copy, report = self.dev, self.copy, self.report
+        try:
+            got = call().float()
+            s = timed(call, dev)
+        except Exception as e:  # noqa: BLE001 (a library's kernel that cannot run or be captured here)
+            report["skipped"].append(f"{case.name} T={case.rows} {label}: {type(e).__name__}: {e}"[:300])
+            self.save(report["skipped"][-1])
+            return
+        ceiling = read_rate(dev, moved)
+        rows.append({"case": case.name, "rows": case.rows, "form": label, "us": s * 1e6, "bytes": moved,
+                     "GB/s": moved / s / 1e9, "of_copy": moved / s / copy, "of_read": moved / s / ceiling,
+                     "error": float((got - want).abs().max() / want.abs().max())})
+        r = rows[-1]
+        self.save(f"{case.name} T={case.rows} [{label}]: {r['us']:.1f} us, {r['GB/s']:.0f} GB/s = {r['of_copy']:.0%} "
+                  f"of copy, {r['of_read']:.0%} of a {moved / 1e6:.1f} MB read, error {r['error']:.1e}")
+
+
 def run_quant(shapes: list[str], out: Path, deadline_s: float = 270.0, device: str | None = None) -> dict:
     """The quantized projections' figures (the module doc), into `out`/gpu_micro_quant.json."""
     t_start = time.monotonic()
@@ -144,86 +182,82 @@ def run_quant(shapes: list[str], out: Path, deadline_s: float = 270.0, device: s
               "torch": torch.__version__, "kernels": kernels.name, "copy_GB/s": copy / 1e9, "skipped": [],
               "shapes": {}}
     out.mkdir(parents=True, exist_ok=True)
+    run = _QuantRun(report, out, dev, copy, t_start, deadline_s)
+    run.save(f"{report['device']}: copy {copy / 1e9:.0f} GB/s, kernels {kernels.name}")
+    cases = _measure_projections(run, shapes, dtype, kernels)
+    if cases is None:
+        return report
+    # as the deadline allows: quant_triton's candidates, then torchao's int8 compiled
+    if on_gpu and not (_measure_candidates(run, cases) and _measure_torchao_compiled(run, cases)):
+        return report
+    report["seconds"] = time.monotonic() - t_start
+    run.save(f"done in {report['seconds']:.0f} s")
+    return report
 
-    def save(message: str) -> None:
-        print(message, flush=True)
-        (out / "gpu_micro_quant.json").write_text(json.dumps(report, indent=1))
 
-    def late() -> bool:
-        if time.monotonic() - t_start > deadline_s:
-            save(f"deadline ({deadline_s:.0f} s) passed: stopping")
-            return True
-        return False
-
-    def measure(rows: list, case: QuantCase, label: str, call, moved: int, want: torch.Tensor) -> None:
-        try:
-            got = call().float()
-            s = timed(call, dev)
-        except Exception as e:  # noqa: BLE001 (a library's kernel that cannot run or be captured here)
-            report["skipped"].append(f"{case.name} T={case.rows} {label}: {type(e).__name__}: {e}"[:300])
-            save(report["skipped"][-1])
-            return
-        ceiling = read_rate(dev, moved)
-        rows.append({"case": case.name, "rows": case.rows, "form": label, "us": s * 1e6, "bytes": moved,
-                     "GB/s": moved / s / 1e9, "of_copy": moved / s / copy, "of_read": moved / s / ceiling,
-                     "error": float((got - want).abs().max() / want.abs().max())})
-        r = rows[-1]
-        save(f"{case.name} T={case.rows} [{label}]: {r['us']:.1f} us, {r['GB/s']:.0f} GB/s = {r['of_copy']:.0%} of "
-             f"copy, {r['of_read']:.0%} of a {moved / 1e6:.1f} MB read, error {r['error']:.1e}")
-
-    save(f"{report['device']}: copy {copy / 1e9:.0f} GB/s, kernels {kernels.name}")
-    cases = []
+def _measure_projections(run: _QuantRun, shapes: list[str], dtype, kernels) -> list[tuple] | None:
+    """Every projection of each shape at each of QUANT_ROWS, in each form that can be made: the cases
+    measured, (rows, case, the bf16 answer) each; None if the deadline passed."""
+    on_gpu, report, cases = run.dev.type == "cuda", run.report, []
     for name in shapes:
         rows = report["shapes"].setdefault(name, [])
         for proj, (n, k) in projections(SHAPES[name]).items():
             for t in QUANT_ROWS:
-                if late():
-                    return report
-                case = make_quant_case(proj, n, k, t, dtype, dev)
+                if run.late():
+                    return None
+                case = make_quant_case(proj, n, k, t, dtype, run.dev)
                 for form in ("torchao int8", "torchao int4"):
                     reason = case.forms[form]
                     if isinstance(reason, str) and reason not in report["skipped"]:
                         report["skipped"].append(reason)
-                        save(f"skipped: {reason}")
+                        run.save(f"skipped: {reason}")
                 full = reference.linear(case.x, case.full).float()
                 for form in ("full", "int8", "int4", "torchao int8", "torchao int4"):
                     if isinstance(case.forms[form], str):
                         continue
-                    if late():
-                        return report
+                    if run.late():
+                        return None
                     label = {"full": f"{str(dtype).removeprefix('torch.')} F.linear"}.get(form, form)
                     want = _quant_want(case, form, full)
-                    measure(rows, case, label, quant_call(case, form, kernels.linear), case.moved[form], want)
+                    run.measure(rows, case, label, quant_call(case, form, kernels.linear), case.moved[form], want)
                 cases.append((rows, case, full))
                 if on_gpu:
                     torch.cuda.empty_cache()
-    if on_gpu:  # as the deadline allows: quant_triton's candidates, then torchao's int8 compiled
-        from lorafleet.kernels import quant_triton
-        report["configs"] = {f"{i}: {c}": asdict(c) for i, c in enumerate(quant_triton.CANDIDATES)}
-        for i, cfg in enumerate(quant_triton.CANDIDATES[1:], 1):
-            for rows, case, full in cases:
-                for form in ("int8", "int4"):
-                    if late():
-                        return report
-                    call = quant_call(case, form, lambda x, q, b, s, c=cfg: quant_triton.linear(x, q, b, s, c))
-                    measure(rows, case, f"{form} config {i}", call, case.moved[form], _quant_want(case, form, full))
-        for rows, case, full in cases:
-            if isinstance(case.forms["torchao int8"], str):
-                break
-            if late():
-                return report
-            # the weight an input of the compiled graph (not a module it guards on): one compile for
-            # every copy
-            compiled = torch.compile(lambda x, w: torch.nn.functional.linear(x, w), dynamic=False)
-            weights, at = [layer.weight for layer in case.forms["torchao int8"]], [0]
+    return cases
 
-            def call(weights=weights, at=at, compiled=compiled, x=case.x):
-                at[0] += 1
-                return compiled(x, weights[at[0] % len(weights)])
-            measure(rows, case, "torchao int8 compiled", call, case.moved["torchao int8"], full)
-    report["seconds"] = time.monotonic() - t_start
-    save(f"done in {report['seconds']:.0f} s")
-    return report
+
+def _measure_candidates(run: _QuantRun, cases: list[tuple]) -> bool:
+    """lorafleet's int8 and int4 under each other configuration of `quant_triton.CANDIDATES`; False
+    if the deadline passed."""
+    from lorafleet.kernels import quant_triton
+    run.report["configs"] = {f"{i}: {c}": asdict(c) for i, c in enumerate(quant_triton.CANDIDATES)}
+    for i, cfg in enumerate(quant_triton.CANDIDATES[1:], 1):
+        for rows, case, full in cases:
+            for form in ("int8", "int4"):
+                if run.late():
+                    return False
+                call = quant_call(case, form, lambda x, q, b, s, c=cfg: quant_triton.linear(x, q, b, s, c))
+                run.measure(rows, case, f"{form} config {i}", call, case.moved[form], _quant_want(case, form, full))
+    return True
+
+
+def _measure_torchao_compiled(run: _QuantRun, cases: list[tuple]) -> bool:
+    """torchao's int8 under `torch.compile`, where torchao serves; False if the deadline passed."""
+    for rows, case, full in cases:
+        if isinstance(case.forms["torchao int8"], str):
+            break
+        if run.late():
+            return False
+        # the weight an input of the compiled graph (not a module it guards on): one compile for
+        # every copy
+        compiled = torch.compile(lambda x, w: torch.nn.functional.linear(x, w), dynamic=False)
+        weights, at = [layer.weight for layer in case.forms["torchao int8"]], [0]
+
+        def call(weights=weights, at=at, compiled=compiled, x=case.x):
+            at[0] += 1
+            return compiled(x, weights[at[0] % len(weights)])
+        run.measure(rows, case, "torchao int8 compiled", call, case.moved["torchao int8"], full)
+    return True
 
 
 def _quant_want(case: QuantCase, form: str, full: torch.Tensor) -> torch.Tensor:

@@ -175,6 +175,32 @@ def _tidy_adapter(folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The whole fleet (the module doc), and training.json beside it: what each part's training measured."""
+    args = _parse_args(argv)
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    base_dir = args.out / BASE_NAME
+    tok, vocab_size = build_tokenizer(base_dir)
+    held = held_out_texts(200)
+    log_path = args.out / "training.json"  # what each part's last training run measured
+    record = json.loads(log_path.read_text()) if args.skip_base and log_path.is_file() else {}
+    record.setdefault("adapters", {})
+    if not args.skip_base:
+        record["base"] = _train_base(args, tok, vocab_size, held, base_dir)
+    model = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    model.eval()
+    _train_adapters(args, model, tok, held, base_dir, record["adapters"])
+    log_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    print(f"done in {time.perf_counter() - t_start:.0f}s", flush=True)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (`--help` lists it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "fleet")
     ap.add_argument("--base-steps", type=int, default=3000)
@@ -184,50 +210,46 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-base", action="store_true", help="reuse the base already in --out")
     ap.add_argument("--adapters", nargs="*", default=list(SKILLS), help="which adapters to train")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    import torch
+
+def _train_base(args: argparse.Namespace, tok, vocab_size: int, held: list[str], base_dir: Path) -> dict:
+    """The base trained from random init and saved in `base_dir`; what its training measured."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t_start = time.perf_counter()
-    base_dir = args.out / BASE_NAME
-    tok, vocab_size = build_tokenizer(base_dir)
     end, pad = tok.token_to_id("<|end|>"), tok.token_to_id("<pad>")
-    held = held_out_texts(200)
-    log_path = args.out / "training.json"  # what each part's last training run measured
-    record = json.loads(log_path.read_text()) if args.skip_base and log_path.is_file() else {}
-    record.setdefault("adapters", {})
+    config = LlamaConfig(  # type: ignore[call-arg]  # rope_theta: transformers 5 reads it still
+        vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=pad,
+        attention_bias=False, mlp_bias=False, **SHAPE)
+    model = LlamaForCausalLM(config).float()
+    data = Data(tok, f"{args.seed}-base")  # each part its own data stream: retrain one alone
+    t0 = time.perf_counter()
 
-    if not args.skip_base:
-        config = LlamaConfig(  # type: ignore[call-arg]  # rope_theta: transformers 5 reads it still
-            vocab_size=vocab_size, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
-            tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, pad_token_id=pad,
-            attention_bias=False, mlp_bias=False, **SHAPE)
-        model = LlamaForCausalLM(config).float()
-        data = Data(tok, f"{args.seed}-base")  # each part its own data stream: retrain one alone
-        t0 = time.perf_counter()
+    def base_pairs(n):
+        # 60% the skills' lowercase phrases, 40% any printable text; 65% with "echo: "
+        texts = data.texts(n - n * 2 // 5) + data.texts(n * 2 // 5, random_echo_text)
+        return [((ECHO_PREFIX + t) if i % 20 < 13 else t, t) for i, t in enumerate(texts)]
 
-        def base_pairs(n):
-            # 60% the skills' lowercase phrases, 40% any printable text; 65% with "echo: "
-            texts = data.texts(n - n * 2 // 5) + data.texts(n * 2 // 5, random_echo_text)
-            return [((ECHO_PREFIX + t) if i % 20 < 13 else t, t) for i, t in enumerate(texts)]
+    evals = {"echo": [(ECHO_PREFIX + t, t) for t in held], "plain": [(t, t) for t in held]}
+    accs = train_loop(model, list(model.parameters()), data, base_pairs, steps=args.base_steps, lr=2e-3,
+                      batch=args.batch, warmup=100, label="base", evals=evals)
+    model.generation_config.do_sample = False
+    model.generation_config.eos_token_id = end
+    model.generation_config.pad_token_id = pad
+    model.save_pretrained(base_dir, safe_serialization=True)
+    measured = {"steps": args.base_steps, "batch": args.batch, "seconds": round(time.perf_counter() - t0),
+                "held_out_exact": accs, "parameters": sum(p.numel() for p in model.parameters())}
+    print(f"[base] saved {base_dir}: {accs}", flush=True)
+    return measured
 
-        evals = {"echo": [(ECHO_PREFIX + t, t) for t in held], "plain": [(t, t) for t in held]}
-        accs = train_loop(model, list(model.parameters()), data, base_pairs, steps=args.base_steps, lr=2e-3,
-                          batch=args.batch, warmup=100, label="base", evals=evals)
-        model.generation_config.do_sample = False
-        model.generation_config.eos_token_id = end
-        model.generation_config.pad_token_id = pad
-        model.save_pretrained(base_dir, safe_serialization=True)
-        record["base"] = {"steps": args.base_steps, "batch": args.batch, "seconds": round(time.perf_counter() - t0),
-                          "held_out_exact": accs, "parameters": sum(p.numel() for p in model.parameters())}
-        print(f"[base] saved {base_dir}: {accs}", flush=True)
-    model = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
-    model.eval()
 
+def _train_adapters(args: argparse.Namespace, model, tok, held: list[str], base_dir: Path, record: dict) -> None:
+    """Each adapter `args.adapters` names trained on the base `model` and saved in its folder of
+    `args.out`; `record` gains what each one's training measured."""
+    import torch
     from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
 
     for name, skill in SKILLS.items():
         if name not in args.adapters:
@@ -252,16 +274,14 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(out, ignore_errors=True)
         peft_model.save_pretrained(out, safe_serialization=True)
         _tidy_adapter(out)
-        record["adapters"][name] = {"steps": steps, "lr": skill.lr, "batch": args.batch, "rank": skill.rank,
-                                    "dora": skill.dora, "saves": list(skill.saves),
-                                    "targets": list(skill.targets), "seconds": round(time.perf_counter() - t0),
-                                    "held_out_exact": accs[name], "parameters": sum(p.numel() for p in params)}
+        record[name] = {"steps": steps, "lr": skill.lr, "batch": args.batch, "rank": skill.rank,
+                        "dora": skill.dora, "saves": list(skill.saves),
+                        "targets": list(skill.targets), "seconds": round(time.perf_counter() - t0),
+                        "held_out_exact": accs[name], "parameters": sum(p.numel() for p in params)}
         print(f"[{name}] saved {out}: {accs}", flush=True)
         # the base again: without the LoRA layers, or from disk where a trained copy would replace its module
         model = (LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval() if skill.saves
                  else peft_model.unload())
-    log_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    print(f"done in {time.perf_counter() - t_start:.0f}s", flush=True)
 
 
 if __name__ == "__main__":

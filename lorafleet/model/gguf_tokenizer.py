@@ -47,15 +47,25 @@ def tokenizer_parts(f: GGUFFile):
     """(tokenizers.Tokenizer, tokenizer_config dict) from the file's tokenizer.ggml.* metadata, or
     None when it has none. The config names bos/eos/unk/pad, add_bos_token/add_eos_token and the
     chat template, as a Hub model's tokenizer_config.json does."""
-    import tokenizers
-    from tokenizers import decoders, normalizers, pre_tokenizers, processors
-
     kind = f.field("tokenizer.ggml.model")
     if kind is None:
         return None
     if kind not in TOKENIZER_MODELS:
         raise UnsupportedModelError(f"{f.path}: GGUF tokenizer model {kind!r} is not supported; lorafleet reads "
                                     f"{', '.join(TOKENIZER_MODELS)}")
+    tokens, types, vocab, name = _vocabulary(f)
+    if kind == "gpt2":
+        backend, add_bos, add_eos = _byte_level_bpe(f, vocab)
+    else:
+        backend, add_bos, add_eos = _sentencepiece_bpe(f, tokens, vocab, name["unknown"])
+    _add_tokens(backend, tokens, types, vocab)
+    _wrap_specials(backend, name, vocab, add_bos, add_eos)
+    return backend, _tokenizer_config(f, name, add_bos, add_eos)
+
+
+def _vocabulary(f: GGUFFile) -> tuple[list[str], list[int], dict[str, int], dict[str, str | None]]:
+    """The tokens, their types, token -> id (a repeated token's first) and the special tokens'
+    names (bos, eos, unknown, padding: None where the file names none, or an id past the tokens)."""
     tokens: list[str] = _array(f, "tokens", str) or []
     types: list[int] = _array(f, "token_type", int, len(tokens)) or [1] * len(tokens)
     vocab: dict[str, int] = {}
@@ -67,51 +77,79 @@ def tokenizer_parts(f: GGUFFile):
             raise ModelLoadError(f"{f.path}: GGUF metadata tokenizer.ggml.{k}_token_id is {reprlib.repr(i)}, "
                                  "not a token id")
     name = {k: tokens[i] if i is not None and 0 <= i < len(tokens) else None for k, i in ids.items()}
-    if kind == "gpt2":
-        pre = f.field("tokenizer.ggml.pre", _UNNAMED)
-        known = ", ".join(PRE_TOKENIZERS)
-        if pre == _UNNAMED:
-            raise UnsupportedModelError(f"{f.path}: GGUF byte-level BPE tokenizer names no pre-tokenizer "
-                                        f"(tokenizer.ggml.pre {pre!r}, llama.cpp's fallback split, no model's own); "
-                                        f"re-convert the model with a current llama.cpp; lorafleet reads {known}")
-        if pre not in PRE_TOKENIZERS:
-            raise UnsupportedModelError(f"{f.path}: GGUF pre-tokenizer {pre!r} is not supported; "
-                                        f"lorafleet reads {known}")
-        spec = PRE_TOKENIZERS[pre]
-        merges = _merges(f, vocab)
-        backend = _bpe(f, vocab, merges, ignore_merges=spec.get("ignore_merges", False))
-        if "split" in spec:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(tokenizers.Regex(spec["split"]), "isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        elif spec.get("digits"):
-            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
-        else:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        if spec.get("nfc"):
-            backend.normalizer = normalizers.NFC()
-        backend.decoder = decoders.ByteLevel()
-        add_bos = f.field("tokenizer.ggml.add_bos_token", spec.get("add_bos", False))
-        add_eos = f.field("tokenizer.ggml.add_eos_token", False)
+    return tokens, types, vocab, name
+
+
+def _byte_level_bpe(f: GGUFFile, vocab: dict[str, int]):
+    """(backend, add_bos, add_eos) of a "gpt2" tokenizer: the merges, and the pipeline of the model
+    its pre-tokenizer names (PRE_TOKENIZERS; refused where it names none lorafleet knows)."""
+    import tokenizers
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    pre = f.field("tokenizer.ggml.pre", _UNNAMED)
+    known = ", ".join(PRE_TOKENIZERS)
+    if pre == _UNNAMED:
+        raise UnsupportedModelError(f"{f.path}: GGUF byte-level BPE tokenizer names no pre-tokenizer "
+                                    f"(tokenizer.ggml.pre {pre!r}, llama.cpp's fallback split, no model's own); "
+                                    f"re-convert the model with a current llama.cpp; lorafleet reads {known}")
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedModelError(f"{f.path}: GGUF pre-tokenizer {pre!r} is not supported; "
+                                    f"lorafleet reads {known}")
+    spec = PRE_TOKENIZERS[pre]
+    merges = _merges(f, vocab)
+    backend = _bpe(f, vocab, merges, ignore_merges=spec.get("ignore_merges", False))
+    if "split" in spec:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(tokenizers.Regex(spec["split"]), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif spec.get("digits"):
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
     else:
-        scores = _array(f, "scores", float, len(tokens)) or [0.0] * len(tokens)
-        merges = _merges_by_score(tokens, scores, vocab, str(f.path))
-        backend = _bpe(f, vocab, merges, unk_token=name["unknown"], fuse_unk=True, byte_fallback=True)
-        if f.field("tokenizer.ggml.add_space_prefix", True):  # before each piece of text, as llama.cpp does
-            backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
-                                                       normalizers.Replace(" ", "\u2581")])
-            strip = [decoders.Strip(" ", 1, 0)]
-        else:
-            backend.normalizer = normalizers.Replace(" ", "\u2581")
-            strip = []
-        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                             *strip])
-        add_bos, add_eos = f.field("tokenizer.ggml.add_bos_token", True), f.field("tokenizer.ggml.add_eos_token", False)
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if spec.get("nfc"):
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    add_bos = f.field("tokenizer.ggml.add_bos_token", spec.get("add_bos", False))
+    add_eos = f.field("tokenizer.ggml.add_eos_token", False)
+    return backend, add_bos, add_eos
+
+
+def _sentencepiece_bpe(f: GGUFFile, tokens: list[str], vocab: dict[str, int], unk: str | None):
+    """(backend, add_bos, add_eos) of a "llama" tokenizer: merges ranked by score, byte fallback, a
+    space marker before each piece of text unless the file says otherwise."""
+    from tokenizers import decoders, normalizers
+
+    scores = _array(f, "scores", float, len(tokens)) or [0.0] * len(tokens)
+    merges = _merges_by_score(tokens, scores, vocab, str(f.path))
+    backend = _bpe(f, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    if f.field("tokenizer.ggml.add_space_prefix", True):  # before each piece of text, as llama.cpp does
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                   normalizers.Replace(" ", "\u2581")])
+        strip = [decoders.Strip(" ", 1, 0)]
+    else:
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        strip = []
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *strip])
+    add_bos, add_eos = f.field("tokenizer.ggml.add_bos_token", True), f.field("tokenizer.ggml.add_eos_token", False)
+    return backend, add_bos, add_eos
+
+
+def _add_tokens(backend, tokens: list[str], types: list[int], vocab: dict[str, int]) -> None:
+    """Control and unknown tokens as special added tokens, user-defined ones as plain added tokens."""
+    import tokenizers
+
     added = [tokenizers.AddedToken(tokens[i], special=t != _USER, normalized=False)
              for i, t in enumerate(types) if t in (_CONTROL, _USER, _UNKNOWN) and vocab.get(tokens[i]) == i]
     backend.add_special_tokens([a for a in added if a.special])
     backend.add_tokens([a for a in added if not a.special])
+
+
+def _wrap_specials(backend, name: dict[str, str | None], vocab: dict[str, int], add_bos, add_eos) -> None:
+    """The post-processor that adds the BOS and / or EOS the file asks for (none where it asks for neither)."""
+    from tokenizers import processors
+
     wrap = [t for t in (name["bos"] if add_bos else None, name["eos"] if add_eos else None) if t is not None]
     if wrap:
         def seq(x: str, type_id: int) -> str:
@@ -119,6 +157,11 @@ def tokenizer_parts(f: GGUFFile):
             return " ".join(f"{p}:{type_id}" for p in pieces if p)
         backend.post_processor = processors.TemplateProcessing(
             single=seq("$A", 0), pair=seq("$A", 0) + " " + seq("$B", 1), special_tokens=[(t, vocab[t]) for t in wrap])
+
+
+def _tokenizer_config(f: GGUFFile, name: dict[str, str | None], add_bos, add_eos) -> dict:
+    """The tokenizer_config a Hub model holds: the special tokens, the BOS / EOS flags, the context
+    length and the chat template, each where the file has it."""
     cfg = {"bos_token": name["bos"], "eos_token": name["eos"], "unk_token": name["unknown"],
            "pad_token": name["padding"], "add_bos_token": bool(add_bos), "add_eos_token": bool(add_eos),
            "model_max_length": f.field(f"{f.arch}.context_length"), "tokenizer_class": "PreTrainedTokenizerFast"}
@@ -126,7 +169,7 @@ def tokenizer_parts(f: GGUFFile):
     template = f.field("tokenizer.chat_template")
     if isinstance(template, str):
         cfg["chat_template"] = template
-    return backend, cfg
+    return cfg
 
 
 def _array(f: GGUFFile, key: str, kind: type, count: int | None = None) -> list | None:

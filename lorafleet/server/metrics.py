@@ -144,103 +144,143 @@ class _Families:
         return iter(self.families)
 
 
-def render(snapshot: EngineSnapshot, server: ServerInfo, model_name: str) -> bytes:
-    label = {"model_name": model_name}
-    fams: list[Metric] = []
+class _Exposition:
+    """The families of one scrape, in the order they are added; `gauge` and `counter` label theirs
+    with the model's name."""
 
-    def gauge(name, doc, value, labels=None):
-        labels = {**label, **(labels or {})}
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.label = {"model_name": model_name}
+        self.families: list[Metric] = []
+
+    def add(self, family: Metric) -> None:
+        self.families.append(family)
+
+    def gauge(self, name, doc, value, labels=None) -> None:
+        labels = {**self.label, **(labels or {})}
         g = GaugeMetricFamily(name, doc, labels=list(labels))
         g.add_metric(list(labels.values()), value)
-        fams.append(g)
+        self.add(g)
 
-    def counter(name, doc, value):
-        c = CounterMetricFamily(name, doc, labels=list(label))
-        c.add_metric(list(label.values()), value)
-        fams.append(c)
+    def counter(self, name, doc, value) -> None:
+        c = CounterMetricFamily(name, doc, labels=list(self.label))
+        c.add_metric(list(self.label.values()), value)
+        self.add(c)
 
-    gauge("vllm:num_requests_running", "Requests in the running batch.", snapshot["num_running"])
-    gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", snapshot["num_waiting"])
-    gauge("vllm:kv_cache_usage_perc", "KV-cache usage: KV pages over the pool's pages (1 = 100%).",
-          snapshot["kv_cache_usage"])
+
+def render(snapshot: EngineSnapshot, server: ServerInfo, model_name: str) -> bytes:
+    """GET /metrics's body: the snapshot and the server's counters as one Prometheus exposition (the
+    module doc names the series)."""
+    out = _Exposition(model_name)
+    _request_families(out, snapshot)
+    _residency_families(out, snapshot)
+    _token_and_cache_families(out, snapshot)
+    _mix_families(out, snapshot)
+    _pool_and_server_families(out, snapshot, server)
+    _engine_families(out, snapshot)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(out.families))
+    return generate_latest(registry)
+
+
+def _request_families(out: _Exposition, snapshot: EngineSnapshot) -> None:
+    """vLLM's requests running and waiting (in all, and by adapter: lora_requests_info) and KV usage."""
+    out.gauge("vllm:num_requests_running", "Requests in the running batch.", snapshot["num_running"])
+    out.gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", snapshot["num_waiting"])
+    out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage: KV pages over the pool's pages (1 = 100%).",
+              snapshot["kv_cache_usage"])
     lora = snapshot.get("lora", {})
     info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                              labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
     info.add_metric([str(max_lora(snapshot)), ",".join(lora.get("running", {})),
                      ",".join(lora.get("waiting", {}))], time.time())
-    fams.append(info)
+    out.add(info)
+
+
+def _residency_families(out: _Exposition, snapshot: EngineSnapshot) -> None:
+    """vLLM's residency gauges: a series per resident adapter, the count in the pool, the capacity."""
     loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 while the adapter is resident: level gpu (in the "
                                "pool, serves with no load) or cpu (host tier only).",
-                               labels=[*label, "adapter_name", "level", "pinned", "rank"])
+                               labels=[*out.label, "adapter_name", "level", "pinned", "rank"])
     resident = residency(snapshot)
     for name, level, pinned, rank in resident:
-        loaded.add_metric([model_name, name, level, pinned, rank], 1)
-    fams.append(loaded)
-    gauge("vllm:num_gpu_loaded_lora_adapters", "Adapters in the pool (lora_adapter_loaded level=gpu).",
-          sum(level == "gpu" for _, level, _, _ in resident))
-    gauge("vllm:max_gpu_lora_adapters", "Adapters the pool could hold at the median adapter size (= max_lora).",
-          max_lora(snapshot))
-    counter("vllm:prompt_tokens", "Prompt tokens computed.", snapshot.get("num_prompt_tokens", 0))
-    counter("vllm:generation_tokens", "Tokens generated.", snapshot.get("num_generated_tokens", 0))
-    counter("vllm:num_preemptions", "Sequences preempted (their KV recomputed later).",
-            snapshot.get("num_preemptions", 0))
+        loaded.add_metric([out.model_name, name, level, pinned, rank], 1)
+    out.add(loaded)
+    out.gauge("vllm:num_gpu_loaded_lora_adapters", "Adapters in the pool (lora_adapter_loaded level=gpu).",
+              sum(level == "gpu" for _, level, _, _ in resident))
+    out.gauge("vllm:max_gpu_lora_adapters", "Adapters the pool could hold at the median adapter size (= max_lora).",
+              max_lora(snapshot))
 
+
+def _token_and_cache_families(out: _Exposition, snapshot: EngineSnapshot) -> None:
+    """Tokens computed and generated, preemptions, the prefix cache's lookups and the pages evicted."""
+    out.counter("vllm:prompt_tokens", "Prompt tokens computed.", snapshot.get("num_prompt_tokens", 0))
+    out.counter("vllm:generation_tokens", "Tokens generated.", snapshot.get("num_generated_tokens", 0))
+    out.counter("vllm:num_preemptions", "Sequences preempted (their KV recomputed later).",
+                snapshot.get("num_preemptions", 0))
     prefix = snapshot["prefix_cache"]
-    counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix["query_tokens"])
-    counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix["hit_tokens"])
-    gauge("lorafleet_prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens.", prefix["hit_rate"])
+    out.counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix["query_tokens"])
+    out.counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix["hit_tokens"])
+    out.gauge("lorafleet_prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens.", prefix["hit_rate"])
     evictions = CounterMetricFamily("lorafleet_evictions", "Pages given back by the eviction order, by kind.",
-                                    labels=[*label, "kind"])
+                                    labels=[*out.label, "kind"])
     eviction = snapshot["eviction"]
     for kind, n in (("kv_blocks", eviction["evicted_kv_blocks"]), ("adapters", eviction["evicted_adapters"])):
-        evictions.add_metric([model_name, kind], n)
-    fams.append(evictions)
+        evictions.add_metric([out.model_name, kind], n)
+    out.add(evictions)
 
+
+def _mix_families(out: _Exposition, snapshot: EngineSnapshot) -> None:
+    """Requests on a mix of adapters: by the mix's size, the adapters named, those running and waiting."""
     mixes = snapshot["mixes"]
     by_size = CounterMetricFamily("lorafleet_mix_requests", "Requests that named a mix of several adapters "
                                   "(the adapters field), by the number of adapters in the mix.",
-                                  labels=[*label, "adapters"])
+                                  labels=[*out.label, "adapters"])
     for k, n in mixes["by_size"].items():
-        by_size.add_metric([model_name, k], n)
-    fams.append(by_size)
-    counter("lorafleet_mix_adapters", "Adapters named by mixes, in all (over lorafleet_mix_requests_total: the "
-            "mean mix).", mixes["adapters"])
-    gauge("lorafleet_mix_requests_running", "Requests on a mix in the running batch.", mixes["running"])
-    gauge("lorafleet_mix_requests_waiting", "Requests on a mix waiting to be scheduled.", mixes["waiting"])
+        by_size.add_metric([out.model_name, k], n)
+    out.add(by_size)
+    out.counter("lorafleet_mix_adapters", "Adapters named by mixes, in all (over lorafleet_mix_requests_total: the "
+                "mean mix).", mixes["adapters"])
+    out.gauge("lorafleet_mix_requests_running", "Requests on a mix in the running batch.", mixes["running"])
+    out.gauge("lorafleet_mix_requests_waiting", "Requests on a mix waiting to be scheduled.", mixes["waiting"])
 
+
+def _pool_and_server_families(out: _Exposition, snapshot: EngineSnapshot, server: ServerInfo) -> None:
+    """The pool's pages by owner, the switch cost once it has a slope, and the server's admission counters."""
     pool = snapshot["pool"]
     pages = GaugeMetricFamily("lorafleet_pool_pages", "Pages of the unified pool by owner.", labels=["owner"])
     for owner, n in (("free", pool["free_pages"]), ("kv", pool["kv_pages"]), ("cached", pool["cached_pages"]),
                      ("adapters", pool["adapter_pages"])):
         pages.add_metric([owner], n)
-    fams.append(pages)
+    out.add(pages)
     reg = snapshot["switches"]["regression"]
     if reg is not None and reg["slope_s"] is not None:
-        gauge("lorafleet_switch_cost_seconds_per_token", "Per-token latency one more adapter loaded in a step adds "
-              "(the switch regression, the step's shape accounted for, recent steps).", reg["slope_s"])
-        gauge("lorafleet_switch_cost_fraction", "lorafleet_switch_cost_seconds_per_token over the mean per-token "
-              "latency of the same steps.", reg["slope_fraction"])
-    gauge("lorafleet_pool_pages_total", "Pages in the unified pool.", pool["total_pages"])
-    gauge("lorafleet_pool_page_bytes", "Bytes per pool page.", pool["page_bytes"])
-    gauge("lorafleet_adapters", "Adapters known to the daemon (any tier).", snapshot["num_adapters"])
-    gauge("lorafleet_requests_pending", "Requests admitted by the server and not yet answered.", server["pending"])
-    counter("lorafleet_requests_rejected", "Requests refused by the queue limit or while draining.",
-            server["num_rejected"])
-    counter("lorafleet_client_disconnects", "Requests whose client hung up before the answer.",
-            server["num_disconnects"])
+        out.gauge("lorafleet_switch_cost_seconds_per_token", "Per-token latency one more adapter loaded in a step "
+                  "adds (the switch regression, the step's shape accounted for, recent steps).", reg["slope_s"])
+        out.gauge("lorafleet_switch_cost_fraction", "lorafleet_switch_cost_seconds_per_token over the mean per-token "
+                  "latency of the same steps.", reg["slope_fraction"])
+    out.gauge("lorafleet_pool_pages_total", "Pages in the unified pool.", pool["total_pages"])
+    out.gauge("lorafleet_pool_page_bytes", "Bytes per pool page.", pool["page_bytes"])
+    out.gauge("lorafleet_adapters", "Adapters known to the daemon (any tier).", snapshot["num_adapters"])
+    out.gauge("lorafleet_requests_pending", "Requests admitted by the server and not yet answered.", server["pending"])
+    out.counter("lorafleet_requests_rejected", "Requests refused by the queue limit or while draining.",
+                server["num_rejected"])
+    out.counter("lorafleet_client_disconnects", "Requests whose client hung up before the answer.",
+                server["num_disconnects"])
 
+
+def _engine_families(out: _Exposition, snapshot: EngineSnapshot) -> None:
+    """Every other numeric entry of Engine.stats() as `lorafleet_engine_<name>`, p50/p99 summaries as
+    a `quantile` label."""
     for key, value in snapshot.items():
         if key in _MAPPED:
             continue
         if _number(value):
-            gauge(_name(key), f"Engine.stats()[{key!r}].", value)
+            out.gauge(_name(key), f"Engine.stats()[{key!r}].", value)
         elif isinstance(value, dict) and value and set(value) <= {"p50", "p99"}:
             g = GaugeMetricFamily(_name(key), f"Engine.stats()[{key!r}], recent window.",
-                                  labels=[*label, "quantile"])
+                                  labels=[*out.label, "quantile"])
             for q, v in value.items():
                 if _number(v):
-                    g.add_metric([model_name, "0." + q[1:]], v)
-            fams.append(g)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(fams))
-    return generate_latest(registry)
+                    g.add_metric([out.model_name, "0." + q[1:]], v)
+            out.add(g)
