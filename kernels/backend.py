@@ -1,45 +1,33 @@
-"""One interface over the three kernel sets, chosen once per model, here and nowhere else: Triton on
-CUDA, the compiled C++ kernels on the CPU, the torch reference otherwise (or where a compiled
-kernel cannot serve: a dtype it lacks, a build that failed, triton missing). A fallback is named
-`torch` and says why (`Kernels.why`, logged once). The model, the LoRA batch and the engine call
-`Kernels` and read what it can do (`graphs`: its launches can be captured in a CUDA graph);
-nothing else in lorafleet asks which device it runs on to pick a kernel.
+"""One interface over the three kernel sets, chosen once per model, here and nowhere else: Triton on CUDA, the
+compiled C++ kernels on the CPU, the torch reference otherwise or where a compiled kernel cannot serve (a dtype
+it lacks, a failed build, no triton), named `torch` with its reason (`Kernels.why`, logged once). The model, the
+LoRA batch and the engine call `Kernels` and read what it can do (`graphs`: launches capturable in a CUDA graph).
 
-`LORAFLEET_KERNELS` overrides the choice (an engine's `kernels` option overrides that): `auto`
-(default), `triton`, `cpu` (the C++ kernels' variant for this CPU), a CPU variant by name (`avx2`,
-`avx512`, `avx512-panels`, `amx`: `cpu_module`'s, the code a CPU feature selects, forced on any
-CPU that can execute it), `torch`. `triton` on a CPU tensor needs `TRITON_INTERPRET=1` (the
-interpreter: how CI runs the Triton path against the references, slow but exact).
+`LORAFLEET_KERNELS` overrides the choice (an engine's `kernels` option overrides that): `auto` (default),
+`triton`, `cpu` (this CPU's variant), a CPU variant by name (`cpu_module`'s `avx2`, `avx512`, `avx512-panels`,
+`amx`, forced on any CPU that executes it), `torch`. `triton` on a CPU tensor needs `TRITON_INTERPRET=1` (the
+interpreter, slow but exact: how CI checks the Triton path against the references).
 
-Every op keeps the semantics of its reference in `reference.py`:
-- `linear(x, w, bias, scales)`: `reference.linear` (`F.linear`), the base model's projections;
-  with `scales`, w is a quantized weight's codes (`lorafleet.model.quant`'s layout), read as
-  `reference.dequantize(w, scales)` without a full-precision copy where a kernel has it (Triton:
-  `quant_triton.linear`, dequantized in registers; the CPU: `linear_cpu.linear` sends them to
-  `quant_cpu`'s kernel, likewise);
-- `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`,
-  `silu_mul(gu)`, `greedy(logits)`: the step's row-wise ops, as their namesakes in `reference.py`;
-- `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out, out_align)`: `reference.lora`,
-  every adapter read through its row table (`max_rows`/`max_rank`/`max_n_out`: static bounds of
-  the step and the group, which fix the Triton launch grid; `out_align`: a number dividing every
-  slot's width and first column, by which Triton reads and writes out's rows as vectors; the
-  other backends ignore them);
-- `write_kv(kv, k, v, slot_pages, slot_offsets)`, `decode(q, kv, tables, lens, scale)`,
-  `prefill(q, k, v, kv, meta, scale, out)`: `reference.write_kv`, `paged_decode`,
-  `paged_prefill`; `attention()` runs the three for one layer;
-- `decode_forward(weights, input_ids, positions, meta, kv, logits_rows, lora)`: `LlamaModel.forward`
-  for a decode-only step, where a backend has it in one call (the CPU: `decode_layers_cpu`),
-  else None;
-- `decode_batch(table, rows, starts, ids, block_size)`: `ModelRunner.inputs` for a pure decode
-  step (every row one token that samples) in one call where a backend has it (the CPU:
-  `decode_layers_cpu.decode_batch`), else None;
-- `pack(w)`: a base weight [N, K] laid out again in its own storage for `linear`, which reads
-  either layout (the CPU: `panels_cpu.pack`'s panels, fp32 in AMD's layout: the
-  `avx2` and `avx512-panels` variants, `cpu_module`), else None (weights stay [N, K]). The model packs its projections once, at load,
-  and its LM head, the embedding's storage where they are tied;
-- `rows(w, ids, scales, dtype)`: the embedding's rows `w[ids]`, in either layout (the CPU:
-  `panels_cpu.rows`, which reads them out of a tied head's panels), else `reference.rows`;
-  quantized (`scales` given), dequantized in `dtype` (the CPU: `quant_cpu.rows`).
+Each op keeps the semantics of its namesake in `reference.py`:
+- `linear(x, w, bias, scales)` (`F.linear`): with `scales`, w is a quantized weight's codes
+  (`lorafleet.model.quant`'s layout), dequantized in registers where a kernel has it (`quant_triton`, the
+  CPU's `quant_cpu`);
+- `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`, `silu_mul(gu)`,
+  `greedy(logits)`: the step's row-wise ops;
+- `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out, out_align)`: each adapter read through its
+  row table; the last four are Triton's alone: static bounds fixing its grid, and a number dividing every
+  slot's width and first column, by which it reads and writes out's rows as vectors;
+- `write_kv(kv, k, v, slot_pages, slot_offsets)`, `decode(q, kv, tables, lens, scale)` (`paged_decode`),
+  `prefill(q, k, v, kv, meta, scale, out)` (`paged_prefill`); `attention()` runs the three for one layer;
+- `decode_forward(weights, input_ids, positions, meta, kv, logits_rows, lora)`: `LlamaModel.forward` of a
+  decode-only step in one call (the CPU's `decode_layers_cpu`), else None;
+- `decode_batch(table, rows, starts, ids, block_size)`: `ModelRunner.inputs` of a pure decode step (each row one
+  sampled token) in one call (the CPU's `decode_layers_cpu`), else None;
+- `pack(w)`: a base weight [N, K] laid out again in its own storage, which `linear` reads as it reads [N, K]
+  (the CPU's `panels_cpu.pack`), else None; the model packs its projections and LM head once, at load (a
+  tied head: the embedding's storage, which `rows` then reads);
+- `rows(w, ids, scales, dtype)`: the embedding's rows `w[ids]` in either layout `pack` leaves, dequantized in
+  `dtype` with `scales` (the CPU's `panels_cpu.rows`).
 """
 
 from __future__ import annotations
@@ -73,10 +61,10 @@ class Kernels:
     write_kv: Callable
     decode: Callable
     prefill: Callable
-    decode_forward: Callable | None = None  # the forward pass of a decode-only step in one call (the CPU's)
-    decode_batch: Callable | None = None   # a pure decode step's inputs in one call (the CPU's)
-    pack: Callable | None = None           # a base weight laid out for `linear`, in place (the CPU's panels)
-    rows: Callable = reference.rows        # the embedding's rows, w[ids], in either layout `pack` leaves
+    decode_forward: Callable | None = None
+    decode_batch: Callable | None = None
+    pack: Callable | None = None
+    rows: Callable = reference.rows
     graphs: bool = False                   # a decode step's launches can be captured as a CUDA graph
     why: str = ""                          # a fallback's reason (the torch reference serving where one was wanted)
     variant: str = ""                      # the CPU kernels' variant (cpu_module.VARIANTS), "" for the others

@@ -1,32 +1,23 @@
-"""The CPU kernels as one C++ extension, built from the sources in `kernels/cpu/`: the matmul
-(`linear.cpp`; on packed weights `panels.cpp`), the row-wise ops (`pointwise.cpp`), LoRA
-(`lora.cpp`), decode attention (`paged_attention.cpp`) and the driver that runs a decode step's
-layers over them in one call (`decode_layers.cpp`), all on `vector.h`. Each `*_cpu.py` module
-holds its kernel's semantics and Python wrappers; their `load` is this one's.
+"""The CPU kernels as one C++ extension built from `kernels/cpu/`: `lorafleet_cpu.cpp` includes each kernel
+(`linear.cpp`, `panels.cpp`, `quant.cpp`, `pointwise.cpp`, `lora.cpp`, `paged_attention.cpp`, all on `vector.h`)
+in a namespace of its own (private helpers may share names), puts the bound functions at global scope
+(`using`), then the decode-step driver (`decode_layers.cpp`). Each `*_cpu.py` holds its kernel's semantics
+and wrappers; their `load` is this one's.
 
-Why one extension: a kernel's build is mostly torch's headers (the same time whatever the
-kernel), and the driver calls every kernel's C++, so it compiles their sources anyway.
-
-How: `lorafleet_cpu.cpp` includes each kernel (each in a C++ namespace of its own, so their
-private helpers may share names), puts the functions Python binds at global scope (`using`), then
-the driver. `source` splices its local includes into one text, each file once, each piece after a
-`#line` naming its file (a compiler's messages point at the real sources), and `build.py` keys
-the build by that text: a change to any file is a new build.
-
-Variants: what a CPU feature selects is chosen when the extension is built, by its flags, never
-read from the CPU at run time, so that every variant can be forced, built and tested on any CPU
-that can execute it (`runnable`: a CPU with AVX-512 runs every variant but `amx` without AMX):
-- `avx2`: no AVX-512 (`vw` of 8 lanes; AVX2 where the CPU has it), AMD's layout (its choices
-  were measured on AMD);
-- `avx512`: AVX-512, Intel's layout: weights stay [N, K], several weight rows streamed side by side;
-- `avx512-panels`: AVX-512, AMD's layout: fp32 weights packed in panels, one row streamed at a
-  time, torch's fp32 GEMM through oneDNN (`vector.h`'s `amd_layout()`);
-- `amx`: `avx512` with AMX (the quantized matmul's tiles, torch's bf16 GEMM from 13 rows).
-Every variant but `amx` is built without AMX. `host_variant` is auto's choice for this CPU (AMD
-with AVX-512: `avx512-panels`; with AMX-BF16: `amx`; other AVX-512: `avx512`; else `avx2`).
-LORAFLEET_KERNELS names one to force it (`backend.select`). A process runs one variant, the first
-a model selects (`use`): the Python wrappers call `load()`. LORAFLEET_KERNELS=torch chooses the
-references instead, building nothing.
+Decisions, each with its reason:
+- One extension: a build is mostly torch's headers whatever the kernel, and the driver compiles every
+  kernel's source anyway.
+- `source` splices the local includes into one text, each file once, each piece after a `#line` naming its
+  file (compiler messages point at the real sources); `build.py` keys the build by that text.
+- Variants are chosen by build flags (`FLAGS`), never read from the CPU at run time, so that every variant
+  can be forced, built and tested on any CPU that executes it (`runnable`): `avx2` (no AVX-512; AMD's
+  layout, tuned there), `avx512` (Intel's layout: weights [N, K], several rows streamed side by side),
+  `avx512-panels` (AMD's layout, `vector.h`'s `amd_layout()`: fp32 weights in panels, one row streamed at a
+  time, fp32 GEMM through oneDNN), `amx` (`avx512` with AMX: the quantized tiles, torch's bf16 GEMM from 13
+  rows; the others are built without AMX).
+- Auto (`host_variant`): `avx512-panels` on AMD with AVX-512, `amx` with AMX-BF16, `avx512` on other AVX-512
+  CPUs, else `avx2`. LORAFLEET_KERNELS forces one (`backend.select`); `torch` builds nothing.
+- One variant per process, the first a model selects (`use`): the wrappers call `load()` without naming one.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""The CPU row-wise ops of a decode step, each one call: RMSNorm, the residual add with the next
-RMSNorm, rotary embedding of q and k in place, SiLU(gate) * up, the KV write into the pool's
-pages, and the greedy pick of each row's token.
+"""The CPU row-wise ops of a decode step, each one call that reads its rows once: RMSNorm, the residual add with
+the next RMSNorm, RoPE of q and k in place, SiLU(gate) * up, the KV write into the pool's pages, and the greedy
+pick of each row's token. Why: a layer's many small torch ops (a norm is six, RoPE seven a tensor, the KV write
+two `index_put_`) cost their dispatch at decode, not their arithmetic, and torch's CPU `argmax` is not vectorised.
 
-Why they exist: between its four matmuls a Llama layer runs ~40 small torch ops (a norm is six:
-pow, mean, add, rsqrt, mul, mul; RoPE is seven per tensor, plus two gathers of the cos/sin
-tables). At decode each costs its dispatch, not its arithmetic, and together they took a large
-share of the step's memory bound (measured on SmolLM2-135M's shapes). Here each is one call that
-reads its rows once. Two more had the same cause: the KV write was two `index_put_` calls per
-layer, and torch's `argmax`, unvectorised on the CPU, was slow over a large vocabulary (the
-kernel: one vector pass per piece of a row).
-
-Semantics: each op is its reference in `reference.py` (`rms_norm`, `add_rms_norm`, `rope_`,
-`silu_mul`, `write_kv`, `greedy`), computed in fp32 and rounded to the tensor's dtype where the reference rounds
-(bf16: after the normalisation and after the weight; each RoPE product and their sum; SiLU and
-the product), so bf16 results are the reference's bit for bit but for the order of the norm's
-sum. Rows are spread over torch's threads only when there are enough of them (prefill).
-Built with the other CPU kernels, as one extension (`cpu_module`); LORAFLEET_KERNELS=torch chooses the
-references.
+Semantics: each op is its namesake in `reference.py`, computed in fp32 and rounded to the tensor's dtype where the
+reference rounds (bf16: after the normalisation and after the weight; each RoPE product and their sum; SiLU and the
+product), so bf16 results are the reference's bit for bit but for the order of the norm's sum. Rows go over torch's
+threads only when there are enough of them (prefill). Built in the CPU kernels' one extension (`cpu_module`);
+LORAFLEET_KERNELS=torch chooses the references.
 """
 
 from __future__ import annotations

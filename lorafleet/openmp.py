@@ -1,27 +1,15 @@
-"""torch's OpenMP workers, for the processes that run the engine: how they wait, and which
-thread owns them.
+"""torch's OpenMP workers in the processes that run the engine: how they wait, and which thread owns them.
 
-How they wait: set in the environment before torch loads libgomp (which reads it once, at load),
-so only by the commands that start an engine (`serve`, the bench's lorafleet runs), never by
-importing lorafleet. A decode step is ~100 short kernel calls with a little Python between
-them, and between two calls torch's OpenMP workers fall asleep; waking a worker costs more than
-a small kernel, so a small call on 2 threads measured slower than on one. `OMP_WAIT_POLICY=ACTIVE`
-with `GOMP_SPINCOUNT=2000` makes a worker spin briefly before it sleeps: across the gaps inside a
-step, not across the gaps between steps, where the daemon's event loop and its clients need the
-cores (ACTIVE alone spins for minutes: through the daemon it measured much slower). With it,
-steps and their LoRA calls measured faster, in-process and through the daemon (docs/benchmark-history.md).
-Both are defaults: a variable the user set wins.
+How they wait (`set_defaults`): OMP_WAIT_POLICY=ACTIVE with GOMP_SPINCOUNT=2000, so that a worker spins across
+the short gaps between a step's kernel calls (waking one costs more than a small kernel) but sleeps between
+steps, when the daemon's event loop needs the cores (ACTIVE alone spins for minutes). libgomp reads them once,
+at load: only the commands that start an engine (`serve`, the bench's runs) set them, never an import; a
+variable the user set wins.
 
-Which thread owns them (`serial_thread`): libgomp gives every thread that runs a parallel region
-a team of its own, and counts the workers of every team in the process; once they outnumber the
-cores it spins at most 100 times (1,000 with ACTIVE) before it sleeps, whatever GOMP_SPINCOUNT
-says. One other thread with a team is enough on 2 cores: a prefetch worker that copied an
-adapter, or the thread that built the engine before the daemon's engine thread took it over. So
-the engine's thread keeps the process's only team: the prefetch workers (which only read and
-copy adapters, niced below the steps anyway) run their torch ops on themselves alone, and the
-daemon's main thread gives its team up once the engine thread runs. In-process, decode steps
-(base, one adapter, adapters in turn) measured faster with one team, under libgomp's defaults
-and under the daemon's ACTIVE/2000; through the daemon the change stayed within the noise.
+Which thread owns them (`serial_thread`): libgomp gives each thread that runs a parallel region a team, and
+once all teams' workers outnumber the cores it spins at most 100 times (1,000 with ACTIVE) whatever
+GOMP_SPINCOUNT says. So the engine's thread keeps the process's only team: prefetch workers run their torch
+ops alone, and the daemon's main thread gives its team up once the engine thread runs.
 """
 
 from __future__ import annotations

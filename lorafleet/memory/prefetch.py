@@ -1,36 +1,21 @@
-"""The prefetcher: moves adapters disk -> host -> device pages ahead of need, driven by the whole
-waiting queue (not only the next batch), on worker threads, so that a step never waits for a
-load. It runs the work; `residency.py` records every state change (the prefetcher never writes
-an entry's fields).
+"""The prefetcher: moves adapters disk -> host -> device pages ahead of need, driven by the whole waiting queue,
+on worker threads, so that a step never waits for a load. It runs the work; `residency.py` records every state
+change. Only the engine thread touches the pool's allocator; workers fill pages already allocated.
 
-`tick(wanted)` runs on the engine thread at the start of every step:
-1. harvest finished work (`harvest()`, also called while the engine waits for an eager load):
-   disk loads enter the host cache; device copies make adapters ready (their names are returned
-   as switches); failed loads are returned with their message (the engine fails only the
-   requests for that adapter); eager loads move on (see below);
-2. in queue order, for each adapter some waiting request wants (`want`): when it is in the host
-   cache, give it pages (evicting idle adapters if that makes room; when it cannot, later
-   adapters wait too, so that pages go in queue order) and start the host -> device copy (a side
-   CUDA stream on GPUs, a plain copy on CPU); when it is on disk, start its load, and when pages
-   can be had now, copy it in the same task (its size is known from the file header): one
-   hand-off instead of two, so a cold adapter is ready one step sooner;
-3. when such work is short (its typical time, below, at most `MAX_TICK_WAIT_S`), wait for the
-   wanted ones in flight, harvesting as each lands (and giving pages to one that landed on the
-   host only), until all have landed or `TICK_WAIT_LOADS` typical times have passed, never
-   longer than `MAX_TICK_WAIT_S`: a cold adapter then serves in the step it arrived before, not
-   one step later (a step can be a long prefill), at the price of a few milliseconds of that
-   step. The deadline is a multiple of the typical time, not the typical time itself: about
-   half of all loads take longer, and a load that misses the step by a millisecond costs its
-   request the whole step. The typical time is the median of the last `RECENT` loads (of the
-   last copies for a host -> device copy): one outlier lifts a moving average past the cap and
-   switches the waits off. (Figures: docs/benchmark-history.md, "lorafleet/memory/prefetch.py".)
-The engine also calls `want` the moment a request arrives, so loads start before the next step.
+`tick(wanted)`, on the engine thread before every step (and `want` as each request arrives):
+1. `harvest()` finished work: loads enter the host cache, copies make adapters ready (returned as switches), a
+   failed load is returned with its message (failing only its adapter's requests), eager loads move on;
+2. in queue order (`want`), pages for each adapter in the host cache, evicting idle ones (none to be had: later
+   adapters wait too, so pages go in queue order), and its copy (on a side CUDA stream on GPUs); a load for one
+   on disk, copying in the same task when pages can be had now (the header gives the size): a step sooner;
+3. when that work's typical time is at most `MAX_TICK_WAIT_S`, wait for it up to `TICK_WAIT_LOADS` typical
+   times, harvesting as it lands, so a cold adapter serves in this step, not after the next (maybe a long
+   prefill). A multiple, since half the loads take longer than typical and a miss costs a whole step; typical
+   is the median of the last `RECENT` loads (copies), since one outlier lifts a mean past the cap.
 
-Eager loads (`load_eager`: `Engine.load_adapter`, `/v1/load_lora_adapter`) read, validate and
-hash the files on a worker too, so running requests keep their pace; a staged entry gets pages
-and its copy, and takes over its name only once its pages hold the weights (the old weights
-serve until then). The returned future holds the adapter's info, or why it was refused.
-Only the engine thread touches the pool's allocator; workers only fill pages already allocated.
+Eager loads (`load_eager`: `Engine.load_adapter`, `/v1/load_lora_adapter`) read, validate and hash on a worker
+too, so running requests keep their pace; the staged entry takes over its name only once its pages hold the
+weights (the old ones serve until then). The returned future holds its info, or why it was refused.
 """
 
 from __future__ import annotations
@@ -61,9 +46,7 @@ from lorafleet.memory.residency import AdapterResidency, check_name
 
 log = logging.getLogger("lorafleet.prefetch")
 
-# `tick` waits for in-flight loads (copies) of wanted adapters when the median of recent loads
-# (copies) is this long at most, and never longer than this
-MAX_TICK_WAIT_S = 0.01
+MAX_TICK_WAIT_S = 0.01  # `tick` waits when the typical load (copy) is this long at most, and never longer
 TICK_WAIT_LOADS = 3.0  # the tick's deadline, in typical (median) loads or copies
 PRIOR_LOAD_S = 0.005
 PRIOR_COPY_S = 0.002
@@ -117,8 +100,6 @@ class Prefetcher:
         copies = any(e in protect for e in self._copying)
         typical = max(self.load_s if loads else 0.0, self.copy_s if copies else 0.0)
         if (loads or copies) and typical <= MAX_TICK_WAIT_S:
-            # loads this short are worth a wait: landed now, their requests run in this step
-            # instead of the next one (which may be a whole long prefill later)
             deadline = time.monotonic() + min(MAX_TICK_WAIT_S, TICK_WAIT_LOADS * typical)
             while any(e in protect for e in self._loading + self._copying):
                 left = deadline - time.monotonic()
@@ -136,9 +117,7 @@ class Prefetcher:
                 break  # no room now: pages go in queue order
 
     def want(self, entry: AdapterEntry, protect: Container[AdapterEntry] = frozenset(), reserve_pages: int = 0) -> bool:
-        """Move `entry` toward the device: from the host cache, take pages and start the copy;
-        from disk, when pages can be had now, load and copy in one task (the size is known from
-        the file header), else load to the host only. False when it waits for pages."""
+        """Move `entry` toward the device (the module doc's step 2). False when it waits for pages."""
         if entry.ready or entry.loading or entry.copying or entry.error:
             return True
         r = self.residency
@@ -278,18 +257,15 @@ def _reason(e: Exception, entry: AdapterEntry) -> str:
     return f"adapter {entry.name!r} could not be loaded ({type(e).__name__})"
 
 
-# Nice 10, not 19: a worker runs Python between its C calls, so it holds the GIL at times, and
-# a thread descheduled while holding it stalls the engine thread until it runs again (priority
-# inversion); with both cores busy, nice 19 and 15 stretched the engine thread's gaps by tens of
-# times, nice 12 and 10 did not (figures: docs/benchmark-history.md).
+# nice 10, not 19: a worker holds the GIL at times, and a low-priority thread descheduled holding it
+# stalls the engine thread (priority inversion): 15 and 19 did, 10 and 12 did not
 WORKER_NICE = 10
 
 
 def _worker_start() -> None:
-    """Workers yield the cores to the engine's steps: a load may take longer, a step must not
-    (on a GPU host the loads use spare cores anyway). Linux nice is per thread. And a worker's
-    torch ops run on the worker alone: an OpenMP team of its own would make libgomp cut every
-    team's spinning short, the engine's too (`lorafleet/openmp.py`)."""
+    """A worker yields the cores to the engine's steps (a load may take longer, a step must not; Linux
+    nice is per thread) and runs its torch ops alone: a team of its own would cut the engine's OpenMP
+    spinning short (`lorafleet/openmp.py`)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
     except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
@@ -299,10 +275,9 @@ def _worker_start() -> None:
 
 def _load(residency: AdapterResidency, name: str, path, pages: list[int] | None, stream,
           trusted_digest: str | None = None, eager: bool = False, after=None):
-    """Worker: disk -> host (read, validate, hash, lay out; a stored adapter is read only, see
-    `AdapterEntry.trusted_digest`), and into `pages` when given. Returns (host, seconds, what
-    the inspection found: an eager load's entry was never registered, so it takes its
-    vocabulary, tokenizer and saved modules from here; None for the others)."""
+    """Worker: disk -> host (read, validate, hash, lay out; a stored adapter is only read:
+    `AdapterEntry.trusted_digest`), and into `pages` when given. Returns (host, seconds, the inspection:
+    an eager load's vocabulary, tokenizer and saved modules, its entry never registered; else None)."""
     t0 = time.perf_counter()
     pool = residency.pool
     inspected = None
@@ -325,11 +300,10 @@ def _timed_copy(pool: PagePool, host: HostAdapter, pages: list[int], stream=None
 
 
 def copy_in(pool: PagePool, host: HostAdapter, pages: list[int], stream=None, after=None) -> None:
-    """Worker: host buffer -> its (already allocated) device pages, then the row table built for
-    those pages (`Layout.row_table`) after it. On CUDA the copies run on the side `stream` and
-    are complete when this returns, so the adapter is marked ready only after its bytes landed;
-    they wait for `after` (the fence: the last step launched when the pages were given, which may
-    still write the KV of a request that has ended since)."""
+    """Worker: host buffer -> its (already allocated) device pages, then their row table
+    (`Layout.row_table`). On CUDA the copies run on the side `stream`, after `after` (the fence: the
+    last step launched may still write an ended request's KV into these pages), and are complete when
+    this returns, so the adapter is marked ready only once its bytes landed."""
     layout = host.layout
     start, words, _ = layout.row_table(pages, pool.tensor.element_size())
     # pageable: an asynchronous copy from it is staged before it returns, and it is a few KB
