@@ -24,6 +24,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.events import Resize
 from textual.widgets import DataTable, Footer, Input, Static
 
@@ -138,7 +139,15 @@ class TopApp(App):
 
     def ingest(self, stats: Stats | None, error: str | None = None, unreachable: bool = True) -> None:
         """A snapshot arrives, or the error in its place (`unreachable`: nothing answered, rather
-        than a daemon that refused, say a wrong API key): redraw what it changes."""
+        than a daemon that refused, say a wrong API key): redraw what it changes. The widgets live
+        from mount to close, so one missing means the app is closing while a fetch was under way:
+        that snapshot is dropped."""
+        try:
+            self._ingest(stats, error, unreachable)
+        except NoMatches:
+            pass
+
+    def _ingest(self, stats: Stats | None, error: str | None, unreachable: bool) -> None:
         if stats is not None:
             try:
                 model.check_snapshot(stats)

@@ -280,3 +280,12 @@ async def test_usable_at_small_and_large_terminals(stream, size):
             assert visible(app, "#switches") and not visible(app, "#table-box")
             await pilot.press("w")
             assert visible(app, "#table-box") and not visible(app, "#switches")
+
+
+async def test_a_snapshot_arriving_while_the_app_closes_is_dropped():
+    """The poll's fetch can outlive the app's widgets (a wrong key's refusal, seen over TCP): its
+    answer then draws nothing and raises nothing."""
+    app = TopApp(None, None, interval=0.2)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+    app.ingest(None, "401: wrong key", False)  # raised NoMatches from the poll's thread before
