@@ -14,7 +14,9 @@ characters, since a write of up to PIPE_BUF bytes is atomic.
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -54,13 +56,20 @@ def chat(
         "--stream/--no-stream", show_default=False,
         help="Print answers token by token, or each whole in one write once complete (several chats "
              "sharing a terminal then print whole lines). Default: stream onto a terminal only.")] = None,
+    json_schema: Annotated[Path | None, typer.Option(
+        "--json-schema", help="Hold each answer to the JSON schema in this file.", show_default=False)] = None,
+    regex: Annotated[str | None, typer.Option(
+        "--regex", help="Hold each answer to this regular expression.", show_default=False)] = None,
+    choice: Annotated[str | None, typer.Option(
+        "--choice", help="Answer with one of these comma-separated strings.", show_default=False)] = None,
     as_json: JsonOption = False,
     socket: SocketOption = None,
     url: UrlOption = None,
     api_key: ApiKeyOption = None,
 ) -> None:
     """Chat with the base model or an adapter through the daemon."""
-    params = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    params = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+              **structured(json_schema, regex, choice)}
     start = [{"role": "system", "content": system}] if system else []
     if stream is None:
         stream = sys.stdout.isatty()
@@ -82,6 +91,26 @@ def chat(
                 raise typer.Exit(130)  # as a shell reports a command Ctrl-C ended
             return
         _repl(c, start, chosen, params, stream)
+
+
+def structured(json_schema: Path | None, regex: str | None, choice: str | None) -> dict:
+    """The request fields `--json-schema`, `--regex` or `--choice` ask for (one of them)."""
+    given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choice))
+             if v is not None]
+    if len(given) > 1:
+        raise typer.BadParameter(f"give one of them, not {' and '.join(given)}", param_hint=given[1])
+    if json_schema is not None:
+        try:
+            schema = json.loads(json_schema.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise typer.BadParameter(f"{json_schema}: not a JSON file ({e})", param_hint="--json-schema") from None
+        return {"response_format": {"type": "json_schema",
+                                    "json_schema": {"name": json_schema.stem, "schema": schema}}}
+    if regex is not None:
+        return {"structured_outputs": {"regex": regex}}
+    if choice is not None:
+        return {"structured_outputs": {"choice": [c for c in choice.split(",") if c]}}
+    return {}
 
 
 START_WAIT_S = 600.0  # a daemon still starting (a first start builds the kernels) is waited for, this long

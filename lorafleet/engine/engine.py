@@ -40,6 +40,7 @@ from lorafleet.adapters.layout import page_problem
 from lorafleet.memory.pool import PagePool
 from lorafleet.memory.prefetch import Prefetcher
 from lorafleet.memory.residency import AdapterResidency
+from lorafleet.model.grammar import Constraint, Grammar, compile as compile_grammar, matcher_for
 from lorafleet.model.loader import load_model, resolve_device
 from lorafleet.model.tokenizer import Tokenizer
 from lorafleet.snapshot import AdapterInfo, EngineStats, LoraCapacity, LoraQueues
@@ -88,6 +89,7 @@ class Engine:
                                                                                cfg.max_num_seqs, self.max_model_len),
                                   torch.Generator(device=self.device).manual_seed(cfg.seed), exact=self.pipelined)
         self.inflight: Launched | None = None  # the step launched and not read yet (pipelined only)
+        self.constrained = 0  # live requests under a structured output's grammar: their steps are not pipelined
         eos = frozenset(mc.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
         self.outputs = OutputProcessor(eos, self.max_model_len)  # the one owner of the stop tokens
         self.requests: dict[str, Request] = {}
@@ -99,13 +101,12 @@ class Engine:
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     adapter: str | Mix | None = None, request_id: str | None = None,
-                    deadline_s: float | None = None) -> str:
-        """Queue one request; returns its id. `adapter`: an adapter's name, or a `Mix` of several
-        with their scales (`Mix.of({"sql": 1.0, "formal": 0.5})`), or None for the base. Raises
-        InvalidRequestError on bad input (a mix whose adapters the pool cannot hold together
-        too), AdapterNotFoundError for an unregistered adapter. A request for adapters that are
-        not on the device starts their loads at once. `deadline_s`: abort it (finish_reason
-        "deadline") if it has not finished that many seconds after arrival."""
+                    deadline_s: float | None = None, grammar: Grammar | None = None) -> str:
+        """Queue one request; returns its id. `adapter`: a name, a `Mix` (`Mix.of({"sql": 1.0, "formal":
+        0.5})`) or None (the base); adapters not on the device start loading now. InvalidRequestError on
+        bad input, AdapterNotFoundError for an unregistered adapter. `deadline_s`: aborted ("deadline")
+        if not finished by then. `grammar`: `params.structured` compiled by `Engine.grammar` off this
+        thread (else compiled here)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -133,12 +134,14 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req.eos_token_ids = eos
+        matcher = matcher_for(params.structured, tokenizer, vocab, grammar) if params.structured else None
         self.outputs.start(req, tokenizer, ids)
         if req.names:  # last: nothing after it can fail, so no reference is ever leaked
             req.loras = self.adapters.acquire_all(req.names)  # AdapterNotFoundError; released at the end
             req.scales = mix.scales if mix is not None else (1.0,)
             req.adapter_cold = not all(e.ready for e in req.loras)
         self.requests[rid] = req
+        req.matcher, self.constrained = matcher, self.constrained + (matcher is not None)
         self.scheduler.add(req)
         for entry in req.loras:
             if not entry.ready:  # its load starts now, sparing what others wait for
@@ -150,10 +153,13 @@ class Engine:
             self.mixes.watch(req)
         return rid
 
+    def grammar(self, constraint: Constraint, adapter: str | Mix | None = None) -> Grammar:
+        """`constraint` compiled for a request on `adapter` (its vocabulary); any thread may call it."""
+        tokenizer, vocab, _ = self._vocabulary(adapter)
+        return compile_grammar(constraint, tokenizer, vocab)
+
     def tokenizer_for(self, adapter: str | Mix | None):
-        """The tokenizer of a request on `adapter`: the adapter's own where it has its own
-        vocabulary (`adapters/heads.py`), else the base's (None: token ids only). Reads only what
-        registration set once: any thread may call it."""
+        """A request's tokenizer: its adapter's own vocabulary's, else the base's; any thread may call it."""
         return self._vocabulary(adapter)[0]
 
     def _vocabulary(self, adapter) -> tuple:
@@ -165,8 +171,7 @@ class Engine:
         return entry.tokenizer, entry.vocab_size, self.outputs.eos_token_ids | entry.tokenizer.eos_token_ids
 
     def abort(self, request_id: str) -> RequestOutput:
-        """End a request now, freeing its pages; returns its final output (finish_reason "abort":
-        whatever it had not handed out yet as the delta, and the whole answer so far)."""
+        """End a request now, freeing its pages; returns its final output (finish_reason "abort")."""
         req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(f"no unfinished request {request_id!r}")
@@ -195,6 +200,8 @@ class Engine:
         if self.mixes.watched:  # mixes refused once their adapters' kinds became known end here
             outputs += [self._fail(req, why, InvalidRequestError.code) for req, why in self.mixes.refused()]
         outputs += self._expire_deadlines()
+        if self.inflight is not None and self.constrained:  # a grammar's mask needs every token read
+            outputs += self._settle(None)
         self.adapters.next_step()
         plan = self.scheduler.schedule()                                            # 1
         outputs += [self._finish(req, "length") for req in plan.finished]
@@ -221,8 +228,7 @@ class Engine:
         return step
 
     def _settle(self, launched: Launched | None) -> list[RequestOutput]:
-        """5. read the step in flight, if any; then `launched` too, unless pipelined (then it is
-        the step in flight)."""
+        """5. read the step in flight, if any; then `launched` too, unless pipelined (then in flight)."""
         last, self.inflight = self.inflight, None
         outputs = self._read(last) if last is not None else []
         if launched is not None and self.pipelined:
@@ -252,11 +258,15 @@ class Engine:
         return outputs
 
     def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:
+        if req.matcher is not None and (refused := req.matcher.accept(token)) is not None:
+            return self._fail(req, refused)
         try:
             reason = self.outputs.append(req, token, logprobs)
         except Exception as e:  # noqa: BLE001 - one request's text must not fail the step
             log.exception("processing the output of %s failed", req.request_id)
             return self._fail(req, f"internal error while processing its output: {type(e).__name__}")
+        if reason is None and req.matcher is not None and req.matcher.done:
+            reason = "stop"  # the grammar allows nothing more
         if reason is not None:
             return self._finish(req, reason)
         return self.outputs.output(req)
@@ -290,6 +300,9 @@ class Engine:
         whole answer: engine/output.py's one rule)."""
         req.finish_reason = reason
         req.finish_time = time.monotonic()
+        if req.matcher is not None:
+            self.constrained -= 1
+            req.matcher = None
         if req.status is not Status.FINISHED:
             self.scheduler.finish(req)
         for entry in req.loras:
@@ -306,37 +319,30 @@ class Engine:
     # -- adapters --------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, trusted_digest: str | None = None,
                          inspected: Inspected | None = None) -> AdapterInfo:
-        """Record a PEFT adapter folder under `name` (disk tier): its config is checked now, its
-        weights are read when a request first needs it. Costs no device memory. `trusted_digest`
-        (the store's resolver): the files were validated against this base and hashed when they
-        were pulled, so their loads skip both. `inspected`: what `inspect_adapter` found, when the
-        caller ran it on another thread (the daemon: the checks stay off the engine thread)."""
+        """Record a PEFT adapter folder under `name` (disk tier: its config checked now, its weights
+        read on first need). `trusted_digest`: the store validated and hashed the files when they
+        were pulled, so loads skip both. `inspected`: `inspect_adapter`'s result, run off this thread."""
         return self.adapters.register(name, self.adapter_folder(path), trusted_digest, inspected).info()
 
     def inspect_adapter(self, name: str, path: str | Path) -> Inspected:
-        """The checks of `register_adapter` (config, size against the pool, from the files' headers;
-        the tokenizer of an adapter with its own vocabulary), safe to run on any thread; returns
-        what `register_adapter(inspected=...)` takes."""
+        """`register_adapter`'s checks (config, size against the pool, an own vocabulary's tokenizer),
+        safe on any thread."""
         return self.adapters.inspect(name, self.adapter_folder(path))
 
     def adapter_folder(self, path: str | Path) -> Path:
-        """The PEFT folder an adapter path names: itself, or, for a GGUF adapter file, its
-        conversion (`adapters/gguf.py`: once, cached by content; call it off the engine thread
-        where the file may be large)."""
+        """The PEFT folder a path names: itself, or a GGUF adapter's conversion (`adapters/gguf.py`,
+        cached by content: off the engine thread for a large file)."""
         from lorafleet.adapters.gguf import as_folder
 
         return as_folder(path, (self.model.cfg.num_heads, self.model.cfg.num_kv_heads))
 
     def load_adapter_async(self, name: str, path: str | Path) -> Future:
-        """Start an eager load: files are read, validated and hashed on a worker while steps go
-        on; the adapter takes over `name` once its pages hold it (an adapter already under that
-        name serves until then, and requests that already use it finish on it). The future
-        resolves at a later step to the adapter's info, or to the AdapterError refusing it."""
+        """An eager load on a worker while steps go on; the adapter takes over `name` once its pages
+        hold it (requests on the old one finish on it). The future: its info, or the AdapterError."""
         return self.prefetcher.load_eager(name, self.adapter_folder(path))
 
     def load_adapter(self, name: str, path: str | Path) -> dict:
-        """Validate a PEFT adapter folder and copy it into pool pages now (the eager form). A
-        refused adapter (AdapterError naming the problem) changes nothing."""
+        """`load_adapter_async`, waited for; a refused adapter (AdapterError) changes nothing."""
         done = self.load_adapter_async(name, path)
         while not done.done():
             self.prefetcher.wait_any(0.05)
@@ -348,8 +354,7 @@ class Engine:
         self.adapters.unregister(name)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (benchmarks start each replay cold with it); returns the
-        pages given back. Running requests keep their KV."""
+        """Forget every cached prefix (running requests keep their KV); returns the pages freed."""
         return self.kv.reset()
 
     def adapter_path(self, name: str) -> Path | None:
@@ -357,8 +362,7 @@ class Engine:
         return self.adapters.entries[name].path if name in self.adapters else None
 
     def lora_capacity(self) -> LoraCapacity:
-        """How many adapters the pool could hold at the median adapter size (what gateways read
-        as `max_lora`): `Arbiter.adapter_capacity`."""
+        """Adapters the pool could hold at the median size (gateways' `max_lora`)."""
         return self.arbiter.adapter_capacity(self.config.max_num_seqs)
 
     @property
@@ -373,10 +377,8 @@ class Engine:
         return views.lora_queues(self.scheduler)
 
     def step_records(self) -> list[dict]:
-        """One dict per recent step: time_s, host_s (the part outside the model's forward pass:
-        schedule, batch build, sampling, output processing), num_seqs, num_tokens,
-        num_generated, distinct_adapters, adapters_loaded (switches: adapters that landed on the
-        device for this step)."""
+        """One dict per recent step: time_s, host_s (outside the forward pass), num_seqs, num_tokens,
+        num_generated, distinct_adapters, adapters_loaded (adapters that landed for this step)."""
         return list(self.counters.steps)
 
     def close(self) -> None:
@@ -391,8 +393,7 @@ class Engine:
         return offline.generate(self, prompts, params, adapters)
 
     def check_integrity(self) -> None:
-        """Every part's invariants, and the requests' holds and pins against the registry's
-        counts (`views.check_integrity`); after every step where `debug_checks` is on."""
+        """Every part's invariants (`views.check_integrity`); after each step with `debug_checks`."""
         views.check_integrity(self)
 
     def stats(self) -> EngineStats:

@@ -12,8 +12,10 @@ import torch
 
 from lorafleet.errors import InvalidRequestError
 from lorafleet.adapters.mix import Mix
+from lorafleet.model.grammar import Constraint
 
 if TYPE_CHECKING:
+    from lorafleet.model.grammar import Matcher
     from lorafleet.model.tokenizer import IncrementalDecoder
 
 # Below this a temperature is greedy (as in vLLM): dividing logits by a smaller one overflows the
@@ -39,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured: Constraint | None = None  # structured output: what the text must match (`model/grammar.py`)
 
     def __post_init__(self):
         # lists are welcome at the boundary; stored as tuples so params stay hashable/frozen
@@ -70,6 +73,8 @@ class SamplingParams:
             bad("stop must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if self.structured is not None and not isinstance(self.structured, Constraint):
+            bad(f"structured must be a grammar.Constraint, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +121,7 @@ class Request:
     _lora_key: tuple | None = field(default=None, repr=False)  # (loras, lora_key) as last computed
     num_pending: int = 0   # tokens drawn on the device, not read yet (`Engine._launch`: async_decode)
     pending_row: int = -1  # the newest one's row among its step's drawn tokens
+    matcher: Matcher | None = None  # structured output: its place in its grammar (advanced by each token appended)
     error: str | None = None
     error_code: str | None = None                # the LorafleetError code of `error`
     first_token_time: float | None = None

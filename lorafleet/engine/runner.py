@@ -9,6 +9,7 @@ Row order of the flat batch: single-token chunks first (decode), then multi-toke
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from lorafleet.engine.scheduler import Chunk
 from lorafleet.engine.step_inputs import Prefill, StepInputs
 from lorafleet.adapters.batch import LoraBatch, group_shapes
 from lorafleet.memory.kv import KVCacheManager
+from lorafleet.model.grammar import apply_masks
 from lorafleet.model.llama import LlamaModel
 from lorafleet.model.sampler import Drawn, launch
 
@@ -65,8 +67,10 @@ class ModelRunner:
         chunks = self.order(chunks)
         logits = self.execute(chunks, self.lora_batch(chunks), prev=prev.drawn.tokens if prev is not None else None)
         reqs = [c.request for c in chunks if c.samples]
+        held = [(j, r.matcher) for j, r in enumerate(reqs) if r.matcher is not None]  # structured output's rows
         drawn = launch(logits, [r.params for r in reqs], [r.generator for r in reqs], self.model.kernels.greedy,
-                       shared=self.generator, exact=self.exact)
+                       shared=self.generator, exact=self.exact,
+                       constrain=functools.partial(apply_masks, rows=held) if held else None)
         fence = None
         if self.device.type == "cuda":
             fence = torch.cuda.Event()

@@ -13,8 +13,9 @@ only synchronization).
   its tokens do not depend on what else shares the batch.
 - A row that cannot be sampled (its logits are not finite: an adapter whose weights overflow)
   fails that row only; it is replaced by zeros before any draw, so no device op sees a NaN.
-- Logprobs are those of the model's raw distribution (before temperature and filters), as vLLM
-  reports them by default.
+- Logprobs are those of the model's raw distribution (before temperature, filters and a
+  structured output's mask), as vLLM reports them by default.
+- A row under a structured output's constraint draws among the tokens its mask allows (`constrain`).
 """
 
 from __future__ import annotations
@@ -190,16 +191,23 @@ class Drawn:
 
 
 def launch(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy,
-           shared: torch.Generator | None = None, exact: bool = False) -> Drawn:
+           shared: torch.Generator | None = None, exact: bool = False, constrain=None) -> Drawn:
     """The draws of every row of logits [S, V] float32, queued on the device; params[i]:
     SamplingParams; generators[i]: the row's own torch.Generator (a seeded request) or None (it
     draws from `shared`); `greedy`: the model's kernel for `reference.greedy` (every row's argmax
     and finiteness). `exact` (a next step may read `tokens` before the host does): filtering rows
     sort their whole rows at once, so a token is never drawn again once read, and a failed row's
-    token is clamped into the vocabulary, a valid input."""
+    token is clamped into the vocabulary, a valid input. `constrain(logits)`: sets the tokens
+    some rows may not take to -inf in place (structured output), on a copy: the rows' finiteness
+    and logprobs are the model's own."""
     S, V = logits.shape
     dev = logits.device
+    raw = logits
     tokens_dev, finite = greedy(logits)  # one batched call covers greedy rows
+    if constrain is not None:
+        logits = logits.clone()
+        constrain(logits)
+        tokens_dev = logits.argmax(-1)
     hot = [i for i, p in enumerate(params) if not p.greedy]
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not hot and not want_lp:  # every row greedy: the argmax alone
@@ -228,7 +236,7 @@ def launch(logits: torch.Tensor, params: list, generators: list, greedy=referenc
         complete = complete.index_copy(0, rows, done)
     lp_parts = None
     if want_lp:
-        lp = logits.index_select(0, cols[lp_at]).log_softmax(-1)
+        lp = raw.index_select(0, cols[lp_at]).log_softmax(-1)
         top_v, top_i = torch.topk(lp, min(max(params[i].logprobs for i in want_lp), V), dim=-1)
         chosen = lp.gather(1, tokens_dev.index_select(0, cols[lp_at]).clamp(0, V - 1)[:, None])[:, 0]
         lp_parts = (want_lp, lp, chosen, top_v, top_i)

@@ -158,6 +158,10 @@ class Tokenizer:
         """The longest text (in UTF-8 bytes) that could encode to at most `max_model_len` tokens."""
         return max_model_len * self.max_token_bytes
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what a grammar engine reads its vocabulary from)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -93,7 +93,7 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
         run.gen, run.text, run.with_ids = gen, responses.token_text_of(tokenizer), tokenizer is None
         for rid, prompt in zip(run.ids, gen.prompts):
             run.unfinished.add(rid)  # before the await: if we are cancelled there, close() aborts it
-            await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink))
+            await asyncio.wrap_future(st.worker.submit(prompt, gen.params, gen.adapter, rid, run.sink, gen.grammar))
     except AdapterNotFoundError as missing:
         run.close()
         store = ", nor in the store" if st.worker.resolver is not None else ""
@@ -119,9 +119,11 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
 async def prepare_request(st: ServerState, gen: Generation) -> tuple[Generation, object]:
     """The request made whole before the engine sees it, off the engine thread and the event
     loop: its stored adapters registered (`tokenizer_of`), its tokenizer chosen once, its chat
-    rendered (`renders`: in processes, bounded) and its prompts tokenized. The engine thread
+    rendered (`renders`: in processes, bounded), its structured output compiled and its prompts tokenized. The engine thread
     only queues what comes out (`EngineWorker.submit`). Returns it with its tokenizer."""
     tokenizer = await tokenizer_of(st, gen)
+    if gen.params.structured is not None:  # compiled off the loop: the matcher build drops the GIL
+        gen.grammar = await asyncio.to_thread(st.worker.engine.grammar, gen.params.structured, gen.adapter)
     rendered = await renders.render_chat(gen, tokenizer, st.max_model_len) if gen.kind == "chat" else None
     return await asyncio.to_thread(tokenize, gen, tokenizer, st.max_model_len, rendered), tokenizer
 

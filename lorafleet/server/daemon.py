@@ -38,6 +38,7 @@ import uvicorn
 from lorafleet import openmp
 from lorafleet.config import ServerConfig
 from lorafleet.errors import ConfigError, DaemonRunningError
+from lorafleet.model import grammar
 from lorafleet.model.config import generation_defaults
 from lorafleet.paths import PID_FILE, check_socket_path, command_for, pidfile_path, socket_dir
 from lorafleet.server.app import create_app
@@ -244,6 +245,8 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
     try:
         clear_stale_socket(sock_path)
         engine = engine_factory()
+        if engine.tokenizer is not None:  # structured output's vocabulary: built under the GIL, so before serving
+            grammar.vocabulary(engine.tokenizer, engine.model.cfg.vocab_size)
         for name, path in (adapters or {}).items():
             engine.load_adapter(name, path)
             log.info("adapter %s loaded from %s", name, path)

@@ -34,6 +34,8 @@ from lorafleet.engine.request import SamplingParams
 from lorafleet.errors import InvalidRequestError, shown
 from lorafleet.adapters.mix import FIELD as MIX_FIELD
 from lorafleet.adapters.mix import Mix
+from lorafleet.model.grammar import Grammar
+from lorafleet.server import structured
 
 MAX_LOGPROBS = 20
 MAX_DEPTH = 32          # JSON nesting a request body may have (OpenAI's bodies need 5)
@@ -73,6 +75,7 @@ class Generation:
     logprobs: int | None = None           # top-N per token, None: no logprobs
     messages: list[dict] | None = None    # chat: the conversation, rendered by `tokenize`
     max_tokens_given: bool = True         # chat without max_tokens: up to the end of the context
+    grammar: Grammar | None = None        # params.structured compiled for its vocabulary (`prepare_request`)
 
 
 # -- the body --------------------------------------------------------------------------------------
@@ -253,6 +256,7 @@ def _sampling(body: dict, max_tokens_default: int, max_tokens: int | None, logpr
         ignore_eos=_bool(body, "ignore_eos", False),
         logprobs=logprobs,
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+        structured=structured.constraint(body),
     )
 
 
@@ -323,9 +327,6 @@ def parse_chat(body: Any, base_name: str, defaults: dict | None = None) -> Gener
     _refuse_unsupported(body)
     if body.get("tools"):
         raise bad("tools", "tools are not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad("response_format", "response_format: only {\"type\": \"text\"} is supported")
     if _bool(body, "echo", False):  # vLLM's chat extra: the prompt before the answer
         raise bad("echo", "echo is not supported")
     messages = body.get("messages")

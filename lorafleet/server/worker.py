@@ -93,14 +93,14 @@ class EngineWorker:
         self._commands.put((fn, future))
         return future
 
-    def submit(self, prompt, params, adapter, request_id: str, sink: Sink) -> Future:
+    def submit(self, prompt, params, adapter, request_id: str, sink: Sink, grammar=None) -> Future:
         """Queue a prepared request (`completions.prepare_request`: its stored adapters already
         registered, its prompt tokenized) whose outputs go to `sink`; `adapter`: a name, an
-        `adapters.mix.Mix` or None. The future holds its id, or the engine's refusal
+        `adapters.mix.Mix` or None; `grammar`: its structured output compiled. The future holds its id, or the engine's refusal
         (InvalidRequestError, AdapterNotFoundError...)."""
 
         def add(engine):
-            rid = engine.add_request(prompt, params, adapter=adapter, request_id=request_id)
+            rid = engine.add_request(prompt, params, adapter=adapter, request_id=request_id, grammar=grammar)
             self._sinks[rid] = sink
             return rid
         return self.call(add)

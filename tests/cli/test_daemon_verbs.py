@@ -221,3 +221,24 @@ def test_chat_on_a_terminal_is_a_repl_that_keeps_the_conversation(served, tmp_pa
     assert "chatting with attn-r3" in text
     assert f"{first}\n>>> " in text and f"{second}\n>>> " in text
     assert (home / "chat_history").read_text().splitlines()[-3:] == ["hello", "again", "/exit"]
+
+
+def test_chat_holds_its_answer_to_a_schema_a_regex_or_a_choice(served, tmp_path):
+    schema = tmp_path / "trip.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"days": {"type": "integer", "minimum": 1,
+                                                                            "maximum": 9}},
+                                  "required": ["days"], "additionalProperties": False}))
+    out = cli(served, "chat", "-a", "all-r8", "-t", "0", "-n", "40", "--json-schema", str(schema), "plan a trip")
+    assert out.exit_code == 0, out.output
+    assert 1 <= json.loads(out.stdout)["days"] <= 9
+    out = cli(served, "chat", "--regex", "[a-z]{3}-[0-9]", "-t", "0.7", "--seed", "2", "hello")
+    assert out.exit_code == 0 and __import__("re").fullmatch(r"[a-z]{3}-[0-9]\n", out.stdout), out.output
+    out = cli(served, "chat", "-a", "attn-r3", "--choice", "yes,no", "hello")
+    assert out.exit_code == 0 and out.stdout in ("yes\n", "no\n"), out.output
+    both = cli(served, "chat", "--regex", "a", "--choice", "a,b", "hello")
+    assert both.exit_code == 2 and "--choice" in both.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert cli(served, "chat", "--json-schema", str(bad), "hi").exit_code == 2
+    refused = cli(served, "chat", "--regex", "(?=a)b", "hi")
+    assert refused.exit_code == 1 and "look-around" in refused.stderr
