@@ -221,10 +221,10 @@ def apply_masks(logits: torch.Tensor, rows: list[tuple[int, Matcher]]) -> None:
 
 
 def _apply_on_host(logits: torch.Tensor, bits: np.ndarray, at: list[int]) -> None:
-    """Each mask byte's 8 addends (0 or -inf) looked up, then added to its row."""
+    """Each mask byte's 8 addends (0 or -inf) looked up, then added to its row: one lookup and one
+    add for every row (the rows are distinct)."""
     host, V = logits.numpy(), logits.shape[1]
-    for i, r in enumerate(at):
-        host[r] += _ADDENDS[bits[i].view(np.uint8)].reshape(-1)[:V]
+    host[at] += _ADDENDS[bits.view(np.uint8)].reshape(len(at), -1)[:, :V]
 
 
 def apply_on_device(logits: torch.Tensor, bits: np.ndarray, at: list[int]) -> None:
