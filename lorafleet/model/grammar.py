@@ -153,8 +153,9 @@ class Matcher:
         self.vocabulary, self._m = vocabulary, m
 
     def accept(self, token: int) -> str | None:
-        """Advance by the drawn `token`; None, or why the grammar refused it (never for a token
-        its mask allowed)."""
+        """Advance by the drawn `token`; None, or why the grammar refused it (a token its mask
+        allowed only where a literal spells an added special token: llguidance allows the token,
+        then refuses it; that request fails alone)."""
         if self._m.consume_token(token):
             return None
         return f"the output left its grammar: {self._m.get_error() or 'token refused'}"

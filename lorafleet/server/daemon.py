@@ -38,7 +38,7 @@ import uvicorn
 from lorafleet import openmp
 from lorafleet.config import ServerConfig
 from lorafleet.errors import ConfigError, DaemonRunningError
-from lorafleet.model import grammar
+from lorafleet.model.grammar import Constraint
 from lorafleet.model.config import generation_defaults
 from lorafleet.paths import PID_FILE, check_socket_path, command_for, pidfile_path, socket_dir
 from lorafleet.server.app import create_app
@@ -47,6 +47,7 @@ from lorafleet.server.connections import guarded_protocol, raise_fd_limit
 from lorafleet.server.state import ServerState
 from lorafleet.server.worker import EngineWorker
 
+WARM_GRAMMAR = Constraint("choice", '["x"]', "warm-up")
 log = logging.getLogger("lorafleet.server")
 FLUSH_TIMEOUT = 5.0  # after the drain: seconds for the last answers to reach their clients
 
@@ -245,8 +246,8 @@ def serve(engine_factory, config: ServerConfig, base_name: str, model_path: str,
     try:
         clear_stale_socket(sock_path)
         engine = engine_factory()
-        if engine.tokenizer is not None:  # structured output's vocabulary: built under the GIL, so before serving
-            grammar.vocabulary(engine.tokenizer, engine.model.cfg.vocab_size)
+        if engine.tokenizer is not None:  # structured output's view of the base's vocabulary (a trivial
+            engine.grammar(WARM_GRAMMAR)  # grammar builds it): seconds under the GIL, so before serving
         for name, path in (adapters or {}).items():
             engine.load_adapter(name, path)
             log.info("adapter %s loaded from %s", name, path)
