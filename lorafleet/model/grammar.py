@@ -7,12 +7,12 @@ one tokenizer and logits width, off the engine thread; each request takes its ow
 sets the logits of the tokens a row's matcher forbids to -inf before any token is drawn.
 
 Decisions, each with its reason:
-- llguidance, not xgrammar: a request with a new schema cost ~12 ms against 58-104 ms, it names
+- llguidance, not xgrammar: a request with a new schema costs several times less, it names
   the schema features it cannot honour (xgrammar ignores several, so output could break the
   schema), it never lets a special token into a JSON string, its work per token is bounded by
   parser limits, and it brings no dependency (measured: docs/benchmark-history.md).
 - One `LLTokenizer` per tokenizer and logits width, built once and kept with the tokenizer (it
-  holds the GIL while it is built: the daemon builds the base's at start, `warm`).
+  holds the GIL while it is built: the daemon builds the base's at start).
 - A compiled grammar is kept per vocabulary by its spec (LRU of `CACHED`): requests with the same
   schema copy its matcher instead of compiling again.
 - Masks are filled on the host (llguidance's), applied to CPU logits by adding each mask byte's
@@ -174,8 +174,8 @@ class Matcher:
         row[words:] = 0
 
 
-# byte -> the 8 tokens' addends, bit j (little-endian) set: 0, else -inf; a lookup and an add took a
-# third of the time of unpacking the bits and a masked fill on a 152k vocabulary (measured)
+# byte -> the 8 tokens' addends, bit j (little-endian) set: 0, else -inf; a lookup and an add beat
+# unpacking the bits and a masked fill on a large vocabulary (benchmark-history.md)
 _ADDENDS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
                     np.float32(0), np.float32(-np.inf)).astype(np.float32)
 _vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {width: Vocabulary}
@@ -184,7 +184,7 @@ _vocab_lock = threading.Lock()
 
 def vocabulary(tokenizer, width: int) -> Vocabulary:
     """The one `Vocabulary` of `tokenizer` at logits `width` (built on first use: seconds, under the
-    GIL, for a large vocabulary; `warm` builds the base's at a daemon's start)."""
+    GIL, for a large vocabulary: a daemon builds the base's at start)."""
     with _vocab_lock:
         found = _vocabularies.setdefault(tokenizer, {}).get(width)
         if found is None:
