@@ -35,6 +35,11 @@ class LorafleetError(Exception):
     code = "internal_error"
     param: str | None = None  # the request field at fault, where one is (OpenAI's error body's `param`)
 
+    def __init__(self, *args, param: str | None = None):
+        super().__init__(*args)
+        if param is not None:
+            self.param = param
+
 
 class ConfigError(LorafleetError):
     """A setting, config file or constructor argument is invalid."""

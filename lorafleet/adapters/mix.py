@@ -29,9 +29,7 @@ FIELD = "adapters"   # the request body's field
 
 
 def _bad(message: str, param: str = FIELD) -> InvalidRequestError:
-    e = InvalidRequestError(message)
-    e.param = param
-    return e
+    return InvalidRequestError(message, param=param)
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,7 @@ _D = TypeVar("_D", bound=int | None)  # an integer field's default (`_integer`):
 
 
 def bad(param: str | None, message: str) -> InvalidRequestError:
-    e = InvalidRequestError(message)
-    e.param = param
-    return e
+    return InvalidRequestError(message, param=param)
 
 
 @dataclass

@@ -20,15 +20,10 @@ KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": 
 REFUSED_KEYS = ("structural_tag", "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties")
 
 
-def _bad(param: str, message: str) -> InvalidRequestError:
-    e = InvalidRequestError(message)
-    e.param = param
-    return e
-
 
 def _response_format(fmt: Any) -> Constraint | None:
     if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise _bad("response_format", "response_format must be an object with a type")
+        raise InvalidRequestError("response_format must be an object with a type", param="response_format")
     kind = fmt["type"]
     if kind == "text":
         return None
@@ -37,24 +32,26 @@ def _response_format(fmt: Any) -> Constraint | None:
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or spec.get("schema") is None:
-            raise _bad("response_format", "response_format: json_schema needs an object with a schema "
-                                          '({"name": ..., "schema": {...}})')
+            raise InvalidRequestError("response_format: json_schema needs an object with a schema "
+                                      '({"name": ..., "schema": {...}})', param="response_format")
         return Constraint.of("json_schema", spec["schema"], "response_format")
-    raise _bad("response_format", f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                              param="response_format")
 
 
 def _structured_outputs(so: Any) -> list[Constraint]:
     if not isinstance(so, dict):
-        raise _bad("structured_outputs", "structured_outputs must be an object")
+        raise InvalidRequestError("structured_outputs must be an object", param="structured_outputs")
     refused = [k for k in REFUSED_KEYS if so.get(k) not in (None, False)]
     unknown = [k for k in so if k not in KEYS and k not in REFUSED_KEYS and k != "json_object"]
     if refused or unknown:
-        raise _bad("structured_outputs", f"structured_outputs: {', '.join(refused + unknown)} not supported; "
-                                         f"use one of {', '.join(KEYS)} or json_object")
+        raise InvalidRequestError(f"structured_outputs: {', '.join(refused + unknown)} not supported; "
+                                  f"use one of {', '.join(KEYS)} or json_object", param="structured_outputs")
     found = [Constraint.of(kind, so[k], f"structured_outputs.{k}") for k, kind in KEYS.items() if so.get(k) is not None]
     if so.get("json_object") not in (None, False):
         if so["json_object"] is not True:
-            raise _bad("structured_outputs", "structured_outputs.json_object must be true or false")
+            raise InvalidRequestError("structured_outputs.json_object must be true or false",
+                                      param="structured_outputs")
         found.append(Constraint("json_schema", ANY_JSON_OBJECT, "structured_outputs.json_object"))
     return found
 
@@ -70,8 +67,8 @@ def constraint(body: dict) -> Constraint | None:
         found += _structured_outputs(body["structured_outputs"])
     found += [Constraint.of(kind, body[f], f) for f, kind in GUIDED.items() if body.get(f) is not None]
     if body.get("guided_whitespace_pattern") is not None:
-        raise _bad("guided_whitespace_pattern", "guided_whitespace_pattern is not supported")
+        raise InvalidRequestError("guided_whitespace_pattern is not supported", param="guided_whitespace_pattern")
     if len(found) > 1:
-        raise _bad(found[1].param, f"one structured output a request: {found[0].param} and {found[1].param} both "
-                                   "constrain this one")
+        raise InvalidRequestError(f"one structured output a request: {found[0].param} and {found[1].param} both "
+                                  "constrain this one", param=found[1].param)
     return found[0] if found else None
