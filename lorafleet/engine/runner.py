@@ -120,9 +120,8 @@ class ModelRunner:
 
         A pure decode step whose inputs are all read (most steps of a busy server on the CPU) is
         built by the kernels' `decode_batch` where they have one (the CPU's: one C++ call). Why:
-        after the weights have streamed through the caches the ~20 numpy calls below each run
-        cold, and the one call made whole steps 0.91-0.94x the time at batch 1 (measured: docs/
-        benchmark-history.md)."""
+        after the weights have streamed through the caches the numpy calls below each run cold,
+        and the one call made whole steps faster (docs/benchmark-history.md)."""
         kv, bs, n = self.kv, self.kv.block_size, len(chunks)
         reqs = [c.request for c in chunks]
         fast = self.model.kernels.decode_batch

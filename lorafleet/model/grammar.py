@@ -64,30 +64,27 @@ class Constraint:
                 try:
                     value = json.loads(value)
                 except ValueError as e:
-                    raise _bad(param, f"{param}: the schema is not valid JSON: {e}") from None
+                    raise InvalidRequestError(f"{param}: the schema is not valid JSON: {e}", param=param) from None
             if not isinstance(value, (dict, bool)):
-                raise _bad(param, f"{param}: a JSON schema is an object, got {type(value).__name__}")
+                raise InvalidRequestError(f"{param}: a JSON schema is an object, got {type(value).__name__}",
+                                          param=param)
             text = json.dumps(value, separators=(",", ":"))  # in its order: properties are generated in it
         elif kind == "choice":
             if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
                     or not all(isinstance(v, str) and v for v in value)):
-                raise _bad(param, f"{param}: choice is a list of 1 to {MAX_CHOICES} non-empty strings")
+                raise InvalidRequestError(f"{param}: choice is a list of 1 to {MAX_CHOICES} non-empty strings",
+                                          param=param)
             text = json.dumps(value)
         elif kind in ("regex", "grammar"):
             if not isinstance(value, str) or not value:
-                raise _bad(param, f"{param}: the {kind} is a non-empty string")
+                raise InvalidRequestError(f"{param}: the {kind} is a non-empty string", param=param)
             text = value
         else:
-            raise _bad(param, f"{param}: unknown constraint {kind!r}; use one of {', '.join(KINDS)}")
+            raise InvalidRequestError(f"{param}: unknown constraint {kind!r}; use one of {', '.join(KINDS)}",
+                                      param=param)
         if len(text.encode()) > MAX_SPEC_BYTES:
-            raise _bad(param, f"{param}: the {kind} is over {MAX_SPEC_BYTES >> 10} KiB")
+            raise InvalidRequestError(f"{param}: the {kind} is over {MAX_SPEC_BYTES >> 10} KiB", param=param)
         return cls(kind, text, param)
-
-
-def _bad(param: str, message: str) -> InvalidRequestError:
-    e = InvalidRequestError(message)
-    e.param = param
-    return e
 
 
 class Vocabulary:
@@ -120,18 +117,20 @@ class Vocabulary:
             if c.kind == "json_schema":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(c.text, overrides=JSON_STYLE)
             else:
-                grammar = llguidance.grammar_from("gbnf" if c.kind == "grammar" else c.kind, c.text)  # type: ignore[arg-type]
+                kind = "gbnf" if c.kind == "grammar" else c.kind
+                grammar = llguidance.grammar_from(kind, c.text)  # type: ignore[arg-type]  # a Literal of its kinds
         except ValueError as e:
-            raise _bad(c.param, f"{c.param}: {e}") from None
+            raise InvalidRequestError(f"{c.param}: {e}", param=c.param) from None
         # llguidance's default bounds on one request's work a token (lexer fuel, Earley items) and on its
         # grammar's size; its errors without its parser state (a client's schema is no log's business)
         limits = llguidance.LLParserLimits(verbose_errors=False)
+        unserved = f"{c.param}: this {c.kind.replace('_', ' ')} cannot be served"
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.lt, limits=limits)
         if is_error:
-            raise _bad(c.param, f"{c.param}: this {c.kind.replace('_', ' ')} cannot be served: {messages[0]}")
+            raise InvalidRequestError(f"{unserved}: {messages[0]}", param=c.param)
         matcher = llguidance.LLMatcher(self.lt, grammar, log_level=0, limits=limits)  # drops the GIL while it builds
         if matcher.is_error():
-            raise _bad(c.param, f"{c.param}: this {c.kind.replace('_', ' ')} cannot be served: {matcher.get_error()}")
+            raise InvalidRequestError(f"{unserved}: {matcher.get_error()}", param=c.param)
         return matcher
 
 
@@ -196,7 +195,8 @@ def compile(c: Constraint, tokenizer, width: int) -> Grammar:
     """`c` compiled for `tokenizer` at logits `width` (cached by spec); a 400 naming the field for
     a constraint llguidance cannot honour (an unsupported schema keyword, an invalid regex...)."""
     if tokenizer is None:
-        raise _bad(c.param, f"{c.param}: structured output needs a tokenizer; this model serves token ids only")
+        raise InvalidRequestError(f"{c.param}: structured output needs a tokenizer; this model serves token ids "
+                                  "only", param=c.param)
     return vocabulary(tokenizer, width).compile(c)
 
 
@@ -209,9 +209,9 @@ def matcher_for(c: Constraint, tokenizer, width: int, grammar: Grammar | None = 
     return grammar.matcher()
 
 
-def apply_masks(logits: torch.Tensor, rows: list[tuple[int, Matcher]]) -> None:
+def apply_masks(logits: torch.Tensor, rows: list[tuple[int, Matcher]]) -> list[int]:
     """Set to -inf, in place, each listed row's logits of the tokens its matcher forbids; logits
-    [S, V] float32; `rows` (row, matcher)."""
+    [S, V] float32; `rows` (row, matcher). Returns the rows masked."""
     V = logits.shape[1]
     words = max([(V + 31) // 32] + [m.vocabulary.words for _, m in rows])
     bits = np.zeros((len(rows), words), dtype=np.int32)
@@ -219,6 +219,7 @@ def apply_masks(logits: torch.Tensor, rows: list[tuple[int, Matcher]]) -> None:
         m.fill(bits[i])
     at = [r for r, _ in rows]
     (_apply_on_host if logits.device.type == "cpu" else apply_on_device)(logits, bits, at)
+    return at
 
 
 def _apply_on_host(logits: torch.Tensor, bits: np.ndarray, at: list[int]) -> None:

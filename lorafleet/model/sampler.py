@@ -198,16 +198,18 @@ def launch(logits: torch.Tensor, params: list, generators: list, greedy=referenc
     and finiteness). `exact` (a next step may read `tokens` before the host does): filtering rows
     sort their whole rows at once, so a token is never drawn again once read, and a failed row's
     token is clamped into the vocabulary, a valid input. `constrain(logits)`: sets the tokens
-    some rows may not take to -inf in place (structured output), on a copy: the rows' finiteness
-    and logprobs are the model's own."""
+    some rows may not take to -inf in place (structured output) and returns those rows; each
+    row's finiteness is judged before, and logprobs read a copy taken before, where any row asks
+    for them: both stay the model's own."""
     S, V = logits.shape
     dev = logits.device
     raw = logits
     tokens_dev, finite = greedy(logits)  # one batched call covers greedy rows
     if constrain is not None:
-        logits = logits.clone()
-        constrain(logits)
-        tokens_dev = logits.argmax(-1)
+        if any(p.logprobs is not None for p in params):
+            logits = logits.clone()
+        held = torch.tensor(constrain(logits), device=dev)
+        tokens_dev = tokens_dev.index_copy(0, held, logits.index_select(0, held).argmax(-1))
     hot = [i for i, p in enumerate(params) if not p.greedy]
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not hot and not want_lp:  # every row greedy: the argmax alone
