@@ -2,7 +2,7 @@
 copies PEFT saves of them (`modules_to_save`, and the `base_layer` it saves beside an embedding's
 LoRA), parsed and checked here; `adapters/adapter.py` reads the projections and calls in.
 
-PEFT semantics mirrored (peft 0.21, `tuners/lora/layer.py::Embedding`, `utils/other.py::
+PEFT semantics mirrored (peft 0.21 and 0.22, `tuners/lora/layer.py::Embedding`, `utils/other.py::
 ModulesToSaveWrapper`, `utils/save_and_load.py`):
 
 * LoRA on the embedding: `lora_embedding_A` [r, V] and `lora_embedding_B` [H, r]; a token t's
@@ -18,8 +18,11 @@ ModulesToSaveWrapper`, `utils/save_and_load.py`):
   Loading the adapter in PEFT replaces the base's weight with it: here the adapter's requests
   read it instead of the base's. A copy's rows are the adapter's vocabulary, which may be larger
   than the base's (added tokens: the adapter's tokenizer then comes with it, `engine`).
-* Saved norms: modules_to_save entries are matched as PEFT's `_set_trainable` matches them, a
-  module whose full name ends with the entry (so `norm` names every RMS norm). The input and
+* Saved norms: modules_to_save entries are matched as the PEFT that saved the adapter matched
+  them (`peft_version` in its config): from 0.22 a module whose full name is the entry or ends
+  with "." + the entry (`norm` names the final norm only); before it, or with no version, any
+  module whose full name ends with the entry (`norm` names every RMS norm). The trainer's rule
+  decides because it decided what was trained, and the weights must hold it all. The input and
   post-attention norms are served saved in every layer or none ([layers, H] each), the final
   norm as [1, H]; a segment's rows are normalized again with the adapter's weight.
 
@@ -91,14 +94,28 @@ def _module_names(num_layers: int, qk_norm: bool):
                     *(f"{p}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")))
 
 
+PEFT_VERSION_RE = re.compile(r"(\d{1,6})\.(\d{1,6})")  # major.minor; the rest (patch, dev, @commit) unread
+DOTTED_FROM = (0, 22)  # the first PEFT whose modules_to_save match is on a dotted suffix
+
+
+def dotted_match(cfg: dict) -> bool:
+    """Whether the PEFT that saved `cfg` matched modules_to_save on a dotted suffix; a version
+    missing or unreadable counts as older (configs carry it since well before 0.22)."""
+    v = cfg.get("peft_version")
+    m = PEFT_VERSION_RE.match(v) if isinstance(v, str) else None
+    return m is not None and (int(m.group(1)), int(m.group(2))) >= DOTTED_FROM
+
+
 def saved_modules(cfg: dict, num_layers: int = 1, qk_norm: bool = False) -> set[str]:
-    """The kinds (HEAD_MODULES) of the modules `modules_to_save` names, matched as PEFT matches
-    them (a module whose full name ends with the entry). Refuses an entry that matches no module,
-    or one that is not served saved (only the embedding, the LM head and the norms are), and a
-    layer norm saved in some layers only."""
+    """The kinds (HEAD_MODULES) of the modules `modules_to_save` names, matched as the PEFT that
+    saved it matched them (`dotted_match`). Refuses an entry that matches no module, or one that
+    is not served saved (only the embedding, the LM head and the norms are), and a layer norm
+    saved in some layers only."""
+    dotted = dotted_match(cfg)
     out: set[str] = set()
     for item in cfg.get("modules_to_save") or []:
-        found = [m for m in _module_names(num_layers, qk_norm) if m.endswith(item)]
+        found = [m for m in _module_names(num_layers, qk_norm)
+                 if m == item or m.endswith("." + item if dotted else item)]
         kinds = {kind_of(m) for m in found}
         if not found or None in kinds:
             raise AdapterError("modules_to_save: an entry names no module the base has, or one that is not supported "

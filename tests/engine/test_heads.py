@@ -23,7 +23,8 @@ HEADS = {
     "saves-head-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"], modules_to_save=["lm_head"]),
     "saves-both-r6": dict(r=6, lora_alpha=12, target_modules=ALL7, modules_to_save=["embed_tokens", "lm_head"]),
     "head-lora-only-r2": dict(r=2, lora_alpha=4, target_modules=["lm_head"]),
-    "saves-norms-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["norm"]),  # every norm
+    "saves-norms-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj"],  # every norm, under any PEFT
+                           modules_to_save=["input_layernorm", "post_attention_layernorm", "norm"]),
     "plain-r16": dict(r=16, lora_alpha=16, target_modules=ALL7),
 }
 

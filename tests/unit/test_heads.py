@@ -158,3 +158,28 @@ def test_an_adapters_tokenizer_json_over_its_cap_is_refused_unparsed(tmp_path):
         f.truncate(heads.MAX_TOKENIZER_BYTES)
     with pytest.raises(AdapterError, match="malformed tokenizer.json"):
         heads.own_tokenizer(tmp_path, 200, 160)
+
+
+@pytest.mark.parametrize("version,norms", [
+    (None, {"input_layernorm", "post_attention_layernorm", "model.norm"}),  # no version: the older, loose rule
+    ("0.21.2", {"input_layernorm", "post_attention_layernorm", "model.norm"}),
+    ("0.13.0.dev0@0123abc", {"input_layernorm", "post_attention_layernorm", "model.norm"}),
+    ("0.22.0", {"model.norm"}),  # from 0.22 an entry matches a whole dotted suffix
+    ("1.3.0", {"model.norm"}),
+    ("garbage", {"input_layernorm", "post_attention_layernorm", "model.norm"}),
+])
+def test_modules_to_save_is_matched_as_the_peft_that_saved_it_matched(version, norms):
+    """`norm` names every RMS norm for a PEFT before 0.22 (a plain suffix) and only the final one
+    from 0.22 (a dotted suffix); a full dotted name means the same under both."""
+    from lorafleet.adapters.heads import saved_modules
+
+    cfg = {"modules_to_save": ["norm"], **({"peft_version": version} if version else {})}
+    assert saved_modules(cfg, num_layers=3) == norms
+    cfg["modules_to_save"] = ["layernorm"]
+    if version in ("0.22.0", "1.3.0"):
+        with pytest.raises(AdapterError, match="names no module the base has"):
+            saved_modules(cfg, num_layers=3)
+    else:
+        assert saved_modules(cfg, num_layers=3) == {"input_layernorm", "post_attention_layernorm"}
+    cfg["modules_to_save"] = ["post_attention_layernorm", "model.norm"]
+    assert saved_modules(cfg, num_layers=3) == {"post_attention_layernorm", "model.norm"}
