@@ -99,8 +99,7 @@ DOTTED_FROM = (0, 22)  # the first PEFT whose modules_to_save match is on a dott
 
 
 def dotted_match(cfg: dict) -> bool:
-    """Whether the PEFT that saved `cfg` matched modules_to_save on a dotted suffix; a version
-    missing or unreadable counts as older (configs carry it since well before 0.22)."""
+    """Whether the PEFT that saved `cfg` matched modules_to_save on a dotted suffix (no version: older)."""
     v = cfg.get("peft_version")
     m = PEFT_VERSION_RE.match(v) if isinstance(v, str) else None
     return m is not None and (int(m.group(1)), int(m.group(2))) >= DOTTED_FROM

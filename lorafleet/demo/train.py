@@ -35,8 +35,13 @@ from lorafleet.demo.skills import ECHO_PREFIX, SKILLS, held_out_texts, random_ec
 
 SPECIALS = ["<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 # the models are trained on one turn: a chat renders its last message alone, so that each turn of
-# a REPL is answered as the first was (the conversation is kept by the client, not read here)
-CHAT_TEMPLATE = ("{% set m = messages[-1] %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+# a REPL is answered as the first was (the conversation is kept by the client, not read here). Tools,
+# where a request has them, come first in a system turn (names and parameters: the context is
+# short), with the Hermes call format (<tool_call>)
+CHAT_TEMPLATE = ("{% if tools %}<|system|>Tools:{% for t in tools %}{% set f = t['function'] %} {{ f['name'] }}("
+                 "{{ ((f.get('parameters') or {}).get('properties') or {}) | list | join(', ') }}){% endfor %}. "
+                 "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|end|>{% endif %}"
+                 "{% set m = messages[-1] %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from lorafleet.errors import (AdapterError, AdapterNotFoundError, InvalidRequestError, LorafleetError,
                               RequestFailedError, shown)
 from lorafleet.adapters.mix import Mix
-from lorafleet.server import renders, responses
+from lorafleet.model import tool_calls
+from lorafleet.server import renders, responses, tools
 from lorafleet.server.errors import error_body
 from lorafleet.server.protocol import (DECODE_ON_WORKER, Generation, bad, decode_body, parse_chat, parse_completion,
                                        tokenize)
@@ -119,9 +120,13 @@ async def generate(request: Request, st: ServerState, gen: Generation, prefix: s
 async def prepare_request(st: ServerState, gen: Generation) -> tuple[Generation, object]:
     """The request made whole before the engine sees it, off the engine thread and the event
     loop: its stored adapters registered (`tokenizer_of`), its tokenizer chosen once, its chat
-    rendered (`renders`: in processes, bounded), its structured output compiled and its prompts tokenized. The engine thread
+    rendered (`renders`: in processes, bounded), its tools' format read, its structured output (or forced tool
+    call) compiled and its prompts tokenized. The engine thread
     only queues what comes out (`EngineWorker.submit`). Returns it with its tokenizer."""
     tokenizer = await tokenizer_of(st, gen)
+    if gen.tools is not None:  # its format read off the template; a required or named call made a grammar
+        gen.tool_format, gen.params = tools.prepare(gen.tools, getattr(tokenizer, "chat_template", None), gen.params,
+                                                    tokenizer)
     if gen.params.structured is not None:  # compiled off the loop: the matcher build drops the GIL
         gen.grammar = await asyncio.to_thread(st.worker.engine.grammar, gen.params.structured, gen.adapter)
     rendered = await renders.render_chat(gen, tokenizer, st.max_model_len) if gen.kind == "chat" else None
@@ -220,12 +225,17 @@ class Run:
         gen = self.gen
         if gen.kind == "chat":
             yield sse(responses.first_chat_chunk(gen, self.rid, self.created))
+        calls = tool_calls.ToolStream(gen.tool_format, gen.tools.names) if gen.tools and gen.tool_format else None
         while self.unfinished:
             try:
                 out = await self.next()
             except LorafleetError as e:
                 yield sse({"error": error_body(e)["error"]})
                 break
+            if calls is not None:
+                for c in responses.tool_chunks(gen, self.rid, self.created, calls, out, self.text, self.with_ids):
+                    yield sse(c)
+                continue
             if not (out.new_text or out.finished or (out.new_token_ids and (gen.logprobs is not None or self.with_ids))):
                 continue
             offset = self.streamed.get(out.request_id, 0)

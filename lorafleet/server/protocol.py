@@ -9,15 +9,12 @@ thread, never on the event loop (a long prompt takes a while) nor on the engine 
 stall every running request). Every refusal is an InvalidRequestError whose `param` names the
 field, so the client gets OpenAI's error body with a 400. Unknown fields are ignored, as OpenAI clients send
 more than any one server reads; fields that would change the output and are not implemented
-(n > 1, echo, penalties, logit_bias...) are refused rather than silently ignored.
-
-vLLM's extras are accepted: top_k, min_p, ignore_eos, stop_token_ids, include_stop_str_in_output.
-
-Every list a body may carry is capped: `prompt` (a list of prompts: `--max-pending`; token ids:
+(n > 1, echo, penalties, logit_bias...) are refused rather than silently ignored. vLLM's extras
+are accepted: top_k, min_p, ignore_eos, stop_token_ids, include_stop_str_in_output. Every list a body may carry is capped: `prompt` (a list of prompts: `--max-pending`; token ids:
 the context), `stop` (MAX_STOP_STRINGS of MAX_STOP_LENGTH), `stop_token_ids`
 (MAX_STOP_TOKEN_IDS), `messages` (MAX_MESSAGES), and a chat message's content parts by the body's
 size. Bodies over DECODE_ON_WORKER bytes are decoded and checked on a worker thread, not on the
-event loop (`decode_body_async`).
+event loop (`decode_body_async`). Tools: `server/tools.py`.
 """
 
 from __future__ import annotations
@@ -35,7 +32,8 @@ from lorafleet.errors import InvalidRequestError, shown
 from lorafleet.adapters.mix import FIELD as MIX_FIELD
 from lorafleet.adapters.mix import Mix
 from lorafleet.model.grammar import Grammar
-from lorafleet.server import structured
+from lorafleet.server import structured, tools
+from lorafleet.server.tools import Tools
 
 MAX_LOGPROBS = 20
 MAX_DEPTH = 32          # JSON nesting a request body may have (OpenAI's bodies need 5)
@@ -74,6 +72,12 @@ class Generation:
     messages: list[dict] | None = None    # chat: the conversation, rendered by `tokenize`
     max_tokens_given: bool = True         # chat without max_tokens: up to the end of the context
     grammar: Grammar | None = None        # params.structured compiled for its vocabulary (`prepare_request`)
+    tools: Tools | None = None            # chat: the tools it may call (`server/tools.py`)
+    tool_format: str | None = None        # the template's tool-call format, once known (`prepare_request`)
+
+    def template_extra(self) -> dict:
+        """The chat template's variables beside the messages: the tools, where the request has them."""
+        return {"tools": self.tools.rendered()} if self.tools is not None else {}
 
 
 # -- the body --------------------------------------------------------------------------------------
@@ -316,15 +320,13 @@ def _message(m: Any, i: int) -> dict:
         content = ""
     if not isinstance(content, str):
         raise bad("messages", f"messages[{i}].content must be a string or a list of text parts")
-    return {**m, "content": content}
+    return tools.message_calls({**m, "content": content}, i)
 
 
 def parse_chat(body: Any, base_name: str, defaults: dict | None = None) -> Generation:
     body = _check_body(body)
     model, adapter = _model(body, base_name)
     _refuse_unsupported(body)
-    if body.get("tools"):
-        raise bad("tools", "tools are not supported")
     if _bool(body, "echo", False):  # vLLM's chat extra: the prompt before the answer
         raise bad("echo", "echo is not supported")
     messages = body.get("messages")
@@ -343,7 +345,7 @@ def parse_chat(body: Any, base_name: str, defaults: dict | None = None) -> Gener
     stream = _bool(body, "stream", False)
     params = _sampling(body, 1, max_tokens, logprobs, defaults)
     return Generation("chat", model, adapter, [], params, stream, _stream_options(body, stream), logprobs,
-                      messages=messages, max_tokens_given=max_tokens is not None)
+                      messages=messages, max_tokens_given=max_tokens is not None, tools=tools.parse(body))
 
 
 # -- tokenization (a worker thread) ----------------------------------------------------------------
@@ -366,7 +368,7 @@ def render_chat(gen: Generation, tokenizer, max_model_len: int) -> str:
         raise bad("messages", "the served model has no tokenizer; use /v1/completions with token ids")
     try:
         return tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True,
-                                             max_chars=tokenizer.max_text_bytes(max_model_len))
+                                             max_chars=tokenizer.max_text_bytes(max_model_len), **gen.template_extra())
     except InvalidRequestError as e:
         raise bad("messages", str(e)) from None
 

@@ -201,7 +201,7 @@ async def render_chat(gen: Generation, tokenizer, max_model_len: int) -> str:
     if tokenizer is None:
         raise bad("messages", "the served model has no tokenizer; use /v1/completions with token ids")
     try:
-        variables = tokenizer.chat_variables(gen.messages, add_generation_prompt=True)
+        variables = tokenizer.chat_variables(gen.messages, add_generation_prompt=True, **gen.template_extra())
         return await pool().render(tokenizer.chat_template, variables, tokenizer.max_text_bytes(max_model_len))
     except InvalidRequestError as e:
         raise bad("messages", str(e)) from None

@@ -7,6 +7,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Callable
 
+from lorafleet.model import tool_calls
+from lorafleet.server import tools
 from lorafleet.server.protocol import Generation
 
 TokenText = Callable[[int], str]
@@ -95,11 +97,18 @@ def completion_response(gen: Generation, rid: str, created: int, outputs, text: 
 
 def chat_response(gen: Generation, rid: str, created: int, outputs, text: TokenText, with_ids: bool = False) -> dict:
     (o,) = outputs
+    message: dict = {"role": "assistant", "content": o.text}
+    reason = finish_reason(o.finish_reason)
+    if gen.tools is not None and gen.tool_format is not None:  # the calls read out of the answer
+        content, calls = tool_calls.parse(gen.tool_format, o.text, gen.tools.names)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [tools.call_json(c) for c in calls]}
+            reason = "tool_calls" if reason == "stop" else reason
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": gen.model,
-        "choices": [_ids({"index": 0, "message": {"role": "assistant", "content": o.text},
+        "choices": [_ids({"index": 0, "message": message,
                           "logprobs": logprobs_of(gen, o.token_ids, o.logprobs, text),
-                          "finish_reason": finish_reason(o.finish_reason)}, o.token_ids if with_ids else None)],
+                          "finish_reason": reason}, o.token_ids if with_ids else None)],
         "usage": usage(outputs),
     }
 
@@ -141,3 +150,36 @@ def usage_chunk(gen: Generation, rid: str, created: int, outputs) -> dict:
     kind = "chat.completion.chunk" if gen.kind == "chat" else "text_completion"
     return {"id": rid, "object": kind, "created": created, "model": gen.model, "choices": [],
             "usage": usage(outputs)}
+
+
+def tool_chunks(gen: Generation, rid: str, created: int, stream: tool_calls.ToolStream, out, text: TokenText,
+                with_ids: bool = False) -> list[dict]:
+    """A chat output's delta read through `stream`: its text that is no call, then each call completed
+    (a delta with its id and name, then one with its arguments, as OpenAI streams them), the last
+    chunk with the finish reason ("tool_calls" where the answer made calls and stopped)."""
+    content, calls = stream.feed(out.new_text)
+    if out.finished:
+        more, last = stream.finish()
+        content, calls = content + more, calls + last
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": gen.model}
+    lp = logprobs_of(gen, out.new_token_ids, out.new_logprobs, text)
+    ids = out.new_token_ids if with_ids else None
+    deltas: list[dict] = [{"content": content}] if content else []
+    for c in calls:
+        i = stream.calls
+        stream.calls += 1
+        deltas.append({"tool_calls": [{"index": i, "id": tools.call_json(c)["id"], "type": "function",
+                                       "function": {"name": c.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+    reason = finish_reason(out.finish_reason)
+    if reason == "stop" and stream.calls:
+        reason = "tool_calls"
+    if reason or (not deltas and (lp is not None or ids)):  # the end, or tokens whose text is held back
+        deltas.append({})
+    if not deltas:
+        return []
+    choices: list[dict] = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    choices[0]["logprobs"] = lp
+    _ids(choices[0], ids)
+    choices[-1]["finish_reason"] = reason
+    return [{**head, "choices": [c]} for c in choices]
