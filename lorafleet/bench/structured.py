@@ -5,14 +5,23 @@ compile time, cold (a new schema) and cached. The demo's vocabulary is small (26
 ratio is the per-row host work a constraint adds (filling its mask, advancing its matcher, the
 masked draw), not a large vocabulary's mask (docs/benchmark-history.md has those, per token).
 
+With `--model tiny`: the bench's `tiny` base (8,192-token logits) with a byte-level BPE tokenizer
+trained here to its vocabulary's size, and `--adapters N` random adapters of ranks 8-64, the rows
+spread over them round-robin (a step of 64 rows over 8 adapters, as a fleet serves it).
+
     python -m lorafleet.bench.structured --batch 1 --batch 64
+    python -m lorafleet.bench.structured --model tiny --adapters 8 --batch 64
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import statistics
+import string
 import time
+from pathlib import Path
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -23,12 +32,57 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "role", "address"], "additionalProperties": False}
 
 
-def run(batch: int, steps: int, rounds: int) -> dict:
+def tiny_with_tokenizer() -> Path:
+    """The bench's `tiny` base beside a byte-level BPE tokenizer of its vocabulary's size (its files
+    linked into a folder of its own, built once: the cached base stays tokenizer-free)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lorafleet.bench.fixtures import build_base, get_shape
+
+    base = build_base("tiny")
+    folder = base.parent / f"{base.name}-bpe"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    folder.mkdir(exist_ok=True)
+    for f in base.iterdir():
+        if not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f)
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9))) for _ in range(20000)]
+    corpus = [" ".join(rng.choice(words) for _ in range(40)) + ' {"key": [1, 2.5, true, null]}' for _ in range(4000)]
+    trainer = trainers.BpeTrainer(vocab_size=get_shape("tiny").vocab_size - 1, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    raw.train_from_iterator(corpus, trainer)
+    raw.save(str(folder / ".tokenizer.json.tmp"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (folder / ".tokenizer.json.tmp").rename(folder / "tokenizer.json")
+    return folder
+
+
+def build_base_of(folder: Path) -> Path:
+    """The folder whose weights `folder` links to (the adapters are built against them)."""
+    weights = folder / "model.safetensors"
+    return weights.resolve().parent if weights.is_symlink() else folder
+
+
+def run(batch: int, steps: int, rounds: int, model: str = "demo", adapters: int = 0) -> dict:
     from lorafleet import Engine, SamplingParams
     from lorafleet.demo import default_fleet
     from lorafleet.model.grammar import Constraint
 
-    engine = Engine(default_fleet().model, max_num_seqs=max(batch, 1))
+    folder = tiny_with_tokenizer() if model == "tiny" else default_fleet().model
+    engine = Engine(folder, max_num_seqs=max(batch, 1))
+    names: list[str | None] = [None]
+    if adapters:
+        from lorafleet.bench.adapters import build_adapters
+
+        names = []
+        for name, path in build_adapters(build_base_of(folder), adapters):
+            engine.register_adapter(name, path)
+            names.append(name)
     c = Constraint.of("json_schema", SCHEMA, "bench")
     t0 = time.perf_counter()
     engine.grammar(c)
@@ -42,7 +96,7 @@ def run(batch: int, steps: int, rounds: int) -> dict:
     for r in range(rounds + 1):  # round 0 warms up
         for name, params in ways.items():
             for i in range(batch):
-                engine.add_request(f"record {i}", params)
+                engine.add_request(f"record {i}", params, adapter=names[i % len(names)])
             engine.step()  # the prefill
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -53,7 +107,7 @@ def run(batch: int, steps: int, rounds: int) -> dict:
                 engine.step()
     engine.close()
     ratios = [s / f for s, f in zip(times["schema"], times["free"])]
-    return {"batch": batch, "free_ms": 1e3 * statistics.median(times["free"]),
+    return {"batch": batch, "model": model, "adapters": adapters, "free_ms": 1e3 * statistics.median(times["free"]),
             "schema_ms": 1e3 * statistics.median(times["schema"]), "ratio": statistics.median(ratios),
             "compile_cold_ms": 1e3 * cold, "compile_cached_ms": 1e3 * cached}
 
@@ -63,10 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, action="append")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--model", choices=["demo", "tiny"], default="demo")
+    ap.add_argument("--adapters", type=int, default=0, help="random adapters the rows are spread over (tiny)")
     args = ap.parse_args(argv)
     for b in args.batch or [1, 64]:
-        r = run(b, args.steps, args.rounds)
-        print(f"batch {r['batch']}: step {r['free_ms']:.2f} ms free, {r['schema_ms']:.2f} ms under the schema "
+        r = run(b, args.steps, args.rounds, args.model, args.adapters)
+        print(f"{r['model']}, batch {r['batch']} over {r['adapters']} adapters: step {r['free_ms']:.2f} ms free, {r['schema_ms']:.2f} ms under the schema "
               f"({r['ratio']:.2f}x, median of the rounds' ratios); compile {r['compile_cold_ms']:.1f} ms cold, "
               f"{r['compile_cached_ms']:.2f} ms cached")
 
