@@ -49,6 +49,7 @@ class Skill:
     lr: float = 3e-3
     dora: bool = False            # trained with DoRA (PEFT's use_dora): the fleet serves one of those
     saves: tuple[str, ...] = ()   # modules trained whole and saved (PEFT's modules_to_save): one adapter saves the LM head
+    invocation: str | None = None  # an aLoRA's invocation text (PEFT's alora_invocation_tokens): it applies from there
 
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -262,9 +262,10 @@ def _train_adapters(args: argparse.Namespace, model, tok, held: list[str], base_
         torch.manual_seed(args.seed + 1 + list(SKILLS).index(name))
         data = Data(tok, f"{args.seed}-{name}")
         t0 = time.perf_counter()
+        invocation = tok.encode(skill.invocation, add_special_tokens=False).ids if skill.invocation else None
         cfg = LoraConfig(r=skill.rank, lora_alpha=skill.alpha, target_modules=list(skill.targets),
                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", use_dora=skill.dora,
-                         modules_to_save=list(skill.saves) or None)
+                         modules_to_save=list(skill.saves) or None, alora_invocation_tokens=invocation)
         peft_model = get_peft_model(model, cfg)
         params = [p for p in peft_model.parameters() if p.requires_grad]
 
@@ -280,7 +281,7 @@ def _train_adapters(args: argparse.Namespace, model, tok, held: list[str], base_
         peft_model.save_pretrained(out, safe_serialization=True)
         _tidy_adapter(out)
         record[name] = {"steps": steps, "lr": skill.lr, "batch": args.batch, "rank": skill.rank,
-                        "dora": skill.dora, "saves": list(skill.saves),
+                        "dora": skill.dora, "saves": list(skill.saves), "invocation": skill.invocation,
                         "targets": list(skill.targets), "seconds": round(time.perf_counter() - t0),
                         "held_out_exact": accs[name], "parameters": sum(p.numel() for p in params)}
         print(f"[{name}] saved {out}: {accs}", flush=True)

@@ -101,6 +101,7 @@ def chat_response(gen: Generation, rid: str, created: int, outputs, text: TokenT
     reason = finish_reason(o.finish_reason)
     if gen.tools is not None and gen.tool_format is not None:  # the calls read out of the answer
         content, calls = tool_calls.parse(gen.tool_format, o.text, gen.tools.names)
+        calls = calls if gen.tools.parallel else calls[:1]
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [tools.call_json(c) for c in calls]}
             reason = "tool_calls" if reason == "stop" else reason
@@ -165,7 +166,7 @@ def tool_chunks(gen: Generation, rid: str, created: int, stream: tool_calls.Tool
     lp = logprobs_of(gen, out.new_token_ids, out.new_logprobs, text)
     ids = out.new_token_ids if with_ids else None
     deltas: list[dict] = [{"content": content}] if content else []
-    for c in calls:
+    for c in calls if gen.tools is None or gen.tools.parallel else calls[:max(0, 1 - stream.calls)]:
         i = stream.calls
         stream.calls += 1
         deltas.append({"tool_calls": [{"index": i, "id": tools.call_json(c)["id"], "type": "function",

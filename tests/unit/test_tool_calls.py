@@ -165,3 +165,45 @@ def test_the_tools_a_request_has_and_the_calls_its_messages_carry():
         assert named in str(e.value) and e.value.param == "messages"
     with pytest.raises(InvalidRequestError, match="tool_call_id must be a string"):
         tools.message_calls({"role": "tool", "content": "4", "tool_call_id": 4}, 1)
+
+
+def _out(text: str, finished: bool = True, reason: str | None = "stop"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(text=text, token_ids=[1], logprobs=None, finish_reason=reason if finished else None,
+                           prompt_token_ids=[1], metrics=None, new_text=text, new_token_ids=[1], new_logprobs=None,
+                           finished=finished)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_the_answers_calls_whole_and_streamed_with_parallel_calls_on_or_off(parallel):
+    """A chat answer with two calls: both as `tool_calls` ("tool_calls" finish), or the first alone
+    under parallel_tool_calls false; streamed in pieces, the same calls by index, then the finish."""
+    from lorafleet.server import responses
+    from lorafleet.server.protocol import Generation
+    from lorafleet.engine.request import SamplingParams
+
+    fns = tuple({"name": n} for n in sorted(NAMES))
+    gen = Generation("chat", "m", None, [], SamplingParams(), tools=tools.Tools(fns, "auto", parallel),
+                     tool_format="hermes")
+    text = ('ok <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    body = responses.chat_response(gen, "id", 0, [_out(text)], str)
+    choice = body["choices"][0]
+    want = [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Rome"}')][:2 if parallel else 1]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == want
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "ok"
+    stream, chunks = ToolStream("hermes", NAMES), []
+    for i in range(0, len(text), 9):
+        last = i + 9 >= len(text)
+        chunks += responses.tool_chunks(gen, "id", 0, stream, _out(text[i:i + 9], finished=last), str)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for t in d.get("tool_calls", ()):
+            calls.setdefault(t["index"], ["", ""])
+            calls[t["index"]][0] += t.get("function", {}).get("name", "") or ""
+            calls[t["index"]][1] += t.get("function", {}).get("arguments", "") or ""
+    assert [tuple(calls[i]) for i in sorted(calls)] == want
+    assert "".join(d.get("content", "") for d in deltas).strip() == "ok"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["tool_calls"]
