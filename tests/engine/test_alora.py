@@ -98,8 +98,22 @@ def test_activation_is_pefts_offset():
     assert activation([1, 1, 1], (1, 1)) == 1 and activation([5, 1], (1, 2)) is None
 
 
-@pytest.mark.parametrize("options", [{}, {"prefix_cache": False}, {"max_num_batched_tokens": 8}],
-                         ids=["cache", "no-cache", "chunked"])
+def test_a_runs_adapter_rows_start_at_each_requests_activation():
+    """Chunks wholly before, holding and after an activation, and a plain request's, in one run."""
+    from types import SimpleNamespace
+
+    from lorafleet.engine.runner import adapter_rows
+
+    def chunk(n, computed, act):
+        return SimpleNamespace(num_tokens=n, request=SimpleNamespace(num_computed=computed, activation=act))
+
+    run = [chunk(8, 0, 20), chunk(8, 16, 20), chunk(1, 30, 20), chunk(4, 0, None), chunk(6, 0, 0), chunk(5, 5, 7)]
+    assert adapter_rows(run, 10) == [(22, 37), (39, 42)]  # 10-21 base, 22-36 on, 37-38 base, 39-41 on
+
+
+@pytest.mark.parametrize("options", [{}, {"prefix_cache": False}, {"max_num_batched_tokens": 8},
+                                     {"async_decode": "on", "decode_graphs": "fixed"}],
+                         ids=["cache", "no-cache", "chunked", "async-fixed"])
 def test_alora_adapters_in_one_batch_with_plain_and_base_give_pefts_greedy_tokens(fleet, options):
     base, adapters = fleet
     e = engine(fleet, **options)
@@ -244,3 +258,32 @@ def test_a_null_or_empty_invocation_is_plain_lora_as_in_peft(fleet, tmp_path):
         e.register_adapter(f"p{i}", folder)
         assert "invocation_tokens" not in e.list_adapters()[-1]
         e.generate([[60, 61]], GREEDY, adapters=[f"p{i}"])
+
+
+def test_through_the_daemons_app_an_alora_answers_as_in_process_and_a_prompt_without_it_is_a_400(fleet):
+    import asyncio
+
+    from lorafleet.deploy.inprocess import InProcessServer
+
+    e = engine(fleet)
+    prompt = placed(INV, 4)["twice"]
+    want = e.generate([prompt], GREEDY, adapters=["alora-attn-r4"])[0].token_ids
+    server = InProcessServer(e, "base", fleet[0])
+    try:
+        for stream in (False, True):
+            body = {"model": "alora-attn-r4", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True, "stream": stream}
+            status, _, raw = asyncio.run(server.call("POST", "/v1/completions", json.dumps(body).encode()))
+            assert status == 200, raw
+            if stream:
+                chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+                got = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+            else:
+                got = json.loads(raw)["choices"][0]["token_ids"]
+            assert got == want, stream
+        body = {"model": "alora-attn-r4", "prompt": [60, 61, 62], "max_tokens": 4}
+        status, _, raw = asyncio.run(server.call("POST", "/v1/completions", json.dumps(body).encode()))
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == "prompt" and FIELD in error["message"], raw
+    finally:
+        server.close()
