@@ -31,6 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lorafleet.errors import AdapterError, InvalidRequestError
+from lorafleet.adapters.heads import EMBED
 
 FIELD = "alora_invocation_tokens"
 MAX_INVOCATION_TOKENS = 256  # real invocation strings are a role marker of a few tokens
@@ -68,7 +69,7 @@ def check_base(cfg: dict, heads: set[str], vocab_size: int, source: Path) -> Non
     if max(tokens) >= vocab_size:
         raise AdapterError(f"{source}: {FIELD}: every token id must be below the base's vocabulary size "
                            f"({vocab_size})")
-    if "model.embed_tokens" in heads:
+    if EMBED in heads:
         raise AdapterError(f"{source}: target_modules: selects 'embed_tokens', which aLoRA ({FIELD}) cannot "
                            "adapt (PEFT serves aLoRA on linear layers only)")
 
