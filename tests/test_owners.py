@@ -23,6 +23,7 @@ OWNERS = {
     "kv_salt": "memory/residency.py",
     "num_pending": "engine/engine.py",         # the step in flight: launched, read
     "pending_row": "engine/engine.py",
+    "activation": "engine/engine.py",          # add_request: where an aLoRA takes over, fixed for the request's life
     "detokenizer": "engine/output.py",         # the one place a token becomes text
 }
 
