@@ -222,10 +222,14 @@ def test_an_alora_serves_alone_in_a_mix(fleet):
     e.generate([[60, 61]], GREEDY, adapters=[Mix.of({"plain-r16": 1.0, "alora-attn-r4": 0.0})])
 
 
-def test_snapshot_shows_the_invocation_tokens(fleet):
+def test_snapshot_shows_the_invocation_tokens_registered_or_loaded_eagerly(fleet):
     e = engine(fleet)
+    e.load_adapter("eager", fleet[1]["alora-rslora-r8"])  # a new name: staged, then installed
     info = {a["name"]: a for a in e.list_adapters()}
     assert info["alora-attn-r4"]["invocation_tokens"] == INV and "invocation_tokens" not in info["plain-r16"]
+    assert info["eager"]["invocation_tokens"] == [30, 31]
+    with pytest.raises(InvalidRequestError, match=FIELD):
+        e.add_request(INV + [60], GREEDY, adapter="eager")
 
 
 def edited(src: Path, dst: Path, **changes) -> Path:
