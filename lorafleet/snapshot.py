@@ -97,6 +97,7 @@ class AdapterInfo(TypedDict):
     variant: Variant | None  # known once loaded
     saved_modules: list[str]
     vocab_size: int | None  # its own vocabulary's; null: the base's
+    invocation_tokens: NotRequired[list[int]]  # an aLoRA's invocation sequence (alora_invocation_tokens); absent: plain
     params: int
     pages: int
     users: int

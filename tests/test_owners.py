@@ -21,8 +21,10 @@ OWNERS = {
     "served": "memory/residency.py",
     "pins": "memory/residency.py",
     "kv_salt": "memory/residency.py",
+    "invocation": "memory/residency.py",       # an aLoRA's sequence: registration, or an eager load's inspection
     "num_pending": "engine/engine.py",         # the step in flight: launched, read
     "pending_row": "engine/engine.py",
+    "activation": "engine/engine.py",          # add_request: where an aLoRA takes over, fixed for the request's life
     "detokenizer": "engine/output.py",         # the one place a token becomes text
 }
 

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from lorafleet.errors import AdapterError
+from lorafleet.adapters.alora import invocation_tokens
 from lorafleet.adapters.heads import HEAD_KEY_RE, HEAD_MODULES, HeadWeights, read_heads, vocab_of
 from lorafleet.adapters.peft_config import (  # noqa: F401  MODULES, BaseShapes, read_adapter_config: re-exported
     CONFIG_NAME, MODULE_BLOCK, MODULES, BaseShapes, Matcher, pattern_key, read_config, read_adapter_config,
@@ -106,6 +107,11 @@ class LoraAdapter:
             out[module] = max(out.get(module, 0), w.rank)
         out.update({HEAD_MODULES[full]: w.rank for full, w in self.heads.items() if w.rank})
         return out
+
+    @property
+    def invocation(self) -> tuple[int, ...] | None:
+        """Its aLoRA invocation sequence (`adapters/alora.py`); None: plain LoRA."""
+        return invocation_tokens(self.config)
 
     @property
     def saved(self) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ from typing import Any, TypeGuard
 import regex
 
 from lorafleet.errors import AdapterError
+from lorafleet.adapters import alora
 from lorafleet.adapters.heads import HEAD_MODULES, saved_modules
 from lorafleet.model.config import MODULE_BLOCK
 
@@ -52,11 +53,11 @@ _BASE_MUTATING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq", "mica")
 _SERVED_VARIANTS = ("use_dora", "lora_bias")
 _UNSUPPORTED_FIELDS = (
     "use_qalora", "layer_replication", "target_parameters",
-    "trainable_token_indices", "alora_invocation_tokens", "use_bdlora", "arrow_config",
+    "trainable_token_indices", "use_bdlora", "arrow_config",
     "kasa_config", "monteclora_config",
 )
 # LoraConfig's fields (peft 0.21): the only JSON keys a message may quote.
-_PEFT_FIELDS = frozenset(_UNSUPPORTED_FIELDS) | frozenset(_SERVED_VARIANTS) | {
+_PEFT_FIELDS = frozenset(_UNSUPPORTED_FIELDS) | frozenset(_SERVED_VARIANTS) | {alora.FIELD} | {
     "alpha_pattern", "auto_mapping", "base_model_name_or_path", "bias", "corda_config",
     "ensure_weight_tying", "eva_config", "exclude_modules", "fan_in_fan_out", "inference_mode",
     "init_lora_weights", "layers_pattern", "layers_to_transform", "loftq_config", "lora_alpha",
@@ -193,9 +194,9 @@ def _check_method(cfg: dict, source: Path) -> None:
     for field in _UNSUPPORTED_FIELDS:
         if cfg.get(field):
             raise _bad(source, field, "must be absent, false or empty (this LoRA variant is not supported)")
-    for field in _SERVED_VARIANTS:
-        if not isinstance(cfg.get(field, False), bool):
-            raise _bad(source, field, "must be true or false")
+    if bad := next((f for f in _SERVED_VARIANTS if not isinstance(cfg.get(f, False), bool)), None):
+        raise _bad(source, bad, "must be true or false")
+    alora.check_config(cfg, source)  # aLoRA's form and the options it combines with
     if cfg.get("use_dora") and cfg.get("lora_bias"):
         raise _bad(source, "lora_bias", "DoRA with lora_bias is not supported (either alone is)")
     init = cfg.get("init_lora_weights", True)
@@ -303,12 +304,10 @@ def read_config(folder: Path) -> dict:
 
 
 def read_adapter_config(path: str | Path, base: BaseShapes | None = None) -> dict:
-    """The validated `adapter_config.json` of the adapter folder `path`, without reading tensors.
-
-    Also checks that the weights file is present (and refuses a pickle-only folder). With `base`,
-    also checks that the target modules select projections the base has."""
-    folder = Path(path)
-    cfg = read_config(folder)
+    """The validated `adapter_config.json` of the adapter folder `path`, without reading tensors. Also
+    checks that the weights file is present (and refuses a pickle-only folder). With `base`, also checks
+    that the target modules select projections the base has (and an aLoRA's tokens its vocabulary)."""
+    cfg = read_config(folder := Path(path))
     weights_file(folder)
     if base is not None:
         targeted_modules(cfg, base, folder / CONFIG_NAME, Matcher(folder / CONFIG_NAME))
@@ -379,6 +378,7 @@ def targeted_modules(cfg: dict, base: BaseShapes, source: Path, match: Matcher) 
                     f"base model (LoRA is served on {supported} of its {base.num_layers} layers)")
     targeted = {n: lm for n, lm in names.items() if _is_target(cfg, n, match)}
     heads = targeted_heads(cfg, base, source, match)
+    alora.check_base(cfg, heads, base.vocab_size, source)
     if not targeted and not heads:  # as PEFT, which refuses target_modules that match nothing
         raise AdapterError(f"{source}: target_modules (with exclude_modules / layers_to_transform) "
                            f"matches no module of the base model (LoRA is served on {supported} of "

@@ -127,8 +127,7 @@ class Engine:
         if mix is None and adapter is not None and not isinstance(adapter, str):
             raise InvalidRequestError(f"adapter must be a name or a Mix, got {type(adapter).__name__}")
         req = Request(rid, ids, params, adapter if isinstance(adapter, str) else None, mix=mix)
-        if mix is not None:
-            self.mixes.check(mix, len(ids))
+        req.activation = self.mixes.check(req)  # a mix's bounds; where an aLoRA takes over (`engine/mixes.py`)
         if deadline_s is not None:
             req.deadline = req.arrival_time + deadline_s
         if params.seed is not None:

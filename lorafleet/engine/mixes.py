@@ -13,12 +13,18 @@ the LoRA op never reads it (`ModelRunner.lora_batch`), so one may be named there
 kind is known once it was loaded: a mix naming one that was not is watched, and refused once
 every kind is known, before it can be admitted (a mix is admitted only once all its adapters are
 ready, and ready adapters have their kind).
+
+An activated LoRA (aLoRA, `adapters/alora.py`: known at registration) serves alone too: its
+activation is its own prompt's, beside which another adapter's delta over the whole request has no
+single meaning. `check` also finds where a request's aLoRA takes over (`Request.activation`), for
+a lone adapter as for a mix of it alone.
 """
 
 from __future__ import annotations
 
 from lorafleet.engine.request import Request, Status
 from lorafleet.errors import InvalidRequestError
+from lorafleet.adapters.alora import FIELD, request_activation
 from lorafleet.adapters.mix import Mix
 
 ALONE = {"dora": "DoRA", "lora_bias": "lora_bias"}  # the variants that serve alone, as messages name them
@@ -30,11 +36,16 @@ class MixChecks:
         self.adapters, self.pool, self.kv = adapters, pool, kv
         self.watched: dict[Request, None] = {}  # mixes naming an adapter whose kind is not known yet
 
-    def check(self, mix: Mix, prompt_len: int) -> None:
-        """A new request's mix: InvalidRequestError when the pool cannot hold its adapters and
-        prompt at once (it would wait forever; sizes from the files' headers, known at
-        registration), or it mixes an adapter known to serve alone; AdapterNotFoundError for
-        an unregistered one."""
+    def check(self, req: Request) -> int | None:
+        """A new request's adapters; returns where its aLoRA takes over (None: from its first
+        token). A mix: InvalidRequestError when the pool cannot hold its adapters and prompt at
+        once (it would wait forever; sizes from the files' headers, known at registration), or it
+        mixes an adapter known to serve alone. An aLoRA whose sequence the prompt lacks:
+        InvalidRequestError. AdapterNotFoundError for an unregistered adapter."""
+        mix, prompt_len = req.mix, len(req.prompt_token_ids)
+        if mix is None:
+            return request_activation([(self.adapters.get(req.adapter), 1.0)] if req.adapter else [],
+                                      req.prompt_token_ids)
         entries = {name: self.adapters.get(name) for name in mix.names}
         pages = {name: self.adapters.pages_needed(e) for name, e in entries.items()}
         kv = self.kv.blocks_needed(prompt_len + 1)
@@ -47,6 +58,7 @@ class MixChecks:
                 "mix fewer adapters or raise pool_bytes")
         for name, scale in mix.members:
             mixable(entries[name], scale, mix)
+        return request_activation([(entries[name], scale) for name, scale in mix.members], req.prompt_token_ids)
 
     def watch(self, req: Request) -> None:
         """`req` (a mix, its adapters held) is refused later if an adapter's kind is unknown now."""
@@ -78,8 +90,9 @@ def mixable(entry, scale: float, mix: Mix) -> None:
     itself at a scale other than 0 or 1 (nothing while that is unknown)."""
     others = sum(s != 0.0 for s in mix.scales) - 1
     copies = alone_copies(entry)
-    alone = ALONE.get(entry.variant) or (f"its own {' and '.join(copies)} (saved whole: modules_to_save, or "
-                                         "an embedding LoRA's base_layer unlike the base's)" if copies else None)
+    alone = ALONE.get(entry.variant) or (f"aLoRA ({FIELD})" if entry.invocation else None)
+    alone = alone or (f"its own {' and '.join(copies)} (saved whole: modules_to_save, or "
+                      "an embedding LoRA's base_layer unlike the base's)" if copies else None)
     if alone and scale != 0.0 and (others or scale != 1.0):
         e = InvalidRequestError(f"adapters: adapter {entry.name!r} uses {alone}, which serves "
                                 "alone (as `model`, or a mix of it alone at scale 1): it cannot be mixed or scaled")

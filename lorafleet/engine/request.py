@@ -111,6 +111,7 @@ class Request:
     eos_token_ids: frozenset | None = None  # its stop tokens where its adapter has its own tokenizer (else the engine's)
     loras: tuple = ()    # each adapter's memory.entry.AdapterEntry: acquired at arrival, released at the end
     scales: tuple[float, ...] = ()  # each one's scale (1.0 for `adapter`)
+    activation: int | None = None  # an aLoRA's: the position its adapter applies from (`adapters/alora.py`)
     emitted: int = 0  # characters of text already streamed out (see engine/output.py)
     emitted_tokens: int = 0  # output tokens (and their logprobs) already handed out
     first_scheduled_time: float | None = None

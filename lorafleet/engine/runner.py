@@ -95,22 +95,24 @@ class ModelRunner:
     def lora_batch(self, chunks: list[Chunk]) -> LoraBatch | None:
         """Segments of consecutive rows sharing an adapter (a mix: one per adapter, each with its
         scale, those at scale 0 left out: they contribute nothing); None when no row has one
-        (then the model runs without any LoRA work)."""
+        (then the model runs without any LoRA work). An aLoRA request's rows before its
+        activation are in no segment: they run as the base (`adapter_rows`)."""
         if all(not c.request.loras for c in chunks):
             return None
         batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_shapes)
         end = 0
-        for _, run in itertools.groupby(chunks, key=_lora_key):
-            start, req = end, None
-            for c in run:
-                end += c.num_tokens
-                req = c.request
-            assert req is not None  # a group has a chunk
+        for _, group in itertools.groupby(chunks, key=_lora_key):
+            run = list(group)
+            start, req = end, run[0].request
+            end += sum(c.num_tokens for c in run)
             live = [(e, s) for e, s in zip(req.loras, req.scales) if s != 0.0]
-            if live:
-                batch.add_rows(start, end, [(e.row_table, s) for e, s in live], sum(e.max_rank for e, _ in live))
-                if any(e.heads is not None for e, _ in live):
-                    batch.add_heads(start, end, [(e.heads, s) for e, s in live if e.heads is not None])
+            if not live:
+                continue
+            heads = [(e.heads, s) for e, s in live if e.heads is not None]
+            for lo, hi in adapter_rows(run, start):
+                batch.add_rows(lo, hi, [(e.row_table, s) for e, s in live], sum(e.max_rank for e, _ in live))
+                if heads:
+                    batch.add_heads(lo, hi, heads)
         return batch.finish()
 
     def inputs(self, chunks: list[Chunk], all_logits: bool = False) -> StepInputs:
@@ -205,3 +207,22 @@ class ModelRunner:
 
 def _lora_key(c: Chunk) -> tuple:
     return c.request.lora_key
+
+
+def adapter_rows(run: list[Chunk], start: int) -> list[tuple[int, int]]:
+    """The flat rows [lo, hi) of `run` (consecutive chunks on one adapter, from flat row `start`)
+    that use their adapter, contiguous ones merged: every row, but an aLoRA request's rows at
+    positions before its activation (a chunk's first position is its `num_computed`), which run
+    as the base. A chunk may lie wholly before the activation, hold it, or follow it."""
+    out: list[tuple[int, int]] = []
+    at = start
+    for c in run:
+        act = c.request.activation
+        lo = at if act is None else at + min(c.num_tokens, max(0, act - c.request.num_computed))
+        hi = at = at + c.num_tokens
+        if lo < hi:
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+    return out

@@ -14,6 +14,8 @@ On a few fixed probe prompts, per target (the base, then each adapter):
   tolerance changes nothing: a warning, as a zero-initialised B that was never trained gives),
   and whether every tensor of its file is served (`LoraAdapter.used`: a tensor the loader reads
   and leaves, such as a PEFT `original_module` copy, is a warning).
+An activated LoRA (`adapters/alora.py`) is probed with its invocation sequence ending each probe
+that lacks it (a prompt without it is refused), and measured against the base on those prompts.
 A disagreement or an adapter the loader refuses is a problem (the CLI's exit 1), naming the
 kernels and the difference.
 
@@ -33,6 +35,7 @@ from lorafleet.engine.request import Request, SamplingParams
 from lorafleet.engine.scheduler import Chunk
 from lorafleet.engine.selfcheck import probe_ids, tolerance
 from lorafleet.errors import ConfigError, LorafleetError
+from lorafleet.adapters.alora import activation, request_activation
 from lorafleet.adapters.peft_config import WEIGHTS_NAME
 
 # fixed probes: text where the model has a tokenizer (prose, code, a list, a question), else token ids
@@ -60,7 +63,8 @@ def probes(engine: Engine, n: int, tokens: int) -> list[list[int]]:
 def prefill_logits(engine: Engine, ids: list[int], adapter: str | None = None) -> torch.Tensor:
     """Every row's fp32 logits of `ids` prefilled on `engine` (with `adapter`, loaded), on the host."""
     loras = engine.adapters.acquire_all([adapter]) if adapter else ()
-    req = Request("verify", ids, SamplingParams(), adapter, loras=loras, scales=(1.0,) * len(loras))
+    req = Request("verify", ids, SamplingParams(), adapter, loras=loras, scales=(1.0,) * len(loras),
+                  activation=request_activation([(e, 1.0) for e in loras], ids))
     engine.kv.grow(req.request_id, len(ids))
     try:
         chunks = [Chunk(req, len(ids))]
@@ -69,6 +73,16 @@ def prefill_logits(engine: Engine, ids: list[int], adapter: str | None = None) -
         engine.kv.free(req.request_id)
         for entry in loras:
             engine.adapters.release(entry)
+
+
+def invoked(engine: Engine, prompts: list[list[int]], adapter: str | None) -> list[list[int]]:
+    """The probes for `adapter`: an aLoRA's each end with its invocation sequence where it lacks it
+    (cut to keep the room `probes` left); the probes themselves for any other."""
+    inv = engine.adapters.get(adapter).invocation if adapter else None
+    if inv is None:
+        return prompts
+    return [ids if activation(ids, inv) is not None else (ids[:max(1, len(ids) - len(inv))] + list(inv))
+            for ids in prompts]
 
 
 def greedy(engine: Engine, prompts: list[list[int]], tokens: int, adapter: str | None, logprobs: int | None = None):
@@ -177,16 +191,17 @@ class Verifier:
         return set(adapter.used), keys
 
     def _compare(self, name: str | None, out: dict) -> None:
-        fast = [prefill_logits(self.fast, ids, name) for ids in self.prompts]
-        ref = [prefill_logits(self.ref, ids, name) for ids in self.prompts] if self.ref is not self.fast else fast
+        prompts = invoked(self.fast, self.prompts, name)
+        fast = [prefill_logits(self.fast, ids, name) for ids in prompts]
+        ref = [prefill_logits(self.ref, ids, name) for ids in prompts] if self.ref is not self.fast else fast
         tol = max(self.tol_of(r) for r in ref)
-        ours = greedy(self.fast, self.prompts, self.tokens, name)
+        ours = greedy(self.fast, prompts, self.tokens, name)
         tokens = [o.token_ids for o in ours]
         who = name or "base"
         if self.ref is self.fast:
             out["torch"] = {"skipped": "the served kernels are the torch reference"}
         else:
-            theirs = greedy(self.ref, self.prompts, self.tokens, name, logprobs=2)
+            theirs = greedy(self.ref, prompts, self.tokens, name, logprobs=2)
 
             def gaps(p, step, token):
                 lp = theirs[p].logprobs[step]
@@ -196,8 +211,9 @@ class Verifier:
         if name is None:
             self.base_ref = ref
         else:
-            width = min(ref[0].shape[1], self.base_ref[0].shape[1])  # an adapter's own vocabulary: the base's ids
-            effect = max(float((r[:, :width] - b[:, :width]).abs().max()) for r, b in zip(ref, self.base_ref))
+            base_ref = self.base_ref if prompts is self.prompts else [prefill_logits(self.ref, ids) for ids in prompts]
+            width = min(ref[0].shape[1], base_ref[0].shape[1])  # an adapter's own vocabulary: the base's ids
+            effect = max(float((r[:, :width] - b[:, :width]).abs().max()) for r, b in zip(ref, base_ref))
             out["effect"], out["changes_nothing"] = effect, effect <= tol
             if effect <= tol:
                 out["warnings"].append(f"{name}: changes nothing: it moves the logits at most {effect:.3g} from the "
@@ -209,8 +225,8 @@ class Verifier:
         if why:
             out["transformers"] = {"skipped": why}
             return
-        hf = [self.hf.logits(ids) for ids in self.prompts]
-        runs = [self.hf.greedy(ids, self.tokens) for ids in self.prompts]
+        hf = [self.hf.logits(ids) for ids in prompts]
+        runs = [self.hf.greedy(ids, self.tokens) for ids in prompts]
 
         def hf_gaps(p, step, token):
             logits = runs[p][1][step]

@@ -18,7 +18,7 @@ import importlib.util
 import inspect
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -122,16 +122,30 @@ class HfReference:
         tokens, steps = [], []
         # the KV cache's name: `cache` in newer transformers, `past_key_values` before
         key = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        extra = self._alora_offsets(ids)
         with self._model() as model:
-            out = model(torch.tensor([ids], device=self.device), use_cache=True)
+            out = model(torch.tensor([ids], device=self.device), use_cache=True, **extra)
             for i in range(n):
                 logits = out.logits[0, -1].float().cpu()
                 tokens.append(int(logits.argmax()))
                 steps.append(logits)
                 if i + 1 < n:
                     out = model(torch.tensor([[tokens[-1]]], device=self.device), use_cache=True,
-                                **{key: getattr(out, key)})
+                                **{key: getattr(out, key)}, **extra)
         return tokens, steps
+
+    def _alora_offsets(self, ids: list[int]) -> dict:
+        """An active aLoRA's offsets of the prompt, passed to every step as PEFT's `generate` does (a
+        decode step's forward alone would look for the sequence in its one token); {} for any other."""
+        if self.peft is None or self.active is None:
+            return {}
+        inner = self.names[self.active]
+        if not getattr(self.peft.peft_config[inner], "alora_invocation_tokens", None):
+            return {}
+        from peft.tuners.lora.variants import calculate_alora_offsets
+
+        configs: Any = self.peft.peft_config  # PEFT annotates one config; it reads the dict of them
+        return {"alora_offsets": calculate_alora_offsets(configs, inner, torch.tensor([ids]))}
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ class Inspected:
     vocab_size: int | None = None  # its own vocabulary's size (None: the base's)
     tokenizer: Tokenizer | None = None  # its own tokenizer, where it has its own vocabulary
     saved: tuple = ()            # the modules it has its own copy of
+    invocation: tuple[int, ...] | None = None  # its aLoRA invocation sequence (`adapters/alora.py`); None: plain
 
 
 @dataclass(eq=False)
@@ -52,6 +53,7 @@ class AdapterEntry:
     max_rank: int = 0                    # its largest rank, once loaded
     posts: dict | None = None            # (layer, module) -> "dora" | "bias", its epilogues, once loaded
     saved: tuple = ()                    # the modules it has its own copy of (embed_tokens, lm_head, norms): known at registration
+    invocation: tuple[int, ...] | None = None  # its aLoRA invocation sequence: known at registration; None: plain LoRA
     copies: tuple | None = None          # those it serves its copy of, once loaded (copies equal to the base's dropped)
     heads: object = None                 # adapters.batch.HeadParts: its own embedding / LM head / norms in its pages, while ready
     kv_salt: bytes | None = None         # what names its KV blocks in the prefix cache (memory/kv.py), once ready
@@ -87,6 +89,12 @@ class AdapterEntry:
         return "device" if self.ready else "host" if self.host is not None else "disk"
 
     def info(self) -> AdapterInfo:
+        info = self._info()
+        if self.invocation is not None:  # an aLoRA only: a plain adapter's record stays as it was
+            info["invocation_tokens"] = list(self.invocation)
+        return info
+
+    def _info(self) -> AdapterInfo:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "tier": self.tier,
                 "ranks": self.ranks, "modules": sorted(self.ranks), "variant": self.variant,
                 "saved_modules": list(self.saved if self.copies is None else self.copies),  # once loaded: those served

@@ -13,7 +13,11 @@ Prefix cache (on unless `prefix_cache=False`). Every full block a sequence has c
 named by a hash chain: block i's key is sha256(key of block i-1, or the sequence's KV salt for
 block 0, then the block's token ids). The salt is what decides the KV beyond the tokens: the
 adapter's content digest, or the base's salt for no adapter and for adapters that leave every
-K and V as the base computes it (`AdapterEntry.kv_salt`). A request being admitted takes the
+K and V as the base computes it (`AdapterEntry.kv_salt`). An activated LoRA's request
+(`Request.activation`, `adapters/alora.py`) runs as the base before its activation: its blocks
+wholly before it chain from the base's salt, so they are the base's blocks, and the block holding
+the activation chains from that base key mixed with the adapter's salt and the activation's place
+in the block (which of its rows the adapter computed). A request being admitted takes the
 longest run of its prompt's leading blocks found under its chain (reference counts: a page may
 sit in several block tables), and computes only the rest. Shared blocks are full and never
 written again (a sequence writes positions past what it computed, and the run it takes stops
@@ -166,10 +170,16 @@ class KVCacheManager:
         chain = self.chains.setdefault(req.request_id, [])
         bs = self.block_size
         if len(chain) < blocks:
-            tokens = np.asarray(req.token_at(len(chain) * bs, blocks * bs), dtype=np.int64)
-            prev = chain[-1] if chain else request_salt(req.loras, req.scales)
-            for i in range(blocks - len(chain)):
-                prev = hashlib.sha256(prev + tokens[i * bs:(i + 1) * bs].tobytes()).digest()
+            first = len(chain)
+            tokens = np.asarray(req.token_at(first * bs, blocks * bs), dtype=np.int64)
+            salt = request_salt(req.loras, req.scales)
+            act = getattr(req, "activation", None) if salt != BASE_SALT else None  # an aLoRA's (module doc)
+            prev = chain[-1] if chain else salt if act is None else BASE_SALT
+            for i in range(first, blocks):
+                if act is not None and i == act // bs:  # its adapter takes over in this block
+                    at = (act % bs).to_bytes(8, "little")
+                    prev = hashlib.sha256(b"lorafleet-kv:alora" + salt + at + prev).digest()
+                prev = hashlib.sha256(prev + tokens[(i - first) * bs:(i - first + 1) * bs].tobytes()).digest()
                 chain.append(prev)
         return chain
 

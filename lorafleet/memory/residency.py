@@ -47,6 +47,7 @@ from typing import Container
 
 from lorafleet.errors import AdapterError, AdapterInUseError, AdapterNotFoundError, AdapterTooLargeError, shown
 from lorafleet.adapters.batch import HeadParts
+from lorafleet.adapters.alora import invocation_tokens
 from lorafleet.adapters.heads import own_tokenizer
 from lorafleet.adapters.adapter import BaseShapes, read_adapter_config
 from lorafleet.adapters.weights_file import read_plan
@@ -112,7 +113,7 @@ class AdapterResidency:
         `adapters/adapter.py`). An adapter with its own vocabulary (`adapters/heads.py`) brings its own
         tokenizer, read here too (unless `tokenizer` is False) and checked against it."""
         path = Path(path)
-        read_adapter_config(path, self.base)
+        invocation = invocation_tokens(read_adapter_config(path, self.base))
         plan = read_plan(path, self.base)
         self.check_fits(name, plan.numel)  # before planning: the header's ranks are bounded by the pool
         layout = Layout.plan(plan.ranks, self.base, self.pool.page_elems, plan.posts, plan.heads)
@@ -120,9 +121,9 @@ class AdapterResidency:
         self.check_fits(name, numel)
         copy = layout.parts.get("embed") or layout.parts.get("lm_head")
         if copy is None or copy.rows == self.base.vocab_size:
-            return Inspected(numel, saved=layout.saved)
+            return Inspected(numel, saved=layout.saved, invocation=invocation)
         return Inspected(numel, copy.rows, own_tokenizer(path, copy.rows, self.base.vocab_size) if tokenizer else None,
-                         layout.saved)
+                         layout.saved, invocation)
 
     def register(self, name: str, path: str | Path, trusted_digest: str | None = None,
                  inspected: Inspected | None = None) -> AdapterEntry:
@@ -140,7 +141,8 @@ class AdapterResidency:
             return old
         return self._take_name(AdapterEntry(name, path, self.pool.new_owner(name), numel=inspected.numel,
                                             trusted_digest=trusted_digest, vocab_size=inspected.vocab_size,
-                                            tokenizer=inspected.tokenizer, saved=inspected.saved))
+                                            tokenizer=inspected.tokenizer, saved=inspected.saved,
+                                            invocation=inspected.invocation))
 
     def unregister(self, name: str) -> None:
         entry = self.get(name)
@@ -267,6 +269,7 @@ class AdapterResidency:
         was staged, never registered)."""
         if inspected is not None:
             entry.vocab_size, entry.tokenizer, entry.saved = inspected.vocab_size, inspected.tokenizer, inspected.saved
+            entry.invocation = inspected.invocation
         entry.loading = None
         entry.disk_loads += 1
         entry.load_time_s += seconds

@@ -116,3 +116,16 @@ def test_the_kernels_option_is_the_backends_choices():
     assert KERNELS == backend.CHOICES  # config spells them without importing torch
     with pytest.raises(ConfigError, match="kernels must be one of"):
         EngineConfig(kernels="fast")
+
+
+def test_an_alora_adapter_is_probed_with_its_invocation_and_agrees_with_peft(base, tmp_path):
+    """The probes lack the sequence: each gets it at its end; fast path, torch and PEFT agree."""
+    pytest.importorskip("peft")
+    alora = build_adapter(base, tmp_path / "alora", r=4, lora_alpha=8, target_modules="all-linear", b_std=0.3,
+                          alora_invocation_tokens=[7, 8, 9])
+    report = verify(base, {"alora": alora}, **FAST)
+    assert report["ok"] and not report["problems"], report["problems"]
+    adapter = report["targets"][1]
+    for ref in ("torch", "transformers"):
+        assert adapter[ref]["greedy"]["agree"] == 2, adapter[ref]
+    assert not adapter["changes_nothing"]
