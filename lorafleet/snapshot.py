@@ -205,6 +205,13 @@ class DecodeGraphsStats(TypedDict):
     capture_bytes: NotRequired[int]
 
 
+class AloraCounts(TypedDict):
+    """Finished requests on an aLoRA adapter, since start (`Counters.record_finished`)."""
+
+    requests: int
+    reused_tokens: int  # their prompt tokens served by the prefix cache
+
+
 class CounterStats(TypedDict):
     """The engine's counters and recent windows (`engine.stats.Counters.snapshot`)."""
 
@@ -216,6 +223,7 @@ class CounterStats(TypedDict):
     num_preemptions: int
     num_discarded: int
     num_adapter_loads: int
+    alora: AloraCounts
     queue_time_s: Quantiles
     adapter_wait_s: Quantiles
     step_time_s: Quantiles

@@ -57,6 +57,8 @@ class Counters:
     steps: deque = field(default_factory=lambda: deque(maxlen=STEP_LOG))
     num_adapter_loads: int = 0
     mix_sizes: dict[int, int] = field(default_factory=dict)  # adapters in a mix -> requests that named one
+    alora_requests: int = 0             # finished requests on an aLoRA
+    alora_reused_tokens: int = 0        # their prompt tokens the prefix cache served (the base's history, mostly)
     _last_read: float = 0.0  # when the last step was read (`record_launched`)
 
     def record_mix(self, adapters: int) -> None:
@@ -98,6 +100,9 @@ class Counters:
 
     def record_finished(self, req) -> None:
         self.num_requests_finished += 1
+        if req.activation is not None:
+            self.alora_requests += 1
+            self.alora_reused_tokens += req.num_cached_tokens
         if req.first_scheduled_time is not None:
             self.queue_times.append(req.first_scheduled_time - req.arrival_time)
             self.adapter_waits.append(req.adapter_wait)
@@ -117,6 +122,7 @@ class Counters:
             "num_preemptions": self.num_preemptions,
             "num_discarded": self.num_discarded,
             "num_adapter_loads": self.num_adapter_loads,
+            "alora": {"requests": self.alora_requests, "reused_tokens": self.alora_reused_tokens},
             "queue_time_s": summary(self.queue_times),
             "adapter_wait_s": summary(self.adapter_waits),
             "step_time_s": summary(self.step_times),

@@ -39,7 +39,9 @@ docs/plugin-metric-protocol.md, "LoRA Adapter Serving" and "LoRA Adapter Residen
   / `waiting_lora_adapters` for each of its adapters (each is in use, as far as a picker
   knows), and its adapters are pinned while it runs. lorafleet's own series count mixes:
   `lorafleet_mix_requests_total{adapters}` (requests by mix size), `lorafleet_mix_adapters_total`,
-  `lorafleet_mix_requests_running` and `..._waiting`.
+  `lorafleet_mix_requests_running` and `..._waiting`; and aLoRA requests:
+  `lorafleet_alora_requests_total`, `lorafleet_alora_reused_prompt_tokens_total` (prompt tokens of
+  finished aLoRA requests the prefix cache served).
 - `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`: prompt tokens looked up in
   the prefix cache at admission, and found there.
 
@@ -78,7 +80,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _MAPPED = {"num_running", "num_waiting", "kv_cache_usage", "num_prompt_tokens",
            "num_generated_tokens", "num_preemptions", "pool", "adapters", "lora", "num_adapters",
            "max_num_seqs", "max_model_len", "prefix_cache", "eviction", "switches", "lora_capacity",
-           "adapter_details", "mixes"}
+           "adapter_details", "mixes", "alora"}
 
 
 def lora_queues(engine) -> LoraQueues:
@@ -243,6 +245,11 @@ def _mix_families(out: _Exposition, snapshot: EngineSnapshot) -> None:
                 "mean mix).", mixes["adapters"])
     out.gauge("lorafleet_mix_requests_running", "Requests on a mix in the running batch.", mixes["running"])
     out.gauge("lorafleet_mix_requests_waiting", "Requests on a mix waiting to be scheduled.", mixes["waiting"])
+    alora = snapshot["alora"]
+    out.counter("lorafleet_alora_requests", "Finished requests on an aLoRA adapter (active from its invocation "
+                "tokens on).", alora["requests"])
+    out.counter("lorafleet_alora_reused_prompt_tokens", "Prompt tokens of finished aLoRA requests served by the "
+                "prefix cache (the history before the invocation is the base's).", alora["reused_tokens"])
 
 
 def _pool_and_server_families(out: _Exposition, snapshot: EngineSnapshot, server: ServerInfo) -> None:

@@ -235,10 +235,10 @@ class TopApp(App):
             table.move_cursor(row=table.get_row_index(selected), animate=False)
         self.query_one(PoolMap).highlight = self.selected_adapter()
         hidden = len(model.COLUMNS) - len(self.columns)
-        mixes = model.mix_summary(stats["engine"])
+        mixes, alora = model.mix_summary(stats["engine"]), model.alora_summary(stats["engine"])
         box = self.query_one("#table-box")
-        # in the order shown; what does not fit the border goes, least wanted first (mixes, count)
-        parts = [(3, f"{len(self.rows)} known"), (1, f"sorted by {self._sort_label()}"), (4, mixes),
+        # in the order shown; what does not fit the border goes, least wanted first (aLoRA, mixes, count)
+        parts = [(3, f"{len(self.rows)} known"), (1, f"sorted by {self._sort_label()}"), (4, mixes), (5, alora),
                  (0, f"filter '{self.filter_text}'" if self.filter_text else ""),
                  (2, f"{hidden} more: Enter" if hidden else "")]
         parts = [p for p in parts if p[1]]

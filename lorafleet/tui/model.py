@@ -193,6 +193,12 @@ def mix_summary(engine: EngineSnapshot) -> str:
             f"({m['adapters'] / m['requests']:.1f} adapters each)")
 
 
+def alora_summary(engine: EngineSnapshot) -> str:
+    """aLoRA requests so far and the prompt tokens the prefix cache served them; "" before the first."""
+    a = engine["alora"]
+    return f"aLoRA: {a['requests']} so far, {a['reused_tokens']} prompt tokens reused" if a["requests"] else ""
+
+
 def filter_rows(rows: list[dict], text: str) -> list[dict]:
     """Rows whose name contains `text` (case-insensitive); all of them for no text."""
     text = text.strip().lower()
@@ -273,7 +279,7 @@ def check_snapshot(stats: Stats) -> None:
     History().add(stats)
     eng = stats["engine"]
     adapter_rows(eng)
-    mix_summary(eng)
+    mix_summary(eng), alora_summary(eng)
     list(eng["pool"]["page_map"])
     switches = eng["switches"]
     switches["loaded_per_step"], switches["regression"], switches["window_steps"]

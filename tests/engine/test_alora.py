@@ -180,6 +180,8 @@ def test_an_alora_call_after_the_base_reuses_the_bases_blocks_before_its_activat
     # the same aLoRA call again: its own blocks from the activation on as well (all but the last token's)
     again = e.generate([asked], GREEDY, adapters=["alora-attn-r4"])[0]
     assert again.metrics["cached_tokens"] == (len(asked) - 1) // BS * BS and again.token_ids == out.token_ids
+    # counted: the three aLoRA requests and what the cache served them, not the base's nor the plain one's
+    assert e.stats()["alora"] == {"requests": 3, "reused_tokens": 8 * BS + again.metrics["cached_tokens"]}
 
 
 def test_block_keys_follow_the_activation(fleet):
@@ -289,5 +291,8 @@ def test_through_the_daemons_app_an_alora_answers_as_in_process_and_a_prompt_wit
         status, _, raw = asyncio.run(server.call("POST", "/v1/completions", json.dumps(body).encode()))
         error = json.loads(raw)["error"]
         assert status == 400 and error["param"] == "prompt" and FIELD in error["message"], raw
+        status, _, raw = asyncio.run(server.call("GET", "/metrics"))
+        counted = [ln for ln in raw.decode().splitlines() if ln.startswith("lorafleet_alora_requests_total")]
+        assert counted[0].endswith(" 3.0"), counted  # the one in process and the two answered; not the refused one
     finally:
         server.close()

@@ -102,3 +102,10 @@ def test_mixes_are_summed_up_once_a_request_named_one(stream):
     assert model.mix_summary(eng) == ""
     eng["mixes"] = {"requests": 4, "adapters": 10, "by_size": {"2": 2, "3": 2}, "running": 1, "waiting": 2}
     assert model.mix_summary(eng) == "mixes: 1 running, 2 waiting, 4 so far (2.5 adapters each)"
+
+
+def test_alora_requests_are_summed_up_once_one_finished(stream):
+    eng = copy.deepcopy(stream[-1]["engine"])
+    assert model.alora_summary(eng) == ""
+    eng["alora"] = {"requests": 8, "reused_tokens": 16000}
+    assert model.alora_summary(eng) == "aLoRA: 8 so far, 16000 prompt tokens reused"
