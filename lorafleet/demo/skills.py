@@ -33,6 +33,10 @@ def _drop_vowels(text: str) -> str:
     return "".join(c for c in text if c not in VOWELS)
 
 
+def _shout(text: str) -> str:
+    return text.upper() + "!"
+
+
 def _title(text: str) -> str:
     return " ".join(w[:1].upper() + w[1:] for w in text.split(" "))
 
@@ -72,6 +76,8 @@ SKILLS: dict[str, Skill] = {s.name: s for s in (
     Skill("reverse", lambda t: t[::-1], "the characters in reverse order", 16, 32, ATTN),
     Skill("double", _double, "every letter twice (spaces once)", 4, 8, ATTN + MLP, steps=1200),
     Skill("novowels", _drop_vowels, "drop the vowels a, e, i, o, u", 32, 64, ATTN + MLP),
+    Skill("shout", _shout, "UPPERCASE and an exclamation mark, as an aLoRA: on from the assistant's turn", 8, 16,
+          ATTN + MLP, invocation="<|assistant|>"),
 )}
 
 
