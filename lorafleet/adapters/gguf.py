@@ -13,7 +13,9 @@ What the file holds, and what becomes of it:
   (dequantized exactly). llama.cpp's converter permutes the rows of the llama architecture's Q
   and K weights, so it permutes their `lora_b` rows too: undone with the base's head counts. The
   embedding's LoRA and the norms mergekit adds are refused, naming the tensor.
-- `adapter.alora.invocation_tokens`: an activated LoRA, refused (not served yet).
+- `adapter.alora.invocation_tokens` (an array of token ids): an activated LoRA, PEFT's
+  `alora_invocation_tokens` (its count bounded before it is read; the folder's checks then apply:
+  `adapters/alora.py`).
 - `general.base_model.0.name` / `general.basename`, where present: `base_model_name_or_path`.
 """
 
@@ -31,6 +33,7 @@ import gguf
 import numpy as np
 import torch
 
+from lorafleet.adapters.alora import FIELD, MAX_INVOCATION_TOKENS
 from lorafleet.errors import AdapterError
 from lorafleet.model import gguf_header, gguf_quants
 
@@ -38,6 +41,7 @@ T = gguf.GGMLQuantizationType
 FLOATS = {T.F32: np.float32, T.F16: np.float16}
 PERMUTED = {"llama"}  # as `model/gguf.py`: the architectures whose Q and K rows llama.cpp permutes
 CACHE = "gguf-adapters"  # under $LORAFLEET_HOME/cache
+ALORA_KEY = "adapter.alora.invocation_tokens"
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -60,6 +64,19 @@ def _reader(path: Path) -> gguf.GGUFReader:
 def _field(reader: gguf.GGUFReader, key: str):
     f = reader.get_field(key)
     return None if f is None else f.contents()
+
+
+def _invocation(reader: gguf.GGUFReader, path: Path) -> list | None:
+    """The aLoRA's invocation tokens as the file holds them (a short array of integers), or None."""
+    f = reader.get_field(ALORA_KEY)
+    if f is None:
+        return None
+    if len(f.data) > MAX_INVOCATION_TOKENS:  # counted before the values are read
+        raise AdapterError(f"{path}: {ALORA_KEY} holds {len(f.data)} tokens; at most {MAX_INVOCATION_TOKENS}")
+    value = f.contents()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise AdapterError(f"{path}: {ALORA_KEY} must be an array of token ids")
+    return value
 
 
 def is_adapter(path: str | Path) -> bool:
@@ -113,9 +130,7 @@ def convert(path: str | Path, out: Path, heads: tuple[int, int] | None) -> None:
     kind = _field(reader, "adapter.type")
     if kind != "lora":
         raise AdapterError(f"{path}: a GGUF adapter of type {kind!r}; lorafleet serves LoRA adapters (\"lora\")")
-    if _field(reader, "adapter.alora.invocation_tokens") is not None:
-        raise AdapterError(f"{path}: an activated LoRA (adapter.alora.invocation_tokens), which lorafleet does not "
-                           "serve yet")
+    invocation = _invocation(reader, path)
     alpha = _field(reader, "adapter.lora.alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not np.isfinite(alpha) or alpha < 0:
         raise AdapterError(f"{path}: adapter.lora.alpha is {alpha!r}; it must be a finite number >= 0")
@@ -153,7 +168,8 @@ def convert(path: str | Path, out: Path, heads: tuple[int, int] | None) -> None:
         {m.rsplit(".", 1)[1] for m in ranks}), "bias": "none", "fan_in_fan_out": False,
         "rank_pattern": {m: k for m, k in ranks.items() if k != r},
         "alpha_pattern": {m: k for m, k in ranks.items() if k != r} if not alpha else {},
-        "base_model_name_or_path": _field(reader, "general.base_model.0.name") or _field(reader, "general.basename")}
+        "base_model_name_or_path": _field(reader, "general.base_model.0.name") or _field(reader, "general.basename"),
+        **({FIELD: invocation} if invocation is not None else {})}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

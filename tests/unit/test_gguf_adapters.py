@@ -32,13 +32,18 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def write_gguf_adapter(peft_folder: Path, out: Path, arch: str, heads: tuple[int, int], qtype=Q.F32,
-                       meta: dict | None = None, extra: dict | None = None) -> Path:
-    """The PEFT adapter in `peft_folder` as convert_lora_to_gguf.py writes it."""
+                       meta: dict | None = None, extra: dict | None = None, invocation: list | None = None) -> Path:
+    """The PEFT adapter in `peft_folder` as convert_lora_to_gguf.py writes it (an aLoRA's
+    invocation tokens from its config, or `invocation`)."""
     cfg = json.loads((peft_folder / "adapter_config.json").read_text())
     w = gguf.GGUFWriter(out, arch)
     w.add_type(gguf.GGUFType.ADAPTER)
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")
     w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(cfg["lora_alpha"]))
+    invocation = invocation if invocation is not None else cfg.get("alora_invocation_tokens")
+    if invocation:
+        w.add_key_value(gguf.Keys.Adapter.ALORA_INVOCATION_TOKENS, invocation, gguf.GGUFValueType.ARRAY,
+                        gguf.GGUFValueType.UINT32)
     for key, value in (meta or {}).items():
         w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
     for name, t in sorted(load_file(peft_folder / "adapter_model.safetensors").items()):
@@ -94,7 +99,11 @@ def test_a_gguf_adapter_serves_what_its_peft_folder_does(fleet, monkeypatch, tmp
 
 def adapter_prefill(engine, prompt: list[int], name: str) -> torch.Tensor:
     """Every row's logits of `prompt` prefilled under adapter `name`."""
-    req = Request("gguf-parity", prompt, SamplingParams(), name, loras=(engine.adapters.get(name),), scales=(1.0,))
+    from lorafleet.adapters.alora import request_activation
+
+    entry = engine.adapters.get(name)
+    req = Request("gguf-parity", prompt, SamplingParams(), name, loras=(entry,), scales=(1.0,))
+    req.activation = request_activation([(entry, 1.0)], prompt)  # an aLoRA's, as add_request finds it
     chunks = [Chunk(req, len(prompt))]
     engine.kv.grow(req.request_id, len(prompt))
     try:
@@ -138,6 +147,30 @@ def test_other_adapter_kinds_and_tensors_are_refused_by_name(fleet, tmp_path, ch
         gguf_adapter.convert(path, tmp_path / "out", heads)
 
 
+def test_a_gguf_alora_serves_what_its_peft_folder_does(fleet, tmp_path):
+    """`adapter.alora.invocation_tokens` (as llama.cpp's converter writes PEFT's field): the same
+    greedy tokens as the PEFT aLoRA folder, and as PEFT's own generate; the sequence's bounds apply."""
+    from tests.engine.test_alora import peft_greedy
+
+    base, _, _, _, heads, arch = fleet
+    inv = [7, 8, 9]
+    peft = build_adapter(base, tmp_path / "alora", seed=3, r=4, lora_alpha=8, target_modules=TARGETS,
+                         alora_invocation_tokens=inv)
+    path = write_gguf_adapter(peft, tmp_path / "alora.gguf", arch, heads)
+    engine = Engine(base, pool_bytes=8 << 20)
+    engine.load_adapter("gguf", path)
+    engine.load_adapter("peft", peft)
+    assert engine.adapters.get("gguf").invocation == tuple(inv)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt = [20, 21, 22, 23, 24, *inv, 30, 31]
+    got = engine.generate([prompt, prompt], params, adapters=["gguf", "peft"])
+    assert got[0].token_ids == got[1].token_ids == peft_greedy(load_peft(base, peft), prompt, 10)
+    for bad, words in (([1] * 257, "holds 257 tokens; at most 256"), ([10 ** 6], "alora_invocation_tokens")):
+        odd = write_gguf_adapter(peft, tmp_path / f"odd{len(bad)}.gguf", arch, heads, invocation=bad)
+        with pytest.raises(AdapterError, match=words):
+            engine.load_adapter(f"odd{len(bad)}", odd)
+
+
 @pytest.mark.unit
 def test_a_gguf_model_is_not_taken_for_an_adapter(fleet, tmp_path):
     base, *_ = fleet
@@ -148,13 +181,16 @@ def test_a_gguf_model_is_not_taken_for_an_adapter(fleet, tmp_path):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
-def test_llama_cpps_converter_writes_adapters_that_serve_as_their_peft_folder(tmp_path, monkeypatch, outtype):
+@pytest.mark.parametrize("outtype,alora", [("f32", False), ("q8_0", False), ("f32", True)])
+def test_llama_cpps_converter_writes_adapters_that_serve_as_their_peft_folder(tmp_path, monkeypatch, outtype, alora):
+    """Plain, and an aLoRA (the converter writes adapter.alora.invocation_tokens from PEFT's field)."""
     from lorafleet.bench import llamacpp_build as lb, llamacpp_convert as lc
 
     monkeypatch.setenv("LORAFLEET_HOME", str(tmp_path / "home"))
     base = build_model(tmp_path / "base", "llama")
-    peft = build_adapter(base, tmp_path / "peft", r=8, lora_alpha=16, target_modules=TARGETS)
+    inv = [7, 8, 9]
+    peft = build_adapter(base, tmp_path / "peft", r=8, lora_alpha=16, target_modules=TARGETS,
+                         **({"alora_invocation_tokens": inv} if alora else {}))
     try:
         conv = lb.converters()
     except lb.LlamaCppUnavailable as e:
@@ -165,8 +201,10 @@ def test_llama_cpps_converter_writes_adapters_that_serve_as_their_peft_folder(tm
                 "converting the adapter")
     engine = Engine(base, pool_bytes=8 << 20)
     engine.load_adapter("gguf", out)
+    assert engine.adapters.get("gguf").invocation == (tuple(inv) if alora else None)
     peft_model = load_peft(base, peft)
     for prompt in prompts_of_lengths([4, 15], seed=13):
+        prompt = prompt[:2] + inv + prompt[2:] if alora else prompt
         ours = adapter_prefill(engine, prompt, "gguf")
         with torch.no_grad():
             ref = peft_model(torch.tensor([prompt])).logits[0]
