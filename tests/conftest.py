@@ -73,6 +73,10 @@ def pytest_collection_finish(session):
     Not for --collect-only: nothing runs."""
     if session.config.option.collectonly or not session.items:
         return
+    if any(item.name == "test_mypy_is_clean" for item in session.items):
+        from tests import test_types
+
+        test_types.start()  # beside the kernels' build and the tests before it (tests/test_types.py)
     if all(item.get_closest_marker("unit") for item in session.items):
         _refuse_kernels(session.config)
         torch.set_num_threads(1)  # beside other work torch's waiting threads spin: the tier took twice as long
@@ -131,3 +135,9 @@ def unit_kernels():
             build._modules.pop(name, None)
             build._why_not.pop(name, None)
         pytest.fail(f"this test asked for the CPU kernel {', '.join(names)}: a unit test builds and loads no kernel")
+
+
+def pytest_sessionfinish(session):
+    from tests import test_types
+
+    test_types.stop()

@@ -48,3 +48,18 @@ def test_the_demo_fleet_answers_through_the_triton_kernels(monkeypatch):
     """The base and three skills of different ranks and targets in one batch (10 tokens each:
     the interpreter is slow): token for token what the torch path answers."""
     assert_demo_fleet_matches_torch("triton", monkeypatch, skills=3, max_tokens=10)
+
+
+@pytest.mark.heavy  # an engine under the Triton interpreter, slow
+def test_an_alora_beside_plain_adapters_eager_and_at_fixed_decode_shapes(llama_dir, tmp_path, monkeypatch):
+    """An aLoRA (on from the last [7, 8] of its prompt, rows before it in no segment) beside a
+    plain adapter and the base: the torch path's tokens, eager and through the captured shapes."""
+    adapters = {"a4": build_adapter(llama_dir, tmp_path / "a4", seed=4, b_std=0.3, r=4, lora_alpha=8,
+                                    target_modules=ALL7, alora_invocation_tokens=[7, 8]),
+                "r8": build_adapter(llama_dir, tmp_path / "r8", seed=8, r=8, lora_alpha=16, target_modules=ALL7)}
+    names = ["a4", "r8", None, "r8"]
+    want, engine = greedy("torch", monkeypatch, llama_dir, adapters, names)
+    assert want[0] != greedy("torch", monkeypatch, llama_dir, {}, None)[0][0]  # the aLoRA changes its answer
+    assert greedy("triton", monkeypatch, llama_dir, adapters, names)[0] == want
+    got, engine = greedy("triton", monkeypatch, llama_dir, adapters, names, decode_graphs="fixed")
+    assert got == want and engine.stats()["alora"]["requests"] == 1

@@ -84,6 +84,30 @@ def test_no_resolve_leaves_store_adapters_unknown(stored):
         daemon.kill()
 
 
+def test_a_pulled_alora_serves_over_the_bases_prefix(stored):
+    """The demo's aLoRA `shout`, pulled and served from the store on its first request: it answers
+    its skill, and after the base has answered the same turn, its call finds every whole block of
+    the user turn in the prefix cache (counted in the usage and in /v1/stats' `alora`)."""
+    from lorafleet.demo.skills import expected
+
+    root, store, fleet = stored
+    pull(str(fleet.adapters["shout"]), name="loud", store=store)
+    assert store.get("adapters", "loud") is not None
+    daemon = Daemon.start(root / "alora", model="demo", env={"LORAFLEET_HOME": str(store.root.parent)})
+    try:
+        assert ask(daemon, "loud", "hello world") == (200, expected("shout", "hello world"))
+        turn = [{"role": "user", "content": "a user turn long enough for two whole blocks of the cache"}]
+        with daemon.http() as c:
+            c.post("/v1/chat/completions", json={"model": "demo", "max_tokens": 4, "messages": turn}).raise_for_status()
+            r = c.post("/v1/chat/completions", json={"model": "loud", "max_tokens": 4, "messages": turn})
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 32 and cached % 16 == 0, r.json()["usage"]
+        alora = daemon.stats()["engine"]["alora"]
+        assert alora["requests"] == 2 and alora["reused_tokens"] == cached
+    finally:
+        daemon.kill()
+
+
 def test_an_adapter_that_added_tokens_is_pulled_with_its_tokenizer_and_served_with_it(tmp_path):
     """Pulled with its tokenizer files; on its first request (resolved from the store, its files
     checked off the engine thread) the prompt is read with its tokenizer, where the added token
