@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lorafleet.demo.evaluate import compare
+from lorafleet.demo.skills import SKILLS
 
 LOSS = {"int8": 0.01, "int4": 0.05}
 pytestmark = pytest.mark.heavy  # four whole evaluations of the fleet
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.heavy  # four whole evaluations of the fleet
 @pytest.mark.parametrize("scheme", LOSS)
 def test_each_skill_loses_at_most_its_scheme_s_points(scheme, capsys):
     rates = compare(200, scheme)
-    assert len(rates) == 8  # the base's echo and seven skills
+    assert len(rates) == 1 + len(SKILLS)  # the base's echo and every skill
     for task, (full, quantized) in rates.items():
         assert full - quantized <= LOSS[scheme] + 1e-9, f"{task or 'echo'}: {full:.1%} -> {quantized:.1%} in {scheme}"
     assert "points lost" in capsys.readouterr().out

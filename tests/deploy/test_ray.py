@@ -2,8 +2,7 @@
 the demo fleet behind the multiplexing router. Ray is optional: without it these tests skip,
 unless LORAFLEET_REQUIRE_RAY=1 (CI sets it), which makes its absence a failure.
 
-The demo fleet has seven adapters; with the base that is the eight models the requests spread
-over. Its skills make a request served with the wrong adapter visible: every answer must equal
+The demo fleet's adapters and its base are the models the requests spread over. Its skills make a request served with the wrong adapter visible: every answer must equal
 the same request served by one engine alone (the daemon's own routes, in-process)."""
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from lorafleet.demo import default_fleet  # noqa: E402
-from lorafleet.demo.skills import held_out_texts, user_turn  # noqa: E402
+from lorafleet.demo.skills import SKILLS, held_out_texts, user_turn  # noqa: E402
 
 pytestmark = pytest.mark.heavy  # starts Ray
 
@@ -117,10 +116,10 @@ def replica_stats(timeout: float = 60.0) -> dict[str, dict]:
     return seen
 
 
-def test_two_hundred_requests_over_eight_models_answer_as_one_engine_and_route_by_residency(
+def test_two_hundred_requests_over_the_fleets_models_answer_as_one_engine_and_route_by_residency(
         deployed, fleet, reference):
     models = [fleet.name, *fleet.adapters]
-    assert len(models) == 8
+    assert len(models) == 1 + len(SKILLS)
     texts = held_out_texts(25)
     rng = random.Random(0)
     work = [(rng.choice(models), rng.choice(texts), i % 5 == 0) for i in range(200)]
