@@ -154,3 +154,57 @@ def test_a_template_that_takes_no_tools_is_a_400_naming_it(tmp_path):
     finally:
         server.close()
         engine.close()
+
+
+# A ChatML template written as the Qwen2.5 family's works (not its text): tools listed in the system
+# turn, an assistant's calls as <tool_call> blocks of {"name", "arguments"} (arguments written with
+# tojson: objects), a tool's result as a <tool_response> in a user turn
+QWEN_LIKE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "Call as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% elif m.role == 'assistant' and m.tool_calls is defined %}<|im_start|>assistant\n"
+    "{{ m.content }}{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+SMALL_ADD = {"type": "function", "function": {"name": "add", "parameters": {  # bounded: a random model's digits end
+    "type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 99} for k in "ab"},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_a_chatml_model_with_a_qwen_like_template_renders_calls_back_and_is_held_to_a_call(tmp_path):
+    """A byte-level BPE model whose template takes tools: a forced call on its vocabulary parses and
+    fits the tool, and the conversation sent back (the call, its arguments as an object, the tool's
+    result) renders as the template writes it."""
+    from lorafleet import Engine
+    from lorafleet.deploy.inprocess import InProcessServer
+    from tests.fixtures import build_chat_model
+
+    base = build_chat_model(tmp_path / "base")
+    cfg = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": QWEN_LIKE}))
+    engine = Engine(base, pool_bytes=8 << 20)
+    server = InProcessServer(engine, "base", base)
+
+    def post(body):
+        status, _, raw = asyncio.run(server.call("POST", "/v1/chat/completions", json.dumps(body).encode()))
+        return status, json.loads(raw)
+    try:
+        status, out = post({"model": "base", "messages": ASK, "tools": [SMALL_ADD], "temperature": 0,
+                            "tool_choice": {"type": "function", "function": {"name": "add"}}, "max_tokens": 120})
+        assert status == 200, out
+        call = out["choices"][0]["message"]["tool_calls"][0]
+        assert out["choices"][0]["finish_reason"] == "tool_calls" and call["function"]["name"] == "add"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SMALL_ADD["function"]["parameters"])
+        back = [*ASK, out["choices"][0]["message"], {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
+        rendered = engine.tokenizer.apply_chat_template(
+            [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "add", "arguments": json.loads(call["function"]["arguments"])}}]},
+             {"role": "tool", "content": "42"}], tools=[SMALL_ADD], tokenize=True)
+        status, final = post({"model": "base", "messages": back, "tools": [SMALL_ADD], "max_tokens": 2})
+        assert status == 200 and final["usage"]["prompt_tokens"] == len(rendered)
+    finally:
+        server.close()
+        engine.close()
