@@ -139,71 +139,77 @@ def parse(fmt: str, text: str, names: frozenset[str]) -> tuple[str | None, list[
     return (left or None), calls
 
 
-def _may_begin(held: str, openers: tuple[str, ...]) -> bool:
-    """Whether `held` (left-stripped) may still be the start of a call: an opener, or a piece of one."""
-    return any(held.startswith(o) or o.startswith(held) for o in openers)
+MAX_LEADING_SPACE = 1024  # whitespace held before an output shows whether it is a call: past it, given out
 
 
 class ToolStream:
     """Reads calls out of an output as it streams: `feed(new_text)` and, at its end, `finish()`
-    each give (text that is surely no call, the calls completed)."""
+    each give (text that is surely no call, the calls completed). Each feed costs what its text
+    does: held text is kept in pieces and joined once, and a marker is looked for in the new text
+    and the few characters before it, never in all that is held (an answer may be long)."""
 
     def __init__(self, fmt: str, names: frozenset[str]):
         self.fmt, self.names = fmt, names
-        self.held = ""
-        self.open = False       # hermes: inside a <tool_call> block
-        self.decided = False    # mistral, llama3_json: the output is known not to be calls
-        self.calls = 0          # calls streamed so far: the next one's index
+        self.parts: list[str] = []  # held text: a call's body (hermes), or the whole output (the others)
+        self.tail = ""              # hermes: the last characters seen, where a marker may be cut in two
+        self.open = False           # hermes: inside a <tool_call> block
+        self.state = "undecided"    # mistral, llama3_json: "holding" (it began as a call may) or "text"
+        self.calls = 0              # calls streamed so far: the next one's index (`responses.tool_chunks`)
 
     def feed(self, text: str) -> tuple[str, list[Call]]:
-        self.held += text
         if self.fmt == "hermes":
-            return self._hermes()
-        if self.decided:
-            out, self.held = self.held, ""
-            return out, []
-        openers = (MISTRAL_MARK, "[") if self.fmt == "mistral" else (PYTHON_TAG, "{")
-        stripped = self.held.lstrip()
-        if not stripped or _may_begin(stripped, openers):
+            return self._hermes(text)
+        if self.state == "text":
+            return text, []
+        self.parts.append(text)
+        if self.state == "holding":
             return "", []
-        self.decided = True
-        out, self.held = self.held, ""
-        return out, []
+        held = "".join(self.parts)  # undecided: a few characters, or whitespace up to its bound
+        stripped = held.lstrip()
+        openers = (MISTRAL_MARK, "[") if self.fmt == "mistral" else (PYTHON_TAG, "{")
+        if any(stripped.startswith(o) for o in openers):
+            self.state = "holding"
+            return "", []
+        if not stripped:  # whitespace alone: held up to its bound, then given out as text (still undecided)
+            self.parts = [held] if len(held) <= MAX_LEADING_SPACE else []
+            return ("", []) if self.parts else (held, [])
+        if any(o.startswith(stripped) for o in openers):
+            self.parts = [held]
+            return "", []
+        self.state, self.parts = "text", []
+        return held, []
 
-    def _hermes(self) -> tuple[str, list[Call]]:
+    def _hermes(self, text: str) -> tuple[str, list[Call]]:
         out: list[str] = []
         calls: list[Call] = []
+        pending, self.tail = self.tail + text, ""
         while True:
+            marker = HERMES_CLOSE if self.open else HERMES_OPEN
+            at = pending.find(marker)
+            if at < 0:
+                keep = next((k for k in range(min(len(marker) - 1, len(pending)), 0, -1)
+                            if marker.startswith(pending[-k:])), 0)
+                (self.parts if self.open else out).append(pending[:len(pending) - keep])
+                self.tail = pending[len(pending) - keep:]
+                return "".join(out), calls
+            (self.parts if self.open else out).append(pending[:at])
+            pending = pending[at + len(marker):]
             if self.open:
-                end = self.held.find(HERMES_CLOSE)
-                if end < 0:
-                    break
-                body, self.held = self.held[:end], self.held[end + len(HERMES_CLOSE):]
-                self.open = False
+                body, self.parts, self.open = "".join(self.parts), [], False
                 call = _call(_loads(body.strip()), self.names)
                 if call is None:
                     out.append(HERMES_OPEN + body + HERMES_CLOSE)
                 else:
                     calls.append(call)
-                continue
-            start = self.held.find(HERMES_OPEN)
-            if start >= 0:
-                out.append(self.held[:start])
-                self.held, self.open = self.held[start + len(HERMES_OPEN):], True
-                continue
-            keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(self.held)), 0, -1)
-                         if HERMES_OPEN.startswith(self.held[-k:])), 0)
-            out.append(self.held[:len(self.held) - keep])
-            self.held = self.held[len(self.held) - keep:]
-            break
-        return "".join(out), calls
+            else:
+                self.open = True
 
     def finish(self) -> tuple[str, list[Call]]:
         """What is left at the output's end: an unclosed block, or held text that is not calls, as text."""
-        held, self.held = self.held, ""
+        held, self.parts, tail, self.tail = "".join(self.parts), [], self.tail, ""
         if self.fmt == "hermes":
-            return (HERMES_OPEN + held if self.open else held), []
-        if self.decided or not held.strip():
+            return (HERMES_OPEN + held + tail if self.open else tail), []
+        if self.state == "text" or not held.strip():
             return held, []
         calls = _whole_calls(self.fmt, held, self.names)
         return ("", calls) if calls else (held, [])
