@@ -13,6 +13,19 @@ from tests.engine.test_parity import hf_greedy, prompts_of_lengths
 from tests.fixtures import load_hf, load_peft
 
 
+def prefill_logits(engine, reqs: list[Request]) -> tuple[list[Chunk], torch.Tensor]:
+    """One prefill step of `reqs` whole, in the runner's order: its chunks and every row's logits
+    (on the host), the requests' KV freed after."""
+    chunks = engine.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
+    for c in chunks:
+        engine.kv.grow(c.request.request_id, c.num_tokens)
+    try:
+        return chunks, engine.runner.execute(chunks, engine.runner.lora_batch(chunks), all_logits=True).cpu()
+    finally:
+        for r in reqs:
+            engine.kv.free(r.request_id)
+
+
 def assert_one_batch_gives_peft_greedy_tokens(fleet, names, seed: int) -> None:
     base, adapters, engine = fleet
     order = [*names, None]
@@ -35,14 +48,7 @@ def assert_one_prefill_gives_peft_logits(fleet, names, seed: int, changes=lambda
     prompts = prompts_of_lengths([4 + 3 * i for i in range(len(order))], seed=seed)
     reqs = [Request(f"p{i}", p, SamplingParams(), a, loras=(engine.adapters.get(a),) if a else (),
                     scales=(1.0,) if a else ()) for i, (p, a) in enumerate(zip(prompts, order))]
-    chunks = engine.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
-    for c in chunks:
-        engine.kv.grow(c.request.request_id, c.num_tokens)
-    try:
-        logits = engine.runner.execute(chunks, engine.runner.lora_batch(chunks), all_logits=True).cpu()
-    finally:
-        for r in reqs:
-            engine.kv.free(r.request_id)
+    chunks, logits = prefill_logits(engine, reqs)
     row, plain = 0, load_hf(base)
     for c in chunks:
         ours = logits[row:row + c.num_tokens]

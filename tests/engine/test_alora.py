@@ -17,8 +17,8 @@ import torch
 from lorafleet import Engine, Mix, SamplingParams
 from lorafleet.adapters.alora import FIELD, activation
 from lorafleet.engine.request import Request
-from lorafleet.engine.scheduler import Chunk
 from lorafleet.errors import AdapterError, InvalidRequestError
+from tests.engine.fleet_parity import prefill_logits
 from tests.fixtures import ALL7, build_adapter, build_model, load_hf, load_peft
 
 INV = [7, 8, 9]
@@ -141,14 +141,7 @@ def test_alora_prefill_logits_are_pefts_and_the_bases_before_the_activation(flee
         inv = ALORAS.get(name, {}).get("alora_invocation_tokens")
         reqs.append(Request(f"p{i}", prompt, SamplingParams(), name, loras=(e.adapters.get(name),) if name else (),
                             scales=(1.0,) if name else (), activation=activation(prompt, tuple(inv)) if inv else None))
-    chunks = e.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
-    for c in chunks:
-        e.kv.grow(c.request.request_id, c.num_tokens)
-    try:
-        logits = e.runner.execute(chunks, e.runner.lora_batch(chunks), all_logits=True).cpu()
-    finally:
-        for r in reqs:
-            e.kv.free(r.request_id)
+    chunks, logits = prefill_logits(e, reqs)
     row, plain = 0, load_hf(base)
     for c in chunks:
         ours, name, ids = logits[row:row + c.num_tokens], c.request.adapter, c.request.prompt_token_ids

@@ -8,7 +8,7 @@ import torch
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.engine.request import Request
-from lorafleet.engine.scheduler import Chunk
+from tests.engine.fleet_parity import prefill_logits
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
 from tests.fixtures import ADAPTER_VARIANTS, FAMILIES, build_adapter, build_model, load_hf, load_peft
 
@@ -39,15 +39,7 @@ def test_mixed_batch_logits_match_peft_per_adapter(fleet):
     reqs = [Request(f"r{i}", p, SamplingParams(), a,
                         loras=(engine.adapters.get(a),) if a else (), scales=(1.0,) if a else ())
             for i, (p, a) in enumerate(zip(prompts, order))]
-    chunks = engine.runner.order([Chunk(r, len(r.prompt_token_ids)) for r in reqs])
-    for c in chunks:
-        engine.kv.grow(c.request.request_id, c.num_tokens)
-    try:
-        logits = engine.runner.execute(chunks, engine.runner.lora_batch(chunks),
-                                       all_logits=True).cpu()
-    finally:
-        for r in reqs:
-            engine.kv.free(r.request_id)
+    chunks, logits = prefill_logits(engine, reqs)
     assert len({c.request.adapter for c in chunks}) == len(adapters) + 1
     row = 0
     plain = load_hf(base)

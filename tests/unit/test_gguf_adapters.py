@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.engine.request import Request
-from lorafleet.engine.scheduler import Chunk
 from lorafleet.errors import AdapterError
 from lorafleet.adapters import gguf as gguf_adapter
 from lorafleet.store.pull import pull
 from lorafleet.store.store import Store
+from tests.engine.fleet_parity import prefill_logits
 from tests.engine.test_parity import prompts_of_lengths
 from tests.fixtures import build_adapter, build_model, load_peft
 from tests.unit.test_gguf import gguf_name, llamacpp_permute, write_gguf
@@ -104,12 +104,7 @@ def adapter_prefill(engine, prompt: list[int], name: str) -> torch.Tensor:
     entry = engine.adapters.get(name)
     req = Request("gguf-parity", prompt, SamplingParams(), name, loras=(entry,), scales=(1.0,))
     req.activation = request_activation([(entry, 1.0)], prompt)  # an aLoRA's, as add_request finds it
-    chunks = [Chunk(req, len(prompt))]
-    engine.kv.grow(req.request_id, len(prompt))
-    try:
-        return engine.runner.execute(chunks, engine.runner.lora_batch(chunks), all_logits=True).cpu()
-    finally:
-        engine.kv.free(req.request_id)
+    return prefill_logits(engine, [req])[1]
 
 
 @pytest.mark.unit
