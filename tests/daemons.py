@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -177,3 +178,10 @@ def served(chat_model_dir, adapter_dirs, tmp_path_factory):
     """The session's daemon on the chat model, its five adapters loaded under their names."""
     with chat_daemon(tmp_path_factory.mktemp("d"), chat_model_dir, adapter_dirs) as daemon:
         yield daemon
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (for a daemon's --port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.daemons import Daemon
+from tests.daemons import Daemon, free_port
 
 KEY = "tcp-verbs-key"
 ADAPTER = "all-r8"
 TIMEOUT = 120  # seconds any one CLI run may take (a shared CPU box: imports alone can be slow)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ if os.environ.get("LORAFLEET_REQUIRE_RAY") != "1":
     pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'lorafleet[ray]'")
 
 from lorafleet.demo.skills import expected, user_turn  # noqa: E402
+from tests.daemons import free_port  # noqa: E402
 
 pytestmark = pytest.mark.heavy  # starts Ray
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_deploy_ray_serves_the_demo_fleet_and_stops_on_ctrl_c(tmp_path):

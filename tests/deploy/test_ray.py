@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,17 +25,12 @@ from ray import serve  # noqa: E402
 
 from lorafleet.demo import default_fleet  # noqa: E402
 from lorafleet.demo.skills import SKILLS, held_out_texts, user_turn  # noqa: E402
+from tests.daemons import free_port  # noqa: E402
 
 pytestmark = pytest.mark.heavy  # starts Ray
 
 POOL = 64 << 20
 APP = "lorafleet-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

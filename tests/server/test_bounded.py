@@ -16,7 +16,7 @@ import pytest
 
 from lorafleet.demo import default_fleet
 from lorafleet.server import protocol
-from tests.daemons import Daemon
+from tests.daemons import Daemon, free_port
 from tests.fixtures import demo_in_process
 
 
@@ -150,11 +150,6 @@ def test_a_lazy_registration_checks_the_files_off_the_engine_thread(server, tmp_
 
 
 # -- TCP: a header timeout and a connection cap ------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

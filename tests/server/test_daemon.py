@@ -15,13 +15,7 @@ import threading
 import httpx
 import pytest
 
-from tests.daemons import Daemon
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.daemons import Daemon, free_port
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import statistics
 import threading
 import time
@@ -24,18 +23,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemons import Daemon
+from tests.daemons import Daemon, free_port
 
 KEY = "gateway-key"
 POOL = "512K"          # 64 pages of 8 KiB: the five fixture adapters (40 pages) and one request's KV
 LONG = 480             # tokens: the chat model's context is 512
 RANKS = {"attn-r3": 3, "all-r8": 8, "mlp-r24": 24, "rslora-r16": 16, "down-r1": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(root, model):

@@ -25,7 +25,6 @@ import asyncio
 import gc
 import json
 import shutil
-import socket
 import statistics
 import struct
 import sys
@@ -37,7 +36,7 @@ import pytest
 from lorafleet.bench import machine
 from lorafleet.demo import default_fleet
 from lorafleet.demo.skills import held_out_texts
-from tests.daemons import POOL, Daemon
+from tests.daemons import POOL, Daemon, free_port
 from tests.server.test_hostile import CALM_S, MAX_OTHER_CORES, NOISY_BOUND, STREAM, calm_worst, stall_bound, start_streams
 
 pytestmark = pytest.mark.heavy  # timing: token gaps beside hostile input
@@ -51,12 +50,6 @@ WINDOW_S = 0.5  # gaps and other work are measured over at least this long from 
 # host's own hiccups), so a long window is held to its 99th percentile, and its worst to NOISY_BOUND
 LONG_WINDOW = 200
 SCHED_IDLE = 5  # a process's policy in /proc/PID/stat (field 41)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # the demo base's chat template, looping for good on a message "hang" and amplifying "amp"

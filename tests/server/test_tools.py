@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import jsonschema
 import pytest
 
-from tests.daemons import Daemon
+from tests.daemons import Daemon, free_port
 
 KEY = "tools-test-key"
 WEATHER = {"type": "function", "function": {
@@ -26,12 +25,6 @@ ADD = {"type": "function", "function": {
                                   "required": ["a", "b"], "additionalProperties": False}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
