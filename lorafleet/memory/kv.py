@@ -173,7 +173,7 @@ class KVCacheManager:
             first = len(chain)
             tokens = np.asarray(req.token_at(first * bs, blocks * bs), dtype=np.int64)
             salt = request_salt(req.loras, req.scales)
-            act = getattr(req, "activation", None) if salt != BASE_SALT else None  # an aLoRA's (module doc)
+            act = req.activation if salt != BASE_SALT else None  # an aLoRA's (module doc)
             prev = chain[-1] if chain else salt if act is None else BASE_SALT
             for i in range(first, blocks):
                 if act is not None and i == act // bs:  # its adapter takes over in this block

@@ -125,8 +125,8 @@ async def prepare_request(st: ServerState, gen: Generation) -> tuple[Generation,
     only queues what comes out (`EngineWorker.submit`). Returns it with its tokenizer."""
     tokenizer = await tokenizer_of(st, gen)
     if gen.tools is not None:  # its format read off the template; a required or named call made a grammar
-        gen.tool_format, gen.params = tools.prepare(gen.tools, getattr(tokenizer, "chat_template", None), gen.params,
-                                                    tokenizer)
+        template = tokenizer.chat_template if tokenizer is not None else None
+        gen.tool_format, gen.params = tools.prepare(gen.tools, template, gen.params, tokenizer)
     if gen.params.structured is not None:  # compiled off the loop: the matcher build drops the GIL
         gen.grammar = await asyncio.to_thread(st.worker.engine.grammar, gen.params.structured, gen.adapter)
     rendered = await renders.render_chat(gen, tokenizer, st.max_model_len) if gen.kind == "chat" else None
