@@ -17,12 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from lorafleet import Engine, SamplingParams
-from lorafleet.engine.request import Request
+from lorafleet.engine import verify
 from lorafleet.errors import AdapterError
 from lorafleet.adapters import gguf as gguf_adapter
 from lorafleet.store.pull import pull
 from lorafleet.store.store import Store
-from tests.engine.fleet_parity import prefill_logits
 from tests.engine.test_parity import prompts_of_lengths
 from tests.fixtures import build_adapter, build_model, load_peft
 from tests.unit.test_gguf import gguf_name, llamacpp_permute, write_gguf
@@ -87,7 +86,7 @@ def test_a_gguf_adapter_serves_what_its_peft_folder_does(fleet, monkeypatch, tmp
     assert cfg["rank_pattern"] == {"model.layers.1.mlp.down_proj": 4} and cfg["lora_alpha"] == 16
     peft_model = load_peft(base, peft)
     for prompt in prompts_of_lengths([3, 17], seed=11):
-        ours = adapter_prefill(engine, prompt, "gguf")
+        ours = verify.prefill_logits(engine, prompt, "gguf")
         with torch.no_grad():
             ref = peft_model(torch.tensor([prompt])).logits[0]
         assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
@@ -95,16 +94,6 @@ def test_a_gguf_adapter_serves_what_its_peft_folder_does(fleet, monkeypatch, tmp
     prompts = prompts_of_lengths([5, 9], seed=12)
     assert [o.token_ids for o in engine.generate(prompts, params, adapters=["gguf"] * 2)] == \
         [o.token_ids for o in engine.generate(prompts, params, adapters=["peft"] * 2)]
-
-
-def adapter_prefill(engine, prompt: list[int], name: str) -> torch.Tensor:
-    """Every row's logits of `prompt` prefilled under adapter `name`."""
-    from lorafleet.adapters.alora import request_activation
-
-    entry = engine.adapters.get(name)
-    req = Request("gguf-parity", prompt, SamplingParams(), name, loras=(entry,), scales=(1.0,))
-    req.activation = request_activation([(entry, 1.0)], prompt)  # an aLoRA's, as add_request finds it
-    return prefill_logits(engine, [req])[1]
 
 
 @pytest.mark.unit
@@ -200,7 +189,7 @@ def test_llama_cpps_converter_writes_adapters_that_serve_as_their_peft_folder(tm
     peft_model = load_peft(base, peft)
     for prompt in prompts_of_lengths([4, 15], seed=13):
         prompt = prompt[:2] + inv + prompt[2:] if alora else prompt
-        ours = adapter_prefill(engine, prompt, "gguf")
+        ours = verify.prefill_logits(engine, prompt, "gguf")
         with torch.no_grad():
             ref = peft_model(torch.tensor([prompt])).logits[0]
         tol = 1e-4 if outtype == "f32" else 2e-2  # Q8_0's rounding of A and B
