@@ -19,7 +19,7 @@ from lorafleet.adapters.alora import FIELD, activation
 from lorafleet.engine.request import Request
 from lorafleet.errors import AdapterError, InvalidRequestError
 from tests.engine.fleet_parity import prefill_logits
-from tests.fixtures import ALL7, build_adapter, build_model, load_hf, load_peft
+from tests.fixtures import ALL7, build_adapter, build_model, force_kernels, load_hf, load_peft
 
 INV = [7, 8, 9]
 ALORAS = {
@@ -35,10 +35,14 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 BS = 16
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", pytest.param("SmolLM2-135M", marks=pytest.mark.heavy)])
+def fleet(request, tmp_path_factory):
+    """The aLoRAs and the plain adapter on a tiny Llama; in the heavy tier on a real config too
+    (SmolLM2's at 2 layers: tied embeddings, 9 heads, GQA 3)."""
+    from tests.engine.conformance import build
+
     root = tmp_path_factory.mktemp("alora")
-    base = build_model(root / "base", "llama")
+    base = build_model(root / "base", "llama") if request.param == "llama" else build(request.param, root / "base")
     adapters = {name: build_adapter(base, root / name, seed=i, b_std=0.3, **kw)
                 for i, (name, kw) in enumerate({**ALORAS, **PLAIN}.items())}
     return base, adapters
@@ -46,7 +50,9 @@ def fleet(tmp_path_factory):
 
 def engine(fleet, **options) -> Engine:
     base, adapters = fleet
-    e = Engine(base, pool_bytes=8 << 20, debug_checks=True, **options)
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    # a tied LM head's LoRA comes with the embedding PEFT saves beside it: a real vocabulary's needs room
+    e = Engine(base, pool_bytes=(8 << 20) * (1 if vocab <= 4096 else 32), debug_checks=True, **options)
     for name, path in adapters.items():
         e.register_adapter(name, path)
     return e
@@ -111,12 +117,24 @@ def test_a_runs_adapter_rows_start_at_each_requests_activation():
     assert adapter_rows(run, 10) == [(22, 37), (39, 42)]  # 10-21 base, 22-36 on, 37-38 base, 39-41 on
 
 
+def _kernels():
+    """Every CPU variant this CPU runs, forced, and torch: the host's own in the default tier."""
+    from lorafleet.kernels import cpu_module
+
+    host = cpu_module.host_variant()
+    return [pytest.param(k, marks=() if k == host else pytest.mark.heavy) for k in (*cpu_module.runnable(), "torch")]
+
+
 @pytest.mark.parametrize("options", [{}, {"prefix_cache": False}, {"max_num_batched_tokens": 8},
                                      {"async_decode": "on", "decode_graphs": "fixed"}],
                          ids=["cache", "no-cache", "chunked", "async-fixed"])
-def test_alora_adapters_in_one_batch_with_plain_and_base_give_pefts_greedy_tokens(fleet, options):
+@pytest.mark.parametrize("kernels", _kernels())
+def test_alora_adapters_in_one_batch_with_plain_and_base_give_pefts_greedy_tokens(fleet, options, kernels,
+                                                                                    monkeypatch):
     base, adapters = fleet
+    force_kernels(monkeypatch, kernels)
     e = engine(fleet, **options)
+    assert e.model.kernels.label == ("torch" if kernels == "torch" else f"cpu/{kernels}")
     reqs = requests(seed=3)
     if options.get("prefix_cache", True):  # the base answered every history first: its blocks are cached
         e.generate([p for _, p in reqs], GREEDY, adapters=[None] * len(reqs))
@@ -239,12 +257,14 @@ def edited(src: Path, dst: Path, **changes) -> Path:
 
 @pytest.mark.parametrize("changes,field", [
     ({FIELD: "7 8 9"}, FIELD), ({FIELD: [7, -1]}, FIELD), ({FIELD: [7, True]}, FIELD), ({FIELD: [7, 8.0]}, FIELD),
-    ({FIELD: [160]}, FIELD), ({FIELD: [1] * 257}, FIELD), ({FIELD: [7], "use_dora": True}, "use_dora"),
+    ({FIELD: "the base's vocabulary size"}, FIELD), ({FIELD: [1] * 257}, FIELD), ({FIELD: [7], "use_dora": True}, "use_dora"),
     ({FIELD: [7], "modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({FIELD: [7], "target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
 ], ids=["string", "negative", "bool", "float", "out-of-vocab", "too-long", "dora", "saved-modules", "embedding"])
 def test_bad_alora_configs_are_refused_naming_the_field(fleet, tmp_path, changes, field):
     e = engine(fleet)
+    if changes[FIELD] == "the base's vocabulary size":  # the first id past it
+        changes = {FIELD: [json.loads((fleet[0] / "config.json").read_text())["vocab_size"]]}
     folder = edited(fleet[1]["alora-attn-r4"], tmp_path / "bad", **changes)
     with pytest.raises(AdapterError, match=field):
         e.register_adapter("bad", folder)
