@@ -169,7 +169,7 @@ def tool_chunks(gen: Generation, rid: str, created: int, stream: tool_calls.Tool
     for c in calls if gen.tools is None or gen.tools.parallel else calls[:max(0, 1 - stream.calls)]:
         i = stream.calls
         stream.calls += 1
-        deltas.append({"tool_calls": [{"index": i, "id": tools.call_json(c)["id"], "type": "function",
+        deltas.append({"tool_calls": [{"index": i, "id": tools.call_id(), "type": "function",
                                        "function": {"name": c.name, "arguments": ""}}]})
         deltas.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
     reason = finish_reason(out.finish_reason)

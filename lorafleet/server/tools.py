@@ -144,6 +144,9 @@ def prepare(tools: Tools, template: str | None, params, vocabulary) -> tuple[str
     return fmt, dataclasses.replace(params, structured=Constraint("lark", text, "tools"))
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def call_json(call: tool_calls.Call) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
