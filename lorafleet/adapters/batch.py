@@ -230,12 +230,21 @@ class LoraBatch:
         out[:, 1] = np.minimum(out[:, 0] + rows, hi[g])
         return out
 
-    def to_device(self) -> LoraBatch:
-        """`seg` for the kernels: one copy of [S, SEG_FIELDS] to the pool's device (none on the CPU)."""
-        up = Upload()
-        up.add(self.host)
-        self.seg = up.send(self.weights.device)[0]
+    def stage(self, up: Upload) -> int:
+        """Adds the host's [S, SEG_FIELDS] to `up` (a step's one copy); returns its column, which
+        `landed` takes once `up` is sent."""
+        return up.add(self.host)
+
+    def landed(self, seg: torch.Tensor) -> LoraBatch:
+        """`seg` for the kernels: the staged column on the pool's device."""
+        self.seg = seg
         return self
+
+    def to_device(self) -> LoraBatch:
+        """`stage` and `landed` in a copy of its own (none on the CPU), for a batch used alone."""
+        up = Upload()
+        at = self.stage(up)
+        return self.landed(up.send(self.weights.device)[at])
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter delta for `group` of `layer` (rows in no segment untouched)."""

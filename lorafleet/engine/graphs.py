@@ -28,8 +28,8 @@ logits are dropped.
 Each step's inputs reach the device in one copy: the runner hands its numbers over on the host
 (`StepInputs`, numpy, as for every step), they are written into one staging buffer (pinned on CUDA) laid out as the
 device buffer every capture reads (ids, positions, KV slots, context lengths, LoRA segments,
-then the block tables, row by row), and the prefix a bucket reads goes over in one non-blocking
-copy. Why: each `.to(device)` of pageable memory is a copy that holds the host until it is done
+then the block tables, row by row), the sampler's per-row numbers after the bucket's tables, and
+that prefix goes over in one non-blocking copy. Why: each `.to(device)` of pageable memory is a copy that holds the host until it is done
 (seven a step, and as many launches to move them into the graph's buffers), on a step that
 lasts about a millisecond on a GPU. Before the staging buffer is written again, the event
 recorded after the last copy is waited for (already passed once the step's tokens were read).
@@ -51,6 +51,8 @@ from lorafleet.errors import ConfigError
 from lorafleet.kernels.reference import SEG_FIELDS, AttentionMetadata
 from lorafleet.adapters.batch import LoraBatch, group_shapes
 from lorafleet.engine.step_inputs import StepInputs
+from lorafleet.model.sampler import Plan
+from lorafleet.model.upload import Upload
 from lorafleet.snapshot import DecodeGraphsStats
 
 SEGMENT_ROWS = 16              # rows of one LoRA segment in a captured step (the kernels' row block)
@@ -129,9 +131,10 @@ class DecodeGraphs:
         segs = segment_buckets(n)[-1]
         # the inputs every capture reads (bucket b uses their first b rows), as one device buffer
         # and its staging twin on the host: [ids, positions, slot pages, slot offsets, context
-        # lengths: n each][segments: segs x SEG_FIELDS][block tables: n x max_blocks]
+        # lengths: n each][segments: segs x SEG_FIELDS][block tables: n x max_blocks][the
+        # sampler's numbers, which no capture reads: after the bucket's last table row]
         self.tables_at = 5 * n + segs * SEG_FIELDS
-        size = self.tables_at + n * mb
+        size = self.tables_at + n * mb + Plan.bound(n) // 8
         self.stage = torch.zeros(size, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.inputs = torch.zeros(size, dtype=torch.long, device=dev)
         self._staged = torch.cuda.Event() if dev.type == "cuda" else None  # after the last copy
@@ -140,7 +143,8 @@ class DecodeGraphs:
         host, views = self.stage.numpy(), {}
         for name, buf in (("host", host), ("dev", self.inputs)):
             views[name] = (buf[0:n], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:4 * n], buf[4 * n:5 * n],
-                           buf[5 * n:self.tables_at].reshape(segs, SEG_FIELDS), buf[self.tables_at:].reshape(n, mb))
+                           buf[5 * n:self.tables_at].reshape(segs, SEG_FIELDS),
+                           buf[self.tables_at:self.tables_at + n * mb].reshape(n, mb))
         (self._ids, self._positions, self._slot_pages, self._slot_offsets, self._lens, self._seg,
          self._tables) = views["host"]
         (self.ids, self.positions, self.slot_pages, self.slot_offsets, self.context_lens, self.seg,
@@ -172,11 +176,13 @@ class DecodeGraphs:
             self.eager_fallbacks += 1
         return ok
 
-    def run(self, step: StepInputs, lora: LoraBatch | None, prev: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's numbers into the staging buffer (padding rows on the scratch page), one
-        copy of what its bucket reads to the device, the inputs not read yet taken from `prev`
-        (the last step's drawn tokens, `fill_pending`), then the bucket's graph. Returns the
-        logits of the rows that sample [S, V]."""
+    def run(self, step: StepInputs, lora: LoraBatch | None, up: Upload, prev: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """The step's numbers into the staging buffer (padding rows on the scratch page), with
+        the columns `up` holds (the sampler's: `Plan.bound` of them at most) after what the bucket
+        reads, one copy of both to the device (`up.sent` then views of it), the inputs not read
+        yet taken from `prev` (the last step's drawn tokens, `fill_pending`), then the bucket's
+        graph. Returns the logits of the rows that sample [S, V]."""
         n = len(step.ids)
         b = self.bucket(n)
         if self._staged is not None:
@@ -194,7 +200,12 @@ class DecodeGraphs:
         self._lens[n:b] = 1
         key = (b, 0, 0) if lora is None else self._set_lora(lora, b)
         end = self.tables_at + b * self.max_blocks
+        extra = up.nbytes()
+        assert extra <= Plan.bound(n), "more than a sampler's numbers beside a step's inputs"
+        spans = up.write(self.stage.numpy()[end:].view(np.uint8))
+        end += extra // 8
         self.inputs[:end].copy_(self.stage[:end], non_blocking=True)
+        up.views(self.inputs[end - extra // 8:end].view(torch.uint8), spans)
         if self._staged is not None:
             self._staged.record()
         self.uploads += 1

@@ -25,7 +25,8 @@ from lorafleet.adapters.batch import LoraBatch, group_shapes
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.model.grammar import apply_masks
 from lorafleet.model.llama import LlamaModel
-from lorafleet.model.sampler import Drawn, launch
+from lorafleet.model.sampler import Drawn, Plan, launch
+from lorafleet.model.upload import Upload
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ModelRunner:
         self.generator = generator
         self.exact = exact
         self.lora_shapes = group_shapes(model.cfg.linear_features())
+        self.vocab = model.cfg.vocab_size  # the logits' width: the sampler's plan is made before them
         self._model_s = 0.0  # the model's forward pass in the last execute(), on the CPU
         self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         if self.device.type == "cuda" else None)
@@ -65,11 +67,14 @@ class ModelRunner:
         on the device. `prev`: the step still in flight, whose drawn tokens are the input of the
         rows that follow them."""
         chunks = self.order(chunks)
-        logits = self.execute(chunks, self.lora_batch(chunks), prev=prev.drawn.tokens if prev is not None else None)
         reqs = [c.request for c in chunks if c.samples]
         held = [(j, r.matcher) for j, r in enumerate(reqs) if r.matcher is not None]  # structured output's rows
-        drawn = launch(logits, [r.params for r in reqs], [r.generator for r in reqs], self.model.kernels.greedy,
-                       shared=self.generator, exact=self.exact,
+        up = Upload()  # the step's one copy: the sampler's numbers join the inputs
+        plan = Plan(up, [r.params for r in reqs], [r.generator for r in reqs], self.generator, self.vocab,
+                    self.exact, [j for j, _ in held])
+        logits = self.execute(chunks, self.lora_batch(chunks), prev=prev.drawn.tokens if prev is not None else None,
+                              up=up)
+        drawn = launch(logits, plan, self.model.kernels.greedy,
                        constrain=functools.partial(apply_masks, rows=held) if held else None)
         fence = None
         if self.device.type == "cuda":
@@ -158,32 +163,33 @@ class ModelRunner:
         return StepInputs(ids, pos, table[flat_rows, pos // bs], pos % bs, start[:nd] + 1, tables,
                           None if all_logits else last[samples], prefill)
 
-    def prepare(self, step: StepInputs):
-        """The step's inputs on the device for the eager forward: `StepInputs.upload`."""
-        return step.upload(self.device)
-
     @torch.inference_mode()
-    def execute(self, chunks: list[Chunk], lora=None, all_logits: bool = False,
-                prev: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, chunks: list[Chunk], lora: LoraBatch | None = None, all_logits: bool = False,
+                prev: torch.Tensor | None = None, up: Upload | None = None) -> torch.Tensor:
         """`chunks` must already be in `order()`. Returns logits [S, V] for the chunks that
         sample, in chunk order (every row's logits [T, V] with `all_logits`, for tests). `prev`:
         the tokens the last step drew on the device, which rows whose input is not read yet take
-        (`Request.input_ids`)."""
+        (`Request.input_ids`). `up`: columns that travel with the step's inputs (the sampler's
+        `Plan`), sent with them in the step's one copy."""
         step = self.inputs(chunks, all_logits)
+        up = Upload() if up is None else up
         fixed = self.graphs is not None and not all_logits and step.pure_decode and self.graphs.fits(step, lora)
         if not fixed:
-            ids, positions, meta, rows = self.prepare(step)
+            seg_at = lora.stage(up) if lora is not None else -1
+            ids, positions, meta, rows = step.upload(self.device, up)
+            if lora is not None:
+                lora.landed(up.sent[seg_at])
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # the forward's device time, read once the sampled tokens are
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
         if fixed:
             assert self.graphs is not None  # fixed: graphs exist
-            logits = self.graphs.run(step, lora, prev)  # stages `lora`'s segments with the step's inputs
+            logits = self.graphs.run(step, lora, up, prev)  # stages `lora`'s segments with the step's inputs
         else:
             if prev is not None:
                 ids = fill_pending(ids, prev)
-            logits = self.model(ids, positions, meta, self.kv.cache, rows, lora and lora.to_device())
+            logits = self.model(ids, positions, meta, self.kv.cache, rows, lora)
         if self.device.type == "cuda":
             assert self._events is not None  # recorded above
             self._events[1].record()

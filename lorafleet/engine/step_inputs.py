@@ -1,6 +1,7 @@
 """StepInputs: a step's numbers on the host, built once a step (`ModelRunner.inputs`) and read by
 every way to run it: `upload` sends them for the eager forward (the CPU's one-call forward
-included), `DecodeGraphs.run` writes a pure decode step's into the captured graphs' staging buffer.
+included), `DecodeGraphs.run` writes a pure decode step's into the captured graphs' staging buffer;
+either way with the step's LoRA segments and sampler numbers, in one copy to a GPU.
 Why one type: the eager, captured and CPU paths each built their own before, and drifted."""
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ class StepInputs:
     def pure_decode(self) -> bool:
         return self.prefill is None
 
-    def upload(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input ids [T], positions [T], AttentionMetadata, logits rows [S]) on `dev`, in one copy
-        (`Upload`: views of these arrays on the CPU)."""
+    def upload(self, dev: torch.device, up: Upload) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                             torch.Tensor]:
+        """(input ids [T], positions [T], AttentionMetadata, logits rows [S]) on `dev`, sent with
+        the columns `up` already holds (the LoRA segments', the sampler's) in one copy (`Upload`;
+        on the CPU, views of these arrays and no copy)."""
         cols = [self.ids, self.positions, self.slot_pages, self.slot_offsets, self.lens, self.tables]
         p = self.prefill
         if p is not None:
@@ -58,11 +61,11 @@ class StepInputs:
             cols.append(self.out_rows)
         if dev.type == "cpu":  # the arrays themselves (int64 already): `Upload`'s checks cost more than a step's build
             t = [torch.from_numpy(a) for a in cols]
+            up.send(dev)
         else:
-            up = Upload()
-            for a in cols:
-                up.add(a)
-            t = up.send(dev)
+            at = [up.add(a) for a in cols]
+            sent = up.send(dev)
+            t = [sent[i] for i in at]
         ids, pos, pages, offsets, lens, tables = t[:6]
         meta = AttentionMetadata(slot_pages=pages, slot_offsets=offsets)
         if self.num_decode:

@@ -190,40 +190,70 @@ class Drawn:
         return tokens, lps, errors
 
 
-def launch(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy,
-           shared: torch.Generator | None = None, exact: bool = False, constrain=None) -> Drawn:
-    """The draws of every row of logits [S, V] float32, queued on the device; params[i]:
-    SamplingParams; generators[i]: the row's own torch.Generator (a seeded request) or None (it
-    draws from `shared`); `greedy`: the model's kernel for `reference.greedy` (every row's argmax
-    and finiteness). `exact` (a next step may read `tokens` before the host does): filtering rows
-    sort their whole rows at once, so a token is never drawn again once read, and a failed row's
-    token is clamped into the vocabulary, a valid input. `constrain(logits)`: sets the tokens
-    some rows may not take to -inf in place (structured output) and returns those rows; each
-    row's finiteness is judged before, and logprobs read a copy taken before, where any row asks
-    for them: both stay the model's own."""
+class Plan:
+    """A step's per-row sampler numbers (which rows draw or want logprobs, temperatures, the
+    draws' filters), added to the step's one `Upload` before its forward pass, so that they cross
+    to the device in the copy that carries the step's inputs (`ModelRunner.execute`); `launch`
+    reads them from `up.sent`. params[i]: SamplingParams; generators[i]: the row's own
+    torch.Generator (a seeded request) or None (it draws from `shared`); V: the vocabulary;
+    `exact`: see `launch`; `held`: the rows under a structured output's constraint. The width is
+    the base's vocabulary; a step whose logits are wider (an adapter with a vocabulary of its own)
+    has its plan made again at `launch`."""
+
+    def __init__(self, up: Upload, params: list, generators: list, shared: torch.Generator | None, V: int,
+                 exact: bool = False, held: list[int] | None = None):
+        self.up, self.params, self.generators, self.shared, self.V, self.exact = up, params, generators, shared, V, exact
+        self.hot = [i for i, p in enumerate(params) if not p.greedy]
+        self.want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        self.held = held
+        self.held_at = up.add(held) if held else None
+        self.draws: list[_Draw] = []
+        if self.hot or self.want_lp:
+            self.hot_at, self.lp_at = up.add(self.hot), up.add(self.want_lp)
+            self.inv_at = up.add([1.0 / params[i].temperature for i in self.hot], torch.float32)
+            self.draws = _draws(up, list(range(len(self.hot))), [params[i] for i in self.hot],
+                                [generators[i] for i in self.hot], shared, V, whole=exact)
+
+    @staticmethod
+    def bound(rows: int) -> int:
+        """The most bytes a plan over `rows` rows adds to an Upload: at most 8 columns that each
+        hold a row at most once (the held rows, hot, logprobs, temperatures, and the draws' positions,
+        min-p, k and p, split among the draws), each element at most 8 bytes with its padding."""
+        return 8 * 8 * rows
+
+
+def launch(logits: torch.Tensor, plan: Plan, greedy=reference.greedy, constrain=None) -> Drawn:
+    """The draws of every row of logits [S, V] float32 as `plan` says, queued on the device
+    (`plan.up` already sent); `greedy`: the model's kernel for `reference.greedy` (every row's
+    argmax and finiteness). `plan.exact` (a next step may read `tokens` before the host does):
+    filtering rows sort their whole rows at once, so a token is never drawn again once read, and a
+    failed row's token is clamped into the vocabulary, a valid input. `constrain(logits)`: sets
+    the tokens the held rows may not take to -inf in place (structured output); each row's
+    finiteness is judged before, and logprobs read a copy taken before, where any row asks for
+    them: both stay the model's own."""
     S, V = logits.shape
-    dev = logits.device
+    assert S == len(plan.params), "the plan was made for another step"
+    if V != plan.V:  # an adapter's own vocabulary widened the logits: its numbers for this width, sent alone
+        up = Upload()
+        plan = Plan(up, plan.params, plan.generators, plan.shared, V, plan.exact, plan.held)
+        up.send(logits.device)
+    params, exact, cols = plan.params, plan.exact, plan.up.sent
     raw = logits
     tokens_dev, finite = greedy(logits)  # one batched call covers greedy rows
     if constrain is not None:
-        if any(p.logprobs is not None for p in params):
+        assert plan.held_at is not None  # a constraint's rows were planned
+        if plan.want_lp:
             logits = logits.clone()
-        held = torch.tensor(constrain(logits), device=dev)
+        constrain(logits)
+        held = cols[plan.held_at]
         tokens_dev = tokens_dev.index_copy(0, held, logits.index_select(0, held).argmax(-1))
-    hot = [i for i, p in enumerate(params) if not p.greedy]
-    want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+    hot, want_lp = plan.hot, plan.want_lp
     if not hot and not want_lp:  # every row greedy: the argmax alone
-        return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1) if exact else tokens_dev, finite, None,
-                     hot, None, None)
-    up = Upload()
-    hot_at, lp_at = up.add(hot), up.add(want_lp)
-    inv_at = up.add([1.0 / params[i].temperature for i in hot], logits.dtype)
-    draws = _draws(up, list(range(len(hot))), [params[i] for i in hot], [generators[i] for i in hot], shared, V,
-                   whole=exact)
-    cols = up.send(dev)
-    complete, x = torch.ones(S, dtype=torch.bool, device=dev), None
+        return Drawn(S, params, plan.generators, plan.shared, tokens_dev.clamp(0, V - 1) if exact else tokens_dev,
+                     finite, None, hot, None, None)
+    complete, x = torch.ones(S, dtype=torch.bool, device=logits.device), None
     if hot:
-        rows, inv = cols[hot_at], cols[inv_at]
+        rows, inv = cols[plan.hot_at], cols[plan.inv_at]
         every = len(hot) == S
         hot_logits = logits if every else logits.index_select(0, rows)
         argmax = tokens_dev if every else tokens_dev.index_select(0, rows)
@@ -232,23 +262,26 @@ def launch(logits: torch.Tensor, params: list, generators: list, greedy=referenc
         # can overflow the largest logit; a failed row draws harmlessly from zeros (no device op sees a
         # NaN), its token dropped
         x = torch.nan_to_num_(hot_logits * torch.where(ok, inv, 0.0)[:, None], 0.0, 0.0, NEG_INF)
-        drawn, done = _run(x, draws, cols)  # x's filtering rows stay as they were, for a redo
+        drawn, done = _run(x, plan.draws, cols)  # x's filtering rows stay as they were, for a redo
         tokens_dev = tokens_dev.index_copy(0, rows, drawn)
         finite = finite.index_copy(0, rows, ok)
         complete = complete.index_copy(0, rows, done)
     lp_parts = None
     if want_lp:
-        lp = raw.index_select(0, cols[lp_at]).log_softmax(-1)
+        lp = raw.index_select(0, cols[plan.lp_at]).log_softmax(-1)
         top_v, top_i = torch.topk(lp, min(max(params[i].logprobs for i in want_lp), V), dim=-1)
-        chosen = lp.gather(1, tokens_dev.index_select(0, cols[lp_at]).clamp(0, V - 1)[:, None])[:, 0]
+        chosen = lp.gather(1, tokens_dev.index_select(0, cols[plan.lp_at]).clamp(0, V - 1)[:, None])[:, 0]
         lp_parts = (want_lp, lp, chosen, top_v, top_i)
-    return Drawn(S, params, generators, shared, tokens_dev.clamp(0, V - 1) if exact else tokens_dev, finite, complete,
-                 hot, x, lp_parts)
+    return Drawn(S, params, plan.generators, plan.shared, tokens_dev.clamp(0, V - 1) if exact else tokens_dev,
+                 finite, complete, hot, x, lp_parts)
 
 
 def sample(logits: torch.Tensor, params: list, generators: list, greedy=reference.greedy,
            shared: torch.Generator | None = None
            ) -> tuple[list[int | None], list[dict | None], dict[int, str]]:
-    """`launch`, then `Drawn.read`: the chosen token ids, for rows that asked their logprob dicts,
-    and {row: why} for rows that could not be sampled."""
-    return launch(logits, params, generators, greedy, shared).read()
+    """A `Plan` sent alone, `launch`, then `Drawn.read`: the chosen token ids, for rows that asked
+    their logprob dicts, and {row: why} for rows that could not be sampled."""
+    up = Upload()
+    plan = Plan(up, params, generators, shared, logits.shape[1])
+    up.send(logits.device)
+    return launch(logits, plan, greedy).read()

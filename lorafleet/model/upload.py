@@ -15,10 +15,11 @@ class Upload:
     """Columns of host numbers gathered for one copy. On a GPU: one pinned buffer and one
     non-blocking copy (a pageable `.to(device)` waits for the stream, and a step's one wait must
     stay the read of its tokens), each column a view of the copy at its dtype. On the CPU: views
-    of the arrays themselves, no copy."""
+    of the arrays themselves, no copy. Once sent, `sent` holds the columns where they went."""
 
     def __init__(self):
         self.columns: list[tuple[np.ndarray, torch.dtype]] = []
+        self.sent: list[torch.Tensor] = []
 
     def add(self, values, dtype: torch.dtype = torch.long) -> int:
         """A column (an array or a list) sent at `dtype` (one numpy lacks, bfloat16 say, travels as
@@ -28,27 +29,32 @@ class Upload:
 
     def send(self, dev: torch.device) -> list[torch.Tensor]:
         if dev.type != "cuda":
-            return [_at(torch.from_numpy(a), dtype) for a, dtype in self.columns]
-        host, spans = self.pack(pin=True)
+            self.sent = [_at(torch.from_numpy(a), dtype) for a, dtype in self.columns]
+            return self.sent
+        host = torch.empty(self.nbytes(), dtype=torch.uint8, pin_memory=True)
+        spans = self.write(host.numpy())
         return self.views(host.to(dev, non_blocking=True), spans)
 
-    def pack(self, pin: bool = False) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Every column's bytes in one uint8 buffer (pinned where `pin`), each column starting
-        at a multiple of 8; returns it with each column's (start, bytes)."""
+    def nbytes(self) -> int:
+        """The bytes `write` fills: every column, each padded to a multiple of 8."""
+        return sum(-(-a.nbytes // _ALIGN) * _ALIGN for a, _ in self.columns)
+
+    def write(self, raw: np.ndarray) -> list[tuple[int, int]]:
+        """Every column's bytes into `raw` (uint8, at least `nbytes()` long, starting at a multiple
+        of 8), each column at a multiple of 8; returns each column's (start, bytes) in `raw`."""
         spans, at = [], 0
         for a, _ in self.columns:
             spans.append((at, a.nbytes))
+            raw[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
             at += -(-a.nbytes // _ALIGN) * _ALIGN
-        host = torch.empty(at, dtype=torch.uint8, pin_memory=pin)
-        raw = host.numpy()
-        for (a, _), (start, n) in zip(self.columns, spans):
-            raw[start:start + n] = a.reshape(-1).view(np.uint8)
-        return host, spans
+        return spans
 
     def views(self, flat: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Each column as a view of `flat` (`pack`'s buffer, or its copy on a device) at its dtype."""
-        return [_at(flat[start:start + n].view(torch.from_numpy(a[:0]).dtype).view(a.shape), dtype)
-                for (a, dtype), (start, n) in zip(self.columns, spans)]
+        """Each column as a view of `flat` (uint8: `write`'s buffer, or its copy on a device) at
+        its dtype; kept as `sent`."""
+        self.sent = [_at(flat[start:start + n].view(torch.from_numpy(a[:0]).dtype).view(a.shape), dtype)
+                     for (a, dtype), (start, n) in zip(self.columns, spans)]
+        return self.sent
 
 
 def _at(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.engine.graphs import RANK_BUCKETS, buckets, max_captures, segment_buckets
+from lorafleet.engine.runner import ModelRunner
+from lorafleet.model.upload import Upload
 from tests.engine.test_batching import random_prompts
 from tests.fixtures import ALL7, build_adapter
 
@@ -72,24 +74,28 @@ def test_fixed_shapes_give_the_eager_tokens_and_captures_do_not_grow_with_adapte
     assert eager.stats()["decode_graphs"] == {"enabled": False}
 
 
-def test_a_fixed_shape_step_reaches_the_device_in_one_copy(llama_dir, tmp_path):
-    """Each step at a fixed shape stages its inputs (and its LoRA segments) on the host and sends
-    them in one copy: as many uploads as replays, and no per-tensor preparation for those steps
-    (`prepare` serves only the steps with prefill rows)."""
+def test_a_step_reaches_the_device_in_one_copy(llama_dir, tmp_path, monkeypatch):
+    """Each step sends its inputs, its LoRA segments and its sampler's per-row numbers (seeded
+    draws with top-k and min-p, logprobs, greedy rows beside them) in one copy: at a fixed shape
+    the staging buffer's (as many uploads as replays, no `Upload.send`), eagerly one
+    `Upload.send`; the sampled tokens are the eager path's."""
     file = build_adapter(llama_dir, tmp_path / "a", seed=3, r=4, lora_alpha=8, target_modules=ALL7)
     fixed = Engine(llama_dir, pool_bytes=8 << 20, decode_graphs="fixed", max_num_seqs=8)
     eager = Engine(llama_dir, pool_bytes=8 << 20, decode_graphs="off", max_num_seqs=8)
-    prepared, prepare = [], fixed.runner.prepare
-
-    def counted(step):
-        prepared.append(step.pure_decode)
-        return prepare(step)
-    fixed.runner.prepare = counted
+    sends, launches = [], []
+    send, launch = Upload.send, ModelRunner.launch
+    monkeypatch.setattr(Upload, "send", lambda self, dev: sends.append(len(self.columns)) or send(self, dev))
+    monkeypatch.setattr(ModelRunner, "launch", lambda self, *a, **k: launches.append(1) or launch(self, *a, **k))
     adapters = ["a", None, "a", None, "a"]
+    params = [SamplingParams(max_tokens=6, temperature=0.8, top_k=5, min_p=0.05, seed=i, ignore_eos=True,
+                             logprobs=1 if i % 2 else None) if i % 3 else PARAMS for i in range(5)]
     for engine in (fixed, eager):
         engine.load_adapter("a", file)
-    want = [o.token_ids for o in eager.generate(random_prompts(5), PARAMS, adapters=adapters)]
-    assert [o.token_ids for o in fixed.generate(random_prompts(5), PARAMS, adapters=adapters)] == want
+    want = [o.token_ids for o in eager.generate(random_prompts(5), params, adapters=adapters)]
+    assert len(sends) == len(launches) and all(sends)  # one copy an eager step, never an empty one
+    sends.clear()
+    launches.clear()
+    assert [o.token_ids for o in fixed.generate(random_prompts(5), params, adapters=adapters)] == want
     graphs = fixed.stats()["decode_graphs"]
     assert graphs["replays"] == graphs["uploads"] >= PARAMS.max_tokens - 1 and graphs["eager_fallbacks"] == 0
-    assert prepared and not any(prepared)
+    assert len(sends) + graphs["uploads"] == len(launches)  # the steps with prefill rows ran eagerly

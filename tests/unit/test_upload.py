@@ -24,11 +24,14 @@ def columns() -> tuple[Upload, list]:
 
 def test_the_packed_buffer_reads_back_every_column_at_its_dtype_and_shape():
     up, want = columns()
-    host, spans = up.pack()
-    assert all(start % 8 == 0 for start, _ in spans) and host.numel() == spans[-1][0] + 8
+    host = torch.full((up.nbytes() + 8,), 255, dtype=torch.uint8)  # a byte past the end: never written
+    spans = up.write(host.numpy())
+    assert all(start % 8 == 0 for start, _ in spans) and up.nbytes() == spans[-1][0] + 8
+    assert (host[up.nbytes():] == 255).all()
     for got, (values, dtype) in zip(up.views(host, spans), want):
         ref = torch.tensor(np.asarray(values, dtype=np.float32 if dtype == torch.bfloat16 else None)).to(dtype)
         assert got.dtype == dtype and got.shape == ref.shape and torch.equal(got, ref.reshape(got.shape))
+    assert len(up.sent) == len(want)  # what the step's readers take their columns from
 
 
 def test_on_the_cpu_columns_are_the_arrays_themselves():
