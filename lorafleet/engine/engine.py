@@ -253,7 +253,7 @@ class Engine:
         model_s = step.model_s()
         prompt_tokens = self.counters.record_launched(step.chunks, step.t0, step.loaded, generated, model_s)
         if prompt_tokens:  # what recomputing a cached block would cost (the eviction order)
-            self.arbiter.order.observe_prefill(model_s, sum(c.num_tokens for c in step.chunks))
+            self.arbiter.observe_prefill(model_s, sum(c.num_tokens for c in step.chunks))
         return outputs
 
     def _append(self, req: Request, token: int, logprobs: dict | None) -> RequestOutput:

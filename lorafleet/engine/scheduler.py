@@ -246,8 +246,8 @@ class Scheduler:
             req.adapter_wait += now - req.adapter_blocked_since
             req.adapter_blocked_since = None
         if req.adapter_cold and not req.num_preemptions:  # what a cold adapter cost it (the eviction order)
-            self.arbiter.order.observe_miss(req.adapter_wait,
-                                            sum(len(e.pages) for e in req.loras) * self.kv.pool.page_bytes)
+            self.arbiter.observe_miss(req.adapter_wait,
+                                      sum(len(e.pages) for e in req.loras) * self.kv.pool.page_bytes)
         self.policy.on_admit(req)
         req.status = Status.RUNNING
         self.running[req] = None

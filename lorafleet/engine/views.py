@@ -57,7 +57,7 @@ def stats(engine) -> EngineStats:
         "pool": {**pool, "page_map": engine.pool.page_runs()},
         "adapters": engine.adapters.stats(),
         "prefix_cache": engine.kv.stats(),
-        "eviction": engine.arbiter.order.stats(),
+        "eviction": engine.arbiter.eviction_stats(),
         "adapter_details": details,
         "untouched_adapters": untouched,
         "switches": live_switches(engine.counters.steps),

@@ -27,7 +27,7 @@ from typing import Container
 from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.memory.kv import KVCacheManager
 from lorafleet.memory.pool import PagePool
-from lorafleet.snapshot import LoraCapacity
+from lorafleet.snapshot import EvictionStats, LoraCapacity
 
 
 class Arbiter:
@@ -79,6 +79,17 @@ class Arbiter:
             return False
         self.adapters.allocate(entry)
         return True
+
+    # what a cold adapter and a recomputed prefill cost, as the steps and admissions show it: the
+    # eviction order's model, fed through the arbiter that owns it
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        self.order.observe_prefill(seconds, tokens)
+
+    def observe_miss(self, waited_s: float, nbytes: int) -> None:
+        self.order.observe_miss(waited_s, nbytes)
+
+    def eviction_stats(self) -> EvictionStats:
+        return self.order.stats()
 
     def adapter_capacity(self, max_num_seqs: int) -> LoraCapacity:
         """How many adapters the pool could hold at the median adapter size (what gateways read

@@ -37,7 +37,7 @@ router = APIRouter()
 
 
 async def read_json(request: Request, parse=None, *args, max_text_bytes: int | None = None):
-    """The body as JSON (its size is capped by server/body.py before it gets here), or `parse(json,
+    """The body as JSON (its size is capped by the app's `max_body_size` before it gets here), or `parse(json,
     *args)` of it: decoded and parsed on a worker thread when it is over DECODE_ON_WORKER bytes,
     so that a large body never holds the event loop; a string longer than `max_text_bytes` of
     text is refused unparsed."""
@@ -169,8 +169,9 @@ class Run:
         self.finals: dict[str, object] = {}  # each request's final output: its whole answer
         self.streamed: dict[str, int] = {}     # characters each request has streamed so far
         self.created = int(time.time())
-        self.text = responses.token_text_of(st.tokenizer)  # the request's tokenizer's, once known (`generate`)
-        self.with_ids = st.tokenizer is None  # no text to give: chunks and choices carry token ids
+        # the request's tokenizer's `token_text_of` and whether it has none (chunks and choices then
+        # carry token ids), both set once it is known (`generate`)
+        self.text, self.with_ids = responses.token_text_of(None), True
         self._closed = False
         st.runs.add(self)
 

@@ -1,10 +1,10 @@
 """The daemon's resolver: a request that names an adapter the engine does not hold, but the
 store does, is served without a load call or a restart (as vLLM's LoRA resolvers do).
 
-Before each request with an adapter is added (on the engine thread, `EngineWorker.submit`),
-`resolve()` looks at that name's manifest: one `stat` when nothing changed. The daemon resolves a
-request's adapters before that, off the engine thread (`prepare`: the files' checks, the
-adapter's own tokenizer), and the engine thread only records the result (`install`). Unknown to the engine
+Before a request with an adapter is queued, the daemon looks at that name's manifest off the
+engine thread (`prepare`: one `stat` when nothing changed; else the files' checks and the
+adapter's own tokenizer), and the engine thread only records the result (`install`); `resolve()`,
+both in one, serves callers that have no other thread (the Ray replica). Unknown to the engine
 and in the store: registered from the store's snapshot folder (the disk tier: config checked,
 no device memory), then prefetched like any other adapter. Registered by the resolver and
 re-pulled since (the manifest changed): registered again from the new snapshot, which replaces

@@ -9,6 +9,8 @@ import pytest
 
 from lorafleet.bench import alora
 
+pytestmark = pytest.mark.heavy  # whole benchmark runs
+
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):

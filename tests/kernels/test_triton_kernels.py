@@ -26,6 +26,9 @@ if os.environ["TRITON_INTERPRET"] in ("", "0") and not torch.cuda.is_available()
     pytest.skip("compiled Triton needs a GPU (set TRITON_INTERPRET=1)", allow_module_level=True)
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] not in ("", "0") else "cuda"
 
+# the three slowest interpreted cases' bf16 runs are heavy: the default tier checks bf16's rounding
+# in their own tests (`..._in_bf16_is_rounded_once`) and on the other cases
+BF16_HEAVY = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.heavy)]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
        torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -124,7 +127,7 @@ def test_lora_many_adapters_of_mixed_ranks_in_one_batch(design, dtype):
     check_lora(case, design)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", BF16_HEAVY)
 def test_lora_long_rows_are_reduced_by_several_programs(dtype):
     # in = 2 k_split + 48: three shrink programs write partials for one row, the last a partial slice
     fan_in = 2 * lora_triton.CONFIG.k_split + 48
@@ -334,7 +337,7 @@ def test_lora_epilogues_beside_plain_adapters_in_a_decode_step(design, dtype):
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", BF16_HEAVY)
 def test_lora_epilogues_on_prefill_length_segments(design, dtype):
     # 40 rows: row blocks over 16 (the split kernels, their prefill blocks: 64 columns, so 136
     # takes three); in = k_split + 40: the shrink's partials summed before the epilogue
@@ -345,7 +348,7 @@ def test_lora_epilogues_on_prefill_length_segments(design, dtype):
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", BF16_HEAVY)
 def test_lora_epilogue_adapters_in_a_mix_are_summed_plainly(design, dtype):
     # a mix's members, its lead included, add their deltas with no epilogue; the same adapters
     # alone apply theirs
