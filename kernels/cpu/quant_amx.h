@@ -163,7 +163,8 @@ template <bool I4> static inline void codes_bf16(const uint8_t* p, uint16_t* out
 // it reads waits on it): chunk c's tile ops, then c + 1's codes, c - 1's C stored, c - 2's scaled
 // (two A buffers, two C and two B tiles alternating). OFF: each chunk's sum of x (`xs`, once per
 // call) times the row's group offset joins the accumulators as its C does: the tiles keep the exact
-// codes, the term costs an FMA a row a chunk
+// codes, the term costs an FMA a row a chunk; such weights stay here, not on the FMA tiles: those
+// were slower with them from GROUPS_FROM rows, int8 at GROUPS_FROM itself aside (a little faster)
 template <bool I4, bool OFF>
 static void amx_groups(const Args& a) {
   constexpr int64_t RB = I4 ? QB / 2 : QB;
