@@ -9,9 +9,9 @@ LoRA batch and the engine call `Kernels` and read what it can do (`graphs`: laun
 interpreter, slow but exact: how CI checks the Triton path against the references).
 
 Each op keeps the semantics of its namesake in `reference.py`:
-- `linear(x, w, bias, scales)` (`F.linear`): with `scales`, w is a quantized weight's codes
-  (`lorafleet.model.quant`'s layout), dequantized in registers where a kernel has it (`quant_triton`, the
-  CPU's `quant_cpu`);
+- `linear(x, w, bias, scales, offsets)` (`F.linear`): with `scales`, w is a quantized weight's codes
+  (`lorafleet.model.quant`'s layout; `offsets`, a GGUF file's affine types' group offsets, or None),
+  dequantized in registers where a kernel has it (`quant_triton`, the CPU's `quant_cpu`), offsets included;
 - `rms_norm(x, w, eps)`, `add_rms_norm(x, delta, w, eps)`, `rope_(q, k, cos, sin, positions)`, `silu_mul(gu)`,
   `greedy(logits)`: the step's row-wise ops;
 - `lora(x, out, w, seg, entry, slots, max_rows, max_rank, max_n_out, out_align)`: each adapter read through its
@@ -141,8 +141,8 @@ def triton_kernels() -> Kernels:
         attention_triton.paged_prefill(q, kv, meta.prefill_starts, meta.prefill_lens, meta.prefill_positions,
                                        meta.prefill_block_tables, scale, out, meta.max_prefill_len)
 
-    def linear(x, w, bias=None, scales=None):  # (a quantized embedding's rows: `reference.rows`, T rows read)
-        return reference.linear(x, w, bias) if scales is None else quant_triton.linear(x, w, bias, scales)
+    def linear(x, w, bias=None, scales=None, offsets=None):  # (a quantized embedding's rows: `reference.rows`)
+        return reference.linear(x, w, bias) if scales is None else quant_triton.linear(x, w, bias, scales, offsets)
 
     return Kernels("triton", linear, lora=lora_triton.lora, write_kv=attention_triton.write_kv,
                    decode=attention_triton.paged_decode, prefill=prefill, graphs=True, **REFERENCE_ROW_OPS)

@@ -36,8 +36,8 @@ def max_rows(dtype: torch.dtype = torch.float32) -> int:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           scales: torch.Tensor | None = None) -> torch.Tensor:
+           scales: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for x [T, K] and w [N, K] of one dtype (float32 or bfloat16) or packed by
-    `panels_cpu.pack`, the C++ `linear` choosing the path; with `scales`, w is a quantized weight's codes
-    (`quant_cpu.linear`: `Kernels.linear` is one entry for both)."""
-    return load().linear(x, w, bias, scales)
+    `panels_cpu.pack`, the C++ `linear` choosing the path; with `scales` (and `offsets`, a GGUF file's
+    affine types), w is a quantized weight's codes (`quant_cpu.linear`: `Kernels.linear` is one entry for both)."""
+    return load().linear(x, w, bias, scales, offsets)

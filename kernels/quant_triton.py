@@ -1,18 +1,19 @@
 """The GPU weight-only quantized projection: x [T, K] times a quantized weight's codes
 (`lorafleet.model.quant`'s layout), dequantized in registers, never as a full-precision copy.
 
-Semantics (identical to `reference.linear(x, q, bias, scales)`): y[t, n] = sum_k x[t, k] * w[n, k]
-(+ bias[n]), w = d * q (int8: q int8 [N, K]) or d * (q - 8) (int4: q uint8 [N, K / 2], in each
-run of 32 elements along K byte i holding element i in its low nibble and i + 16 in its high
-one), d = scales[n, k // G] (float16 [N, K / G], G a multiple of 32 dividing K). x bf16, fp16
-or fp32; y in x's dtype; products summed in fp32.
+Semantics (identical to `reference.linear(x, q, bias, scales, offsets)`): y[t, n] = sum_k x[t, k] *
+w[n, k] (+ bias[n]), w = d * q + o (int8: q int8 [N, K]) or d * (q - 8) + o (int4: q uint8 [N, K / 2],
+in each run of 32 elements along K byte i holding element i in its low nibble and i + 16 in its high
+one), d = scales[n, k // G] (float16 [N, K / G], G a multiple of 32 dividing K), o = offsets[n, k // G]
+(float32 [N, K / G], a GGUF file's affine types) or 0. x bf16, fp16 or fp32; y in x's dtype; products
+summed in fp32.
 
 Design:
 - **Group-aligned K steps.** A program walks its K range in steps of GK elements, GK the largest
   power of two up to `Config.group_k` dividing G (32 for fp32 dot tiles), so a step lies in one
   group: the step's partial sums are taken over the raw codes (exact in any dtype: |q| <= 127)
   and multiplied by the step's one scale per output row once ([BLOCK_N] loads and multiplies a step, not one a
-  weight). `Config.tile_k // GK` steps (`tile_k_decode`, `tile_k_prefill` with dot tiles) are
+  weight); an offset adds the step's sum of x times it, once a step likewise. `Config.tile_k // GK` steps (`tile_k_decode`, `tile_k_prefill` with dot tiles) are
   unrolled per loop iteration (`tl.static_range`), so each row has a wide run of codes in flight.
 - **int4 without interleaving.** A step's bytes [.., GK / 2] are read as one contiguous run per
   row (16-byte loads); the low nibbles are the elements 32r + i of each run r, the high ones
@@ -92,12 +93,13 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _qmm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, T, N, K, QK, SG, G, K_SPLIT, stride_x, stride_y,
-                INT4: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, UPCAST: tl.constexpr,
+def _qmm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, T, N, K, QK, SG, G, K_SPLIT, stride_x, stride_y,
+                INT4: tl.constexpr, HAS_OFF: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                UPCAST: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GK: tl.constexpr, W: tl.constexpr, SUB: tl.constexpr):
     """Rows [pid0 * BLOCK_M, ..) of x times output rows [pid1 * BLOCK_N, ..) of the weight over K
     range [pid2 * K_SPLIT, ..): into y (PARTIAL: fp32 partials [splits, T, N]), else y[t, n] in
-    y's dtype with the bias. QK: the codes' row length (K or K / 2), SG: the scales' (K / G); W:
+    y's dtype with the bias. QK: the codes' row length (K or K / 2), SG: the scales' and offsets' (K / G); W:
     the bytes of codes a row has in a K step of GK elements (GK / 2 or GK)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(2)
@@ -131,6 +133,11 @@ def _qmm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, T, N, K, QK, SG, G, K_SPLIT, 
                 else:
                     part = tl.sum(c.to(tl.float32) * xl[None, :], axis=1)
                 acc += part * sc
+                if HAS_OFF:
+                    xs = tl.sum(xl, axis=0)
+                    if INT4:
+                        xs += tl.sum(xh, axis=0)
+                    acc += xs * tl.load(o_ptr + srow + kk // G, mask=lmask, other=0.0)
         if PARTIAL:
             tl.store(y_ptr + (pid_k * T + pid_m).to(tl.int64) * N + ns, acc, mask=nmask)
         else:
@@ -159,6 +166,11 @@ def _qmm_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, T, N, K, QK, SG, G, K_SPLIT, 
                 else:
                     part = _dot(xl, c.to(tl.float32), UPCAST)
                 acc += part * sc[None, :]
+                if HAS_OFF:
+                    xs = tl.sum(xl.to(tl.float32), axis=1)
+                    if INT4:
+                        xs += tl.sum(xh.to(tl.float32), axis=1)
+                    acc += xs[:, None] * tl.load(o_ptr + srow + kk // G, mask=lmask, other=0.0)[None, :]
         omask = rmask[:, None] & nmask[None, :]
         if PARTIAL:
             tl.store(y_ptr + (pid_k * T + rows[:, None]).to(tl.int64) * N + ns[None, :], acc, mask=omask)
@@ -223,18 +235,20 @@ def plan(t: int, n: int, k: int, group: int, fp32: bool, sms: int, cfg: Config =
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor,
-           config: Config | None = None) -> torch.Tensor:
+           offsets: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
     """x [T, K] (bf16, fp16, fp32; rows may be strided) times the quantized weight (codes q int8
-    [N, K] or uint8 [N, K / 2], scales [N, K / G]), + bias [N]: [T, N] in x's dtype (see the
-    module doc). Capturable in a CUDA graph."""
+    [N, K] or uint8 [N, K / 2], scales [N, K / G], offsets float32 [N, K / G] or None), + bias [N]:
+    [T, N] in x's dtype (see the module doc). Capturable in a CUDA graph."""
     cfg = config or CONFIG
     t, k = x.shape
     n = q.shape[0]
     int4 = q.dtype == torch.uint8
+    bad_offsets = offsets is not None and (offsets.shape != scales.shape or offsets.dtype != torch.float32)
     if q.dtype not in (torch.int8, torch.uint8) or q.shape[1] * (2 if int4 else 1) != k or scales.shape[0] != n \
-            or k % scales.shape[1]:
+            or k % scales.shape[1] or bad_offsets:
         raise ValueError(f"quantized linear: x {tuple(x.shape)}, codes {q.dtype} {tuple(q.shape)}, scales "
-                         f"{tuple(scales.shape)} do not fit")
+                         f"{tuple(scales.shape)}, offsets {None if offsets is None else tuple(offsets.shape)} "
+                         "do not fit")
     group = k // scales.shape[1]
     if group % 32:
         raise ValueError(f"quantized linear: group {group} is not a multiple of 32")
@@ -246,6 +260,8 @@ def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scales: 
     if x.stride(1) != 1:
         x = x.contiguous()
     q, scales = q.contiguous(), scales.contiguous()
+    has_off = offsets is not None
+    o = scales if offsets is None else offsets.contiguous()  # any pointer without offsets (never read)
     fp32 = x.dtype == torch.float32
     lp = plan(t, n, k, group, fp32, _sms(x.device), cfg)
     has_bias = bias is not None
@@ -253,8 +269,9 @@ def linear(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, scales: 
     grid = (triton.cdiv(t, lp.block_m), triton.cdiv(n, lp.block_n), lp.splits)
     dst = y if lp.splits == 1 else torch.empty(lp.splits, t, n, dtype=torch.float32, device=x.device)
     b = bias if has_bias else scales  # any pointer when there is no bias (never read)
-    _qmm_kernel[grid](x, q, scales, b, dst, t, n, k, q.shape[1], scales.shape[1], group, lp.k_split, x.stride(0),
-                      y.stride(0), INT4=int4, HAS_BIAS=has_bias, PARTIAL=lp.splits > 1, UPCAST=upcast,
+    _qmm_kernel[grid](x, q, scales, o, b, dst, t, n, k, q.shape[1], scales.shape[1], group, lp.k_split,
+                      x.stride(0), y.stride(0), INT4=int4, HAS_OFF=has_off, HAS_BIAS=has_bias,
+                      PARTIAL=lp.splits > 1, UPCAST=upcast,
                       BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, GK=lp.gk, W=lp.gk // 2 if int4 else lp.gk,
                       SUB=lp.sub, num_warps=lp.warps,
                       num_stages=cfg.stages)

@@ -77,13 +77,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     return F.linear(x, w, bias)
 
 
-def offset_term(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """What a weight's group offsets add to x [T, K] @ w^T: each group's sum of x times its offset,
-    [T, N] in fp32 (offsets [N, K / G] float32): a GEMM a group's width smaller than the weight's."""
-    t, k = x.shape
-    return x.float().view(t, offsets.shape[1], k // offsets.shape[1]).sum(-1) @ offsets.t()
-
-
 def codes(q: torch.Tensor) -> torch.Tensor:
     """A quantized weight's codes as signed integers, int8 [N, K]: int8 codes as they are; int4
     (uint8 [N, K / 2], in each run of 32 elements byte i holding element i in its low nibble and

@@ -6,18 +6,6 @@
 #include <vector>
 using OptT = c10::optional<torch::Tensor>;
 
-// A projection, plus the term of its group offsets where it has them (a GGUF file's affine types:
-// `reference.offset_term`, the same ops): each group's sum of x times its offset.
-static torch::Tensor linear_off(const torch::Tensor& x, const torch::Tensor& w, const OptT& b, const OptT& s,
-                                const OptT& o) {
-  torch::Tensor y = lin::linear(x, w, b, s);
-  if (o) {
-    const int64_t T = x.size(0), G = o->size(1);
-    y.add_(x.to(at::kFloat).view({T, G, x.size(1) / G}).sum(-1).mm(o->t()).to(y.scalar_type()));
-  }
-  return y;
-}
-
 // One decode step through every layer. x [T, H]: the embedded tokens, the residual stream
 // (updated in place); w: schema::FIELDS tensors per layer, `reference.Layer`'s fields (None where
 // the family has none; `schema` is generated from that table at build); kv: the pool
@@ -47,7 +35,7 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
     // but for a GGUF file's affine types
     using namespace schema;
     torch::Tensor h = out.defined() ? pw::add_rms_norm(x, out, *lw[in_norm], eps) : pw::rms_norm(x, *lw[in_norm], eps);
-    torch::Tensor qkv = linear_off(h, *lw[schema::qkv], lw[qkv_b], lw[qkv_s], lw[qkv_o]);
+    torch::Tensor qkv = lin::linear(h, *lw[schema::qkv], lw[qkv_b], lw[qkv_s], lw[qkv_o]);
     delta(i, g_qkv, h, qkv);
     const torch::Tensor heads = qkv.view({T, H + 2 * KVH, D});
     torch::Tensor q = heads.narrow(1, 0, H), k = heads.narrow(1, H, KVH), v = heads.narrow(1, H + KVH, KVH);
@@ -61,13 +49,13 @@ static torch::Tensor layers(torch::Tensor x, const std::vector<OptT>& w, const t
     torch::Tensor o = torch::empty({T, H, D}, x.options());
     att::paged_decode(q, layer_kv, tables, lens, scale, o);
     o = o.view({T, H * D});
-    out = linear_off(o, *lw[schema::o], lw[o_b], lw[o_s], lw[o_o]);
+    out = lin::linear(o, *lw[schema::o], lw[o_b], lw[o_s], lw[o_o]);
     delta(i, g_o, o, out);
     h = pw::add_rms_norm(x, out, *lw[post_norm], eps);
-    torch::Tensor gu = linear_off(h, *lw[gate_up], lw[gate_up_b], lw[gate_up_s], lw[gate_up_o]);
+    torch::Tensor gu = lin::linear(h, *lw[gate_up], lw[gate_up_b], lw[gate_up_s], lw[gate_up_o]);
     delta(i, g_gate_up, h, gu);
     const torch::Tensor a = pw::silu_mul(gu);
-    out = linear_off(a, *lw[down], lw[down_b], lw[down_s], lw[down_o]);
+    out = lin::linear(a, *lw[down], lw[down_b], lw[down_s], lw[down_o]);
     delta(i, g_down, a, out);
   }
   return out;
@@ -98,7 +86,7 @@ torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tenso
   x.add_(layers(x, w, kv, cos, sin, positions, slot_pages, slot_offsets, tables, lens, scale, eps, H, KVH, D,
                 lora));
   if (rows.size(0) != x.size(0)) x = x.index_select(0, rows);
-  return linear_off(pw::rms_norm(x, norm, eps), lm_head, c10::nullopt, lm_head_s, lm_head_o).to(at::kFloat);
+  return lin::linear(pw::rms_norm(x, norm, eps), lm_head, c10::nullopt, lm_head_s, lm_head_o).to(at::kFloat);
 }
 
 // A pure decode step's batch tensors (`ModelRunner.prepare`'s, for rows that each decode one

@@ -14,7 +14,7 @@
 
 namespace qt {  // kernels/cpu/quant.cpp, after this file: the matmul on quantized weights
 torch::Tensor linear(torch::Tensor x, const torch::Tensor& q, const c10::optional<torch::Tensor>& bias,
-                     const torch::Tensor& scales);
+                     const torch::Tensor& scales, const c10::optional<torch::Tensor>& offsets);
 }
 
 namespace lin {
@@ -336,12 +336,13 @@ static torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& w, const 
 }
 
 // F.linear(x, w, bias): the kernel on packed panels (`pn::linear_packed`), on w [N, K] up to
-// max_rows() rows and `gemm` beyond (prefill); with `scales`, w is a quantized weight's codes
-// (`qt::linear`); here so that every caller (the Python wrapper, the decode-layers driver) takes
-// the same path
+// max_rows() rows and `gemm` beyond (prefill); with `scales`, w is a quantized weight's codes, with
+// `offsets` its group offsets where it has them (`qt::linear`); here so that every caller (the
+// Python wrapper, the decode-layers driver) takes the same path
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
-                     c10::optional<torch::Tensor> scales = c10::nullopt) {
-  if (scales) return qt::linear(x, w, bias, *scales);
+                     c10::optional<torch::Tensor> scales, c10::optional<torch::Tensor> offsets) {
+  if (scales) return qt::linear(x, w, bias, *scales, offsets);
+  TORCH_CHECK(!offsets, "linear: offsets come with a quantized weight's scales");
   if (w.dim() == 3) return pn::linear_packed(x, w, bias);  // packed panels (`panels_cpu`)
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: x [T, K] and w [N, K]");
   if (x.size(0) > max_rows(x.scalar_type() == at::kBFloat16)) return gemm(x, w, bias);

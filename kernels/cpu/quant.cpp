@@ -28,47 +28,49 @@ constexpr int64_t GROUPS_FROM = 5;  // fp32 rows from which groups < K go on the
 static inline float half_f(const at::Half* p) { return _cvtsh_ss(p->x); }
 
 // One run of 32 codes (int8: 32 bytes; int4: 16 bytes, byte i holding element i low and i + 16
-// high) as NV vectors of fp32 weights d * code (int4: d * (code - 8))
+// high) as NV vectors of fp32 weights d * code + o (int4: d * (code - 8) + o) in one rounding (an
+// FMA, as cheap as the product alone); o = -0 adds nothing (x + -0 is x), leaving the product exact
 #if defined(__AVX512F__)
-// int4 by a table: the 16 values d * (c - 8) in one register, each lane's code its index
+// int4 by a table: the 16 values d * (c - 8) + o in one register, each lane's code its index
 // (VPERMPS reads an index's low 4 bits, so the low nibble needs no mask): 4 instructions a run
 // against 8 by converting each code to fp32 and scaling it
-static inline void deq_i4(const uint8_t* p, float d, vw* out) {
-  const __m512 table = _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
-                                     _mm512_set1_ps(d));
+static inline void deq_i4(const uint8_t* p, float d, float o, vw* out) {
+  const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
+                                       _mm512_set1_ps(d), _mm512_set1_ps(o));
   const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   out[0] = _mm512_permutexvar_ps(idx, table);
   out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
 }
-static inline void deq_i8(const uint8_t* p, float d, vw* out) {
-  const __m512 dv = _mm512_set1_ps(d);
+static inline void deq_i8(const uint8_t* p, float d, float o, vw* out) {
+  const __m512 dv = _mm512_set1_ps(d), ov = _mm512_set1_ps(o);
   for (int v = 0; v < 2; ++v)
-    out[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v)))), dv);
+    out[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v)))), dv, ov);
 }
 #else
-static inline void deq_i4(const uint8_t* p, float d, vw* out) {
-  const __m256 dv = _mm256_set1_ps(d), off = _mm256_set1_ps(-8.f * d);
+static inline void deq_i4(const uint8_t* p, float d, float o, vw* out) {
+  const __m256 dv = _mm256_set1_ps(d), off = _mm256_set1_ps(o - 8.f * d);
   const __m128i m = _mm_set1_epi8(15), b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
   const __m128i h[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
   for (int v = 0; v < 4; ++v) out[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h[v])), dv, off);
 }
-static inline void deq_i8(const uint8_t* p, float d, vw* out) {
-  const __m256 dv = _mm256_set1_ps(d);
+static inline void deq_i8(const uint8_t* p, float d, float o, vw* out) {
+  const __m256 dv = _mm256_set1_ps(d), ov = _mm256_set1_ps(o);
   for (int v = 0; v < 4; ++v)
-    out[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v)))), dv);
+    out[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v)))), dv, ov);
 }
 #endif
-template <bool I4> static inline void deq(const uint8_t* p, float d, vw* out) {
-  if constexpr (I4) deq_i4(p, d, out); else deq_i8(p, d, out);
+template <bool I4> static inline void deq(const uint8_t* p, float d, float o, vw* out) {
+  if constexpr (I4) deq_i4(p, d, o, out); else deq_i8(p, d, o, out);
 }
 
 struct Args {
   const float* x; int64_t ldx; int64_t T;   // x [T, K] in fp32 (bf16 x widened once per call)
   const uint8_t* q; int64_t ldq;            // codes, ldq bytes a row
   const at::Half* s; int64_t ls; int64_t G; // scales [N, K / G]
+  const float* o;                           // offsets [N, K / G] (a GGUF file's affine types), or null
   int64_t K, N;
   const float* bias;                        // [N] in fp32, or null
   float* y; int64_t ldy;                    // [T, N] fp32
@@ -80,10 +82,11 @@ struct Span { int64_t k0, len; float* part; };
 
 // out[j][t] = dequantized row j . x[t] over the span's runs, for NB weight rows and TB x rows. CH:
 // one scale per row (G = K), applied by the caller to the sums, so the runs dequantize with d = 1.
+// OFF: each run's group offset joins its dequantized weights (free: `deq`'s FMA); never with CH.
 // With `pf`, the next block's codes of this span are prefetched a cache line per line read here
-template <bool I4, bool CH, int NB, int TB>
+template <bool I4, bool CH, bool OFF, int NB, int TB>
 static inline void tile(const Args& a, const Span& c, const uint8_t* const* q, const at::Half* const* s,
-                        const float* const* x, float (*out)[TB], const uint8_t* const* pf) {
+                        const float* const* o, const float* const* x, float (*out)[TB], const uint8_t* const* pf) {
   constexpr int64_t RB = I4 ? QB / 2 : QB;  // bytes a run
   vw acc[NB][TB];
   for (int j = 0; j < NB; ++j)
@@ -94,7 +97,7 @@ static inline void tile(const Args& a, const Span& c, const uint8_t* const* q, c
     if (pf && (r * RB) % 64 == 0)
       for (int j = 0; j < NB; ++j) __builtin_prefetch(pf[j] + r * RB, 0, 3);
     vw wv[NB][NV];
-    for (int j = 0; j < NB; ++j) deq<I4>(q[j] + r * RB, CH ? 1.f : half_f(s[j] + g), wv[j]);
+    for (int j = 0; j < NB; ++j) deq<I4>(q[j] + r * RB, CH ? 1.f : half_f(s[j] + g), OFF ? o[j][g] : -0.f, wv[j]);
     for (int v = 0; v < NV; ++v)
       for (int t = 0; t < TB; ++t) {
         const vw xv = wload(x[t] + r * QB + v * VW);
@@ -108,19 +111,21 @@ static inline void tile(const Args& a, const Span& c, const uint8_t* const* q, c
 
 // x rows [t0, t0 + TB) (all real) against weight rows [n0, n0 + nn) over span c; rows past the end
 // repeat the last (computed, never stored), so the tile keeps its shape
-template <bool I4, bool CH, int NB, int TB>
+template <bool I4, bool CH, bool OFF, int NB, int TB>
 static void block(const Args& a, const Span& c, int64_t t0, int64_t n0, int64_t nn, const uint8_t* const* pf) {
   const uint8_t* q[NB];
   const at::Half* s[NB];
+  const float* o[NB];
   const float* x[TB];
   for (int j = 0; j < NB; ++j) {
     const int64_t n = n0 + std::min<int64_t>(j, nn - 1);
     q[j] = a.q + n * a.ldq;
     s[j] = a.s + n * a.ls;
+    o[j] = OFF ? a.o + n * a.ls : nullptr;
   }
   for (int t = 0; t < TB; ++t) x[t] = a.x + (t0 + t) * a.ldx;
   float out[NB][TB];
-  tile<I4, CH, NB, TB>(a, c, q, s, x, out, pf);
+  tile<I4, CH, OFF, NB, TB>(a, c, q, s, o, x, out, pf);
   for (int t = 0; t < TB; ++t)
     for (int j = 0; j < nn; ++j) {
       float v = out[j][t];
@@ -132,21 +137,21 @@ static void block(const Args& a, const Span& c, int64_t t0, int64_t n0, int64_t 
 
 // every x row against one block of weight rows: tiles of TB rows, the rest in one tile of its own
 // height (a compile-time count, as `lin` found faster than a runtime one)
-template <bool I4, bool CH, int NB, int TB>
+template <bool I4, bool CH, bool OFF, int NB, int TB>
 static void tiles(const Args& a, const Span& c, int64_t n0, int64_t nn, const uint8_t* const* pf) {
   int64_t t0 = 0;
-  for (; t0 + TB <= a.T; t0 += TB) block<I4, CH, NB, TB>(a, c, t0, n0, nn, t0 == 0 ? pf : nullptr);
+  for (; t0 + TB <= a.T; t0 += TB) block<I4, CH, OFF, NB, TB>(a, c, t0, n0, nn, t0 == 0 ? pf : nullptr);
   const uint8_t* const* p = t0 == 0 ? pf : nullptr;
   if constexpr (TB == 8) {
     switch (a.T - t0) {
       case 0: break;
-      case 1: block<I4, CH, NB, 1>(a, c, t0, n0, nn, p); break;
-      case 2: block<I4, CH, NB, 2>(a, c, t0, n0, nn, p); break;
-      case 3: block<I4, CH, NB, 3>(a, c, t0, n0, nn, p); break;
-      case 4: block<I4, CH, NB, 4>(a, c, t0, n0, nn, p); break;
-      case 5: block<I4, CH, NB, 5>(a, c, t0, n0, nn, p); break;
-      case 6: block<I4, CH, NB, 6>(a, c, t0, n0, nn, p); break;
-      case 7: block<I4, CH, NB, 7>(a, c, t0, n0, nn, p); break;
+      case 1: block<I4, CH, OFF, NB, 1>(a, c, t0, n0, nn, p); break;
+      case 2: block<I4, CH, OFF, NB, 2>(a, c, t0, n0, nn, p); break;
+      case 3: block<I4, CH, OFF, NB, 3>(a, c, t0, n0, nn, p); break;
+      case 4: block<I4, CH, OFF, NB, 4>(a, c, t0, n0, nn, p); break;
+      case 5: block<I4, CH, OFF, NB, 5>(a, c, t0, n0, nn, p); break;
+      case 6: block<I4, CH, OFF, NB, 6>(a, c, t0, n0, nn, p); break;
+      case 7: block<I4, CH, OFF, NB, 7>(a, c, t0, n0, nn, p); break;
     }
   } else {
     TORCH_CHECK(t0 == a.T, "quant linear: rows left past the tiles");
@@ -157,7 +162,7 @@ static void tiles(const Args& a, const Span& c, int64_t n0, int64_t nn, const ui
 // of at most XCHUNK_BYTES of x (each thread's blocks over one chunk, then the next), so the chunk
 // stays in L1 while the codes stream by (`lin::run`'s reason); the rows that stream next are
 // prefetched as a block runs (`tile`)
-template <bool I4, bool CH, int NB, int TB>
+template <bool I4, bool CH, bool OFF, int NB, int TB>
 static void run(const Args& a) {
   const int64_t blocks = (a.N + NB - 1) / NB, xk = std::min<int64_t>(a.T, 8) * int64_t(sizeof(float));
   int64_t KC = a.K;
@@ -180,7 +185,7 @@ static void run(const Args& a) {
         }
         const uint8_t* pf[NB];
         for (int j = 0; j < NB; ++j) pf[j] = a.q + std::min<int64_t>(pn + j, a.N - 1) * a.ldq + ahead;
-        tiles<I4, CH, NB, TB>(a, c, n0, nn, pn < a.N ? pf : nullptr);
+        tiles<I4, CH, OFF, NB, TB>(a, c, n0, nn, pn < a.N ? pf : nullptr);
       }
     }
   });
@@ -191,7 +196,7 @@ static void run(const Args& a) {
 
 // tile shapes: one x row streams 4 weight rows side by side; 2-4 rows 4 weight rows (AVX-512; 2 on
 // AVX2, whose 16 registers hold fewer accumulators); 5 and more rows 2 weight rows (1 on AVX2)
-template <bool I4, bool CH>
+template <bool I4, bool CH, bool OFF>
 static void dispatch(const Args& a) {
 #if defined(__AVX512F__)
   constexpr int N1 = 4, N4 = 4, N8 = 2;
@@ -204,27 +209,40 @@ static void dispatch(const Args& a) {
   // amx_groups (the codes without their scale, the scale on each group's sums; below, the FMA
   // tiles were faster); bf16 x up to 16 by amx_run (weights rounded to bf16 as the reference's)
   if (a.T >= 2 && amx_ok()) {
-    if (!a.xbf16 && a.T <= 8 && CH) return amx_run<I4, CH>(a);
-    if (!a.xbf16 && a.T <= 8 && a.T >= GROUPS_FROM) return amx_groups<I4>(a);
-    if (a.xbf16 && a.T <= 16) return amx_run<I4, CH>(a);
+    if (!a.xbf16 && a.T <= 8 && CH) return amx_run<I4, CH, OFF>(a);
+    if (!a.xbf16 && a.T <= 8 && a.T >= GROUPS_FROM) return amx_groups<I4, OFF>(a);
+    if (a.xbf16 && a.T <= 16) return amx_run<I4, CH, OFF>(a);
   }
 #endif
   switch (a.T) {
-    case 1: run<I4, CH, N1, 1>(a); break;
-    case 2: run<I4, CH, N4, 2>(a); break;
-    case 3: run<I4, CH, N4, 3>(a); break;
-    case 4: run<I4, CH, N4, 4>(a); break;
-    default: run<I4, CH, N8, 8>(a); break;
+    case 1: run<I4, CH, OFF, N1, 1>(a); break;
+    case 2: run<I4, CH, OFF, N4, 2>(a); break;
+    case 3: run<I4, CH, OFF, N4, 3>(a); break;
+    case 4: run<I4, CH, OFF, N4, 4>(a); break;
+    default: run<I4, CH, OFF, N8, 8>(a); break;
   }
 }
 
+// v kept apart from the add after it (GCC fuses a * b + c into one FMA, one rounding where the
+// reference has two)
+static inline vw unfused(vw v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#else
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
 // A quantized weight's rows [n0, n0 + nn) dequantized into out (ld elements a row), in O: each
-// code times its group's scale in fp32, rounded once to O (`reference.dequantize`'s values, bit for bit)
+// code times its group's scale in fp32, plus its group's offset where there are offsets (null:
+// none; rows of `ls` floats, as the scales'), rounded once to O (`reference.dequantize`'s values,
+// bit for bit: the product rounded, then the sum)
 template <class O>
-static void deq_rows(const torch::Tensor& q, const torch::Tensor& scales, const int64_t* ids, int64_t n0, int64_t nn,
-                     O* out, int64_t ld) {
+static void deq_rows(const torch::Tensor& q, const torch::Tensor& scales, const float* offsets, const int64_t* ids,
+                     int64_t n0, int64_t nn, O* out, int64_t ld) {
   const bool i4 = q.scalar_type() == at::kByte;
-  const int64_t K = q.size(1) * (i4 ? 2 : 1), G = K / scales.size(1);
+  const int64_t K = q.size(1) * (i4 ? 2 : 1), ls = scales.size(1), G = K / ls, RB = i4 ? QB / 2 : QB;
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const at::Half* sp = scales.data_ptr<at::Half>();
   at::parallel_for(0, nn, 16, [&](int64_t i0, int64_t i1) {
@@ -233,17 +251,11 @@ static void deq_rows(const torch::Tensor& q, const torch::Tensor& scales, const 
       const uint8_t* row = qp + n * q.size(1);
       O* o = out + i * ld;
       for (int64_t r = 0; r < K / QB; ++r) {
-        const float d = half_f(sp + n * scales.size(1) + r * QB / G);
-        if (i4) {
-          const uint8_t* b = row + r * (QB / 2);
-          for (int e = 0; e < QB / 2; ++e) {
-            o[r * QB + e] = O(float(int(b[e] & 15) - 8) * d);
-            o[r * QB + e + QB / 2] = O(float(int(b[e] >> 4) - 8) * d);
-          }
-        } else {
-          const int8_t* b = reinterpret_cast<const int8_t*>(row) + r * QB;
-          for (int e = 0; e < QB; ++e) o[r * QB + e] = O(float(b[e]) * d);
-        }
+        const int64_t g = n * ls + r * QB / G;
+        vw w[NV];
+        if (i4) deq<true>(row + r * RB, half_f(sp + g), -0.f, w);
+        else deq<false>(row + r * RB, half_f(sp + g), -0.f, w);
+        for (int v = 0; v < NV; ++v) wstore(o + r * QB + v * VW, offsets ? unfused(w[v]) + offsets[g] : w[v]);
       }
     }
   });
@@ -265,15 +277,15 @@ static void check(const torch::Tensor& q, const torch::Tensor& scales, const cha
 // (about 1 MB, the extra memory bounded) and torch's GEMM on each; the bias joins in the GEMM
 // (addmm), as F.linear adds it
 static torch::Tensor gemm_blocks(const torch::Tensor& x, const torch::Tensor& q, const c10::optional<torch::Tensor>& bias,
-                                 const torch::Tensor& scales) {
+                                 const torch::Tensor& scales, const float* offsets) {
   const int64_t N = q.size(0), K = features(q), es = x.element_size();
   const int64_t R = std::min<int64_t>(N, std::max<int64_t>(16, (int64_t(1) << 20) / (K * es) / 16 * 16));
   auto y = torch::empty({x.size(0), N}, x.options());
   auto buf = torch::empty({R, K}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += R) {
     const int64_t nn = std::min(R, N - n0);
-    if (x.scalar_type() == at::kFloat) deq_rows(q, scales, nullptr, n0, nn, buf.data_ptr<float>(), K);
-    else deq_rows(q, scales, nullptr, n0, nn, buf.data_ptr<c10::BFloat16>(), K);
+    if (x.scalar_type() == at::kFloat) deq_rows(q, scales, offsets, nullptr, n0, nn, buf.data_ptr<float>(), K);
+    else deq_rows(q, scales, offsets, nullptr, n0, nn, buf.data_ptr<c10::BFloat16>(), K);
     const torch::Tensor w = buf.narrow(0, 0, nn).t();
     y.narrow(1, n0, nn).copy_(bias ? at::addmm(bias->narrow(0, n0, nn), x, w) : at::mm(x, w));
   }
@@ -288,16 +300,21 @@ int64_t quant_max_rows(bool bf16) {
   return lin::max_rows(bf16);
 }
 
-// F.linear(x, dequantize(q, scales), bias) for x [T, K] fp32 or bf16 (the result in x's dtype)
+// F.linear(x, dequantize(q, scales, offsets), bias) for x [T, K] fp32 or bf16 (the result in x's dtype);
+// offsets, where a GGUF file's affine types have them: float32 [N, K / G], added in the kernel
 torch::Tensor linear(torch::Tensor x, const torch::Tensor& q, const c10::optional<torch::Tensor>& bias,
-                     const torch::Tensor& scales) {
+                     const torch::Tensor& scales, const c10::optional<torch::Tensor>& offsets) {
   check(q, scales, "quant linear");
+  if (offsets) TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() &&
+                               offsets->sizes() == scales.sizes(), "quant linear: offsets are contiguous float32 "
+                           "[N, K / G], as the scales");
+  const float* op = offsets ? offsets->data_ptr<float>() : nullptr;
   const int64_t K = features(q), N = q.size(0);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "quant linear: x [T, K] against codes of ", K, " features");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant linear: x float32 or bfloat16");
   if (bias) TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "quant linear: bias [N] in x's dtype");
   const int64_t T = x.size(0);
-  if (T > quant_max_rows(x.scalar_type() == at::kBFloat16)) return gemm_blocks(x.contiguous(), q, bias, scales);
+  if (T > quant_max_rows(x.scalar_type() == at::kBFloat16)) return gemm_blocks(x.contiguous(), q, bias, scales, op);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   torch::Tensor xf = bf16 ? x.to(at::kFloat).contiguous() : (x.stride(1) == 1 ? x : x.contiguous());
   torch::Tensor bf;
@@ -305,11 +322,13 @@ torch::Tensor linear(torch::Tensor x, const torch::Tensor& q, const c10::optiona
   auto y = torch::empty({T, N}, x.options().dtype(at::kFloat));
   if (T == 0 || N == 0) return bf16 ? y.to(at::kBFloat16) : y;
   Args a{xf.data_ptr<float>(), xf.stride(0), T, static_cast<const uint8_t*>(q.data_ptr()), q.size(1),
-         scales.data_ptr<at::Half>(), scales.size(1), K / scales.size(1), K, N,
+         scales.data_ptr<at::Half>(), scales.size(1), K / scales.size(1), op, K, N,
          bias ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, bf16};
-  const bool i4 = q.scalar_type() == at::kByte, ch = a.G == K;
-  if (i4) ch ? dispatch<true, true>(a) : dispatch<true, false>(a);
-  else ch ? dispatch<false, true>(a) : dispatch<false, false>(a);
+  // one scale a row (G = K) goes on the sums (CH); offsets go on the weights, so a weight with
+  // them takes the groups' path at G = K too
+  const bool i4 = q.scalar_type() == at::kByte, ch = a.G == K && !op;
+  if (i4) op ? dispatch<true, false, true>(a) : ch ? dispatch<true, true, false>(a) : dispatch<true, false, false>(a);
+  else op ? dispatch<false, false, true>(a) : ch ? dispatch<false, true, false>(a) : dispatch<false, false, false>(a);
   return bf16 ? y.to(at::kBFloat16) : y;
 }
 
@@ -322,8 +341,8 @@ torch::Tensor rows(const torch::Tensor& q, const torch::Tensor& ids, const torch
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < T; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < q.size(0), "quant rows: id ", ip[i], " out of range");
   auto out = torch::empty({T, K}, q.options().dtype(dtype));
-  if (dtype == at::kFloat) deq_rows(q, scales, ip, 0, T, out.data_ptr<float>(), K);
-  else deq_rows(q, scales, ip, 0, T, out.data_ptr<c10::BFloat16>(), K);
+  if (dtype == at::kFloat) deq_rows(q, scales, nullptr, ip, 0, T, out.data_ptr<float>(), K);
+  else deq_rows(q, scales, nullptr, ip, 0, T, out.data_ptr<c10::BFloat16>(), K);
   return out;
 }
 

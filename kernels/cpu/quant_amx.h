@@ -21,18 +21,18 @@ static inline uint32_t bf16_bits(float f) {
 }
 static inline float bf16_float(uint32_t h) { const uint32_t u = h << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
-// one run of 32 codes as 32 bf16 weights (d * code, int4 d * (code - 8), rounded once from fp32)
-template <bool I4> static inline void deq_bf16(const uint8_t* p, float d, uint16_t* out) {
+// one run of 32 codes as 32 bf16 weights (d * code + o, int4 d * (code - 8) + o, rounded to bf16 from fp32)
+template <bool I4> static inline void deq_bf16(const uint8_t* p, float d, float o, uint16_t* out) {
   vw w[2];
-  deq<I4>(p, d, w);
+  deq<I4>(p, d, o, w);
   _mm512_store_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
 }
 
 // y = x W^T on the AMX tiles for int8 per channel with fp32 x (its codes exact in bf16, the scale on
-// the sums) and every scheme with bf16 x (weights d * code rounded to bf16, the reference's): A =
-// 16 weight rows x 32 K dequantized a few runs at a time into a double buffer, B = x^T in VNNI
-// pairs (fp32 x: hi and lo columns), two blocks of 16 rows a task, C over all of K
-template <bool I4, bool CH>
+// the sums) and every scheme with bf16 x (weights d * code (+ offset) rounded to bf16, the
+// reference's): A = 16 weight rows x 32 K dequantized a few runs at a time into a double buffer,
+// B = x^T in VNNI pairs (fp32 x: hi and lo columns), two blocks of 16 rows a task, C over all of K
+template <bool I4, bool CH, bool OFF>
 static void amx_run(const Args& a) {
   constexpr int64_t RB = I4 ? QB / 2 : QB;
   const int64_t T = a.T, K = a.K, N = a.N, P = K / 2;
@@ -68,11 +68,13 @@ static void amx_run(const Args& a) {
       const int64_t n0 = b * 32;
       const uint8_t* q[32];
       const at::Half* s[32];
+      const float* os[32];
       const uint8_t* pf[32];
       for (int j = 0; j < 32; ++j) {
         const int64_t n = std::min<int64_t>(n0 + j, N - 1);
         q[j] = a.q + n * a.ldq;
         s[j] = a.s + n * a.ls;
+        os[j] = OFF ? a.o + n * a.ls : nullptr;
         pf[j] = a.q + std::min<int64_t>(n0 + 32 + j, N - 1) * a.ldq;
       }
       _tile_zero(0);
@@ -86,15 +88,15 @@ static void amx_run(const Args& a) {
           uint16_t* o = bb + (j / 16) * SEGRUNS * 16 * QB + (j % 16) * QB;
           const uint8_t* qj = q[j] + r0 * RB;
           if (CH) {
-            for (int64_t r = 0; r < nr; ++r) deq_bf16<I4>(qj + r * RB, 1.f, o + r * 16 * QB);
+            for (int64_t r = 0; r < nr; ++r) deq_bf16<I4>(qj + r * RB, 1.f, -0.f, o + r * 16 * QB);
           } else if (bpg == 1) {
             const at::Half* sj = s[j] + r0;
             for (int64_t r = 0; r < nr; ++r)
-              deq_bf16<I4>(qj + r * RB, half_f(sj + r), o + r * 16 * QB);
+              deq_bf16<I4>(qj + r * RB, half_f(sj + r), OFF ? os[j][r0 + r] : -0.f, o + r * 16 * QB);
           } else {
             int64_t gi = g0, in = in0;
             for (int64_t r = 0; r < nr; ++r) {
-              deq_bf16<I4>(qj + r * RB, half_f(s[j] + gi), o + r * 16 * QB);
+              deq_bf16<I4>(qj + r * RB, half_f(s[j] + gi), OFF ? os[j][gi] : -0.f, o + r * 16 * QB);
               if (++in == bpg) { in = 0; ++gi; }
             }
           }
@@ -150,17 +152,20 @@ template <bool I4> static inline void codes_bf16(const uint8_t* p, uint16_t* out
   }
 }
 
-// y = x W^T for fp32 x (2-8 rows) in groups G < K on the AMX tiles, without rounding the weights:
-// A = 16 weight rows x one run of their codes in bf16 without the scale (`codes_bf16`); B = x^T in
-// VNNI pairs in `run_k`'s order, x as bf16 hi and lo columns side by side (16 bits of its 24),
-// prepared once per call; C sums a chunk of a group's runs (at most 8; TDPBF16PS), is stored
-// (16 rows x 2T fp32) and added into 16 zmm accumulators, one a weight row, times its group's
-// scale (fp32, converted once a block) broadcast over the columns; the accumulators live across
-// all of K, bias and y are written once a block. A task takes blocks of 16 rows; each block's
-// chunks go through a pipeline (a tile's or vector's load right after the store it reads waits
-// on it): chunk c's tile ops, then c + 1's codes, c - 1's C stored, c - 2's scaled (two A
-// buffers, two C and two B tiles alternating)
-template <bool I4>
+// y = x W^T for fp32 x (2-8 rows) in groups (G < K; any G with offsets) on the AMX tiles, without
+// rounding the weights: A = 16 weight rows x one run of their codes in bf16 without the scale
+// (`codes_bf16`); B = x^T in VNNI pairs in `run_k`'s order, x as bf16 hi and lo columns side by
+// side (16 bits of its 24), prepared once per call; C sums a chunk of a group's runs (at most 8;
+// TDPBF16PS), is stored (16 rows x 2T fp32) and added into 16 zmm accumulators, one a weight row,
+// times its group's scale (fp32, converted once a block) broadcast over the columns; the
+// accumulators live across all of K, bias and y are written once a block. A task takes blocks of 16
+// rows; each block's chunks go through a pipeline (a tile's or vector's load right after the store
+// it reads waits on it): chunk c's tile ops, then c + 1's codes, c - 1's C stored, c - 2's scaled
+// (two A buffers, two C and two B tiles alternating). OFF: each chunk's sum of x (`xs`, once per
+// call) times the row's group offset joins the accumulators as its C does: the tiles keep the exact
+// codes, the term costs an FMA a row a chunk; such weights stay here, not on the FMA tiles: those
+// were slower with them from GROUPS_FROM rows, int8 at GROUPS_FROM itself aside (a little faster)
+template <bool I4, bool OFF>
 static void amx_groups(const Args& a) {
   constexpr int64_t RB = I4 ? QB / 2 : QB;
   const int64_t T = a.T, K = a.K, N = a.N, P = K / 2, C = 2 * T;
@@ -181,6 +186,22 @@ static void amx_groups(const Args& a) {
   int64_t cr = std::min<int64_t>(bpg, 8);  // runs a C tile sums before it is scaled: a divisor of the group's
   while (bpg % cr) --cr;
   const int64_t nc = K / QB / cr;          // chunks of cr runs
+  // OFF: [nc][16] each chunk's sum of x row t in column t (the hi columns'; the lo columns' 0)
+  std::unique_ptr<float[], void (*)(void*)> xs(
+      OFF ? static_cast<float*>(std::aligned_alloc(64, nc * 16 * 4)) : nullptr, std::free);
+  if constexpr (OFF)
+    at::parallel_for(0, nc, 64, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        float* v = xs.get() + c * 16;
+        for (int i = 0; i < 16; ++i) v[i] = 0.f;
+        for (int64_t t = 0; t < T; ++t) {
+          const float* xr = a.x + t * a.ldx + c * cr * QB;
+          vw sum{};
+          for (int64_t k = 0; k < cr * QB; k += VW) sum += wload(xr + k);
+          v[t] = hsum(sum);
+        }
+      }
+    });
   const int64_t blocks = (N + 15) / 16;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     TileCfg cfg{};
@@ -199,10 +220,12 @@ static void amx_groups(const Args& a) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 16;
       const uint8_t* q[16];
+      const float* os[16];
       const uint8_t* pf[16];
       for (int j = 0; j < 16; ++j) {
         const int64_t n = std::min<int64_t>(n0 + j, N - 1);
         q[j] = a.q + n * a.ldq;
+        os[j] = OFF ? a.o + n * a.ls : nullptr;
         pf[j] = a.q + std::min<int64_t>(n0 + 16 + j, N - 1) * a.ldq;
         const at::Half* s = a.s + n * a.ls;
         int64_t g = 0;
@@ -223,8 +246,11 @@ static void amx_groups(const Args& a) {
       auto scale = [&](int64_t c, const float* cs) {
         const int64_t g = c * cr / bpg;
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j)
+        for (int j = 0; j < 16; ++j) {
           acc[j] = _mm512_fmadd_ps(_mm512_load_ps(cs + 16 * j), _mm512_set1_ps(ds[j * ng + g]), acc[j]);
+          if constexpr (OFF)
+            acc[j] = _mm512_fmadd_ps(_mm512_load_ps(xs.get() + 16 * c), _mm512_set1_ps(os[j][g]), acc[j]);
+        }
       };
 #define QT_TILES(CT, AT, BT)                                                       \
   {                                                                                \

@@ -12,9 +12,10 @@ row of it per sequence), the LM head counted once even when tied to it.
 A quantized base (`--quantize int8|int4`: `lorafleet.model.quant`) is measured the
 same way: the bound counts what a step reads as stored, each quantized weight's codes (int8, or
 uint8 with two int4 values a byte) and its float16 scales, beside the norms in the compute dtype;
-the matmuls pass each weight with its scales to `Kernels.linear`. The report adds the base's
-memory: every weight tensor it holds (the embedding included) against the same model's float32
-bytes (`memory_ratio`; the targets, `MEMORY_TARGETS`: int8 <= 0.27x, int4 <= 0.15x).
+the matmuls pass each weight with its scales (and a GGUF file's affine types their offsets) to
+`Kernels.linear`. The report adds the base's memory: every weight tensor it holds (the embedding
+included) against the same model's float32 bytes (`memory_ratio`; the targets, `MEMORY_TARGETS`:
+int8 <= 0.27x, int4 <= 0.15x).
 The 8b shape runs here only in int4 (`fixtures.CPU_SCHEMES`), its weights made in memory.
 
 Beside each step, the profile of a miss: the step's matmuls alone (`matmul_time`: one
@@ -79,16 +80,18 @@ def fp32_weight_bytes(cfg) -> int:
     return 4 * sum(prod(shape) for shape in expected_shapes(cfg).values())
 
 
-def matmul_weights(weights: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def matmul_weights(weights: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None,
+                                                                   torch.Tensor | None]]:
     """The distinct weight matrices a decode step multiplies, each with its scales (`<name>_s`,
-    None where it is not quantized): every weight of two dimensions or more (a matrix, or one
-    packed into panels by `Kernels.pack`) but the embedding table (the LM head counted once,
-    whether or not it is the embedding's storage) and the scales themselves."""
+    None where it is not quantized) and its group offsets (`<name>_o`, a GGUF file's affine types;
+    else None): every weight of two dimensions or more (a matrix, or one packed into panels by
+    `Kernels.pack`) but the embedding table (the LM head counted once, whether or not it is the
+    embedding's storage) and the scales and offsets themselves."""
     seen, out = set(), []
     for name, t in weights.items():
-        if t.dim() >= 2 and name != "embed" and not name.endswith("_s") and t.data_ptr() not in seen:
+        if t.dim() >= 2 and name != "embed" and not name.endswith(("_s", "_o")) and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
-            out.append((t, weights.get(name + "_s")))
+            out.append((t, weights.get(name + "_s"), weights.get(name + "_o")))
     return out
 
 
@@ -97,12 +100,12 @@ def in_width(w: torch.Tensor) -> int:
     return quant.in_features(w) if w.dtype in (torch.int8, torch.uint8) else w.shape[1]
 
 
-def _linear(kernels, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None):
-    return kernels.linear(x, w) if scales is None else kernels.linear(x, w, None, scales)
+def _linear(kernels, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, offsets: torch.Tensor | None):
+    return kernels.linear(x, w) if scales is None else kernels.linear(x, w, None, scales, offsets)
 
 
-def _nbytes(w: torch.Tensor, scales: torch.Tensor | None) -> int:
-    return quant.nbytes(w, scales)
+def _nbytes(w: torch.Tensor, scales: torch.Tensor | None, offsets: torch.Tensor | None) -> int:
+    return quant.nbytes(w, scales, offsets)
 
 
 def matmul_time(model, rows: int, passes: int = 5) -> float:
@@ -112,11 +115,11 @@ def matmul_time(model, rows: int, passes: int = 5) -> float:
     (each pass streams every weight once, as a step does)."""
     weights = matmul_weights(model.w)
     g = torch.Generator().manual_seed(0)
-    xs = {k: torch.randn(rows, k, generator=g).to(model.dtype) for k in {in_width(w) for w, _ in weights}}
+    xs = {k: torch.randn(rows, k, generator=g).to(model.dtype) for k in {in_width(w) for w, _, _ in weights}}
 
     def one_pass():
-        for w, s in weights:
-            _linear(model.kernels, xs[in_width(w)], w, s)
+        for w, s, o in weights:
+            _linear(model.kernels, xs[in_width(w)], w, s, o)
     return best_seconds(one_pass, passes)
 
 
@@ -124,29 +127,30 @@ def matmul_cached_time(model, rows: int, slice_bytes: int = 2 << 20, calls: int 
     """Seconds a decode step's matmuls would take at `rows` rows if every weight stayed in cache:
     the compute floor of the kernels at that batch, beside the memory bound (where it comes near
     the bound, the FMAs and not the memory set the pace). Per distinct weight layout (all
-    dimensions but the first, the dtype, and a quantized weight's scales' width), the kernel's
-    seconds per byte on a slice of about `slice_bytes` of the first such weight (its first rows,
-    with their scales, kept in cache across `calls` calls; the best of `passes`), times the
-    bytes of every weight of that layout (`matmul_weights`, scales included). 2 MiB by default:
+    dimensions but the first, the dtype, a quantized weight's scales' width and whether it has
+    offsets), the kernel's seconds per byte on a slice of about `slice_bytes` of the first such
+    weight (its first rows, with their scales and offsets, kept in cache across `calls` calls; the
+    best of `passes`), times the bytes of every weight of that layout (`matmul_weights`, scales and
+    offsets included). 2 MiB by default:
     smaller slices add each call's start to the floor, larger ones leave a core's L2."""
     weights = matmul_weights(model.w)
     g = torch.Generator().manual_seed(0)
     per_byte: dict[tuple, float] = {}
     total = 0.0
-    for w, s in weights:
-        key = (tuple(w.shape[1:]), w.dtype, None if s is None else tuple(s.shape[1:]))
+    for w, s, o in weights:
+        key = (tuple(w.shape[1:]), w.dtype, None if s is None else tuple(s.shape[1:]), o is None)
         if key not in per_byte:
-            row_bytes = _nbytes(w[0:1], None if s is None else s[0:1])
+            row_bytes = _nbytes(w[0:1], None if s is None else s[0:1], None if o is None else o[0:1])
             n = max(1, min(w.shape[0], slice_bytes // row_bytes))
-            piece, piece_s = w[:n], None if s is None else s[:n]
+            piece, piece_s, piece_o = w[:n], None if s is None else s[:n], None if o is None else o[:n]
             x = torch.randn(rows, in_width(w), generator=g).to(w.dtype if s is None else model.dtype)
-            _linear(model.kernels, x, piece, piece_s)  # into the cache
+            _linear(model.kernels, x, piece, piece_s, piece_o)  # into the cache
 
             def repeated():
                 for _ in range(calls):
-                    _linear(model.kernels, x, piece, piece_s)
-            per_byte[key] = best_seconds(repeated, passes) / (calls * _nbytes(piece, piece_s))
-        total += per_byte[key] * _nbytes(w, s)
+                    _linear(model.kernels, x, piece, piece_s, piece_o)
+            per_byte[key] = best_seconds(repeated, passes) / (calls * _nbytes(piece, piece_s, piece_o))
+        total += per_byte[key] * _nbytes(w, s, o)
     return total
 
 

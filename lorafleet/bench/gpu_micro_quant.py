@@ -236,7 +236,7 @@ def _measure_candidates(run: _QuantRun, cases: list[tuple]) -> bool:
             for form in ("int8", "int4"):
                 if run.late():
                     return False
-                call = quant_call(case, form, lambda x, q, b, s, c=cfg: quant_triton.linear(x, q, b, s, c))
+                call = quant_call(case, form, lambda x, q, b, s, c=cfg: quant_triton.linear(x, q, b, s, config=c))
                 run.measure(rows, case, f"{form} config {i}", call, case.moved[form], _quant_want(case, form, full))
     return True
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from lorafleet.kernels import backend
-from lorafleet.kernels.reference import AttentionMetadata, DecodeWeights, Layer, offset_term
+from lorafleet.kernels.reference import AttentionMetadata, DecodeWeights, Layer
 from lorafleet.model.config import ModelConfig
 
 
@@ -91,8 +91,8 @@ class LlamaModel(torch.nn.Module):
                 weights[name] = self.kernels.pack(weights[name])
             if tied:  # one storage, now the head's layout: the embedding is read through `Kernels.rows`
                 weights["lm_head"] = weights["embed"]
-        # a GGUF file's affine types: each group's offset, added to the projection's output
-        # (`reference.offset_term`; each layer's also in its `Layer`)
+        # a GGUF file's affine types: each group's offset, which `Kernels.linear` adds to the weight
+        # (each layer's also in its `Layer`)
         self.offsets = {name[:-2]: t for name, t in weights.items() if name.endswith("_o")}
         # each layer's tensors looked up once, not by name in every step (`w` stays the owner)
         self.layers = [Layer._make(weights.get(f"layers.{i}.{n}") for n in Layer._fields) for i in range(cfg.num_layers)]
@@ -145,15 +145,8 @@ class LlamaModel(torch.nn.Module):
         x = ops.rms_norm(pre, w["norm"], cfg.rms_norm_eps)
         if heads and "final_norm" in lora.norms:
             lora.final_norm(pre, logits_rows, x, ops.rms_norm, cfg.rms_norm_eps)
-        logits = self._linear(x, w["lm_head"], None, w.get("lm_head_s"), self.offsets.get("lm_head")).float()  # [S, V]
+        logits = ops.linear(x, w["lm_head"], None, w.get("lm_head_s"), self.offsets.get("lm_head")).float()  # [S, V]
         return lora.logits(x, logits_rows, logits) if heads else logits
-
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias, scales, o: torch.Tensor | None) -> torch.Tensor:
-        """`Kernels.linear`, plus the term of the weight's offsets `o` where it has them."""
-        y = self.kernels.linear(x, w, bias, scales)
-        if o is not None:
-            y += offset_term(x, o).to(y.dtype)
-        return y
 
     def layers_(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor,
                 lora=None) -> torch.Tensor:
@@ -169,7 +162,7 @@ class LlamaModel(torch.nn.Module):
             h = ops.rms_norm(x, lw.in_norm, eps) if out is None else ops.add_rms_norm(x, out, lw.in_norm, eps)
             if "in_norm" in norms:
                 lora.norm(i, "in_norm", x, h, ops.rms_norm, eps)
-            qkv = self._linear(h, lw.qkv, lw.qkv_b, lw.qkv_s, lw.qkv_o)                      # [T, Q+2K]
+            qkv = ops.linear(h, lw.qkv, lw.qkv_b, lw.qkv_s, lw.qkv_o)                      # [T, Q+2K]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
             # [T, H+2KVH, D] cut into q, k, v heads (split_with_sizes: one call, a third of
@@ -180,17 +173,17 @@ class LlamaModel(torch.nn.Module):
                 k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, eps).view(k.shape)
             ops.rope_(q, k, self.cos, self.sin, positions)                # in place
             o = ops.attention(q, k, v, kv_cache[:, i], attn, self.scale)  # [T, Q]
-            out = self._linear(o, lw.o, lw.o_b, lw.o_s, lw.o_o)
+            out = ops.linear(o, lw.o, lw.o_b, lw.o_s, lw.o_o)
             if lora is not None:
                 lora.apply(i, "o", o, out)
             h = ops.add_rms_norm(x, out, lw.post_norm, eps)
             if "post_norm" in norms:
                 lora.norm(i, "post_norm", x, h, ops.rms_norm, eps)
-            gu = self._linear(h, lw.gate_up, lw.gate_up_b, lw.gate_up_s, lw.gate_up_o)                 # [T, 2I]
+            gu = ops.linear(h, lw.gate_up, lw.gate_up_b, lw.gate_up_s, lw.gate_up_o)                 # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gu)
             a = ops.silu_mul(gu)
-            out = self._linear(a, lw.down, lw.down_b, lw.down_s, lw.down_o)
+            out = ops.linear(a, lw.down, lw.down_b, lw.down_s, lw.down_o)
             if lora is not None:
                 lora.apply(i, "down", a, out)
         assert out is not None  # a model has layers

@@ -1,9 +1,10 @@
 """Weight-only quantized projections: the schemes, their one canonical layout, and the quantizer.
 
 A quantized weight is two tensors, both self-describing, so every kernel and the C++ decode
-driver take it as they take any weight (`Kernels.linear(x, q, bias, scales)`):
+driver take it as they take any weight (`Kernels.linear(x, q, bias, scales, offsets)`):
 - `q`: int8 [N, K] (scheme int8) or uint8 [N, K / 2] (scheme int4, two values a byte);
-- `scales`: float16 [N, K / G], one per group of G input elements of each output row.
+- `scales`: float16 [N, K / G], one per group of G input elements of each output row;
+- and a GGUF file's affine types a third, `offsets`: float32 [N, K / G], w = d * c + o (`from_affine`).
 The scheme is `q`'s dtype, the group is K / scales.shape[1]. A weight is w = d * q for int8
 (q in -127..127) and w = d * (q - 8) for int4 (q in 0..15), d the group's scale.
 

@@ -100,12 +100,13 @@ def test_the_cli_runs_it_and_writes_the_report(tmp_path):
 def test_the_matmuls_timed_are_each_weight_matrix_once_and_no_embedding():
     embed, qkv, head = torch.zeros(10, 4), torch.zeros(12, 4), torch.zeros(10, 4)
     untied = {"embed": embed, "layers.0.qkv": qkv, "layers.0.norm": torch.zeros(4), "lm_head": head}
-    assert [(t.data_ptr(), s) for t, s in matmul_weights(untied)] == [(qkv.data_ptr(), None), (head.data_ptr(), None)]
+    assert [(t.data_ptr(), s, o) for t, s, o in matmul_weights(untied)] == \
+        [(qkv.data_ptr(), None, None), (head.data_ptr(), None, None)]
     panels = torch.zeros(2, 4, 16)  # a weight packed by `Kernels.pack` is a matrix too
-    assert [t.data_ptr() for t, _ in matmul_weights({**untied, "layers.0.down": panels})] == \
+    assert [t.data_ptr() for t, _, _ in matmul_weights({**untied, "layers.0.down": panels})] == \
         [qkv.data_ptr(), head.data_ptr(), panels.data_ptr()]
     tied = {"embed": embed, "layers.0.qkv": qkv, "layers.1.qkv": qkv, "lm_head": embed}
-    assert [t.data_ptr() for t, _ in matmul_weights(tied)] == [qkv.data_ptr(), embed.data_ptr()]
+    assert [t.data_ptr() for t, _, _ in matmul_weights(tied)] == [qkv.data_ptr(), embed.data_ptr()]
 
 
 @pytest.mark.heavy  # a whole benchmark run
@@ -167,24 +168,26 @@ def test_a_quantized_step_reads_its_codes_and_scales_and_the_norms_by_hand():
 
 
 @pytest.mark.unit
-def test_the_matmuls_of_a_quantized_model_pass_each_weight_with_its_scales_at_its_input_width(monkeypatch):
+def test_the_matmuls_of_a_quantized_model_pass_each_weight_with_its_scales_and_offsets_at_its_input_width(monkeypatch):
     w = _quantized_micro("int4")
-    pairs = matmul_weights(w)
-    assert [(t.data_ptr(), s.data_ptr()) for t, s in pairs] == \
-        [(w[n].data_ptr(), w[n + "_s"].data_ptr()) for n in ("layers.0.qkv", "layers.0.down", "lm_head")]
+    w["layers.0.down_o"] = torch.zeros(64, 4)  # a GGUF file's affine type: its offsets go with it
+    triples = matmul_weights(w)
+    assert [(t.data_ptr(), s.data_ptr(), o) for t, s, o in triples[:1] + triples[2:]] == \
+        [(w[n].data_ptr(), w[n + "_s"].data_ptr(), None) for n in ("layers.0.qkv", "lm_head")]
+    assert triples[1][0] is w["layers.0.down"] and triples[1][2] is w["layers.0.down_o"] and len(triples) == 3
     seen = []
 
-    def linear(x, q, bias=None, scales=None):
+    def linear(x, q, bias=None, scales=None, offsets=None):
         from lorafleet.kernels.reference import linear as reference
 
-        seen.append((x.shape[1], x.dtype, q.dtype, scales is not None, bias))
-        return reference(x, q, bias, scales)
+        seen.append((x.shape[1], x.dtype, q.dtype, scales is not None, bias, offsets is not None))
+        return reference(x, q, bias, scales, offsets)
     model = SimpleNamespace(w=w, kernels=SimpleNamespace(linear=linear), dtype=torch.float32)
     from lorafleet.bench.decode_bound import matmul_time
 
     assert matmul_time(model, rows=2, passes=1) > 0
-    assert seen == [(64, torch.float32, torch.uint8, True, None), (128, torch.float32, torch.uint8, True, None),
-                    (64, torch.float32, torch.uint8, True, None)]
+    assert seen == [(64, torch.float32, torch.uint8, True, None, False),
+                    (128, torch.float32, torch.uint8, True, None, True), (64, torch.float32, torch.uint8, True, None, False)]
     seen.clear()
     assert matmul_cached_time(model, rows=2, calls=1, passes=1) > 0
     assert {s[:4] for s in seen} == {(64, torch.float32, torch.uint8, True), (128, torch.float32, torch.uint8, True)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lorafleet import Engine, SamplingParams
-from lorafleet.kernels import decode_layers_cpu
+from lorafleet.kernels import backend, decode_layers_cpu
 from tests.fixtures import ALL7, FAMILIES, build_adapter, build_model
 
 # with LORAFLEET_REQUIRE_CPU_KERNELS=1 (CI), load() raises instead: a broken build fails, never skips
@@ -31,9 +31,10 @@ def family_dirs(tmp_path_factory):
     return out
 
 
-def decode_step_both_ways(engine: Engine, requests: int) -> dict:
+def decode_step_both_ways(engine: Engine, requests: int, reference: bool = False) -> dict:
     """Run `engine` until a decode-only step, and that step's layers both ways on copies of its
-    residual stream and KV pages (the step itself then proceeds as usual)."""
+    residual stream and KV pages (the step itself then proceeds as usual); with `reference`, the
+    loop once more on the torch reference kernels (`seen["torch"]`)."""
     model = engine.model
     seen: dict = {}
     real = model.forward
@@ -42,10 +43,16 @@ def decode_step_both_ways(engine: Engine, requests: int) -> dict:
         if attn.num_decode == len(input_ids) == requests and not seen:
             x = model.kernels.rows(model.w["embed"], input_ids, model.w.get("embed_s"), model.dtype)
             cfg = model.cfg
-            for way in ("loop", "call"):
+            for way in ("loop", "call", "torch")[:3 if reference else 2]:
                 xs, kv = x.clone(), kv_cache.clone()
                 if way == "loop":
                     out = model.layers_(xs, positions, attn, kv, lora)
+                elif way == "torch":
+                    fast, model.kernels = model.kernels, backend.torch_kernels()
+                    try:
+                        out = model.layers_(xs, positions, attn, kv, lora)
+                    finally:
+                        model.kernels = fast
                 else:
                     out = decode_layers_cpu.decode_layers(xs, model.decode_weights.layers, kv, model.cos, model.sin,
                                                           positions, attn, model.scale, cfg.rms_norm_eps,
@@ -246,8 +253,12 @@ def compare_decode_forward(engine, batch: int, subset: list[int] | None = None, 
 
 
 def test_a_gguf_mix_with_group_offsets_runs_the_same_both_ways(tmp_path):
-    """A GGUF file's affine types (Q4_K, Q4_1, Q5_K) hold group offsets: the call adds their term
-    as the loop does (`reference.offset_term`), bit for bit."""
+    """A GGUF file's affine types (Q4_K, Q4_1, Q5_K) hold group offsets, which each projection's
+    `Kernels.linear` adds in its kernel: the call equals the loop bit for bit (the same kernels), and
+    both equal the loop on the torch reference (each weight dequantized with its offsets, then
+    F.linear) within 1e-5 of each row's largest magnitude (fp32 sums in another order, and the
+    kernel rounding d * c + o once where the reference rounds the product, then the sum, through
+    every layer: about 1e-6 here), where the offsets' term is a fifth of it and more."""
     from tests.unit.test_gguf import write_gguf
     from tests.unit.test_gguf_mixes import MIX, SHAPE
 
@@ -257,6 +268,9 @@ def test_a_gguf_mix_with_group_offsets_runs_the_same_both_ways(tmp_path):
     path = write_gguf(model, tmp_path / "mix.gguf", gguf.GGMLQuantizationType.Q4_K, types=MIX)
     engine = start(path, {}, "float32", [None] * 3)
     assert engine.model.offsets  # the mix has them
-    seen = decode_step_both_ways(engine, 3)
+    seen = decode_step_both_ways(engine, 3, reference=True)
     for a, b in zip(seen["loop"], seen["call"]):
         assert same_bits(a, b)
+    for want, got in zip(seen["torch"], seen["call"]):
+        scale = want.abs().amax(-1, keepdim=True)
+        assert ((got - want).abs() <= 1e-5 * scale).all(), float(((got - want).abs() / scale).max())

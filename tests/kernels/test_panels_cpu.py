@@ -63,13 +63,13 @@ def test_packed_weights_refuse_what_they_cannot_serve():
     mod = cpu_module.load("avx2")  # a build with panels of 16, whatever this CPU has
     packed = torch.randn(32, 16).view(2, 16, 16).transpose(1, 2).contiguous()
     with pytest.raises(RuntimeError, match="packed w"):
-        mod.linear(torch.randn(2, 15), packed, None, None)
+        mod.linear(torch.randn(2, 15), packed, None, None, None)
     with pytest.raises(RuntimeError, match="packed w is float32"):
-        mod.linear(torch.randn(2, 16).bfloat16(), packed.bfloat16(), None, None)
+        mod.linear(torch.randn(2, 16).bfloat16(), packed.bfloat16(), None, None, None)
     with pytest.raises(RuntimeError, match="bias"):
-        mod.linear(torch.randn(2, 16), packed, torch.randn(31), None)
+        mod.linear(torch.randn(2, 16), packed, torch.randn(31), None, None)
     with pytest.raises(RuntimeError, match="packed w"):
-        mod.linear(torch.randn(2, 16), torch.randn(2, 16, 8), None, None)  # panels of another width
+        mod.linear(torch.randn(2, 16), torch.randn(2, 16, 8), None, None, None)  # panels of another width
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -2,9 +2,10 @@
 then F.linear): int8 per channel and in groups of 32, int4 in groups of 32, 64 and 128, fp32 and
 bf16, with and without a bias, on every tile remainder of 1-70 rows (the kernel's tiles up to
 `max_rows()`, the GEMM on blocks of dequantized rows beyond), odd N, K from one run to wide
-(chunks of K); the embedding's rows bit for bit; a quantized model's decode step in one C++ call
-equals the Python loop bit for bit, and its greedy tokens equal the torch reference's. In the
-native build and the build without AVX-512 (`variant`).
+(chunks of K); a GGUF file's affine types' group offsets (int4 and int8 codes, groups of 32 and 64)
+added in the kernel on every path (the FMA tiles, the AMX tiles, the blocks past `max_rows()`); the
+embedding's rows bit for bit; a quantized model's decode step in one C++ call equals the Python loop
+bit for bit, and its greedy tokens equal the torch reference's. On every variant this CPU runs (`variant`).
 
 Tolerances, per output element, of the sum of the terms' magnitudes S = |x| @ |dequantize(q)|^T:
 fp32 1e-5 S (the same fp32 products summed in another order); bf16 2^-7 S (the reference rounds
@@ -14,7 +15,9 @@ bf16 rows on its tiles) the same bounds hold: fp32 x goes as bf16 hi + lo (16 bi
 2^-17 S), the weights exact (int8 per channel's codes; groups < K: the codes without their scale,
 the scale in fp32 on each group's sums), bf16 x and the reference's bf16 weights are exact in the
 tiles. The groups' tile path runs from 5 fp32 rows (`qt::GROUPS_FROM`, the FMA tiles below), up to 8:
-its test takes 2-8 rows, across the switch wherever it lies."""
+its test takes 2-8 rows, across the switch wherever it lies. With offsets S counts each weight's terms,
+|d * c| + |o| (the kernel rounds d * c + o once, the reference the product and then the sum), and the
+same bounds hold; past `max_rows()` the weights are the reference's bit for bit."""
 
 from __future__ import annotations
 
@@ -40,10 +43,26 @@ def quantized(n: int, k: int, scheme: str, group: int | None, seed: int = 0):
     return quant.quantize(torch.randn(n, k, generator=g), scheme, group)
 
 
-def assert_close(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias):
-    ref = reference.linear(x, q, bias, scales)
+def affine(n: int, k: int, scheme: str, group: int, seed: int = 0):
+    """Codes, scales and offsets as a GGUF file's affine types give them (`quant.from_affine`):
+    each group's values scale * q + its minimum, q from 0 to 15 (int4, Q4_1 and Q4_K) or 31 (int8
+    codes of Q5_1 and Q5_K's 5 bits); rows whose groups' means differ, so the offsets weigh."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) + 2 * torch.randn(n, k // group, generator=g).repeat_interleave(group, 1)
+    levels, shift = (15, 8) if scheme == "int4" else (31, 16)
+    groups = w.view(n, -1, group)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    d = (hi - lo) / levels
+    q = ((groups - lo[..., None]) / d[..., None]).round().clamp(0, levels).view(n, k).long()
+    return quant.from_affine(q, d, lo, scheme, shift)
+
+
+def assert_close(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias, offsets=None):
+    ref = reference.linear(x, q, bias, scales, offsets)
     assert y.dtype == x.dtype and y.shape == ref.shape
     bound = x.float().abs() @ reference.dequantize(q, scales).abs().t()
+    if offsets is not None:  # each weight's terms |d * c| + |o|
+        bound += x.float().abs() @ offsets.abs().repeat_interleave(quant.in_features(q) // offsets.shape[1], 1).t()
     if bias is not None:
         bound += bias.float().abs()
     err = (y.float() - ref.float()).abs()
@@ -89,6 +108,27 @@ def test_linear_on_narrow_and_wide_k(scheme, group, shape, variant):
             assert_close(quant_cpu.linear(x, q, None, scales), x, q, scales, None)
 
 
+AFFINE = [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 64)]
+
+
+@pytest.mark.parametrize("scheme,group", AFFINE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offsets_are_added_in_the_kernel_on_every_path(scheme, group, dtype, variant):
+    """Offsets on every path the row count picks: one row (FMA tiles), 2-9 (FMA or AMX tiles, fp32's
+    groups' tiles from 5 rows), 16, 17 and past `max_rows()` (blocks of dequantized rows); with and
+    without a bias; one group a row (G = K), K of 384, and K wide enough that x goes by chunks of K."""
+    rows = [*range(1, 10), 16, 17, quant_cpu.max_rows(dtype) + 1]
+    for n, k in ((5, group), (67, 384), (37, 10240)):
+        q, scales, offsets = affine(n, k, scheme, group, seed=k)
+        assert offsets is not None and offsets.dtype == torch.float32 and offsets.shape == scales.shape
+        g = torch.Generator().manual_seed(k)
+        x = torch.randn(max(rows), k, generator=g).to(dtype)
+        bias = torch.randn(n, generator=g).to(dtype)
+        for t in rows:
+            for b in (bias, None):
+                assert_close(quant_cpu.linear(x[:t], q, b, scales, offsets), x[:t], q, scales, b, offsets)
+
+
 def test_linear_takes_strided_rows_and_refuses_bad_shapes():
     q, scales = quantized(40, 64, "int4", 32)
     x = torch.randn(4, 128)[:, :64]  # rows of stride 128
@@ -99,6 +139,9 @@ def test_linear_takes_strided_rows_and_refuses_bad_shapes():
         quant_cpu.linear(torch.randn(2, 64), q, None, scales.float())
     with pytest.raises(RuntimeError, match="scales"):
         quant_cpu.linear(torch.randn(2, 64), q, None, scales[:, :1].repeat(1, 3).contiguous())
+    for offsets in (torch.zeros(40, 2, dtype=torch.float16), torch.zeros(40, 1), torch.zeros(2, 40).t()):
+        with pytest.raises(RuntimeError, match="offsets"):
+            quant_cpu.linear(torch.randn(2, 64), q, None, scales, offsets)
 
 
 @pytest.mark.parametrize("scheme,group", LAYOUTS)

@@ -1,8 +1,8 @@
 """The GPU quantized projection (kernels/quant_triton.py) computes `reference.linear(x, q, bias,
-scales)`: every form (T = 1, decode, prefill), K split or not, int8 per channel and in groups of
-32, int4 in groups of 32, 64 and 128, fp32, bf16 and fp16 activations, with and without a bias;
-and the Triton backend serves a quantized model with it, end to end, without ever dequantizing a
-whole weight.
+scales, offsets)`: every form (T = 1, decode, prefill), K split or not, int8 per channel and in
+groups of 32, int4 in groups of 32, 64 and 128, fp32, bf16 and fp16 activations, with and without
+a bias, with and without group offsets (a GGUF file's affine types); and the Triton backend serves
+a quantized model with it, end to end, without ever dequantizing a whole weight.
 
 Run under the Triton interpreter (TRITON_INTERPRET=1, set below unless the environment says
 otherwise, before the kernel module is imported), shapes small for it; with TRITON_INTERPRET=0
@@ -43,12 +43,15 @@ def weight(seed, n, k, scheme, group=None):
     return q.to(DEVICE), s.to(DEVICE)
 
 
-def check(x, q, s, bias=None, config=None):
-    got = quant_triton.linear(x, q, bias, s, config)
-    want = reference.linear(x, q, bias, s)
+def check(x, q, s, bias=None, config=None, offsets=None):
+    got = quant_triton.linear(x, q, bias, s, offsets, config=config)
+    want = reference.linear(x, q, bias, s, offsets)
     assert got.dtype == x.dtype and got.shape == want.shape and not torch.isnan(got).any()
     if x.dtype == torch.float32:
-        mag = x.abs() @ reference.dequantize(q, s).abs().t() + (0 if bias is None else bias.abs())
+        terms = reference.dequantize(q, s).abs()
+        if offsets is not None:  # each weight's terms |d * q| + |o|
+            terms += offsets.abs().repeat_interleave(terms.shape[1] // offsets.shape[1], 1)
+        mag = x.abs() @ terms.t() + (0 if bias is None else bias.abs())
         assert ((got - want).abs() <= 1e-5 * mag + 1e-6).all(), (got - want).abs().max().item()
     else:
         err = (got.float() - want.float()).abs().max().item()
@@ -94,6 +97,18 @@ def test_half_activations_give_their_dtype_within_a_rounding(dtype, scheme, grou
     check(x, q, s, bias if t > 1 else None)
 
 
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", 64)])
+@pytest.mark.parametrize("config", [NO_SPLIT, MAX_SPLIT], ids=["whole-k", "split-k"])
+@pytest.mark.parametrize("t,dtype", [(1, torch.float32), (5, torch.float32), (33, torch.float32),
+                                     (1, torch.bfloat16), (6, torch.bfloat16), (24, torch.bfloat16)])
+def test_group_offsets_are_added_in_the_kernel(scheme, group, config, t, dtype):
+    """A GGUF file's affine types: offsets float32 [N, K / G], w = d * q + o, in every form, K split or not."""
+    k = 192
+    q, s = weight(3 * t, 29, k, scheme, group)
+    offsets = 2 * acts(t + 5, 29, k // group)
+    check(acts(t, t, k, dtype), q, s, acts(2, 1, 29, dtype)[0] if t > 1 else None, config, offsets)
+
+
 def test_row_strided_activations_and_one_unrolled_tail():
     """x a row-strided view (as a step's rows can be); K = 96: one tile of 256 cut to 3 steps."""
     q, s = weight(3, 19, 96, "int4", 32)
@@ -122,6 +137,9 @@ def test_misfit_shapes_are_refused():
         quant_triton.linear(acts(0, 2, 128), q, None, s)
     with pytest.raises(TypeError):
         quant_triton.linear(acts(0, 2, 64).to(torch.int32), q, None, s)
+    for offsets in (acts(0, 8, 2).half(), acts(0, 8, 1)):
+        with pytest.raises(ValueError):
+            quant_triton.linear(acts(0, 2, 64), q, None, s, offsets)
     assert quant_triton.linear(acts(0, 0, 64), q, None, s).shape == (0, 8)
 
 
@@ -133,12 +151,15 @@ def test_the_triton_backend_serves_quantized_weights_without_a_full_copy(monkeyp
     q, s = weight(5, 24, 128, "int8")
     x = acts(5, 3, 128)
     want = reference.linear(x, q, None, s)
+    offsets = acts(7, 24, 1)
+    want_offsets = reference.linear(x, q, None, s, offsets)
 
     def whole_copy(*a, **kw):
         raise AssertionError("a quantized weight was dequantized whole")
     monkeypatch.setattr(reference, "dequantize", whole_copy)
     got = kernels.linear(x, q, None, s)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kernels.linear(x, q, None, s, offsets), want_offsets, atol=1e-4, rtol=1e-4)
     w = acts(6, 24, 128)
     torch.testing.assert_close(kernels.linear(x, w), x @ w.t())
 
