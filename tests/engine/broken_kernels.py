@@ -23,8 +23,8 @@ def break_fast_path(monkeypatch=None) -> None:
             return kernels
         exact = kernels.linear
 
-        def linear(x, w, bias=None, scales=None):
-            return exact(x, w, bias, scales) + NOISE
+        def linear(x, w, bias=None, scales=None, offsets=None):
+            return exact(x, w, bias, scales, offsets) + NOISE
         return dataclasses.replace(kernels, linear=linear)
 
     if monkeypatch is None:
