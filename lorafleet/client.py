@@ -120,7 +120,7 @@ class Client:
         return self._json("GET", "/health")
 
     def wait_started(self, timeout: float, waiting: Callable[[DaemonStartingError], None] = lambda e: None,
-                     poll: float = 0.5) -> None:
+                     poll: float = 0.1) -> None:
         """Return once the daemon answers; while it is starting (`DaemonStartingError`) call
         `waiting` once and poll, up to `timeout` seconds. Any other failure (no daemon at all, or one
         that died while starting) raises at once; still starting at the deadline raises that."""

@@ -57,7 +57,7 @@ class Daemon:
                         return
             except httpx.TransportError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # a start ready between polls waits for the next: keep it short
         self.kill()
         raise RuntimeError(f"daemon did not answer within {timeout}s:\n{self.log()}")
 

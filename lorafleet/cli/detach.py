@@ -103,7 +103,7 @@ def start_detached(argv: list[str], sock: Path, log_file: Path | None, api_key: 
                 c.health()
                 break
             except LorafleetError:
-                time.sleep(0.2)
+                time.sleep(0.05)  # a health check over the socket is cheap; a started daemon waits for the next
         else:
             raise fail(f"the daemon (pid {child.pid}) did not answer within {wait_s:.0f}s; see {log_file}")
     _link_log(sock, log_file)

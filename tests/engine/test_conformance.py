@@ -9,8 +9,8 @@ Each case checks, in one batch of base requests and a plain LoRA, a DoRA and a s
   where the reference's top two are closer than that tolerance (a tie at the dtype's precision):
   in fp32 and on quantized bases (fp32 activations), that is token for token transformers' greedy
   decoding; each chosen token's logprob within the tolerance of the reference's.
-The default tier runs FAST (every property at least once) on this CPU's own variant; the heavy
-tier every config on every variant and on torch.
+The default tier runs FAST (every property at least once) in fp32 on this CPU's own variant, and
+two of them in bf16 and SmolLM2 quantized; the heavy tier every config on every variant and on torch.
 """
 
 from __future__ import annotations
@@ -38,19 +38,22 @@ ORDER = [None, "plain", "dora", "head", None]
 LENGTHS = [5, 12, 23, 9, 17]
 TOKENS = 16
 FAST_QUANTIZED = ("SmolLM2-135M",)  # quantized bases in the default tier (tied, odd heads, GQA 3)
+# bf16 in the default tier: the kernels' bf16 paths do not depend on the family, whose properties
+# (biases, q/k norms, GQA 3, tied heads) FAST covers in fp32
+FAST_BF16 = ("SmolLM2-135M", "Llama-3.2-1B")
 
 
 def _cases():
     """(config, case, kernels): every config in every case on every CPU variant this CPU runs, and
     on the torch path for FAST's configs in fp32 and bf16 (elsewhere its parity is
     tests/engine/test_parity.py's and tests/engine/test_quantized.py's).
-    The default tier: FAST in fp32 and bf16, FAST_QUANTIZED quantized too, on this CPU's variant."""
+    The default tier: FAST in fp32, FAST_BF16 in bf16, FAST_QUANTIZED quantized, on this CPU's variant."""
     host = cpu_module.host_variant()
     out = []
     for n in CONFIGS:
         for c in CASES:
             for k in (*cpu_module.runnable(), *(("torch",) if n in FAST and not c.startswith("int") else ())):
-                fast = k == host and n in FAST and (not c.startswith("int") or n in FAST_QUANTIZED)
+                fast = k == host and n in {"fp32": FAST, "bf16": FAST_BF16}.get(c, FAST_QUANTIZED)
                 out.append(pytest.param(n, c, k, marks=() if fast else pytest.mark.heavy))
     return out
 
