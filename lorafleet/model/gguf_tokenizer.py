@@ -2,7 +2,8 @@
 tokenizer_config (`tokenizer_parts`), without transformers: "gpt2" (byte-level BPE: tokens and
 merges, its pre-tokenizer named by `tokenizer.ggml.pre`) or "llama" (SentencePiece BPE: tokens and
 scores, the merges ranked by the merged piece's score, byte fallback); control and user-defined
-tokens as added tokens, the chat template from `tokenizer.chat_template`. Each pre-tokenizer name
+tokens as added tokens, the chat template from `tokenizer.chat_template` (else an Ollama model's Go
+template beside the file, translated: `go_template.beside`). Each pre-tokenizer name
 stands for its model's Hugging Face tokenizer.json (normalizer, split, BPE flags), so ids are that
 tokenizer's. Other tokenizer models and pre-tokenizers, and a byte-level BPE naming none ("default"),
 are refused, named. The file itself is `gguf.GGUFFile`'s."""
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import gguf
 
 from lorafleet.errors import ModelLoadError, UnsupportedModelError
+from lorafleet.model import go_template
 from lorafleet.model.gguf_header import MAX_MERGES
 
 if TYPE_CHECKING:
@@ -167,7 +169,9 @@ def _tokenizer_config(f: GGUFFile, name: dict[str, str | None], add_bos, add_eos
            "model_max_length": f.field(f"{f.arch}.context_length"), "tokenizer_class": "PreTrainedTokenizerFast"}
     cfg = {k: v for k, v in cfg.items() if v is not None}
     template = f.field("tokenizer.chat_template")
-    if isinstance(template, str):
+    if not isinstance(template, str):  # the file's own Jinja wins: llama.cpp and Hugging Face read that one
+        template = go_template.beside(f.path)  # an Ollama model's Go template, translated
+    if template is not None:
         cfg["chat_template"] = template
     return cfg
 

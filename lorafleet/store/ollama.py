@@ -5,14 +5,19 @@
 - `manifests/<registry>/<namespace>/<name>/<tag>`: a JSON manifest (the registry
   `registry.ollama.ai` and the namespace `library` where the name gives none, the tag `latest`);
 - its `layers`, by media type: `application/vnd.ollama.image.model` (the GGUF base),
-  `.adapter` (GGUF LoRA adapters), `.params` (JSON sampling options), `.template` (a Go template:
-  lorafleet renders the GGUF's own Jinja template instead), `.system`, `.license`;
+  `.adapter` (GGUF LoRA adapters), `.params` (JSON sampling options), `.template` (a Go template),
+  `.system`, `.license` (these two unread);
 - `blobs/sha256-<hex>`, one file per digest.
 
 `resolve` reads a manifest (bounded in size, every name component checked: no component becomes
 a path unchecked) and links its blobs, under the names lorafleet's readers recognize
 (`<ref>/model.gguf`, `<ref>/adapter-<i>.gguf`), into `$LORAFLEET_HOME/cache/ollama/`: the blobs are
 read where Ollama keeps them, never copied. A blob whose size is not the manifest's is refused.
+
+The chat template served is the GGUF's own Jinja `tokenizer.chat_template` where it has one (what
+llama.cpp and Hugging Face read); else the template layer, linked beside the GGUF as `model.gotmpl`
+and translated to Jinja when the tokenizer is read (`model.go_template.beside`: a template outside
+the subset translated leaves the model without one, with a warning naming the construct).
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafleet.errors import StoreError, StoreNotFoundError
+from lorafleet.model.go_template import SUFFIX
 
 PREFIX = "ollama:"
 REGISTRY, NAMESPACE, TAG = "registry.ollama.ai", "library", "latest"
-MODEL, ADAPTER, PARAMS = ("application/vnd.ollama.image." + k for k in ("model", "adapter", "params"))
+MODEL, ADAPTER, PARAMS, TEMPLATE = ("application/vnd.ollama.image." + k for k in ("model", "adapter", "params",
+                                                                                  "template"))
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_PARAMS_BYTES = 64 << 10
 COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -122,6 +129,11 @@ def resolve(ref: str) -> OllamaModel:
     model = _link(_blob(root, by_type[MODEL][0], ref), links / "model.gguf")
     adapters = [_link(_blob(root, layer, ref), links / f"adapter-{i}.gguf")
                 for i, layer in enumerate(by_type.get(ADAPTER, []))]
+    template = model.with_suffix(SUFFIX)  # read (bounded) and translated by the GGUF's tokenizer reader
+    if by_type.get(TEMPLATE):
+        _link(_blob(root, by_type[TEMPLATE][0], ref), template)
+    else:
+        template.unlink(missing_ok=True)  # a template an earlier manifest had
     params: dict = {}
     if by_type.get(PARAMS):
         path = _blob(root, by_type[PARAMS][0], ref)

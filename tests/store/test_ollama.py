@@ -19,7 +19,7 @@ from lorafleet.store import ollama
 from lorafleet.store.pull import pull
 from lorafleet.store.store import Store
 from tests.engine.test_parity import prompts_of_lengths
-from tests.fixtures import build_adapter, build_model
+from tests.fixtures import build_adapter, build_chat_model, build_model
 from tests.unit.test_gguf import write_gguf
 from tests.unit.test_gguf_adapters import TARGETS, write_gguf_adapter
 
@@ -147,3 +147,32 @@ def test_serve_ollama_name_from_the_command_line(env, tmp_path):
             assert r.status_code == 200 and r.json()["model"] == "sql-bot"
     finally:
         daemon.kill()
+
+
+def test_a_gguf_without_jinja_serves_its_ollama_go_template(tmp_path, monkeypatch):
+    """Ollama's own conversions carry no `tokenizer.chat_template`: the manifest's Go template is
+    then the chat template, translated; one the translator refuses leaves the model without one."""
+    import gguf
+
+    from lorafleet.model.tokenizer import Tokenizer
+
+    base = build_chat_model(tmp_path / "hf")  # with a tokenizer
+    with monkeypatch.context() as m:
+        m.setattr(gguf.GGUFWriter, "add_chat_template", lambda self, template: None)
+        model = write_gguf(base, tmp_path / "model.gguf").read_bytes()
+    store = tmp_path / "models"
+    go = (b'{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}'
+          b'<|im_start|>assistant\n')
+    add_model(store, "plain", {"model": [model], "template": [go]})
+    add_model(store, "odd", {"model": [model], "template": [b"{{ with .System }}{{ . }}{{ end }}"]})
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    monkeypatch.setenv("LORAFLEET_HOME", str(tmp_path / "home"))
+    served = Tokenizer.from_gguf(ollama.resolve("ollama:plain").model)
+    assert Tokenizer.from_gguf(tmp_path / "model.gguf").chat_template is None  # the file alone has none
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert served.apply_chat_template(messages) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi"
+                                                    "<|im_end|>\n<|im_start|>assistant\n")
+    stored = pull("ollama:plain", store=Store(tmp_path / "store"))  # pulled: the translation in tokenizer_config
+    folder = Store(tmp_path / "store").folder(stored)
+    assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == served.chat_template
+    assert Tokenizer.from_gguf(ollama.resolve("ollama:odd").model).chat_template is None
