@@ -96,6 +96,9 @@ def test_beside_a_daemon_ls_shows_both_and_rm_waits_for_unload(served, chat_mode
     with served.http() as c:
         assert "held" not in {m["id"] for m in c.get("/v1/models").json()["data"]}
     assert "held" not in {row["name"] for row in json.loads(run(home, "adapters", "ls", "--json", socket=sock).stdout)}
+    # the session's daemon is shared: its store is left as found (`models ls` tests read it whole)
+    removed = run(home, "models", "rm", "chat-base", socket=sock)
+    assert removed.exit_code == 0, removed.output
 
 
 def test_pull_with_an_empty_store_validates_against_the_base_the_daemon_serves(tmp_path, served, adapter_dirs,
