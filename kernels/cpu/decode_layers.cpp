@@ -89,7 +89,7 @@ torch::Tensor decode_forward(torch::Tensor ids, torch::Tensor rows, torch::Tenso
   return lin::linear(pw::rms_norm(x, norm, eps), lm_head, c10::nullopt, lm_head_s, lm_head_o).to(at::kFloat);
 }
 
-// A pure decode step's batch tensors (`ModelRunner.prepare`'s, for rows that each decode one
+// A pure decode step's batch tensors (`ModelRunner.inputs`'s, for rows that each decode one
 // token and sample it), built in one call: table [rows, blocks] the KV manager's block table;
 // per sequence its table row, its position (tokens computed so far) and its token. Returns one
 // int64 array: ids, positions, slot pages, slot offsets, context lengths, logits rows (n each),

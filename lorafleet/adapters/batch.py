@@ -114,6 +114,7 @@ class LoraBatch:
         self.shapes = shapes
         self.host = np.zeros((0, SEG_FIELDS), dtype=np.int64)  # [S, 5] (start, end, row table, scale, mix)
         self.seg: torch.Tensor | None = None           # the same on the pool's device, once copied
+        self._seg_at = -1                               # `host`'s column in the step's Upload (`stage`)
         self.max_rows = self.max_rank = 0
         self._rows: list[tuple[int, int, int, int, int]] = []
         self._split: dict[int, np.ndarray] = {}
@@ -230,21 +231,21 @@ class LoraBatch:
         out[:, 1] = np.minimum(out[:, 0] + rows, hi[g])
         return out
 
-    def stage(self, up: Upload) -> int:
-        """Adds the host's [S, SEG_FIELDS] to `up` (a step's one copy); returns its column, which
-        `landed` takes once `up` is sent."""
-        return up.add(self.host)
+    def stage(self, up: Upload) -> None:
+        """Adds the host's [S, SEG_FIELDS] to `up` (a step's one copy), which `landed` reads once sent."""
+        self._seg_at = up.add(self.host)
 
-    def landed(self, seg: torch.Tensor) -> LoraBatch:
-        """`seg` for the kernels: the staged column on the pool's device."""
-        self.seg = seg
+    def landed(self, up: Upload) -> LoraBatch:
+        """`seg` for the kernels: the staged column on the pool's device, from `up` once sent."""
+        self.seg = up.sent[self._seg_at]
         return self
 
     def to_device(self) -> LoraBatch:
         """`stage` and `landed` in a copy of its own (none on the CPU), for a batch used alone."""
         up = Upload()
-        at = self.stage(up)
-        return self.landed(up.send(self.weights.device)[at])
+        self.stage(up)
+        up.send(self.weights.device)
+        return self.landed(up)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += each row's adapter delta for `group` of `layer` (rows in no segment untouched)."""

@@ -29,8 +29,8 @@ Each step's inputs reach the device in one copy: the runner hands its numbers ov
 (`StepInputs`, numpy, as for every step), they are written into one staging buffer (pinned on CUDA) laid out as the
 device buffer every capture reads (ids, positions, KV slots, context lengths, LoRA segments,
 then the block tables, row by row), the sampler's per-row numbers after the bucket's tables, and
-that prefix goes over in one non-blocking copy. Why: each `.to(device)` of pageable memory is a copy that holds the host until it is done
-(seven a step, and as many launches to move them into the graph's buffers), on a step that
+that prefix goes over in one non-blocking copy. Why: each `.to(device)` of pageable memory is a
+copy that holds the host until it is done (seven a step, and as many launches to move them into the graph's buffers), on a step that
 lasts about a millisecond on a GPU. Before the staging buffer is written again, the event
 recorded after the last copy is waited for (already passed once the step's tokens were read).
 

@@ -57,7 +57,6 @@ class ModelRunner:
         self.generator = generator
         self.exact = exact
         self.lora_shapes = group_shapes(model.cfg.linear_features())
-        self.vocab = model.cfg.vocab_size  # the logits' width: the sampler's plan is made before them
         self._model_s = 0.0  # the model's forward pass in the last execute(), on the CPU
         self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         if self.device.type == "cuda" else None)
@@ -70,8 +69,8 @@ class ModelRunner:
         reqs = [c.request for c in chunks if c.samples]
         held = [(j, r.matcher) for j, r in enumerate(reqs) if r.matcher is not None]  # structured output's rows
         up = Upload()  # the step's one copy: the sampler's numbers join the inputs
-        plan = Plan(up, [r.params for r in reqs], [r.generator for r in reqs], self.generator, self.vocab,
-                    self.exact, [j for j, _ in held])
+        plan = Plan(up, [r.params for r in reqs], [r.generator for r in reqs], self.generator,
+                    self.model.cfg.vocab_size, self.exact, [j for j, _ in held])
         logits = self.execute(chunks, self.lora_batch(chunks), prev=prev.drawn.tokens if prev is not None else None,
                               up=up)
         drawn = launch(logits, plan, self.model.kernels.greedy,
@@ -175,10 +174,11 @@ class ModelRunner:
         up = Upload() if up is None else up
         fixed = self.graphs is not None and not all_logits and step.pure_decode and self.graphs.fits(step, lora)
         if not fixed:
-            seg_at = lora.stage(up) if lora is not None else -1
+            if lora is not None:
+                lora.stage(up)
             ids, positions, meta, rows = step.upload(self.device, up)
             if lora is not None:
-                lora.landed(up.sent[seg_at])
+                lora.landed(up)
         t0 = time.perf_counter()
         if self.device.type == "cuda":  # the forward's device time, read once the sampled tokens are
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

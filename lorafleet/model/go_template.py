@@ -80,9 +80,11 @@ def beside(gguf: str | Path) -> str | None:
     if not path.is_file():
         return None
     try:
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TEMPLATE_BYTES + 1)  # never more than the bound, whatever the file's size
+        if len(raw) > MAX_TEMPLATE_BYTES:
             raise GoTemplateError(f"over {MAX_TEMPLATE_BYTES >> 10} KiB")
-        return translate(path.read_bytes().decode("utf-8"))
+        return translate(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, GoTemplateError) as e:
         log.warning("%s: its Ollama chat template is not served (%s); the model has no chat template", path, e)
         return None

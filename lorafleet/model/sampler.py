@@ -202,7 +202,8 @@ class Plan:
 
     def __init__(self, up: Upload, params: list, generators: list, shared: torch.Generator | None, V: int,
                  exact: bool = False, held: list[int] | None = None):
-        self.up, self.params, self.generators, self.shared, self.V, self.exact = up, params, generators, shared, V, exact
+        self.up, self.params, self.generators, self.shared = up, params, generators, shared
+        self.V, self.exact = V, exact
         self.hot = [i for i, p in enumerate(params) if not p.greedy]
         self.want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         self.held = held
