@@ -7,7 +7,8 @@ m whose rank r > 0 in the row table at seg[s, 2]:
 A_m's row k ([in]) and Bt_m's row k ([n_out]) are each one contiguous run of the pool at its row pointer, so
 an adapter's pages may lie anywhere (no gather). A mix's module is one task list over its members' rank rows,
 each shrink result times its member's scale: it costs one adapter of their total rank. float32 or bfloat16
-(x, out and the pool in one dtype): fp32 sums, each output element rounded once with the whole delta.
+(x and out in one dtype; the pool's adapters in it too, or in bfloat16 or float16 under float32 x, widened in
+registers: `--lora-dtype`): fp32 sums, each output element rounded once with the whole delta.
 
 Decisions, each with its reason (the tiles' in `cpu/lora.cpp`):
 - One call per (layer, group): at one token per adapter, torch's many small matmuls cost their dispatch.
@@ -31,7 +32,7 @@ FUNCTIONS = ["lora"]
 
 
 def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, entry: int, slots: int) -> None:
-    """x: [T, in]; out: [T, N] (updated in place); w: the pool, flat; one dtype, float32 or
-    bfloat16 (fp32 sums, each output rounded once); seg [S, 5] int64 (`reference.py`'s contract);
+    """x: [T, in]; out: [T, N] (updated in place), float32 or bfloat16; w: the pool, flat, in their
+    dtype or 16-bit under float32 (fp32 sums, each output rounded once); seg [S, 5] int64 (`reference.py`'s contract);
     entry, slots: the group's fields in the row tables."""
     load().lora(x, out, w, seg, entry, slots)

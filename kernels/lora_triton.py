@@ -118,7 +118,8 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     Bt_m(s), for every row of every mix (a plain segment: a mix of one) and module slot; a lone
     segment's slot with an epilogue gives g * (out + delta) + c instead (see the module
     docstring). x: [T, in], out: [T, N] (row-strided views allowed, unit column stride), w: the
-    flat pool [pages * page_elems], all one dtype (fp32, bf16, fp16); seg [S, SEG_FIELDS] int64
+    flat pool [pages * page_elems] (fp32, bf16, fp16): x's dtype, or 16-bit under fp32 x (`--lora-dtype`,
+    widened to fp32 as it is read); seg [S, SEG_FIELDS] int64
     (start, end, table, scale, mix) on x's device; entry, slots: the group's fields in the row
     tables.
 
@@ -131,8 +132,9 @@ def lora(x: torch.Tensor, out: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     computes it from the base): out's tile is then read and written in vectors of up to 16 bytes;
     one that does not divide them gives wrong columns."""
     cfg = config or CONFIG
-    if not (x.dtype == out.dtype == w.dtype):
-        raise TypeError(f"lora: x, out and w must share a dtype (got {x.dtype}, {out.dtype}, {w.dtype})")
+    if x.dtype != out.dtype or not (w.dtype == x.dtype or (x.dtype == torch.float32 and w.element_size() == 2)):
+        raise TypeError(f"lora: x and out share a dtype, and w is theirs or 16-bit under float32 x (got {x.dtype}, "
+                        f"{out.dtype}, {w.dtype})")
     if x.stride(1) != 1 or out.stride(1) != 1 or not w.is_contiguous():
         raise ValueError("lora: x and out need unit column stride, w must be contiguous")
     if seg.dim() != 2 or seg.shape[1] != SEG_FIELDS or seg.dtype != torch.int64:

@@ -25,6 +25,8 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None            # None: fp32 on CPU, the checkpoint's dtype on GPU
     quantize: str | None = None         # int8 | int4: quantize a full-precision base's weights at load
+    lora_dtype: str = "auto"            # adapters in the pool: auto (the model's dtype), or bfloat16 /
+                                        # float16 under a float32 model (`memory.pool`: half the bytes)
     pool_bytes: int | None = None       # the unified pool; None: 1 GiB on CPU, most free memory on GPU
     block_size: int = 16                # tokens per KV page
     max_num_seqs: int = 256             # sequences in one step
@@ -63,6 +65,8 @@ class EngineConfig:
             raise ConfigError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:  # a torch.dtype passes as it is
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES[1:])}, got {self.dtype!r}")
+        if self.lora_dtype not in DTYPES:
+            raise ConfigError(f"lora_dtype must be one of {', '.join(DTYPES)}, got {self.lora_dtype!r}")
         if self.quantize not in (None, "int8", "int4"):
             raise ConfigError(f"quantize must be int8 or int4, got {self.quantize!r}")
         if self.eviction not in ("cost", "lru"):

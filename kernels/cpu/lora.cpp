@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -27,16 +28,17 @@ struct Item {
 
 constexpr int64_t FIELDS = 7;  // a row table's fields per slot (kernels/reference.py's TABLE_FIELDS)
 
-// an output element's last step: y + delta, or the epilogue g * (y + delta) + c (fp32, rounded once)
-template <class S>
+// an output element's last step: y + delta, or the epilogue g * (y + delta) + c (fp32, rounded
+// once); g and c are adapter rows, in the adapters' storage W
+template <class W>
 static inline vw finish(const Item& it, int64_t at, vw y) {
   if (!it.g) return y;
-  return wload(static_cast<const S*>(it.g) + at) * y + wload(static_cast<const S*>(it.c) + at);
+  return wload(static_cast<const W*>(it.g) + at) * y + wload(static_cast<const W*>(it.c) + at);
 }
-template <class S>
+template <class W>
 static inline float finish1(const Item& it, int64_t at, float y) {
   if (!it.g) return y;
-  return float(static_cast<const S*>(it.g)[at]) * y + float(static_cast<const S*>(it.c)[at]);
+  return float(static_cast<const W*>(it.g)[at]) * y + float(static_cast<const W*>(it.c)[at]);
 }
 
 // Tile shapes, so that every accumulator of a tile stays in a register (cpu_vector's `vw`):
@@ -65,8 +67,8 @@ static inline float seg_scale(int64_t bits) {
 }
 
 // t[b * ldt + j] = a[j] . x[b] over K, for NJ rank rows and NB x rows (fp32 sums)
-template <class S, int NJ, int NB>
-static inline void shrink_tile(const S* const* a, const S* const* x, int64_t K, float* t, int64_t ldt) {
+template <class S, class W, int NJ, int NB>
+static inline void shrink_tile(const W* const* a, const S* const* x, int64_t K, float* t, int64_t ldt) {
   vw acc[NB][NJ];
   for (int b = 0; b < NB; ++b)
     for (int j = 0; j < NJ; ++j) acc[b][j] = vw{};
@@ -87,27 +89,27 @@ static inline void shrink_tile(const S* const* a, const S* const* x, int64_t K, 
     }
 }
 
-template <class S, int NJ>
-static inline void shrink_rows(const S* const* a, const S* xp, int64_t ldx, int64_t row0, int64_t n, int64_t K,
+template <class S, class W, int NJ>
+static inline void shrink_rows(const W* const* a, const S* xp, int64_t ldx, int64_t row0, int64_t n, int64_t K,
                                float* t, int64_t ldt) {
   int64_t b = 0;
   for (; b + SR <= n; b += SR) {
     const S* x[SR];
     for (int i = 0; i < SR; ++i) x[i] = xp + (row0 + b + i) * ldx;
-    shrink_tile<S, NJ, SR>(a, x, K, t + b * ldt, ldt);
+    shrink_tile<S, W, NJ, SR>(a, x, K, t + b * ldt, ldt);
   }
   for (; b < n; ++b) {
     const S* x[1] = {xp + (row0 + b) * ldx};
-    shrink_tile<S, NJ, 1>(a, x, K, t + b * ldt, ldt);
+    shrink_tile<S, W, NJ, 1>(a, x, K, t + b * ldt, ldt);
   }
 }
 
 // the shrink of rank rows [k0, k0 + KR) of one item, for all its rows
-template <class S>
-static void shrink(const Item& it, int64_t k0, const S* wp, const S* xp, int64_t ldx, int64_t in, float* t) {
+template <class S, class W>
+static void shrink(const Item& it, int64_t k0, const W* wp, const S* xp, int64_t ldx, int64_t in, float* t) {
   float* tk = t + it.t_off + k0;
   const int64_t nk = std::min(KR, it.r - k0);
-  const S* a[KR];
+  const W* a[KR];
   bool tile = nk == KR;  // the KR rows side by side in one tile
   for (int64_t j = 0; j < nk; ++j) a[j] = wp + it.a[k0 + j];
 #if defined(__AVX512F__)
@@ -117,10 +119,10 @@ static void shrink(const Item& it, int64_t k0, const S* wp, const S* xp, int64_t
   tile = tile && !(it.n == 1 && amd_layout());
 #endif
   if (tile) {
-    shrink_rows<S, KR>(a, xp, ldx, it.row0, it.n, in, tk, it.r);
+    shrink_rows<S, W, KR>(a, xp, ldx, it.row0, it.n, in, tk, it.r);
   } else {
     for (int64_t j = 0; j < nk; ++j)  // one rank row at a time: a tail, or the above
-      shrink_rows<S, 1>(&a[j], xp, ldx, it.row0, it.n, in, tk + j, it.r);
+      shrink_rows<S, W, 1>(&a[j], xp, ldx, it.row0, it.n, in, tk + j, it.r);
   }
   if (it.sc)  // a mix: each member's rank rows times its scale
     for (int64_t b = 0; b < it.n; ++b)
@@ -129,16 +131,16 @@ static void shrink(const Item& it, int64_t k0, const S* wp, const S* xp, int64_t
 
 // out[rows, col + c0 ...] += t[rows] @ Bt[:, c0 : c0 + w] for NB rows, w <= CW columns: each
 // output element is summed in fp32 over every rank row and rounded once
-template <class S, int NB>
+template <class S, class W, int NB>
 static inline void expand_tile(const Item& it, int64_t b0, int64_t c0, int64_t w, const float* t,
-                               const S* const* bt, S* op, int64_t ldo) {
+                               const W* const* bt, S* op, int64_t ldo) {
   constexpr int Q = CW / VW;  // vectors per row
   vw acc[NB][Q];
   for (int b = 0; b < NB; ++b)
     for (int q = 0; q < Q; ++q) acc[b][q] = vw{};
   for (int64_t k = 0; k < it.r; ++k) {
     if (b0 == 0 && k + PF < it.r)  // the first rows read Bt from memory: its later rows ahead
-      for (int64_t c = 0; c < CW; c += 64 / (int)sizeof(S)) __builtin_prefetch(bt[k + PF] + c, 0, 3);
+      for (int64_t c = 0; c < CW; c += 64 / (int)sizeof(W)) __builtin_prefetch(bt[k + PF] + c, 0, 3);
     vw bv[Q];
     for (int q = 0; q < Q; ++q) bv[q] = wload(bt[k] + VW * q);
     for (int b = 0; b < NB; ++b) {
@@ -149,38 +151,38 @@ static inline void expand_tile(const Item& it, int64_t b0, int64_t c0, int64_t w
   for (int b = 0; b < NB; ++b) {
     S* y = op + (it.row0 + b0 + b) * ldo + it.col + c0;
     if (w == CW) {
-      for (int q = 0; q < Q; ++q) wstore(y + VW * q, finish<S>(it, c0 + VW * q, wload(y + VW * q) + acc[b][q]));
+      for (int q = 0; q < Q; ++q) wstore(y + VW * q, finish<W>(it, c0 + VW * q, wload(y + VW * q) + acc[b][q]));
     } else {
       float sum[CW];
       for (int q = 0; q < Q; ++q) wstore(sum + VW * q, acc[b][q]);
-      for (int64_t c = 0; c < w; ++c) y[c] = S(finish1<S>(it, c0 + c, float(y[c]) + sum[c]));
+      for (int64_t c = 0; c < w; ++c) y[c] = S(finish1<W>(it, c0 + c, float(y[c]) + sum[c]));
     }
   }
 }
 
 // the expand of output columns [c0, c0 + CW) of one item, for all its rows; the last, narrower
 // block is first copied out (zero padded)
-template <class S>
-static void expand(const Item& it, int64_t c0, const S* wp, const float* t, S* op, int64_t ldo,
-                   std::vector<S>& buf, std::vector<const S*>& bt) {
+template <class S, class W>
+static void expand(const Item& it, int64_t c0, const W* wp, const float* t, S* op, int64_t ldo,
+                   std::vector<W>& buf, std::vector<const W*>& bt) {
   const int64_t w = std::min(CW, it.n_out - c0);
   bt.resize(it.r);
   if (w < CW) buf.resize(it.r * CW);
   for (int64_t k = 0; k < it.r; ++k) {
-    const S* src = wp + it.b[k] + c0;
+    const W* src = wp + it.b[k] + c0;
     if (w == CW) {
       bt[k] = src;
     } else {
-      S* row = buf.data() + k * CW;
+      W* row = buf.data() + k * CW;
       std::copy(src, src + w, row);
-      std::fill(row + w, row + CW, S(0.f));
+      std::fill(row + w, row + CW, W(0.f));
       bt[k] = row;
     }
   }
   const float* ti = t + it.t_off;
   int64_t b = 0;
-  for (; b + ER <= it.n; b += ER) expand_tile<S, ER>(it, b, c0, w, ti, bt.data(), op, ldo);
-  for (; b < it.n; ++b) expand_tile<S, 1>(it, b, c0, w, ti, bt.data(), op, ldo);
+  for (; b + ER <= it.n; b += ER) expand_tile<S, W, ER>(it, b, c0, w, ti, bt.data(), op, ldo);
+  for (; b < it.n; ++b) expand_tile<S, W, 1>(it, b, c0, w, ti, bt.data(), op, ldo);
 }
 
 // A one-row segment (decode) reads Bt by whole rows instead: a task takes KE rank rows and adds
@@ -195,15 +197,15 @@ static inline void axpy(float c, const S* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += c * float(x[i]);
 }
 
-template <class S>
-static void expand_rows(const Item& it, int64_t k0, const S* wp, const float* t, float* p) {
+template <class W>
+static void expand_rows(const Item& it, int64_t k0, const W* wp, const float* t, float* p) {
   float* part = p + it.p_off + (k0 / KE) * it.n_out;
   std::fill(part, part + it.n_out, 0.f);
   for (int64_t k = k0; k < std::min(it.r, k0 + KE); ++k)
     axpy(t[it.t_off + k], wp + it.b[k], part, it.n_out);
 }
 
-template <class S>
+template <class S, class W>
 static void sum_parts(const Item& it, int64_t c0, const float* p, S* op, int64_t ldo) {
   const int64_t parts = (it.r + KE - 1) / KE, w = std::min(RW, it.n_out - c0);
   const float* part = p + it.p_off + c0;
@@ -212,22 +214,23 @@ static void sum_parts(const Item& it, int64_t c0, const float* p, S* op, int64_t
   for (; c + VW <= w; c += VW) {
     vw acc = wload(part + c);
     for (int64_t b = 1; b < parts; ++b) acc += wload(part + b * it.n_out + c);
-    wstore(y + c, finish<S>(it, c0 + c, wload(y + c) + acc));
+    wstore(y + c, finish<W>(it, c0 + c, wload(y + c) + acc));
   }
   for (; c < w; ++c) {
     float acc = part[c];
     for (int64_t b = 1; b < parts; ++b) acc += part[b * it.n_out + c];
-    y[c] = S(finish1<S>(it, c0 + c, float(y[c]) + acc));
+    y[c] = S(finish1<W>(it, c0 + c, float(y[c]) + acc));
   }
 }
 
-// S: the storage of x, out and the pool (float or bf16)
-template <class S>
+// S: the storage of x and out (float or bf16); W: the adapters' in the pool (S, or a 16-bit
+// type under fp32 x: `--lora-dtype`, widened in registers)
+template <class S, class W>
 static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& w, const torch::Tensor& seg,
                    int64_t entry, int64_t M) {
   const S* xp = x.data_ptr<S>();
   S* op = out.data_ptr<S>();
-  const S* wp = w.data_ptr<S>();
+  const W* wp = static_cast<const W*>(w.data_ptr());
   const int64_t* wi = reinterpret_cast<const int64_t*>(wp);  // the pool's bytes: the row tables
   const int64_t* sp = seg.data_ptr<int64_t>();
   const int64_t S_ = seg.size(0), in = x.size(1);
@@ -290,33 +293,35 @@ static void lora_t(const torch::Tensor& x, torch::Tensor& out, const torch::Tens
   std::vector<float> t(t_size);
   std::unique_ptr<float[]> p(new float[p_size]);  // each task zeroes its own part
   at::parallel_for(0, (int64_t)shrinks.size(), 1, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) shrink<S>(items[shrinks[i].first], shrinks[i].second, wp, xp, ldx, in, t.data());
+    for (int64_t i = a; i < b; ++i) shrink<S, W>(items[shrinks[i].first], shrinks[i].second, wp, xp, ldx, in, t.data());
   });
   at::parallel_for(0, (int64_t)expands.size(), 1, [&](int64_t a, int64_t b) {
-    std::vector<S> buf;
-    std::vector<const S*> bt;
+    std::vector<W> buf;
+    std::vector<const W*> bt;
     for (int64_t i = a; i < b; ++i) {
       const Item& it = items[expands[i].first];
-      if (i < n_cols) expand<S>(it, expands[i].second, wp, t.data(), op, ldo, buf, bt);
-      else expand_rows<S>(it, expands[i].second, wp, t.data(), p.get());
+      if (i < n_cols) expand<S, W>(it, expands[i].second, wp, t.data(), op, ldo, buf, bt);
+      else expand_rows<W>(it, expands[i].second, wp, t.data(), p.get());
     }
   });
   if (!sums.empty())
     at::parallel_for(0, (int64_t)sums.size(), 1, [&](int64_t a, int64_t b) {
-      for (int64_t i = a; i < b; ++i) sum_parts<S>(items[sums[i].first], sums[i].second, p.get(), op, ldo);
+      for (int64_t i = a; i < b; ++i) sum_parts<S, W>(items[sums[i].first], sums[i].second, p.get(), op, ldo);
     });
 }
 
 void lora(torch::Tensor x, torch::Tensor out, torch::Tensor w, torch::Tensor seg, int64_t entry, int64_t slots) {
-  TORCH_CHECK(x.scalar_type() == out.scalar_type() && w.scalar_type() == x.scalar_type(),
-              "lora: x, out and the pool differ in dtype");
+  const auto xt = x.scalar_type(), wt = w.scalar_type();
+  TORCH_CHECK(out.scalar_type() == xt && (xt == at::kFloat || xt == at::kBFloat16), "lora: x and out are one dtype, "
+              "float32 or bfloat16");
+  TORCH_CHECK(wt == xt || (xt == at::kFloat && (wt == at::kBFloat16 || wt == at::kHalf)),
+              "lora: the pool's adapters are x's dtype, or bfloat16 or float16 under float32 x");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous(), "lora: layout");
   TORCH_CHECK(seg.is_contiguous() && seg.dim() == 2 && seg.size(1) == 5, "lora: seg must be [S, 5], contiguous");
-  if (x.scalar_type() == at::kFloat) lora_t<float>(x, out, w, seg, entry, slots);
-  else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "lora: float32 or bfloat16 only");
-    lora_t<c10::BFloat16>(x, out, w, seg, entry, slots);
-  }
+  if (xt == at::kBFloat16) lora_t<c10::BFloat16, c10::BFloat16>(x, out, w, seg, entry, slots);
+  else if (wt == at::kBFloat16) lora_t<float, c10::BFloat16>(x, out, w, seg, entry, slots);
+  else if (wt == at::kHalf) lora_t<float, c10::Half>(x, out, w, seg, entry, slots);
+  else lora_t<float, float>(x, out, w, seg, entry, slots);
 }
 
 }  // namespace lo

@@ -1,5 +1,5 @@
 // What the CPU kernels share: the vector type every loop runs on, `vw`, one register of the widest
-// set the CPU has (16 fp32 lanes with AVX-512, 8 with AVX2), its fp32/bf16 loads and stores, bf16
+// set the CPU has (16 fp32 lanes with AVX-512, 8 with AVX2), its fp32/bf16 loads and stores (and fp16 loads), bf16
 // rounding, the horizontal sum and exp, and `amd_layout()`.
 // Decisions: GCC vector types, not `#pragma omp simd` (under it the compiler left exp, RoPE and the
 // argmax scalar); never a vector wider than a register (the matmul tiles' accumulators must all
@@ -7,6 +7,8 @@
 // conversions one lane at a time).
 #pragma once
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -45,6 +47,13 @@ static inline u32w bf16_round_bits(vw v) {
 
 static inline vw wload(const float* p) { vw v; std::memcpy(&v, p, sizeof v); return v; }
 static inline vw wload(const c10::BFloat16* p) { return bf16_widen(p); }
+static inline vw wload(const c10::Half* p) {  // F16C (every AVX2 CPU has it)
+#if defined(__AVX512F__)
+  return (vw)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return (vw)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
 // each lane as the dtype holds it: identity in fp32; in bf16 rounded to nearest even
 static inline vw wround(vw v, float) { return v; }
 static inline vw wround(vw v, c10::BFloat16) {

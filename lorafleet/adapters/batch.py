@@ -90,11 +90,12 @@ class HeadParts:
 
     def project(self, pool: torch.Tensor, name: str, x: torch.Tensor) -> torch.Tensor:
         """x [n, width] @ part^T: [n, rows]. In place over consecutive pages (a batched matmul
-        over a strided view: [pages, per, width]), else on the gathered matrix."""
+        over a strided view: [pages, per, width]), else on the gathered matrix (widened to x's
+        dtype where the pool holds adapters narrower: `PagePool.adapter_dtype`)."""
         p, pages = self.parts[name]
         start = self.run_start.get(name)
-        if start is None:
-            return x @ self.matrix(pool, name).t()
+        if start is None or pool.dtype != x.dtype:
+            return x @ self.matrix(pool, name).to(x.dtype).t()
         view = pool[start:start + len(pages), :p.per * p.stride].unflatten(1, (p.per, p.stride))[..., :p.width]
         return torch.matmul(view, x.t()).flatten(0, 1)[:p.rows].t()
 
@@ -107,7 +108,8 @@ class HeadParts:
 
 class LoraBatch:
     def __init__(self, kernels, pool_tensor: torch.Tensor, shapes: dict[str, tuple[int, int]]):
-        """`kernels`: the model's `kernels.backend.Kernels`; `pool_tensor` [pages, page_elems];
+        """`kernels`: the model's `kernels.backend.Kernels`; `pool_tensor` [pages, page_elems], the pool
+        as its adapters are held (`PagePool.adapter_tensor`);
         `shapes`: `group_shapes` of the base."""
         self.kernels = kernels
         self.weights = pool_tensor.view(-1)
@@ -150,7 +152,7 @@ class LoraBatch:
         for start, end, members in self.heads:
             for m, _ in members:
                 if part in m:
-                    h[start:end] = rms_norm(x[start:end], m.row(self.pool, part, layer), eps)
+                    h[start:end] = rms_norm(x[start:end], m.row(self.pool, part, layer).to(x.dtype), eps)
 
     def final_norm(self, pre: torch.Tensor, rows: torch.Tensor, h: torch.Tensor, rms_norm, eps: float) -> None:
         """h (the final norm of `pre` [S, H], flat rows `rows`): each segment's rows whose adapter
@@ -160,7 +162,7 @@ class LoraBatch:
                 if "final_norm" in m:
                     sel = torch.nonzero((rows >= start) & (rows < end)).flatten()
                     if len(sel):
-                        h[sel] = rms_norm(pre[sel], m.row(self.pool, "final_norm", 0), eps)
+                        h[sel] = rms_norm(pre[sel], m.row(self.pool, "final_norm", 0).to(pre.dtype), eps)
 
     def embed(self, ids: torch.Tensor, x: torch.Tensor) -> None:
         """x [T, H] (the base's embedding of `ids`): each head segment's rows replaced by its

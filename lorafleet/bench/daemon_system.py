@@ -121,7 +121,8 @@ def serve_command(job: Job, sock: Path, device: str, dtype: str, pool: int) -> l
     return [sys.executable, "-P", "-m", "lorafleet.cli.main", "serve", model, "--socket", str(sock),
             "--device", device, "--dtype", dtype, "--pool-bytes", str(pool), "--max-num-seqs", "256",
             "--max-pending", "100000", "--no-self-check",
-            *(["--quantize", job.quantize] if job.quantize and not _file_type(job) else [])]
+            *(["--quantize", job.quantize] if job.quantize and not _file_type(job) else []),
+            *(["--lora-dtype", job.lora_dtype] if job.lora_dtype != "auto" else [])]
 
 
 async def _replay(sock: Path, job: Job) -> tuple[float, list[dict]]:

@@ -267,6 +267,8 @@ PEER_PRECISION = {None: "f32", "int8": "int8 against Q8_0", "int4": "int4 agains
 def _peer_table(suite: dict, model: str) -> Table:
     quantize = next((rep.get("options", {}).get("quantize") for rep in suite["reports"]), None)
     precision = PEER_PRECISION.get(quantize, f"the same {quantize} file (llama-quantize) on both sides")
+    held = next((rep.get("options", {}).get("lora_dtype") for rep in suite["reports"]), None)
+    precision += f", lorafleet's adapters held in {held}" if held not in (None, "auto") else ""
     table = new_table(f"{model}, {precision}: lorafleet (through its daemon) against llama.cpp's "
                    "llama-server",
                    ["workload", "in\nflight", "system", "tok/s", "TTFT p99\nms", "ratio", "target", ""],

@@ -177,6 +177,10 @@ def llama_cpp(
              "llama-server gets it as Q8_0 (int8: the converter's --outtype q8_0) or Q4_0 (int4: llama-quantize "
              "--pure; the tool is built once beside the server); adapters stay f32. TYPE (Q4_K_M, Q6_K, Q4_1...): "
              "both serve the one file llama-quantize writes, and the same GGUF adapters.")] = None,
+    lora_dtype: Annotated[str, typer.Option(
+        "--lora-dtype", metavar="auto|bfloat16|float16",
+        help="lorafleet's adapters in its pool, as `serve --lora-dtype` (llama-server reads the GGUF adapters' "
+             "own type).")] = "auto",
     out: Out = None, as_json: AsJson = False,
 ) -> None:
     """lorafleet through its daemon against llama.cpp's llama-server, on the CPU in f32 (or both
@@ -195,6 +199,7 @@ def llama_cpp(
     suites.check_choices("--workload", loads, PEER_WORKLOADS)
     suites.check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
     suites.check_quantize(quantize, shapes, cpu=True, files=True)
+    suites.check_choices("--lora-dtype", [lora_dtype], ("auto", "bfloat16", "float16"))
     suites.require(shapes, names)
     if "llama.cpp" in names:
         suites.llama_server(quantize)
@@ -205,7 +210,8 @@ def llama_cpp(
 
         variants = tuple(get_workload(w).with_concurrency(n) for w in loads for n in counts)
         report = run_suite(shapes, path, workloads=variants, systems=tuple(names), sweeps={}, name="llama-cpp",
-                           device="cpu", threads=threads, quantize=quantize, console=err_console)
+                           device="cpu", threads=threads, quantize=quantize, lora_dtype=lora_dtype,
+                           console=err_console)
     from lorafleet.bench.tables import peer_tables
 
     suites.tables_out(report, path, as_json, lambda: peer_tables(report))

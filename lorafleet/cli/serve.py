@@ -101,6 +101,10 @@ def serve(
         "--quantize", metavar="int8|int4", help="Quantize a full-precision base's projections and LM head as it "
                                                 "loads (weight-only; activations, KV and adapters keep --dtype). A base "
                                                 "pulled with --quantize, or a GGUF file, is served in its own scheme.")] = None,
+    lora_dtype: Annotated[str | None, typer.Option(
+        "--lora-dtype", metavar="auto|bfloat16|float16", help="The adapters' weights in the pool: auto (--dtype), or "
+        "bfloat16 / float16 under a float32 model (a quantized base's too): half the bytes a step reads per adapter "
+        "and twice the adapters in the same pool, each delta within 2^-8 of float32's.")] = None,
     temperature: Annotated[float | None, typer.Option(
         "--temperature", min=0, help="The sampling defaults where a request names none (also --top-p, --top-k, "
         "--min-p). Default: the model's generation_config.json; a GGUF file's: llama.cpp's (0.8, 0.95, 40, 0.05); "
@@ -222,7 +226,7 @@ def checked_settings(params: dict, sock: Path) -> tuple:
                           sampling={k: params[k] for k in SAMPLING if params.get(k) is not None})
     if params.get("top_p") == 0:
         raise typer.BadParameter("0 keeps no token; top-p is in (0, 1]", param_hint="--top-p")
-    engine_options = {name: params[name] for name in ("device", "dtype", "quantize", "max_num_seqs", "max_model_len",
+    engine_options = {name: params[name] for name in ("device", "dtype", "quantize", "lora_dtype", "max_num_seqs", "max_model_len",
                                                       "prefix_cache", "async_decode", "self_check")}
     engine_options["pool_bytes"] = parse_size(params["pool_bytes"])
     EngineConfig(**{k: v for k, v in engine_options.items() if v is not None})  # raises what the engine would

@@ -37,7 +37,7 @@ from lorafleet.memory.arbiter import Arbiter
 from lorafleet.memory.entry import Inspected
 from lorafleet.memory.eviction import EvictionOrder
 from lorafleet.adapters.layout import page_problem
-from lorafleet.memory.pool import PagePool
+from lorafleet.memory.pool import PagePool, lora_dtype
 from lorafleet.memory.prefetch import Prefetcher
 from lorafleet.memory.residency import AdapterResidency
 from lorafleet.model.grammar import Constraint, Grammar, compile as compile_grammar, matcher_for
@@ -69,10 +69,11 @@ class Engine:
         num_pages = pool_bytes_for(cfg, self.device) // page_bytes
         if num_pages < 1:
             raise ConfigError(f"pool_bytes={cfg.pool_bytes} holds no page ({page_bytes} bytes each)")
-        problem = page_problem(BaseShapes.from_model_config(mc), page_elems, self.model.dtype.itemsize)
+        held = lora_dtype(cfg.lora_dtype, self.model.dtype)  # the adapters' dtype in the pool
+        problem = page_problem(BaseShapes.from_model_config(mc), page_bytes // held.itemsize, held.itemsize)
         if problem:
             raise ConfigError(f"block_size={cfg.block_size}: {problem}")
-        self.pool = PagePool(num_pages, page_elems, self.model.dtype, self.device)
+        self.pool = PagePool(num_pages, page_elems, self.model.dtype, self.device, held)
         self.kv = KVCacheManager(self.pool, mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                  prefix_cache=cfg.prefix_cache)
         self.adapters = AdapterResidency(self.pool, BaseShapes.from_model_config(mc), cfg.host_cache_bytes,

@@ -238,7 +238,7 @@ class DecodeGraphs:
                                  decode_block_tables=self.block_tables[:b], decode_context_lens=self.context_lens[:b])
         lora = None
         if segs:
-            lora = LoraBatch.fixed(self.model.kernels, self.kv.pool.tensor, self.lora_shapes, self.seg[:segs],
+            lora = LoraBatch.fixed(self.model.kernels, self.kv.pool.adapter_tensor, self.lora_shapes, self.seg[:segs],
                                    SEGMENT_ROWS, rank)
         return self.model(self.ids[:b], self.positions[:b], meta, self.kv.cache, self.logits_rows[:b], lora)
 

@@ -103,7 +103,7 @@ class ModelRunner:
         activation are in no segment: they run as the base (`adapter_rows`)."""
         if all(not c.request.loras for c in chunks):
             return None
-        batch = LoraBatch(self.model.kernels, self.kv.pool.tensor, self.lora_shapes)
+        batch = LoraBatch(self.model.kernels, self.kv.pool.adapter_tensor, self.lora_shapes)
         end = 0
         for _, group in itertools.groupby(chunks, key=_lora_key):
             run = list(group)

@@ -74,7 +74,7 @@ class Arbiter:
         """Room, then pages, for the adapter `entry`, leaving `reserve` pages free besides: False
         (nothing evicted) when it cannot fit now; AdapterTooLargeError when it never can."""
         need = self.adapters.pages_needed(entry)
-        self.adapters.check_fits(entry.name, need * self.pool.page_elems)
+        self.adapters.check_fits(entry.name, need * self.pool.adapter_page_elems)
         if not self.make_room(need + reserve, protect, for_kv=for_kv):
             return False
         self.adapters.allocate(entry)
@@ -104,6 +104,6 @@ class Arbiter:
             basis, sized = "registered", entries
         if not sized:
             return {"max_adapters": max_num_seqs, "median_pages": None, "sized_adapters": 0, "basis": "max_num_seqs"}
-        median = statistics.median(-(-e.numel // self.pool.page_elems) for e in sized)
+        median = statistics.median(-(-e.numel // self.pool.adapter_page_elems) for e in sized)
         return {"max_adapters": max(1, int(self.pool.num_pages // median)), "median_pages": median,
                 "sized_adapters": len(sized), "basis": basis}

@@ -17,6 +17,11 @@ sequences grow: a min-heap of free pages, no scan of the owner table) and adapte
 high end (a scan: adapter loads are rare next to KV growth), so the two kinds rarely interleave.
 Adapter pages need not be contiguous: every kernel reads an adapter through its page table, so
 pages never fragment anything, and no page ever moves.
+
+Adapters may be held narrower than the KV cache (`adapter_dtype`: bfloat16 or float16 in a float32
+pool, the server's `--lora-dtype`): the same pages, seen through `adapter_tensor`, the pool's bytes
+as that dtype (`adapter_page_elems` to a page). A view, not a second pool: one page budget for both
+kinds, and the kernels read an adapter's rows as they always do, in half the bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import heapq
 import numpy as np
 import torch
 
-from lorafleet.errors import PoolExhaustedError
+from lorafleet.errors import ConfigError, PoolExhaustedError
 from lorafleet import hugepages
 from lorafleet.snapshot import PageRun, PoolCounts
 
@@ -35,10 +40,33 @@ CACHED = -2  # KV blocks kept for prefix reuse, held by no sequence (memory/kv.p
 KV = 0  # owner ids >= 1 are adapters (see `new_owner`)
 
 
+ADAPTER_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                  "float16": torch.float16, "fp16": torch.float16}
+
+
+def narrower(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes a pool of `dtype` may hold its adapters in: its own, and a 16-bit one under
+    float32 (the kernels widen it in registers against fp32 activations)."""
+    return (dtype, torch.bfloat16, torch.float16) if dtype == torch.float32 else (dtype,)
+
+
+def lora_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """`--lora-dtype` (`EngineConfig.lora_dtype`) for a pool of `dtype`: auto is the pool's own."""
+    want = dtype if name == "auto" else ADAPTER_DTYPES[name]
+    if want not in narrower(dtype):
+        raise ConfigError(f"lora_dtype={name}: adapters are held in the model's dtype ({str(dtype)[6:]}), or in "
+                          f"bfloat16 or float16 under a float32 model")
+    return want
+
+
 class PagePool:
-    def __init__(self, num_pages: int, page_elems: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, num_pages: int, page_elems: int, dtype: torch.dtype, device: torch.device | str,
+                 adapter_dtype: torch.dtype | None = None):
         if num_pages < 1 or page_elems < 1:
             raise ValueError("a pool needs at least one page of at least one element")
+        adapter_dtype = adapter_dtype or dtype
+        if adapter_dtype not in narrower(dtype):
+            raise ValueError(f"a pool of {dtype} cannot hold adapters in {adapter_dtype} (`narrower`)")
         self.num_pages = num_pages
         self.page_elems = page_elems
         # zeros, not empty: on the CPU every page is touched (faulted in) now, not by the first
@@ -51,6 +79,8 @@ class PagePool:
         self.tensor = (hugepages.zeros(num_pages + 1, page_elems, dtype=dtype) if device.type == "cpu" else
                        torch.zeros(num_pages + 1, page_elems, dtype=dtype, device=device))  # [P + 1, E]
         self.scratch_page = num_pages
+        self.adapter_tensor = self.tensor.view(adapter_dtype)  # [P + 1, adapter_page_elems]: the same bytes
+        self.adapter_page_elems = self.adapter_tensor.shape[1]
         self._owner = np.full(num_pages, FREE, dtype=np.int64)  # page -> owner id
         self._owner_names: dict[int, str] = {KV: "kv", CACHED: "cached"}
         self._next_owner = KV + 1
@@ -61,6 +91,10 @@ class PagePool:
     @property
     def page_bytes(self) -> int:
         return self.page_elems * self.tensor.element_size()
+
+    @property
+    def adapter_dtype(self) -> torch.dtype:
+        return self.adapter_tensor.dtype
 
     @property
     def num_kv(self) -> int:

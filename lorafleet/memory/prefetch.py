@@ -283,10 +283,10 @@ def _load(residency: AdapterResidency, name: str, path, pages: list[int] | None,
     inspected = None
     if trusted_digest is None:  # sizes from the header before any tensor is read (it may have changed since)
         inspected = residency.inspect(name, path, tokenizer=eager)
-    host = host_cache.build_host_adapter(path, residency.base, pool.page_elems, pool.tensor.dtype,
+    host = host_cache.build_host_adapter(path, residency.base, pool.adapter_page_elems, pool.adapter_dtype,
                                          residency.pin_host, trusted_digest, residency.base_rows)
     if pages is not None:
-        if host.layout.paged_numel(pool.tensor.element_size()) > len(pages) * pool.page_elems:
+        if host.layout.paged_numel(residency.itemsize) > len(pages) * pool.adapter_page_elems:
             raise AdapterError(f"{path}: the weights are larger than the file's header says")
         copy_in(pool, host, pages, stream, after)
     return host, time.perf_counter() - t0, inspected if eager else None
@@ -305,10 +305,10 @@ def copy_in(pool: PagePool, host: HostAdapter, pages: list[int], stream=None, af
     last step launched may still write an ended request's KV into these pages), and are complete when
     this returns, so the adapter is marked ready only once its bytes landed."""
     layout = host.layout
-    start, words, _ = layout.row_table(pages, pool.tensor.element_size())
+    start, words, _ = layout.row_table(pages, pool.adapter_tensor.element_size())
     # pageable: an asynchronous copy from it is staged before it returns, and it is a few KB
-    table = torch.from_numpy(words).view(pool.tensor.dtype)
-    assert start + table.numel() <= len(pages) * pool.page_elems, "adapter larger than its pages"
+    table = torch.from_numpy(words).view(pool.adapter_dtype)
+    assert start + table.numel() <= len(pages) * pool.adapter_page_elems, "adapter larger than its pages"
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         if after is not None and stream is not None:
             stream.wait_event(after)
@@ -321,6 +321,6 @@ def copy_in(pool: PagePool, host: HostAdapter, pages: list[int], stream=None, af
 def _copy_logical(pool: PagePool, pages: list[int], o: int, src: torch.Tensor, non_blocking: bool) -> None:
     """src (flat) into the adapter's logical elements [o, o + len(src)): one copy per run of
     consecutive pages."""
-    flat = pool.tensor.view(-1)
-    for at, lo, n in pieces(pages, pool.page_elems, o, src.numel()):
+    flat = pool.adapter_tensor.view(-1)
+    for at, lo, n in pieces(pages, pool.adapter_page_elems, o, src.numel()):
         flat[at:at + n].copy_(src[lo:lo + n], non_blocking=non_blocking)

@@ -83,7 +83,7 @@ class AdapterResidency:
         self.min_resident_steps = min_resident_steps
         self.step = 0
         self.pin_host = pool.tensor.device.type == "cuda"
-        self.itemsize = pool.tensor.element_size()
+        self.itemsize = pool.adapter_tensor.element_size()  # an adapter's elements (`PagePool.adapter_dtype`)
         self._idle_lru: OrderedDict[AdapterEntry, None] = OrderedDict()  # ready, unpinned; LRU first
         self.idle_pages = 0  # the pages of the adapters in `_idle_lru`
 
@@ -116,7 +116,7 @@ class AdapterResidency:
         invocation = invocation_tokens(read_adapter_config(path, self.base))
         plan = read_plan(path, self.base)
         self.check_fits(name, plan.numel)  # before planning: the header's ranks are bounded by the pool
-        layout = Layout.plan(plan.ranks, self.base, self.pool.page_elems, plan.posts, plan.heads)
+        layout = Layout.plan(plan.ranks, self.base, self.pool.adapter_page_elems, plan.posts, plan.heads)
         numel = layout.paged_numel(self.itemsize)
         self.check_fits(name, numel)
         copy = layout.parts.get("embed") or layout.parts.get("lm_head")
@@ -153,9 +153,9 @@ class AdapterResidency:
         self._retire(entry)
 
     def check_fits(self, name: str, numel: int) -> None:
-        need = -(-numel // self.pool.page_elems)
+        need = -(-numel // self.pool.adapter_page_elems)
         if need > self.pool.num_pages:
-            size = numel * self.pool.tensor.element_size()
+            size = numel * self.itemsize
             raise AdapterTooLargeError(
                 f"adapter {name!r} needs {need} pages ({size / 2**20:.1f} MiB); the pool holds "
                 f"{self.pool.num_pages} pages ({self.pool.num_pages * self.pool.page_bytes / 2**20:.1f} MiB)"
@@ -314,7 +314,7 @@ class AdapterResidency:
         entry.max_rank = max((m.r for m in host.layout.modules), default=0)  # the LoRA op's bound: projections only
         entry.posts = host.layout.posts
         entry.copies = host.layout.saved  # the copies served: those equal to the base's were dropped (`finish.py`)
-        entry.heads = (HeadParts(host.layout.parts, entry.pages, self.pool.page_elems, self.pool.tensor.device)
+        entry.heads = (HeadParts(host.layout.parts, entry.pages, self.pool.adapter_page_elems, self.pool.tensor.device)
                        if host.layout.parts else None)
         entry.kv_salt = kv_salt(host.layout.targets(), host.digest, self.base.num_layers)
         entry.ready = True
@@ -327,7 +327,7 @@ class AdapterResidency:
     # -- device tier -------------------------------------------------------------------
     def pages_needed(self, entry: AdapterEntry) -> int:
         numel = entry.host.layout.paged_numel(self.itemsize) if entry.host is not None else entry.numel
-        return -(-numel // self.pool.page_elems)
+        return -(-numel // self.pool.adapter_page_elems)
 
     def allocate(self, entry: AdapterEntry) -> None:
         """Give `entry` its device pages, which must be free (`memory/arbiter.py` makes the room)."""

@@ -68,3 +68,54 @@ def test_mixed_batch_greedy_tokens_match_peft_per_adapter(fleet):
             differs_from_base += ref != hf_greedy(plain, prompt, 32)
     assert differs_from_base >= len(adapters) // 2  # the adapters really change the model
     assert all(r["users"] == 0 and not r["pinned"] for r in engine.list_adapters())
+
+
+# `--lora-dtype`: adapters held in 16 bits under an fp32 model. The stated tolerance (docs/store.md):
+# each row's logits within HELD_TOL of the adapter's own effect (PEFT's logits less the base's, at
+# their largest) of PEFT's fp32 logits, plus 1e-4. Rounding A and scale * B^T to bf16 moves each
+# weight by at most 2^-9 of itself, fp16 by 2^-12: the bound leaves each about 5x room on these models.
+HELD_TOL = {"bfloat16": 2 ** -5, "float16": 2 ** -8}
+
+
+@pytest.mark.parametrize("held", HELD_TOL)
+def test_adapters_held_in_16_bits_stay_within_their_stated_tolerance_of_peft(fleet, held):
+    base, adapters, fp32 = fleet
+    engine = Engine(base, pool_bytes=8 << 20, lora_dtype=held)
+    assert engine.pool.adapter_dtype == getattr(torch, held) and engine.pool.tensor.dtype == torch.float32
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+        # the same adapter in about half the pages (the row tables' int64 words take the same bytes)
+        ours, theirs = (e.adapters.pages_needed(e.adapters.get(name)) for e in (engine, fp32))
+        assert ours <= theirs // 2 + 2, (name, ours, theirs)
+    order, prompts = mixed_requests(adapters)
+    reqs = [Request(f"h{i}", p, SamplingParams(), a, loras=(engine.adapters.get(a),) if a else (),
+                    scales=(1.0,) if a else ()) for i, (p, a) in enumerate(zip(prompts, order))]
+    chunks, logits = prefill_logits(engine, reqs)
+    row, plain, worst = 0, load_hf(base), 0.0
+    for c in chunks:
+        ours = logits[row:row + c.num_tokens]
+        row += c.num_tokens
+        ids = torch.tensor([c.request.prompt_token_ids])
+        with torch.no_grad():
+            base_ref = plain(ids).logits[0]
+            ref = load_peft(base, adapters[c.request.adapter])(ids).logits[0] if c.request.adapter else base_ref
+        effect = (ref - base_ref).abs().max().item()
+        diff = (ours - ref).abs().max().item()
+        assert diff <= HELD_TOL[held] * effect + 1e-4, f"adapter {c.request.adapter}: {diff} against effect {effect}"
+        worst = max(worst, diff / max(effect, 1e-9)) if c.request.adapter else worst
+    assert worst > 0  # the weights really were rounded (a float32 copy would give PEFT's logits exactly)
+
+
+def test_held_adapters_decode_as_the_torch_reference_reads_them(fleet):
+    # the decode steps (the CPU's one-call decode driver) read the bf16 rows as the reference does
+    base, adapters, _ = fleet
+    names = [*list(adapters)[:4], None]
+    prompts = prompts_of_lengths([4 + 3 * i for i in range(len(names))], seed=5)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    for kernels in ("cpu", "torch"):
+        engine = Engine(base, pool_bytes=8 << 20, lora_dtype="bfloat16", kernels=kernels)
+        for name in names[:-1]:
+            engine.load_adapter(name, adapters[name])
+        outs.append([o.token_ids for o in engine.generate(prompts, params, adapters=names)])
+    assert outs[0] == outs[1]

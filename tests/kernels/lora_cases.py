@@ -48,7 +48,7 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
               page_elems: int = 1024, dtype: torch.dtype = torch.float32, gaps: bool = True,
               pad_cols: int = 0, device: str = "cpu", layers: int = 2, layer: int = 1,
               scale: float = 0.5, mixes: list[list[tuple[int, float]]] | None = None,
-              posts: list[str | None] | None = None) -> LoraCase:
+              posts: list[str | None] | None = None, held: torch.dtype | None = None) -> LoraCase:
     """Segment s has rows[s] rows (0: empty) and its own adapter with module ranks ranks[s] (0:
     module not targeted) in layer `layer` of `layers`. Pool elements no adapter uses are NaN, so
     a stray read shows. With `pad_cols`, x and the output are row-strided views into wider tensors.
@@ -56,13 +56,15 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
     and the adapters (index, scale) of mixes[s] (the request's scales, besides each adapter's own
     `scale`), one segment each. `posts[i]`: adapter i's modules get an epilogue, "bias" (a
     lora_B bias: + scale * bias) or "dora" (the raw magnitude m as g, c = 0: m * (out + delta)),
-    read on lone segments only."""
+    read on lone segments only. `held`: the adapters' dtype in the pool (`PagePool.adapter_dtype`:
+    16-bit under float32 x), else `dtype`; `page_elems` counts its elements."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     group = GROUP_OF_SLOTS[len(outs)]
     base = _base(fan_in, outs, layers)
     cols = np.concatenate([[0], np.cumsum(outs)[:-1]]).tolist()
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    wd = held or dtype
+    itemsize = torch.empty(0, dtype=wd).element_size()
     layouts, buffers, dense, segs, row = [], [], [], [], 0
     for seg_ranks, n in zip(ranks, rows if mixes is None else [0] * len(ranks)):
         if gaps and mixes is None:
@@ -72,20 +74,20 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
         for j, r in enumerate(seg_ranks):
             a = torch.randn(r, fan_in, generator=g) / fan_in ** 0.5
             b = torch.randn(outs[j], r, generator=g)
-            vec = (torch.rand(outs[j], generator=g) + 0.5).to(dtype).float()
+            vec = (torch.rand(outs[j], generator=g) + 0.5).to(wd).float()
             if r:
                 weights[(layer, GROUPS[group][j])] = LoraWeights(
-                    a.to(dtype).float(), b.to(dtype).float(), scale, magnitude=vec if post == "dora" else None,
+                    a.to(wd).float(), b.to(wd).float(), scale, magnitude=vec if post == "dora" else None,
                     bias=vec if post == "bias" else None)
-                gc = ((vec.double(), 0.0) if post == "dora" else (1.0, (scale * vec).to(dtype).double())
+                gc = ((vec.double(), 0.0) if post == "dora" else (1.0, (scale * vec).to(wd).double())
                       if post == "bias" else None)
-                mods.append((cols[j], a.to(dtype).double(), (scale * b.to(dtype).double()).t(), gc))
+                mods.append((cols[j], a.to(wd).double(), (scale * b.to(wd).double()).t(), gc))
         adapter = LoraAdapter(Path("."), f"case{len(layouts)}", {}, weights)
         layout = Layout.of(adapter, base, page_elems)
         buf = torch.zeros(layout.numel)
         layout.fill(buf, adapter)
         layouts.append(layout)
-        buffers.append(buf.to(dtype))
+        buffers.append(buf.to(wd))
         dense.append(mods)
         segs.append([(row, row + n, len(layouts) - 1, 1.0)])
         row += n
@@ -102,14 +104,14 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
     num_pages = sum(need) + 3
     perm = list(range(num_pages))
     rng.shuffle(perm)
-    w = torch.full((num_pages, page_elems), float("nan"), dtype=dtype)
+    w = torch.full((num_pages, page_elems), float("nan"), dtype=wd)
     tables, at = [], 0
     for layout, buf, k in zip(layouts, buffers, need):
         pages = perm[at:at + k]
         at += k
         start, words, table = layout.row_table(pages, itemsize)
         flat = w.view(-1)
-        for o, src in ((0, buf), (start, torch.from_numpy(words).view(dtype))):
+        for o, src in ((0, buf), (start, torch.from_numpy(words).view(wd))):
             for to, lo, n in pieces(pages, page_elems, o, src.numel()):
                 flat[to:to + n] = src[lo:lo + n]
         tables.append(table)
@@ -134,5 +136,5 @@ def lora_case(seed: int, fan_in: int, outs: list[int], ranks: list[list[int]], r
     def put(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
     return LoraCase(put(x_wide)[:, pad_cols:], put(base_wide)[:, pad_cols:pad_cols + sum(outs)], put(expected),
-                    put(w.view(-1)), put(seg), lora_entry(layer, GROUP_INDEX[group], len(GROUPS), MODULE_SLOTS),
+                    w.view(-1).to(device), put(seg), lora_entry(layer, GROUP_INDEX[group], len(GROUPS), MODULE_SLOTS),
                     len(outs), covered.to(device), page_elems, group_shapes(base.features)[group][1])

@@ -161,3 +161,32 @@ def test_an_epilogue_is_read_on_lone_segments_only():
     got = case.base.clone()
     lora_cpu.lora(*case.args(got))
     assert (got - case.expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("held", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(4))
+def test_adapters_held_in_16_bits_under_fp32_x(op, variant, held, seed):
+    # `--lora-dtype`: the pool's adapters in bf16 or fp16, x and the output fp32: each weight widened
+    # exactly, so the sums are the fp32 sums of the rounded weights (the dense expectation rounds them
+    # too); lone and mixed segments, decode and prefill rows, epilogues, pages of an odd size
+    rng = random.Random(seed)
+    ranks = [[rng.choice([0, 1, 3, 8, 24, 64]) for _ in range(3)] for _ in range(5)]
+    rows = [rng.choice([0, 1, 1, 2, 5, 9]) for _ in range(len(ranks))]
+    posts = [rng.choice([None, None, "dora", "bias"]) for _ in ranks]
+    lone = lora_case(seed, 40, [24, 8, 136], ranks, rows, page_elems=rng.choice([1376, 2080]), held=held, posts=posts)
+    mixes, mix_rows = _random_mixes(rng, len(ranks), rng.randint(1, 6))
+    mixed = lora_case(seed, 64, [96, 8, 24], ranks, mix_rows, held=held, mixes=mixes)
+    for case in (lone, mixed):
+        assert case.w.dtype == held and case.x.dtype == torch.float32
+        got = case.base.clone()
+        OPS[op](*case.args(got))
+        assert got.dtype == torch.float32
+        assert (got - case.expected).abs().max().item() < 1e-4
+        assert torch.equal(got[~case.covered], case.base[~case.covered])
+
+
+def test_a_16_bit_pool_holds_its_own_dtype_only():
+    case = lora_case(3, 16, [8, 8, 8], [[3, 0, 2]], [2], dtype=torch.bfloat16, held=torch.float16)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16 under float32 x"):
+        lora_cpu.lora(*case.args(case.base.clone()))

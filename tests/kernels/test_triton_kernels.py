@@ -117,6 +117,19 @@ def test_lora_half_dtypes(design, dtype):
 
 
 @pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("held", [torch.bfloat16, torch.float16])
+def test_lora_adapters_held_in_16_bits_under_fp32_x(design, held):
+    # `--lora-dtype`: the pool's adapters in 16 bits, x and out fp32 (the loads upcast)
+    case = lora_case(9, 64, [32, 24, 40], [[8, 3, 0], [64, 64, 64], [1, 0, 17]], [3, 1, 18], E=2048, held=held,
+                     posts=[None, "dora", "bias"])
+    assert case.w.dtype == held and case.x.dtype == torch.float32
+    check_lora(case, design)
+    half = lora_case(9, 16, [8, 8, 8], [[3, 0, 2]], [2], dtype=torch.bfloat16, held=torch.float16)
+    with pytest.raises(TypeError, match="16-bit under float32 x"):
+        lora_triton.lora(*half.args(half.base.clone()))
+
+
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_many_adapters_of_mixed_ranks_in_one_batch(design, dtype):
     rng = random.Random(12)

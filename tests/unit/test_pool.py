@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorafleet.errors import PoolExhaustedError
-from lorafleet.memory.pool import KV, PagePool
+from lorafleet.config import EngineConfig
+from lorafleet.errors import ConfigError, PoolExhaustedError
+from lorafleet.memory.pool import KV, PagePool, lora_dtype
 
 pytestmark = pytest.mark.unit
 
@@ -111,3 +112,19 @@ def test_page_runs_are_the_owner_table_in_page_order():
         want = ("kv" if page in kv and page != kv[1] else "a" if page in pa else "b" if page in pb else "free")
         assert expanded[page] == want, page
     assert all(runs[i][0] != runs[i + 1][0] for i in range(len(runs) - 1)), "neighbouring runs must differ"
+
+
+def test_adapters_held_in_16_bits_see_the_same_pages_as_twice_the_elements():
+    pool = PagePool(4, 8, torch.float32, "cpu", torch.bfloat16)
+    assert pool.adapter_dtype == torch.bfloat16 and pool.adapter_page_elems == 16
+    assert pool.adapter_tensor.data_ptr() == pool.tensor.data_ptr() and pool.page_bytes == 32
+    pool.adapter_tensor[2, :16] = 1.0  # one page in bf16 is exactly one page in fp32
+    assert pool.tensor[2].ne(0).all() and pool.tensor[[0, 1, 3, 4]].eq(0).all()
+    assert lora_dtype("auto", torch.bfloat16) == torch.bfloat16 and lora_dtype("fp16", torch.float32) == torch.float16
+    for name, dtype in (("float16", torch.bfloat16), ("float32", torch.bfloat16), ("bfloat16", torch.float16)):
+        with pytest.raises(ConfigError, match=f"lora_dtype={name}: adapters are held in the model's dtype"):
+            lora_dtype(name, dtype)
+    with pytest.raises(ValueError, match="cannot hold adapters"):
+        PagePool(4, 8, torch.bfloat16, "cpu", torch.float32)
+    with pytest.raises(ConfigError, match="lora_dtype must be one of"):
+        EngineConfig(lora_dtype="int8")
