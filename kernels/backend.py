@@ -179,3 +179,25 @@ def select(device: torch.device, dtype: torch.dtype, want: str | None = None) ->
             raise ConfigError(f"kernels {want} but the model runs on {device.type}")
         return cpu_kernels(dtype, None if want == "cpu" else want)
     return torch_kernels()
+
+
+def bf16_prefill(k: Kernels) -> Callable:
+    """`k.linear` for a quantized base under float32 activations (`EngineConfig.quantized_prefill`
+    "bfloat16"), its matmuls of more rows than the bf16 decode kernels take (a prefill chunk) in
+    bf16: x rounded to bf16 once, the weights dequantized in bf16 by blocks, torch's bf16 GEMM
+    (fp32 sums; oneDNN's bf16 dot products where the CPU has them, AVX512_BF16 or AMX: faster than
+    the fp32 kernel past those rows, as measured in docs/benchmarks.md), the result rounded to bf16
+    and widened back, the bias added in fp32. Fewer rows (decode) keep the fp32 kernels."""
+    if k.name == "cpu":
+        from lorafleet.kernels import quant_cpu
+
+        rows = quant_cpu.max_rows(torch.bfloat16)
+    else:
+        rows = 16
+
+    def linear(x, w, bias=None, scales=None, offsets=None):
+        if scales is None or x.dtype != torch.float32 or x.shape[0] <= rows:
+            return k.linear(x, w, bias, scales, offsets)
+        y = k.linear(x.to(torch.bfloat16), w, None, scales, offsets).float()
+        return y if bias is None else y.add_(bias)
+    return linear

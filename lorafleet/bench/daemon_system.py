@@ -122,7 +122,8 @@ def serve_command(job: Job, sock: Path, device: str, dtype: str, pool: int) -> l
             "--device", device, "--dtype", dtype, "--pool-bytes", str(pool), "--max-num-seqs", "256",
             "--max-pending", "100000", "--no-self-check",
             *(["--quantize", job.quantize] if job.quantize and not _file_type(job) else []),
-            *(["--lora-dtype", job.lora_dtype] if job.lora_dtype != "auto" else [])]
+            *(["--lora-dtype", job.lora_dtype] if job.lora_dtype != "auto" else []),
+            *(["--quantized-prefill", job.quantized_prefill] if job.quantized_prefill != "float32" else [])]
 
 
 async def _replay(sock: Path, job: Job) -> tuple[float, list[dict]]:

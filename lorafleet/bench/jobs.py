@@ -44,8 +44,8 @@ class Job:
     serves all. `concurrency`: the workload's closed loop (at most that many requests in
     flight), or None (each request sent at its arrival time). `quantize`: int8 or int4, the base
     served quantized (weight-only: lorafleet quantizes it as it loads, llama.cpp gets it as
-    Q8_0 or Q4_0); systems that cannot serve it so skip the run. `lora_dtype`: lorafleet's
-    `--lora-dtype` (the adapters' dtype in its pool)."""
+    Q8_0 or Q4_0); systems that cannot serve it so skip the run. `lora_dtype`, `quantized_prefill`:
+    lorafleet's `--lora-dtype` (the adapters' dtype in its pool) and `--quantized-prefill`."""
 
     system: str
     model_dir: str
@@ -62,6 +62,7 @@ class Job:
     concurrency: int | None = None
     quantize: str | None = None
     lora_dtype: str = "auto"
+    quantized_prefill: str = "float32"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -56,7 +56,8 @@ class LorafleetInProcess(System):
 
         kwargs = dict(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                       max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                      quantize=job.quantize, lora_dtype=job.lora_dtype, **self.engine_options)
+                      quantize=job.quantize, lora_dtype=job.lora_dtype,
+                      quantized_prefill=job.quantized_prefill, **self.engine_options)
         if job.pool_fraction is not None or self.device.type != "cuda":
             kwargs["pool_bytes"] = job_pool_bytes(job, self.dtype.itemsize)
         if job.residency == "registered":  # every adapter fits the host tier: device residency is measured

@@ -46,14 +46,15 @@ SWEEP_SYSTEMS = ("lorafleet",)
 def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], out: Path, *,
               device: str = "auto", dtype: str = "auto", threads: int | None = None,
               max_baseline_requests: int | None = None, sweep: tuple[int, ...] = (),
-              quantize: str | None = None, lora_dtype: str = "auto", console: Console | None = None) -> dict:
+              quantize: str | None = None, lora_dtype: str = "auto", quantized_prefill: str = "float32",
+              console: Console | None = None) -> dict:
     """Run `systems` on `workload` for each model shape (and lorafleet on the workload over each
     number of adapters in `sweep`); write the JSON report to `out`, the plots next to it, and
     return the report. A system that fails or is not installed gets an "error" or "skipped" row.
     `quantize` (int8 | int4): the base served quantized (`jobs.Job.quantize`); or a GGUF file type
     (`llamacpp_convert.FILE_TYPES`: the daemon and llama-server given the same file); on the CPU, a
     shape that fits only quantized (`fixtures.CPU_SCHEMES`) is refused otherwise, before anything runs.
-    `lora_dtype`: lorafleet's `--lora-dtype` (`jobs.Job.lora_dtype`)."""
+    `lora_dtype`, `quantized_prefill`: lorafleet's `--lora-dtype` and `--quantized-prefill` (`jobs.Job`)."""
     from lorafleet.bench.llamacpp_convert import FILE_TYPES
 
     started = time.perf_counter()
@@ -71,7 +72,8 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
                           f"(choose from {', '.join(SYSTEM_NAMES)})")
     common: dict[str, Any]
     common = dict(device=device, dtype=dtype, threads=threads or default_threads(),
-                  max_requests=max_baseline_requests or None, quantize=quantize, lora_dtype=lora_dtype)
+                  max_requests=max_baseline_requests or None, quantize=quantize, lora_dtype=lora_dtype,
+                  quantized_prefill=quantized_prefill)
     console = console or Console(stderr=True)
 
     load_before = load_average()
@@ -101,7 +103,7 @@ def run_bench(shapes: list[str], workload: str | Workload, systems: list[str], o
     environment = {**_environment(device, dtype, common["threads"]), "load_average_before": load_before,
                    "load_average_after": load_average()}
     options = {"systems": systems, "max_baseline_requests": common["max_requests"], "quantize": quantize,
-               "lora_dtype": lora_dtype,
+               "lora_dtype": lora_dtype, "quantized_prefill": quantized_prefill,
                "batch_size": 16,
                "sweep": list(sweep), "sweep_systems": list(SWEEP_SYSTEMS) if sweep else [],
                "warm_up": "every system: untimed small requests on the same model before the clock "

@@ -269,6 +269,8 @@ def _peer_table(suite: dict, model: str) -> Table:
     precision = PEER_PRECISION.get(quantize, f"the same {quantize} file (llama-quantize) on both sides")
     held = next((rep.get("options", {}).get("lora_dtype") for rep in suite["reports"]), None)
     precision += f", lorafleet's adapters held in {held}" if held not in (None, "auto") else ""
+    if next((rep.get("options", {}).get("quantized_prefill") for rep in suite["reports"]), None) == "bfloat16":
+        precision += ", lorafleet's prefill in bf16"
     table = new_table(f"{model}, {precision}: lorafleet (through its daemon) against llama.cpp's "
                    "llama-server",
                    ["workload", "in\nflight", "system", "tok/s", "TTFT p99\nms", "ratio", "target", ""],

@@ -181,6 +181,9 @@ def llama_cpp(
         "--lora-dtype", metavar="auto|bfloat16|float16",
         help="lorafleet's adapters in its pool, as `serve --lora-dtype` (llama-server reads the GGUF adapters' "
              "own type).")] = "auto",
+    quantized_prefill: Annotated[str, typer.Option(
+        "--quantized-prefill", metavar="float32|bfloat16",
+        help="lorafleet's prefill matmuls on the quantized base, as `serve --quantized-prefill`.")] = "float32",
     out: Out = None, as_json: AsJson = False,
 ) -> None:
     """lorafleet through its daemon against llama.cpp's llama-server, on the CPU in f32 (or both
@@ -200,6 +203,7 @@ def llama_cpp(
     suites.check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
     suites.check_quantize(quantize, shapes, cpu=True, files=True)
     suites.check_choices("--lora-dtype", [lora_dtype], ("auto", "bfloat16", "float16"))
+    suites.check_choices("--quantized-prefill", [quantized_prefill], ("float32", "bfloat16"))
     suites.require(shapes, names)
     if "llama.cpp" in names:
         suites.llama_server(quantize)
@@ -211,7 +215,7 @@ def llama_cpp(
         variants = tuple(get_workload(w).with_concurrency(n) for w in loads for n in counts)
         report = run_suite(shapes, path, workloads=variants, systems=tuple(names), sweeps={}, name="llama-cpp",
                            device="cpu", threads=threads, quantize=quantize, lora_dtype=lora_dtype,
-                           console=err_console)
+                           quantized_prefill=quantized_prefill, console=err_console)
     from lorafleet.bench.tables import peer_tables
 
     suites.tables_out(report, path, as_json, lambda: peer_tables(report))

@@ -105,6 +105,10 @@ def serve(
         "--lora-dtype", metavar="auto|bfloat16|float16", help="The adapters' weights in the pool: auto (--dtype), or "
         "bfloat16 / float16 under a float32 model (a quantized base's too): half the bytes a step reads per adapter "
         "and twice the adapters in the same pool, each delta within 2^-8 of float32's.")] = None,
+    quantized_prefill: Annotated[str | None, typer.Option(
+        "--quantized-prefill", metavar="float32|bfloat16", help="A quantized base's prefill matmuls under a float32 "
+        "model: bfloat16 runs them as bf16 GEMMs (faster where the CPU has bf16 dot products: AVX512_BF16, AMX), "
+        "each logit within 2^-4 of the largest; decode steps keep float32. Default: float32.")] = None,
     temperature: Annotated[float | None, typer.Option(
         "--temperature", min=0, help="The sampling defaults where a request names none (also --top-p, --top-k, "
         "--min-p). Default: the model's generation_config.json; a GGUF file's: llama.cpp's (0.8, 0.95, 40, 0.05); "
@@ -226,7 +230,8 @@ def checked_settings(params: dict, sock: Path) -> tuple:
                           sampling={k: params[k] for k in SAMPLING if params.get(k) is not None})
     if params.get("top_p") == 0:
         raise typer.BadParameter("0 keeps no token; top-p is in (0, 1]", param_hint="--top-p")
-    engine_options = {name: params[name] for name in ("device", "dtype", "quantize", "lora_dtype", "max_num_seqs", "max_model_len",
+    engine_options = {name: params[name] for name in ("device", "dtype", "quantize", "lora_dtype", "quantized_prefill", "max_num_seqs",
+                                                      "max_model_len",
                                                       "prefix_cache", "async_decode", "self_check")}
     engine_options["pool_bytes"] = parse_size(params["pool_bytes"])
     EngineConfig(**{k: v for k, v in engine_options.items() if v is not None})  # raises what the engine would

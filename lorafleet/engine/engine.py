@@ -55,7 +55,7 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.model_path = Path(model)
         self.model = load_model(self.model_path, self.device, cfg.dtype, max_len=cfg.max_model_len,
-                                quantize=cfg.quantize, kernels=cfg.kernels)
+                                quantize=cfg.quantize, kernels=cfg.kernels, prefill=cfg.quantized_prefill)
         # before the pool is sized: the check holds a second copy of the weights while it runs
         self.self_check = self_check(self.model, self.model_path, cfg) if cfg.self_check else None
         mc = self.model.cfg

@@ -72,8 +72,10 @@ class LlamaModel(torch.nn.Module):
     activations, norms, the KV cache and adapters keep.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int, kernels: str | None = None):
-        """`kernels`: `backend.select`'s choice (None: LORAFLEET_KERNELS, else auto)."""
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_len: int, kernels: str | None = None,
+                 prefill: str = "float32"):
+        """`kernels`: `backend.select`'s choice (None: LORAFLEET_KERNELS, else auto); `prefill`: a
+        quantized base's prefill matmuls under float32 activations, float32 or bfloat16 (`project`)."""
         super().__init__()
         self.cfg = cfg
         self.w = weights
@@ -84,6 +86,11 @@ class LlamaModel(torch.nn.Module):
         self.cos, self.sin = rope_cache(cfg, max_len, t.dtype, t.device)
         self.scale = cfg.head_dim ** -0.5
         self.kernels = backend.select(t.device, t.dtype, kernels)  # every op of the forward pass, for this device
+        # the layers' projections: `Kernels.linear`, or with prefill="bfloat16" on a quantized base
+        # under fp32, its GEMMs past the decode kernels' rows in bf16 (`backend.bf16_prefill`); the
+        # LM head keeps fp32 (logits and logprobs)
+        self.prefill_bf16 = prefill == "bfloat16" and self.quantization is not None and t.dtype == torch.float32
+        self.project = backend.bf16_prefill(self.kernels) if self.prefill_bf16 else self.kernels.linear
         if self.kernels.pack is not None and self.quantization is None:  # the projections laid out for the kernels' `linear`, in place
             tied = weights["lm_head"].data_ptr() == weights["embed"].data_ptr()  # one storage: packed once, as the head
             for name in ["embed" if tied else "lm_head"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
@@ -152,7 +159,7 @@ class LlamaModel(torch.nn.Module):
                 lora=None) -> torch.Tensor:
         """Every decoder layer over the residual stream x [T, H] (updated in place); returns the
         last layer's MLP output, which the caller adds to x."""
-        cfg, ops = self.cfg, self.kernels
+        cfg, ops, project = self.cfg, self.kernels, self.project
         eps = cfg.rms_norm_eps
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
         norms = lora.norms if lora is not None else ()  # adapters' saved layer norms (modules_to_save)
@@ -162,7 +169,7 @@ class LlamaModel(torch.nn.Module):
             h = ops.rms_norm(x, lw.in_norm, eps) if out is None else ops.add_rms_norm(x, out, lw.in_norm, eps)
             if "in_norm" in norms:
                 lora.norm(i, "in_norm", x, h, ops.rms_norm, eps)
-            qkv = ops.linear(h, lw.qkv, lw.qkv_b, lw.qkv_s, lw.qkv_o)                      # [T, Q+2K]
+            qkv = project(h, lw.qkv, lw.qkv_b, lw.qkv_s, lw.qkv_o)                         # [T, Q+2K]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
             # [T, H+2KVH, D] cut into q, k, v heads (split_with_sizes: one call, a third of
@@ -173,17 +180,17 @@ class LlamaModel(torch.nn.Module):
                 k = ops.rms_norm(k.reshape(-1, cfg.head_dim), lw.k_norm, eps).view(k.shape)
             ops.rope_(q, k, self.cos, self.sin, positions)                # in place
             o = ops.attention(q, k, v, kv_cache[:, i], attn, self.scale)  # [T, Q]
-            out = ops.linear(o, lw.o, lw.o_b, lw.o_s, lw.o_o)
+            out = project(o, lw.o, lw.o_b, lw.o_s, lw.o_o)
             if lora is not None:
                 lora.apply(i, "o", o, out)
             h = ops.add_rms_norm(x, out, lw.post_norm, eps)
             if "post_norm" in norms:
                 lora.norm(i, "post_norm", x, h, ops.rms_norm, eps)
-            gu = ops.linear(h, lw.gate_up, lw.gate_up_b, lw.gate_up_s, lw.gate_up_o)                 # [T, 2I]
+            gu = project(h, lw.gate_up, lw.gate_up_b, lw.gate_up_s, lw.gate_up_o)                    # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gu)
             a = ops.silu_mul(gu)
-            out = ops.linear(a, lw.down, lw.down_b, lw.down_s, lw.down_o)
+            out = project(a, lw.down, lw.down_b, lw.down_s, lw.down_o)
             if lora is not None:
                 lora.apply(i, "down", a, out)
         assert out is not None  # a model has layers

@@ -255,11 +255,13 @@ def random_weights(folder: Path, wanted: dict[str, tuple[int, ...]], dtype, devi
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=None,
-               max_len: int | None = None, quantize: str | None = None, kernels: str | None = None) -> LlamaModel:
+               max_len: int | None = None, quantize: str | None = None, kernels: str | None = None,
+               prefill: str = "float32") -> LlamaModel:
     """The model in `folder` on `device`, computing in `dtype` (`resolve_dtype`); `quantize`
     (int8 | int4): a full-precision base quantized as it is read. A quantized folder is served in
     its own scheme (`quantize` None or the same). `kernels`: `backend.select`'s choice (None:
-    LORAFLEET_KERNELS, else auto)."""
+    LORAFLEET_KERNELS, else auto). `prefill`: a quantized base's prefill matmuls at float32 or bfloat16
+    (`LlamaModel.project`)."""
     folder = Path(folder)
     if folder.suffix.lower() == ".gguf" and folder.is_file():  # a llama.cpp file, a scheme per tensor (model/gguf.py)
         from lorafleet.model import gguf
@@ -268,7 +270,7 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=Non
         device = torch.device(device)
         tensors = f.read(expected_shapes(cfg), resolve_dtype(dtype, cfg, device), device,
                          quantized_names(cfg) if scheme else set(), scheme)
-        return _model(cfg, tensors, device, max_len, kernels)
+        return _model(cfg, tensors, device, max_len, kernels, prefill)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: not a model folder (nor a .gguf file)")
     cfg = ModelConfig.from_folder(folder)
@@ -286,16 +288,17 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype=Non
         tensors = random_weights(folder, wanted, dtype, device, quantized, scheme)
     else:
         tensors = _read(weight_files(folder), wanted, dtype, device, quantized, scheme, stored is not None)
-    return _model(cfg, tensors, device, max_len, kernels)
+    return _model(cfg, tensors, device, max_len, kernels, prefill)
 
 
 def _model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, max_len: int | None,
-           kernels: str | None = None) -> LlamaModel:
+           kernels: str | None = None, prefill: str = "float32") -> LlamaModel:
     weights = fuse(cfg, tensors)
     if device.type == "cpu":
         tensors.clear()  # `weights` holds the last reference: each old tensor is freed as it moves
         hugepages.place(weights)  # a decode step streams them all: on huge pages, fewer TLB misses
-    return LlamaModel(cfg, weights, min(max_len or cfg.max_model_len, cfg.max_model_len), kernels=kernels)
+    return LlamaModel(cfg, weights, min(max_len or cfg.max_model_len, cfg.max_model_len), kernels=kernels,
+                      prefill=prefill)
 
 
 SHARD_BYTES = 2 << 30  # a quantized folder's shards: at most this much each (as Hub checkpoints cut theirs)

@@ -190,3 +190,57 @@ def test_a_quantized_file_whose_shapes_do_not_match_its_config_is_refused(llama_
     (broken / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="gate_proj.qweight.*do not fit|mlp"):
         load_model(broken)
+
+
+# `quantized_prefill="bfloat16"`: the stated tolerance (man lorafleet-serve, docs/engine.md), the
+# self-check's for a quantized bf16 model: every prefill logit within 2^-4 of the largest of the
+# dequantized base's (these models reach about 2^-6), the largest difference above 2^-12 of it
+# (the bf16 GEMM really ran), short prompts as in fp32
+PREFILL_TOL = 2 ** -4
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_bf16_prefill_stays_within_its_stated_tolerance_of_the_dequantized_base(family, scheme):
+    base, _ = family
+    engine = Engine(base, pool_bytes=4 << 20, quantize=scheme, quantized_prefill="bfloat16", self_check=True)
+    assert engine.model.prefill_bf16 and engine.self_check["max_abs_diff"] <= engine.self_check["tolerance"]
+    fp32 = Engine(base, pool_bytes=4 << 20, quantize=scheme)
+    hf = dequantized_(load_hf(base), scheme)
+    from tests.engine.test_parity import engine_prefill_logits
+
+    long_enough = 0
+    for ids in prompts_of_lengths([1, 7, 33, 70]):
+        ours, theirs = engine_prefill_logits(engine, ids), engine_prefill_logits(fp32, ids)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+        scale = max(1.0, ref.abs().max().item())
+        diff = (ours - ref).abs().max().item()
+        assert diff <= PREFILL_TOL * scale, (len(ids), diff)
+        if torch.equal(ours, theirs):  # rows the decode kernels take: fp32 as before
+            assert len(ids) <= 24
+        else:
+            long_enough += 1
+            assert diff > 2 ** -12 * scale
+    assert long_enough >= 1
+
+
+def test_bf16_prefill_runs_past_the_decode_kernels_rows_only(variant):
+    # the wrapper on every CPU variant: at or below the bf16 kernels' rows, the fp32 kernel's
+    # result bit for bit; above, the bf16 path's: x and the weights in bf16, the bias in fp32
+    from lorafleet.kernels import backend, quant_cpu, reference
+
+    kernels = backend.cpu_kernels(torch.float32, variant)
+    project = backend.bf16_prefill(kernels)
+    q, scales = quant.quantize(torch.randn(48, 96), "int4")
+    bias = torch.randn(48)
+    rows = quant_cpu.max_rows(torch.bfloat16)
+    for t, offsets in ((1, None), (rows, None), (rows + 1, None), (3 * rows, None), (3 * rows, torch.randn(48, 3))):
+        x = torch.randn(t, 96)
+        got = project(x, q, bias, scales, offsets)
+        if t <= rows:
+            assert torch.equal(got, kernels.linear(x, q, bias, scales, offsets))
+        else:  # a GGUF file's affine types' offsets too
+            want = reference.linear(x.bfloat16(), q, None, scales, offsets).float() + bias
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
+            assert not torch.equal(got, kernels.linear(x, q, bias, scales, offsets))
