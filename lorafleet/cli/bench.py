@@ -177,13 +177,8 @@ def llama_cpp(
              "llama-server gets it as Q8_0 (int8: the converter's --outtype q8_0) or Q4_0 (int4: llama-quantize "
              "--pure; the tool is built once beside the server); adapters stay f32. TYPE (Q4_K_M, Q6_K, Q4_1...): "
              "both serve the one file llama-quantize writes, and the same GGUF adapters.")] = None,
-    lora_dtype: Annotated[str, typer.Option(
-        "--lora-dtype", metavar="auto|bfloat16|float16",
-        help="lorafleet's adapters in its pool, as `serve --lora-dtype` (llama-server reads the GGUF adapters' "
-             "own type).")] = "auto",
-    quantized_prefill: Annotated[str, typer.Option(
-        "--quantized-prefill", metavar="float32|bfloat16",
-        help="lorafleet's prefill matmuls on the quantized base, as `serve --quantized-prefill`.")] = "float32",
+    lora_dtype: Annotated[str, suites.LORA_DTYPE] = "auto",
+    quantized_prefill: Annotated[str, suites.QUANTIZED_PREFILL] = "float32",
     out: Out = None, as_json: AsJson = False,
 ) -> None:
     """lorafleet through its daemon against llama.cpp's llama-server, on the CPU in f32 (or both
@@ -202,8 +197,7 @@ def llama_cpp(
     suites.check_choices("--workload", loads, PEER_WORKLOADS)
     suites.check_choices("--systems", names or [""], ("lorafleet-daemon", "llama.cpp"))
     suites.check_quantize(quantize, shapes, cpu=True, files=True)
-    suites.check_choices("--lora-dtype", [lora_dtype], ("auto", "bfloat16", "float16"))
-    suites.check_choices("--quantized-prefill", [quantized_prefill], ("float32", "bfloat16"))
+    suites.check_precision(lora_dtype, quantized_prefill)
     suites.require(shapes, names)
     if "llama.cpp" in names:
         suites.llama_server(quantize)

@@ -177,6 +177,20 @@ def check_quantize(quantize: str | None, shapes: list[str], cpu: bool, files: bo
                 raise typer.BadParameter(str(e), param_hint="--model") from None
 
 
+# `bench llama-cpp`'s options for lorafleet's side alone
+LORA_DTYPE = typer.Option("--lora-dtype", metavar="auto|bfloat16|float16",
+                          help="lorafleet's adapters in its pool, as `serve --lora-dtype` (llama-server reads the "
+                               "GGUF adapters' own type).")
+QUANTIZED_PREFILL = typer.Option("--quantized-prefill", metavar="float32|bfloat16",
+                                 help="lorafleet's prefill matmuls on the quantized base, as `serve "
+                                      "--quantized-prefill`.")
+
+
+def check_precision(lora_dtype: str, quantized_prefill: str) -> None:
+    check_choices("--lora-dtype", [lora_dtype], ("auto", "bfloat16", "float16"))
+    check_choices("--quantized-prefill", [quantized_prefill], ("float32", "bfloat16"))
+
+
 def check_choices(option: str, given: list[str], choices) -> None:
     unknown = [g for g in given if g not in choices]
     if unknown:

@@ -1,10 +1,12 @@
-"""Measure the demo fleet: `python -m lorafleet.demo.evaluate [--texts N] [--quantize int8|int4]`.
+"""Measure the demo fleet: `python -m lorafleet.demo.evaluate [--texts N] [--quantize int8|int4]
+[--lora-dtype bfloat16|float16]`.
 
 Every skill (and the base's echo) on the held-out texts, greedy, all requests in one engine run;
 prints each adapter's exact-match rate and the highest rate at which its answers match another
 skill's. The README's table comes from this; tests/demo/test_fleet.py asserts the same numbers.
 With --quantize, the fleet on the base quantized at load (adapters in full precision) beside full
-precision: each skill's exact match in both and the points lost.
+precision: each skill's exact match in both and the points lost; with --lora-dtype, the adapters
+held in 16 bits (`serve --lora-dtype`) beside float32 the same way.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", type=int, default=200)
     ap.add_argument("--quantize", choices=("int8", "int4"), help="compare the base quantized at load with full precision")
+    ap.add_argument("--lora-dtype", choices=("bfloat16", "float16"), help="compare the adapters held in 16 bits with "
+                                                                          "float32")
     args = ap.parse_args(argv)
-    if args.quantize:
-        compare(args.texts, args.quantize)
+    if args.quantize or args.lora_dtype:
+        compare(args.texts, args.quantize, args.lora_dtype)
         return
 
     engine = fleet_engine()
@@ -82,19 +86,21 @@ def main(argv: list[str] | None = None) -> None:
     engine.close()
 
 
-def compare(n_texts: int, scheme: str) -> dict[str | None, tuple[float, float]]:
-    """Each task's exact match on the full-precision base and on the base in `scheme`, printed
-    with the points lost; returns {task: (full, quantized)}."""
-    rates = {}
-    for quantize in (None, scheme):
-        engine = fleet_engine(quantize=quantize)
-        rates[quantize] = {task: accuracy(answers, task) for task, answers in evaluate(engine, n_texts).items()}
+def compare(n_texts: int, scheme: str | None, lora_dtype: str | None = None) -> dict[str | None, tuple[float, float]]:
+    """Each task's exact match in full precision and with the base in `scheme` (None: as it is) and
+    the adapters held in `lora_dtype` (None: float32), printed with the points lost; returns
+    {task: (full, reduced)}."""
+    label = " + ".join(filter(None, (scheme, lora_dtype and f"adapters {lora_dtype}")))
+    rates = []
+    for options in ({}, {"quantize": scheme, "lora_dtype": lora_dtype or "auto"}):
+        engine = fleet_engine(**options)
+        rates.append({task: accuracy(answers, task) for task, answers in evaluate(engine, n_texts).items()})
         engine.close()
-    print(f"{'skill':12s} {'full':>7s} {scheme:>7s}  points lost")
-    for task, full in rates[None].items():
-        print(f"{task or 'base (echo)':12s} {full:7.1%} {rates[scheme][task]:7.1%}  "
-              f"{100 * (full - rates[scheme][task]):+.1f}")
-    return {task: (full, rates[scheme][task]) for task, full in rates[None].items()}
+    full, reduced = rates
+    print(f"{'skill':12s} {'full':>7s} {label:>7s}  points lost")
+    for task, rate in full.items():
+        print(f"{task or 'base (echo)':12s} {rate:7.1%} {reduced[task]:7.1%}  {100 * (rate - reduced[task]):+.1f}")
+    return {task: (rate, reduced[task]) for task, rate in full.items()}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from lorafleet.demo.evaluate import compare
 from lorafleet.demo.skills import SKILLS
 
 LOSS = {"int8": 0.01, "int4": 0.05}
-pytestmark = pytest.mark.heavy  # four whole evaluations of the fleet
+HELD_LOSS = 0.01  # adapters held in bf16 (`serve --lora-dtype`): at most 1 point a skill
+pytestmark = pytest.mark.heavy  # whole evaluations of the fleet
 
 
 @pytest.mark.parametrize("scheme", LOSS)
@@ -20,3 +21,11 @@ def test_each_skill_loses_at_most_its_scheme_s_points(scheme, capsys):
     for task, (full, quantized) in rates.items():
         assert full - quantized <= LOSS[scheme] + 1e-9, f"{task or 'echo'}: {full:.1%} -> {quantized:.1%} in {scheme}"
     assert "points lost" in capsys.readouterr().out
+
+
+def test_adapters_held_in_bf16_lose_at_most_a_point_a_skill(capsys):
+    rates = compare(200, None, "bfloat16")
+    assert len(rates) == 1 + len(SKILLS)
+    for task, (full, held) in rates.items():
+        assert full - held <= HELD_LOSS + 1e-9, f"{task or 'echo'}: {full:.1%} -> {held:.1%} with bf16 adapters"
+    assert "adapters bfloat16" in capsys.readouterr().out
