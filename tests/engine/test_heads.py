@@ -14,7 +14,8 @@ import torch
 
 from lorafleet import Engine, Mix, SamplingParams
 from lorafleet.errors import AdapterError, InvalidRequestError
-from tests.engine.fleet_parity import assert_one_batch_gives_peft_greedy_tokens, assert_one_prefill_gives_peft_logits
+from tests.engine.fleet_parity import (assert_held_prefill_within_tolerance, assert_one_batch_gives_peft_greedy_tokens,
+                                      assert_one_prefill_gives_peft_logits)
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
 from tests.fixtures import ALL7, build_adapter, build_chat_model, build_model, load_hf, load_peft, registered_fleet
 
@@ -40,6 +41,12 @@ def test_every_head_adapter_in_one_batch_gives_peft_greedy_tokens(fleet):
 
 def test_every_head_adapter_in_one_prefill_gives_peft_logits(fleet):
     assert_one_prefill_gives_peft_logits(fleet, HEADS, seed=22)
+
+
+def test_head_adapters_held_in_bf16_stay_within_the_stated_tolerance_of_peft(fleet):
+    # their own embedding, LM head and norms read from 16-bit pages into fp32 activations
+    base, adapters, _ = fleet
+    assert_held_prefill_within_tolerance(base, adapters, "bfloat16", seed=23)
 
 
 # -- an adapter with its own vocabulary ---------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 
 from lorafleet import Engine, SamplingParams
 from lorafleet.engine.request import Request
-from tests.engine.fleet_parity import prefill_logits
+from tests.engine.fleet_parity import HELD_TOL, assert_held_prefill_within_tolerance, prefill_logits
 from tests.engine.test_parity import hf_greedy, prompts_of_lengths
 from tests.fixtures import ADAPTER_VARIANTS, FAMILIES, build_adapter, build_model, load_hf, load_peft
 
@@ -70,40 +70,13 @@ def test_mixed_batch_greedy_tokens_match_peft_per_adapter(fleet):
     assert all(r["users"] == 0 and not r["pinned"] for r in engine.list_adapters())
 
 
-# `--lora-dtype`: adapters held in 16 bits under an fp32 model. The stated tolerance (docs/store.md):
-# each row's logits within HELD_TOL of the adapter's own effect (PEFT's logits less the base's, at
-# their largest) of PEFT's fp32 logits, plus 1e-4. Rounding A and scale * B^T to bf16 moves each
-# weight by at most 2^-9 of itself, fp16 by 2^-12: the bound leaves each about 5x room on these models.
-HELD_TOL = {"bfloat16": 2 ** -5, "float16": 2 ** -8}
-
-
 @pytest.mark.parametrize("held", HELD_TOL)
 def test_adapters_held_in_16_bits_stay_within_their_stated_tolerance_of_peft(fleet, held):
     base, adapters, fp32 = fleet
-    engine = Engine(base, pool_bytes=8 << 20, lora_dtype=held)
-    assert engine.pool.adapter_dtype == getattr(torch, held) and engine.pool.tensor.dtype == torch.float32
-    for name, path in adapters.items():
-        engine.load_adapter(name, path)
-        # the same adapter in about half the pages (the row tables' int64 words take the same bytes)
+    engine = assert_held_prefill_within_tolerance(base, adapters, held)
+    for name in adapters:  # the same adapter in about half the pages (the row tables' int64 words: the same bytes)
         ours, theirs = (e.adapters.pages_needed(e.adapters.get(name)) for e in (engine, fp32))
         assert ours <= theirs // 2 + 2, (name, ours, theirs)
-    order, prompts = mixed_requests(adapters)
-    reqs = [Request(f"h{i}", p, SamplingParams(), a, loras=(engine.adapters.get(a),) if a else (),
-                    scales=(1.0,) if a else ()) for i, (p, a) in enumerate(zip(prompts, order))]
-    chunks, logits = prefill_logits(engine, reqs)
-    row, plain, worst = 0, load_hf(base), 0.0
-    for c in chunks:
-        ours = logits[row:row + c.num_tokens]
-        row += c.num_tokens
-        ids = torch.tensor([c.request.prompt_token_ids])
-        with torch.no_grad():
-            base_ref = plain(ids).logits[0]
-            ref = load_peft(base, adapters[c.request.adapter])(ids).logits[0] if c.request.adapter else base_ref
-        effect = (ref - base_ref).abs().max().item()
-        diff = (ours - ref).abs().max().item()
-        assert diff <= HELD_TOL[held] * effect + 1e-4, f"adapter {c.request.adapter}: {diff} against effect {effect}"
-        worst = max(worst, diff / max(effect, 1e-9)) if c.request.adapter else worst
-    assert worst > 0  # the weights really were rounded (a float32 copy would give PEFT's logits exactly)
 
 
 def test_held_adapters_decode_as_the_torch_reference_reads_them(fleet):
