@@ -1,6 +1,7 @@
 """What a load finishes against the base it serves on, on the load worker, once per load
-(`memory.host_cache.build_host_adapter`): DoRA's epilogue, and dropping the saved copies of the
-embedding or LM head that equal the base's weights.
+(`memory.host_cache.build_host_adapter`): DoRA's epilogue, dropping the saved copies of the
+embedding or LM head that equal the base's weights, and a stored layout laid out again for the
+engine's pages (`relaid`).
 
 `base_rows(layer, group, start, end)` -> (rows [start, end) of a weight, fp32; their bias or
 None): the base's weights as the engine serves them (dequantized, unpacked: `LlamaModel.base_rows`).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from lorafleet.adapters.adapter import BaseShapes
 from lorafleet.adapters.batch import GROUP_NAMES
 from lorafleet.adapters.layout import Layout
 
@@ -67,3 +69,23 @@ def _equal(layout: Layout, buf: torch.Tensor, part: str, base_rows) -> bool:
     at, cols = torch.from_numpy(p.offsets(layout.page_elems)), torch.arange(p.width)
     return all(torch.equal(buf[at[lo:lo + ROWS, None] + cols], base_rows(0, part, lo, min(p.rows, lo + ROWS))[0])
                for lo in range(0, p.rows, ROWS))
+
+
+def relaid(old: Layout, buf: torch.Tensor, page_elems: int, base: BaseShapes) -> tuple[Layout, torch.Tensor]:
+    """`buf` (laid out by `old`, as the store saved it) laid out for pages of `page_elems`: the same
+    modules and parts, each row copied to its new place, the gaps zero as saved (a stored adapter
+    served with other pages than the store's: adapters held in 16 bits). Nothing is recomputed, so
+    the result is the checked load's layout and bits."""
+    new = Layout.plan(old.ranks, base, page_elems, old.posts, old.heads)
+    out = torch.zeros(new.numel, dtype=buf.dtype)
+    rows = [(a.a_rows, b.a_rows, a.fan_in) for a, b in zip(old.modules, new.modules)]
+    rows += [(a.b_rows, b.b_rows, a.n_out) for a, b in zip(old.modules, new.modules)]
+    rows += [(a.post_rows, b.post_rows, a.n_out) for a, b in zip(old.modules, new.modules)
+             if a.post_rows is not None and b.post_rows is not None]
+    rows += [(p.offsets(old.page_elems), new.parts[name].offsets(page_elems), p.width) for name, p in old.parts.items()]
+    for src, dst, width in rows:
+        cols = torch.arange(width)
+        for i in range(0, len(src), ROWS):  # bounded index memory for an embedding's rows
+            s, d = torch.from_numpy(src[i:i + ROWS]), torch.from_numpy(dst[i:i + ROWS])
+            out[d[:, None] + cols] = buf[s[:, None] + cols]
+    return new, out

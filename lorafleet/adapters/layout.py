@@ -24,8 +24,9 @@ the ranks in its metadata). Loading a stored adapter is then a memory map and on
 no tensor is parsed, checked, hashed, scaled or transposed again (a DoRA adapter's g alone is
 computed at each load, from the base it serves on: `finish_dora`). The buffer is float32 whatever
 the pool's dtype (the copy into a bf16 or fp16 pool rounds once, as a checked load does:
-`memory.host_cache`); a file of another `LAYOUT_VERSION`, or laid out for another page size, is
-not read (the adapter then loads as any folder does).
+`memory.host_cache`); a file of another `LAYOUT_VERSION`, or laid out for a page size that does
+not divide the engine's, is not read (the adapter then loads as any folder does). One that divides
+it (adapters held in 16 bits: twice the elements a page) is laid out again from the saved rows.
 """
 
 from __future__ import annotations
@@ -360,7 +361,9 @@ def read_saved(path: Path, digest: str, base: BaseShapes,
     """The layout, the float32 buffer (a read-only view of the memory-mapped file: nothing is
     read until it is copied) and the ranks saved at `path` for the adapter of `digest`; None
     when there is no such file, or it was written by another layout version, for other weights
-    or for another page size. The file is the store's (written by `save` at pull, read-only
+    or for a page size that does not divide `page_elems`. A divisor (pages of adapters held in 16
+    bits, `--lora-dtype`, hold twice the elements) gives the layout as saved, which the caller lays
+    out again (`finish.relaid`). The file is the store's (written by `save` at pull, read-only
     since): trusted."""
     try:
         mapped = np.memmap(path, mode="r")
@@ -369,8 +372,9 @@ def read_saved(path: Path, digest: str, base: BaseShapes,
     (n,) = struct.unpack("<Q", mapped[:8].tobytes())
     header = json.loads(mapped[8:8 + n].tobytes())
     meta = header.get("__metadata__", {})
+    saved_elems = int(meta.get("page_elems", "0")) if str(meta.get("page_elems", "")).isdigit() else 0
     if (meta.get("version") != LAYOUT_VERSION or meta.get("digest") != digest
-            or meta.get("page_elems") != str(page_elems)):
+            or saved_elems <= 0 or page_elems % saved_elems):
         return None
     start, end = header["layout"]["data_offsets"]
     with warnings.catch_warnings():  # read-only memory: the buffer is only copied from
@@ -379,6 +383,6 @@ def read_saved(path: Path, digest: str, base: BaseShapes,
     ranks = {(layer, module): r for layer, module, r in json.loads(meta["module_ranks"])}
     posts = {(layer, module): kind for layer, module, kind in json.loads(meta["posts"])}
     heads = {name: tuple(shape) for name, shape in json.loads(meta["heads"]).items()}
-    layout = Layout.plan(ranks, base, page_elems, posts, heads)
+    layout = Layout.plan(ranks, base, saved_elems, posts, heads)
     assert layout.numel == buf.numel(), f"{path}: the saved layout disagrees with its plan"
     return layout, buf, json.loads(meta["ranks"])

@@ -16,7 +16,7 @@ import torch
 
 from lorafleet.errors import AdapterError
 from lorafleet.adapters.adapter import BaseShapes, load_adapter
-from lorafleet.adapters.finish import drop_base_copies, finish_dora
+from lorafleet.adapters.finish import drop_base_copies, finish_dora, relaid
 from lorafleet.adapters.layout import LAYOUT_FILE, Layout, read_saved
 
 
@@ -48,6 +48,8 @@ def build_host_adapter(path: Path, base: BaseShapes, page_elems: int, dtype: tor
     if saved is not None:
         assert trusted_digest is not None  # read_saved was given it
         layout, buffer, ranks = saved
+        if layout.page_elems != page_elems:  # saved for float32's pages, held in 16 bits here
+            layout, buffer = relaid(layout, buffer, page_elems, base)
         if "dora" in layout.posts.values():
             buffer = _dora(layout, buffer.clone(), base_rows, path)  # the mapping is read only
         layout, buffer = _drop_copies(layout, buffer, base_rows, base)

@@ -6,7 +6,8 @@ applies when it loads one (`adapters.adapter.load_adapter`: config, tensor names
 layers, finite values), and its content digest is computed then, once, and its weights are
 laid out as the engine's pages hold them (`adapters.layout.save`, stored beside the PEFT files as
 `lorafleet-layout.safetensors`, for the pages of the default `block_size`: a load from the store
-maps it and copies it, nothing else; an engine with other pages lays it out again). The
+maps it and copies it, nothing else; an engine with other pages lays it out again: from the saved
+rows where its pages hold a multiple of the elements, as with `--lora-dtype`). The
 base is the one named with `--for`, else the stored base whose name or Hub id its
 `base_model_name_or_path` names, else the base a running daemon serves (stored or a folder: the
 manifest then records the folder), else the only base in the store. A `base_model_name_or_path`

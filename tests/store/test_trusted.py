@@ -199,3 +199,44 @@ def test_a_copy_back_from_the_host_is_waited_for_by_its_own_typical_time(llama_d
     rid = engine.add_request([5, 6, 7, 8], params, adapter="a")
     assert [o.request_id for o in engine.step()] == [rid]
     assert engine.prefetcher.copy_s != 2 * slow / 3  # the copy's seconds were recorded
+
+
+HEADS_VARIANT = {"heads": dict(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], modules_to_save=["lm_head"])}
+
+
+@pytest.mark.parametrize("variant", {**VARIANTS, **HEADS_VARIANT})
+def test_a_stored_layout_serves_adapters_held_in_16_bits_laid_out_again(llama_dir, tmp_path, stored, variant):
+    # `--lora-dtype bfloat16`: a page holds twice the elements the store laid the adapter out for;
+    # the saved rows (the embedding's and LM head's parts too) are moved to the new layout, and the
+    # weights file is still never read
+    store, shapes, page_elems = stored
+    kw = {**VARIANTS, **HEADS_VARIANT}[variant]
+    m = pull(str(build_adapter(llama_dir, tmp_path / variant, seed=4, **kw)), name="a", store=store)
+    folder = tmp_path / "copy"
+    shutil.copytree(store.folder(m), folder)
+    checked = build_host_adapter(folder, shapes, 2 * page_elems, torch.bfloat16, False)
+    (folder / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    trusted = build_host_adapter(folder, shapes, 2 * page_elems, torch.bfloat16, False, m["digest"])
+    assert trusted.layout == checked.layout and trusted.layout.page_elems == 2 * page_elems
+    assert trusted.buffer.dtype == torch.bfloat16 and torch.equal(trusted.buffer, checked.buffer)
+    assert trusted.layout != build_host_adapter(folder, shapes, page_elems, torch.bfloat16, False, m["digest"]).layout
+    assert bool(trusted.layout.parts) == (variant == "heads")
+
+
+@pytest.mark.parametrize("kw", [dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True),
+                                dict(r=3, lora_alpha=6, target_modules=["q_proj", "down_proj"], lora_bias=True)])
+def test_laying_a_saved_layout_out_again_moves_the_epilogues_rows_too(llama_dir, tmp_path, stored, kw):
+    from lorafleet.adapters.adapter import load_adapter
+    from lorafleet.adapters.finish import relaid
+
+    _, shapes, page_elems = stored
+    adapter = load_adapter(build_adapter(llama_dir, tmp_path / "src", seed=5, **kw), shapes)
+    layout.save(tmp_path / "saved.safetensors", adapter, shapes, page_elems)
+    old, buf, _ = layout.read_saved(tmp_path / "saved.safetensors", adapter.digest, shapes, 2 * page_elems)
+    assert old.page_elems == page_elems and any(m.post for m in old.modules)
+    new, out = relaid(old, buf, 2 * page_elems, shapes)
+    want = layout.Layout.of(adapter, shapes, 2 * page_elems)
+    filled = torch.zeros(want.numel)
+    want.fill(filled, adapter)
+    assert new == want and torch.equal(out, filled)
+    assert layout.read_saved(tmp_path / "saved.safetensors", adapter.digest, shapes, 3 * page_elems // 2) is None
