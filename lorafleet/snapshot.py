@@ -40,6 +40,7 @@ class PoolCounts(TypedDict):
     cached_pages: int
     adapter_pages: int
     pages_by_adapter: dict[str, int]
+    adapter_dtype: str  # the adapters' weights in the pages (`--lora-dtype`), e.g. "bfloat16"
 
 
 class PoolStats(PoolCounts):

@@ -59,8 +59,10 @@ def _grid(stats: Stats):
     grid.add_row("requests", f"{eng['num_running']} running, {eng['num_waiting']} waiting, "
                              f"{srv['pending']} admitted of {srv['max_pending']}, {srv['num_rejected']} refused")
     prefix = eng["prefix_cache"]
+    held = pool.get("adapter_dtype", eng["dtype"])  # `--lora-dtype`: said where it is not the model's
     grid.add_row("pool", f"{pool['total_pages']} pages x {human_bytes(pool['page_bytes'])}: {pool['kv_pages']} KV, "
-                         f"{pool['cached_pages']} cached, {pool['adapter_pages']} adapter pages, {pool['free_pages']} free "
+                         f"{pool['cached_pages']} cached, {pool['adapter_pages']} adapter pages"
+                         f"{f' ({held})' if held != eng['dtype'] else ''}, {pool['free_pages']} free "
                          f"(KV usage {100 * eng['kv_cache_usage']:.0f}%)")
     grid.add_row("prefix cache", (f"{100 * prefix['hit_rate']:.0f}% of {prefix['query_tokens']} prompt tokens found"
                                   if prefix["enabled"] else "off"))

@@ -220,4 +220,5 @@ class PagePool:
             "total_pages": self.num_pages, "page_bytes": self.page_bytes,
             "free_pages": self.num_free, "kv_pages": self.num_kv, "cached_pages": self.num_cached,
             "adapter_pages": sum(adapters.values()), "pages_by_adapter": adapters,
+            "adapter_dtype": str(self.adapter_dtype).removeprefix("torch."),
         }

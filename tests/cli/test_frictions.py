@@ -285,3 +285,21 @@ def test_the_no_daemon_hint_starts_one_on_the_socket_given(tmp_path, monkeypatch
     assert out.exit_code == 3 and f"start one with `lorafleet serve --socket '{sock}'`" in out.stderr, out.output
     out = runner.invoke(app, ["status"], env={"LORAFLEET_SOCKET": str(sock)})  # serve reads it too
     assert out.exit_code == 3 and "start one with `lorafleet serve`" in out.stderr, out.output
+
+
+def test_status_says_the_adapters_dtype_where_it_is_not_the_models():
+    # `serve --lora-dtype bfloat16` under a float32 model: the pool line says what the adapter pages hold
+    from rich.console import Console
+
+    from lorafleet.cli.status import _grid
+
+    stats = json.loads((Path(__file__).parent.parent / "tui" / "data" / "stream.json").read_text())[0]
+
+    def pool_line(held):
+        stats["engine"]["pool"]["adapter_dtype"] = held
+        out = io.StringIO()
+        Console(file=out, width=200).print(_grid(stats))
+        return next(line for line in out.getvalue().splitlines() if line.startswith("pool"))
+
+    assert "adapter pages (bfloat16)," in pool_line("bfloat16")
+    assert "adapter pages," in pool_line("float32") and "(float32)" not in pool_line("float32")
