@@ -104,7 +104,7 @@ def serve(
     lora_dtype: Annotated[str | None, typer.Option(
         "--lora-dtype", metavar="auto|bfloat16|float16", help="The adapters' weights in the pool: auto (--dtype), or "
         "bfloat16 / float16 under a float32 model (a quantized base's too): half the bytes a step reads per adapter "
-        "and twice the adapters in the same pool, each delta within 2^-8 of float32's.")] = None,
+        "and twice the adapters in the same pool; each logit within 2^-5 (bf16) of the adapter's own effect.")] = None,
     quantized_prefill: Annotated[str | None, typer.Option(
         "--quantized-prefill", metavar="float32|bfloat16", help="A quantized base's prefill matmuls under a float32 "
         "model: bfloat16 runs them as bf16 GEMMs (faster where the CPU has bf16 dot products: AVX512_BF16, AMX), "
