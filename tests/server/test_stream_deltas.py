@@ -53,9 +53,14 @@ def test_streamed_completions_add_up_to_the_whole_ones(server, stop):
         mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == choice["index"]]
         assert "".join(c["text"] for c in mine) == choice["text"]
         assert [c["finish_reason"] for c in mine][-1] == choice["finish_reason"] == "length"
-        for key in ("tokens", "token_logprobs", "top_logprobs"):
-            got = [x for c in mine if c["logprobs"] for x in c["logprobs"][key]]
-            assert got == choice["logprobs"][key], key
+        got = {key: [x for c in mine if c["logprobs"] for x in c["logprobs"][key]]
+               for key in ("tokens", "token_logprobs", "top_logprobs")}
+        assert got["tokens"] == choice["logprobs"]["tokens"]
+        # the two prompts may share a step in one call and not in the other, and a step's row count
+        # may change the order of the base's sums (AMD's layout): logprobs agree to ulps, not bits
+        assert got["token_logprobs"] == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-5)
+        for mine_top, want_top in zip(got["top_logprobs"], choice["logprobs"]["top_logprobs"], strict=True):
+            assert mine_top.keys() == want_top.keys() and mine_top == pytest.approx(want_top, abs=1e-5)
         sent = 0  # a chunk's text offsets start at the text streamed before it (held-back text not yet)
         for c in mine:
             if c["logprobs"] and c["logprobs"]["text_offset"]:
