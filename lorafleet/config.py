@@ -28,7 +28,7 @@ class EngineConfig:
     lora_dtype: str = "auto"            # adapters in the pool: auto (the model's dtype), or bfloat16 /
                                         # float16 under a float32 model (`memory.pool`: half the bytes)
     quantized_prefill: str = "float32"  # a quantized base's prefill matmuls under a float32 model: float32,
-                                        # or bfloat16 (`LlamaModel.project`: twice as fast where the CPU has bf16 dots)
+                                        # or bfloat16 (`LlamaModel.project`: faster where the CPU has bf16 dot products)
     pool_bytes: int | None = None       # the unified pool; None: 1 GiB on CPU, most free memory on GPU
     block_size: int = 16                # tokens per KV page
     max_num_seqs: int = 256             # sequences in one step

@@ -265,12 +265,12 @@ PEER_PRECISION = {None: "f32", "int8": "int8 against Q8_0", "int4": "int4 agains
 
 
 def _peer_table(suite: dict, model: str) -> Table:
-    quantize = next((rep.get("options", {}).get("quantize") for rep in suite["reports"]), None)
+    options: dict = next((rep.get("options", {}) for rep in suite["reports"]), {})
+    quantize = options.get("quantize")
     precision = PEER_PRECISION.get(quantize, f"the same {quantize} file (llama-quantize) on both sides")
-    held = next((rep.get("options", {}).get("lora_dtype") for rep in suite["reports"]), None)
+    held = options.get("lora_dtype")
     precision += f", lorafleet's adapters held in {held}" if held not in (None, "auto") else ""
-    if next((rep.get("options", {}).get("quantized_prefill") for rep in suite["reports"]), None) == "bfloat16":
-        precision += ", lorafleet's prefill in bf16"
+    precision += ", lorafleet's prefill in bf16" if options.get("quantized_prefill") == "bfloat16" else ""
     table = new_table(f"{model}, {precision}: lorafleet (through its daemon) against llama.cpp's "
                    "llama-server",
                    ["workload", "in\nflight", "system", "tok/s", "TTFT p99\nms", "ratio", "target", ""],

@@ -230,9 +230,9 @@ def checked_settings(params: dict, sock: Path) -> tuple:
                           sampling={k: params[k] for k in SAMPLING if params.get(k) is not None})
     if params.get("top_p") == 0:
         raise typer.BadParameter("0 keeps no token; top-p is in (0, 1]", param_hint="--top-p")
-    engine_options = {name: params[name] for name in ("device", "dtype", "quantize", "lora_dtype", "quantized_prefill", "max_num_seqs",
-                                                      "max_model_len",
-                                                      "prefix_cache", "async_decode", "self_check")}
+    engine_options = {name: params[name] for name in ("device", "dtype", "quantize", "lora_dtype", "quantized_prefill",
+                                                      "max_num_seqs", "max_model_len", "prefix_cache", "async_decode",
+                                                      "self_check")}
     engine_options["pool_bytes"] = parse_size(params["pool_bytes"])
     EngineConfig(**{k: v for k, v in engine_options.items() if v is not None})  # raises what the engine would
     return config, engine_options, parse_adapters(params["adapter"])

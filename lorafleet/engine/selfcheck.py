@@ -98,7 +98,7 @@ def self_check(model, folder: str | Path, config) -> SelfCheck:
         if model.device.type == "cuda":
             torch.cuda.empty_cache()  # back to the device before the pool is sized from what is free
     diff = float((fast - ref).abs().max())
-    tol = tolerance(torch.bfloat16 if model.prefill_bf16 else model.dtype, model.quantization, ref)
+    tol = tolerance(model.numerics, model.quantization, ref)
     found: SelfCheck = {"kernels": label, "max_abs_diff": diff, "tolerance": tol, "seconds": time.perf_counter() - t0}
     precision = str(model.dtype).removeprefix("torch.") + (f", {model.quantization}" if model.quantization else "")
     if not diff <= tol:  # NaN disagrees too

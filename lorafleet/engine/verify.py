@@ -131,7 +131,7 @@ class Verifier:
             self.model, self.tokens = Path(model), tokens
             self.prompts = probes(self.fast, prompts, tokens)
             m = self.fast.model
-            self.tol_of = lambda ref: tolerance(torch.bfloat16 if m.prefill_bf16 else m.dtype, m.quantization, ref)
+            self.tol_of = lambda ref: tolerance(m.numerics, m.quantization, ref)
             self.hf_factor = 1.0 if m.dtype == torch.float32 else INDEPENDENT
             self.base_ref: list[torch.Tensor] = []
             from lorafleet.engine.verify_hf import HfReference

@@ -33,15 +33,12 @@ import torch
 
 from lorafleet.errors import ConfigError, PoolExhaustedError
 from lorafleet import hugepages
+from lorafleet.model.loader import DTYPES
 from lorafleet.snapshot import PageRun, PoolCounts
 
 FREE = -1
 CACHED = -2  # KV blocks kept for prefix reuse, held by no sequence (memory/kv.py)
 KV = 0  # owner ids >= 1 are adapters (see `new_owner`)
-
-
-ADAPTER_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                  "float16": torch.float16, "fp16": torch.float16}
 
 
 def narrower(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -52,7 +49,7 @@ def narrower(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
 
 def lora_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """`--lora-dtype` (`EngineConfig.lora_dtype`) for a pool of `dtype`: auto is the pool's own."""
-    want = dtype if name == "auto" else ADAPTER_DTYPES[name]
+    want = dtype if name == "auto" else DTYPES[name]
     if want not in narrower(dtype):
         raise ConfigError(f"lora_dtype={name}: adapters are held in the model's dtype ({str(dtype)[6:]}), or in "
                           f"bfloat16 or float16 under a float32 model")

@@ -91,6 +91,8 @@ class LlamaModel(torch.nn.Module):
         # LM head keeps fp32 (logits and logprobs)
         self.prefill_bf16 = prefill == "bfloat16" and self.quantization is not None and t.dtype == torch.float32
         self.project = backend.bf16_prefill(self.kernels) if self.prefill_bf16 else self.kernels.linear
+        # the dtype whose tolerance the kernels are held to against the reference (self-check, verify)
+        self.numerics = torch.bfloat16 if self.prefill_bf16 else t.dtype
         if self.kernels.pack is not None and self.quantization is None:  # the projections laid out for the kernels' `linear`, in place
             tied = weights["lm_head"].data_ptr() == weights["embed"].data_ptr()  # one storage: packed once, as the head
             for name in ["embed" if tied else "lm_head"] + [f"layers.{i}.{n}" for i in range(cfg.num_layers)
